@@ -1,0 +1,71 @@
+"""Exception types for errors a user can cause.
+
+Every error a user can trigger (a bad or truncated model file, an unsupported quant type, a
+prompt longer than the context, a malformed request, an unavailable backend) is raised as a
+subclass of :class:`LocalMoEError` whose message says what was wrong and what to do. The CLI,
+server and TUI catch ``LocalMoEError`` and show the message; anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class LocalMoEError(Exception):
+    """Base class of every user-facing localmoe error."""
+
+
+class ModelLoadError(LocalMoEError):
+    """A model file or directory could not be read (missing, truncated, corrupt, wrong format)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The file is valid but uses something localmoe does not run (architecture, quant type)."""
+
+
+class ModelNotFoundError(LocalMoEError):
+    """A model name or path does not resolve to a file in the store or on disk."""
+
+
+class BackendUnavailableError(LocalMoEError):
+    """The requested backend cannot run here (no CUDA device, package not installed, ...)."""
+
+
+class KVCacheFormatError(LocalMoEError):
+    """An unknown KV cache format, or a K/V format pair the chosen backend cannot run."""
+
+
+class ContextOverflowError(LocalMoEError):
+    """The prompt does not fit in the context window.
+
+    Attributes:
+        n_prompt: number of prompt tokens (int).
+        n_ctx: context size in tokens (int).
+    """
+
+    def __init__(self, n_prompt: int, n_ctx: int, message: str | None = None):
+        self.n_prompt = int(n_prompt)
+        self.n_ctx = int(n_ctx)
+        super().__init__(
+            message
+            or f"prompt is {self.n_prompt} tokens but the context holds {self.n_ctx}; "
+            f"shorten the prompt or raise the context size (--ctx-size)"
+        )
+
+
+class TemplateError(LocalMoEError):
+    """The chat template failed to render (its own raise_exception message is included)."""
+
+
+class InvalidRequestError(LocalMoEError):
+    """A request or parameter value is invalid.
+
+    Attributes:
+        param: name of the offending parameter, or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        self.param = param
+        super().__init__(message)
+
+
+class StoreError(LocalMoEError):
+    """A model store operation failed (download, checksum mismatch, disk)."""
