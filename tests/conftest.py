@@ -1,0 +1,92 @@
+"""Shared fixtures: real model files, device and optional-package gating.
+
+Real models are looked up, in order, in ``$LOCALMOE_TEST_MODELS`` (a folder holding the .gguf
+files), then in the localmoe model store (``localmoe pull smollm2`` / ``gemma3-270m``). Under CI
+(``CI`` set) a missing real model is a failure, not a skip, so a broken fetch cannot pass green.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REAL_MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gemma3-270m": "gemma-3-270m-q4_k_m.gguf",
+}
+
+
+def _find_real_model(short: str) -> Path | None:
+    fname = REAL_MODELS[short]
+    env = os.environ.get("LOCALMOE_TEST_MODELS")
+    if env and (Path(env) / fname).is_file():
+        return Path(env) / fname
+    try:
+        from localmoe.store import ModelStore
+
+        p = ModelStore().find(short)
+        if p is not None:
+            return Path(p)
+    except Exception:
+        pass
+    for d in (Path("/tmp/models"),):
+        if (d / fname).is_file():
+            return d / fname
+    return None
+
+
+def _real_model(short: str) -> Path:
+    p = _find_real_model(short)
+    if p is None:
+        msg = f"real model {short} not found (run `localmoe pull {short}` or set LOCALMOE_TEST_MODELS)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return _real_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _real_model("gemma3-270m")
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def has_llamacpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_llama = pytest.mark.skip(reason="llama-cpp-python not installed")
+    cuda = has_cuda()
+    llama = has_llamacpp()
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+        if "llamacpp" in item.keywords and not llama:
+            if os.environ.get("CI"):
+                continue  # let it fail loudly in CI: the install step is broken
+            item.add_marker(skip_llama)
+
+
+GPL_TEXT_PATH = Path(__file__).parent / "data" / "gpl3_excerpt.txt"
