@@ -1,0 +1,379 @@
+"""Paged KV cache with pluggable storage formats.
+
+Layout: the cache owns a pool of fixed-size token blocks (``block_size`` tokens each) per layer;
+every sequence has a block table mapping its logical block ``p // block_size`` to a physical
+block, as in vLLM's PagedAttention (Kwon et al., 2023). A token at position ``p`` of a sequence
+lives in *slot* ``block_table[p // block_size] * block_size + p % block_size``.
+
+How a slot's K (or V) values are stored is decided by a *codec*, one per format name
+(``f16``, ``int4``, ...). Codecs are registered with :func:`register_codec`; the float formats
+live here, the quantized ones in :mod:`localmoe.kv_quant`. The cache never subclasses per bit
+width: one :class:`PagedKVCache` drives any (K codec, V codec) pair.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ContextOverflowError, KVCacheFormatError, LocalMoEError
+
+# name -> (bits per value, default group size). Group size 0 = not grouped.
+KV_FORMAT_TABLE: dict[str, tuple[int, int]] = {
+    "f32": (32, 0),
+    "f16": (16, 0),
+    "bf16": (16, 0),
+    "int8": (8, 32),
+    "int4": (4, 32),
+    "int3": (3, 32),
+    "int2": (2, 32),
+    "fp4": (4, 16),
+}
+_ALIASES = {
+    "fp16": "f16", "float16": "f16", "half": "f16", "fp32": "f32", "float32": "f32",
+    "bfloat16": "bf16", "q8_0": "int8", "q8": "int8", "q4_0": "int4", "q4": "int4",
+    "q3": "int3", "q2": "int2", "e2m1": "fp4", "nvfp4": "fp4",
+}
+FLOAT_FORMATS = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One storage format for K or V.
+
+    Attributes:
+        name: canonical name, a key of :data:`KV_FORMAT_TABLE`.
+        bits: bits per stored value, scales excluded.
+        group_size: values sharing one scale (and zero point); 0 for float formats.
+    """
+
+    name: str
+    bits: int
+    group_size: int = 0
+
+    @property
+    def is_float(self) -> bool:
+        return self.name in FLOAT_FORMATS
+
+    @classmethod
+    def parse(cls, text: str) -> "KVFormat":
+        """Parse ``"int4"``, ``"q4_0"``, ``"int4:g64"`` (group size 64), ...
+
+        Raises:
+            KVCacheFormatError: unknown name or bad group size.
+        """
+        if isinstance(text, KVFormat):
+            return text
+        raw = str(text).strip().lower()
+        name, _, opt = raw.partition(":")
+        name = _ALIASES.get(name, name)
+        if name not in KV_FORMAT_TABLE:
+            raise KVCacheFormatError(
+                f"unknown KV cache format {text!r}; choose one of: {', '.join(KV_FORMAT_TABLE)}")
+        bits, group = KV_FORMAT_TABLE[name]
+        if opt:
+            if name in FLOAT_FORMATS or not opt.startswith("g") or not opt[1:].isdigit():
+                raise KVCacheFormatError(
+                    f"bad KV format option {opt!r} in {text!r}; use e.g. 'int4:g64' (group size)")
+            group = int(opt[1:])
+            if group <= 0 or group & (group - 1):
+                raise KVCacheFormatError(f"KV group size must be a power of two, got {group}")
+        return cls(name, bits, group)
+
+    def __str__(self) -> str:
+        default = KV_FORMAT_TABLE[self.name][1]
+        return self.name if self.group_size == default else f"{self.name}:g{self.group_size}"
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Format of the whole KV cache.
+
+    Attributes:
+        k, v: formats of keys and values (may differ, e.g. K4/V2).
+        outlier_frac: fraction of channels per head kept in fp16 (dense-and-sparse, KVQuant).
+        sink_tokens: first tokens of every sequence kept in full precision (attention sinks).
+        window: most recent tokens kept in full precision (0 = none).
+    """
+
+    k: KVFormat
+    v: KVFormat
+    outlier_frac: float = 0.0
+    sink_tokens: int = 0
+    window: int = 0
+
+    @classmethod
+    def parse(cls, kv: "str | KVSpec | None" = "f16", k: str | None = None, v: str | None = None,
+              outlier_frac: float = 0.0, sink_tokens: int = 0, window: int = 0) -> "KVSpec":
+        """Build a spec from CLI/API strings: ``kv`` sets both, ``k``/``v`` override one side.
+
+        Raises:
+            KVCacheFormatError: unknown format or out-of-range option.
+        """
+        if isinstance(kv, KVSpec) and k is None and v is None:
+            return kv
+        base = KVFormat.parse(kv or "f16") if not isinstance(kv, KVSpec) else None
+        kf = KVFormat.parse(k) if k else (kv.k if isinstance(kv, KVSpec) else base)
+        vf = KVFormat.parse(v) if v else (kv.v if isinstance(kv, KVSpec) else base)
+        if not (0.0 <= float(outlier_frac) < 0.5):
+            raise KVCacheFormatError(f"outlier fraction must be in [0, 0.5), got {outlier_frac}")
+        if sink_tokens < 0 or window < 0:
+            raise KVCacheFormatError("sink_tokens and window must be >= 0")
+        return cls(kf, vf, float(outlier_frac), int(sink_tokens), int(window))
+
+    @property
+    def is_float(self) -> bool:
+        return self.k.is_float and self.v.is_float
+
+    def __str__(self) -> str:
+        extra = []
+        if self.outlier_frac:
+            extra.append(f"outliers={self.outlier_frac:g}")
+        if self.sink_tokens:
+            extra.append(f"sinks={self.sink_tokens}")
+        if self.window:
+            extra.append(f"window={self.window}")
+        base = str(self.k) if self.k == self.v else f"k={self.k},v={self.v}"
+        return ",".join([base] + extra)
+
+    def bits_per_value(self, which: str, head_dim: int) -> float:
+        """Average stored bits per K (``which="k"``) or V value, scales and outliers included."""
+        fmt = self.k if which == "k" else self.v
+        return get_codec_class(fmt.name).bits_per_value(fmt, head_dim, self)
+
+    def bytes_per_token(self, spec: Any) -> float:
+        """KV bytes stored per token over all layers of ``spec`` (a ModelSpec)."""
+        k = self.bits_per_value("k", spec.head_dim) * spec.head_dim
+        v = self.bits_per_value("v", spec.v_head_dim) * spec.v_head_dim
+        return spec.n_layers * spec.n_kv_heads * (k + v) / 8.0
+
+
+class KVCodec:
+    """Storage of one tensor kind (K or V) of one layer in one format.
+
+    Subclasses implement :meth:`alloc`, :meth:`write`, :meth:`read` and
+    :meth:`bits_per_value`. Shapes: ``slots`` LongTensor[T]; ``x`` float Tensor[T, n_kv_heads,
+    head_dim]; ``positions`` LongTensor[T] (token positions, for sink/window rules).
+    """
+
+    def __init__(self, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spec: KVSpec):
+        self.fmt = fmt
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.kv_spec = kv_spec
+
+    def alloc(self, n_slots: int, device: Any) -> dict[str, torch.Tensor]:
+        raise KVCacheFormatError(f"KV format {self.fmt.name} has no storage implementation")
+
+    def write(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be written")
+
+    def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be read")
+
+    @classmethod
+    def bits_per_value(cls, fmt: KVFormat, head_dim: int, kv_spec: KVSpec) -> float:
+        return float(fmt.bits)
+
+    def bytes_per_token(self) -> float:
+        """Bytes per token for this layer and tensor kind (all kv heads)."""
+        return self.bits_per_value(self.fmt, self.head_dim, self.kv_spec) * self.head_dim \
+            * self.n_kv_heads / 8.0
+
+
+_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+class FloatCodec(KVCodec):
+    """Plain float storage: ``data`` Tensor[n_slots, n_kv_heads, head_dim] of f32/f16/bf16."""
+
+    def alloc(self, n_slots, device):
+        return {"data": torch.zeros(n_slots, self.n_kv_heads, self.head_dim,
+                                    dtype=_DTYPES[self.fmt.name], device=device)}
+
+    def write(self, store, slots, x, positions):
+        store["data"][slots] = x.to(store["data"].dtype)
+
+    def read(self, store, slots):
+        return store["data"][slots].float()
+
+
+_CODECS: dict[str, type] = {name: FloatCodec for name in FLOAT_FORMATS}
+
+
+def register_codec(name: str, cls: type) -> None:
+    """Register ``cls`` (a :class:`KVCodec` subclass) as the storage of format ``name``."""
+    _CODECS[name] = cls
+
+
+def get_codec_class(name: str) -> type:
+    """Codec class for a format name.
+
+    Raises:
+        KVCacheFormatError: no implementation is registered for the format.
+    """
+    if name not in _CODECS:
+        try:  # the quantized codecs register themselves on import
+            from . import kv_quant  # noqa: F401
+        except ImportError:
+            pass
+    if name not in _CODECS:
+        raise KVCacheFormatError(f"KV cache format {name!r} is not implemented in this build")
+    return _CODECS[name]
+
+
+class PagedKVCache:
+    """Paged K/V storage for all layers of a model and several sequences.
+
+    Args:
+        spec: ModelSpec (n_layers, n_kv_heads, head_dim, v_head_dim used).
+        kv_spec: storage formats.
+        n_ctx: maximum tokens per sequence.
+        max_seqs: sequences that may be live at once (the block pool holds
+            ``max_seqs * ceil(n_ctx / block_size)`` blocks unless ``n_blocks`` is given).
+        block_size: tokens per block.
+        device: torch device of the storage.
+
+    Raises:
+        KVCacheFormatError: a format has no codec.
+    """
+
+    def __init__(self, spec: Any, kv_spec: KVSpec, n_ctx: int, max_seqs: int = 1,
+                 block_size: int = 16, device: Any = "cpu", n_blocks: int | None = None):
+        self.spec = spec
+        self.kv_spec = kv_spec
+        self.n_ctx = int(n_ctx)
+        self.max_seqs = int(max_seqs)
+        self.block_size = int(block_size)
+        self.device = torch.device(device)
+        self.blocks_per_seq = math.ceil(self.n_ctx / self.block_size)
+        self.n_blocks = int(n_blocks or self.max_seqs * self.blocks_per_seq)
+        n_slots = self.n_blocks * self.block_size
+        kcls = get_codec_class(kv_spec.k.name)
+        vcls = get_codec_class(kv_spec.v.name)
+        self.k_codec = kcls(kv_spec.k, spec.n_kv_heads, spec.head_dim, kv_spec)
+        self.v_codec = vcls(kv_spec.v, spec.n_kv_heads, spec.v_head_dim, kv_spec)
+        self.k_stores = [self.k_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
+        self.v_stores = [self.v_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
+        self._free_blocks = list(range(self.n_blocks - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+        self._next_id = 0
+
+    # --- sequence bookkeeping -------------------------------------------------------------
+    def new_seq(self) -> int:
+        """Start an empty sequence and return its id.
+
+        Raises:
+            LocalMoEError: ``max_seqs`` sequences are already live.
+        """
+        if len(self._tables) >= self.max_seqs:
+            raise LocalMoEError(
+                f"the KV cache holds at most {self.max_seqs} concurrent sequences; "
+                "free one or create the runner with a larger max_seqs")
+        sid = self._next_id
+        self._next_id += 1
+        self._tables[sid] = []
+        self._lens[sid] = 0
+        return sid
+
+    def _check(self, seq_id: int) -> None:
+        if seq_id not in self._tables:
+            raise LocalMoEError(f"unknown KV cache sequence id {seq_id}")
+
+    def free_seq(self, seq_id: int) -> None:
+        """Release a sequence's blocks (unknown ids are ignored)."""
+        blocks = self._tables.pop(seq_id, None)
+        self._lens.pop(seq_id, None)
+        if blocks:
+            self._free_blocks.extend(reversed(blocks))
+
+    def seq_len(self, seq_id: int) -> int:
+        """Committed tokens of a sequence."""
+        self._check(seq_id)
+        return self._lens[seq_id]
+
+    def truncate(self, seq_id: int, n: int) -> None:
+        """Keep the first ``n`` committed tokens; blocks past them go back to the pool."""
+        self._check(seq_id)
+        n = max(0, min(int(n), self._lens[seq_id]))
+        self._lens[seq_id] = n
+        keep = math.ceil(n / self.block_size)
+        table = self._tables[seq_id]
+        while len(table) > keep:
+            self._free_blocks.append(table.pop())
+
+    def reserve(self, seq_id: int, n_new: int) -> None:
+        """Make room for ``n_new`` more tokens.
+
+        Raises:
+            ContextOverflowError: the sequence would exceed ``n_ctx``.
+            LocalMoEError: the shared block pool is exhausted.
+        """
+        self._check(seq_id)
+        total = self._lens[seq_id] + int(n_new)
+        if total > self.n_ctx:
+            raise ContextOverflowError(total, self.n_ctx)
+        table = self._tables[seq_id]
+        need = math.ceil(total / self.block_size) - len(table)
+        if need > len(self._free_blocks):
+            raise LocalMoEError("the KV cache block pool is exhausted; lower the number of "
+                                "concurrent sequences or the context size")
+        for _ in range(need):
+            table.append(self._free_blocks.pop())
+
+    def commit(self, seq_id: int, n_new: int) -> None:
+        """Count ``n_new`` written tokens as part of the sequence (after all layers wrote)."""
+        self._check(seq_id)
+        self._lens[seq_id] += int(n_new)
+
+    # --- data -----------------------------------------------------------------------------
+    def block_table(self, seq_id: int) -> torch.Tensor:
+        """Physical block ids of a sequence, IntTensor[n_blocks_used] on the cache device."""
+        self._check(seq_id)
+        return torch.tensor(self._tables[seq_id], dtype=torch.int32, device=self.device)
+
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Slot indices (LongTensor[end-start], cache device) of positions [start, end)."""
+        self._check(seq_id)
+        table = self._tables[seq_id]
+        if end > len(table) * self.block_size:
+            raise LocalMoEError("KV cache positions beyond the reserved blocks; call reserve()")
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
+        return (blocks * self.block_size + pos % self.block_size).to(self.device)
+
+    def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K[T, n_kv_heads, head_dim] and V[T, n_kv_heads, v_head_dim] at positions
+        ``start .. start+T-1`` of ``layer`` (space must be reserved first)."""
+        t = k.shape[0]
+        slots = self.slots(seq_id, start, start + t)
+        pos = torch.arange(start, start + t, device=self.device)
+        self.k_codec.write(self.k_stores[layer], slots, k, pos)
+        self.v_codec.write(self.v_stores[layer], slots, v, pos)
+
+    def read(self, layer: int, seq_id: int, end: int, start: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K[L, n_kv_heads, head_dim], V[L, n_kv_heads, v_head_dim] (float32) of
+        positions [start, end) — the reference path; fused kernels read the stores directly."""
+        slots = self.slots(seq_id, start, end)
+        return (self.k_codec.read(self.k_stores[layer], slots),
+                self.v_codec.read(self.v_stores[layer], slots))
+
+    # --- accounting -----------------------------------------------------------------------
+    def footprint(self) -> int:
+        """Bytes allocated for K/V storage over all layers."""
+        total = 0
+        for store in self.k_stores + self.v_stores:
+            for t in store.values():
+                total += t.numel() * t.element_size()
+        return total
+
+    def used_bytes(self) -> int:
+        """Bytes of K/V data held by live sequences' committed tokens (format-exact)."""
+        per_tok = self.kv_spec.bytes_per_token(self.spec)
+        return int(per_tok * sum(self._lens.values()))

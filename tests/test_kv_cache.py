@@ -1,0 +1,82 @@
+"""PagedKVCache bookkeeping and the float codecs."""
+
+import pytest
+import torch
+
+from localmoe.errors import ContextOverflowError, KVCacheFormatError, LocalMoEError
+from localmoe.kv_cache import KVFormat, KVSpec, PagedKVCache
+from localmoe.spec import ModelSpec
+
+
+def _spec():
+    return ModelSpec(arch="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8,
+                     vocab_size=10)
+
+
+def test_parse_formats_and_aliases():
+    assert KVSpec.parse("q4_0").k.name == "int4"
+    s = KVSpec.parse("f16", k="int4", v="int2")
+    assert (s.k.name, s.v.name) == ("int4", "int2")
+    assert str(s) == "k=int4,v=int2"
+    assert KVFormat.parse("int4:g64").group_size == 64
+    with pytest.raises(KVCacheFormatError):
+        KVSpec.parse("int5")
+    with pytest.raises(KVCacheFormatError):
+        KVFormat.parse("int4:g48")
+
+
+def test_bytes_per_token_f16():
+    spec = _spec()
+    assert KVSpec.parse("f16").bytes_per_token(spec) == 2 * 2 * (8 + 8) * 2
+    assert KVSpec.parse("f32").bytes_per_token(spec) == 2 * 2 * (8 + 8) * 4
+
+
+@pytest.mark.parametrize("fmt,tol", [("f32", 0.0), ("f16", 1e-3), ("bf16", 1e-2)])
+def test_write_read_across_pages(fmt, tol):
+    spec = _spec()
+    cache = PagedKVCache(spec, KVSpec.parse(fmt), n_ctx=40, max_seqs=2, block_size=4)
+    a, b = cache.new_seq(), cache.new_seq()
+    g = torch.Generator().manual_seed(0)
+    ka = torch.randn(11, 2, 8, generator=g)
+    kb = torch.randn(7, 2, 8, generator=g)
+    cache.reserve(a, 11)
+    cache.reserve(b, 7)
+    for layer in range(2):
+        cache.write(layer, a, 0, ka * (layer + 1), -ka)
+        cache.write(layer, b, 0, kb, kb * 2)
+    cache.commit(a, 11)
+    cache.commit(b, 7)
+    k, v = cache.read(1, a, 11)
+    assert torch.allclose(k, ka * 2, atol=tol * 4, rtol=tol)
+    assert torch.allclose(v, -ka, atol=tol * 4, rtol=tol)
+    k, v = cache.read(0, b, 7)
+    assert torch.allclose(v, kb * 2, atol=tol * 4, rtol=tol)
+    # appending after a partially filled block continues at the right slot
+    cache.reserve(a, 3)
+    extra = torch.randn(3, 2, 8, generator=g)
+    cache.write(0, a, 11, extra, extra)
+    cache.commit(a, 3)
+    k, _ = cache.read(0, a, 14)
+    assert torch.allclose(k[11:], extra, atol=tol * 4, rtol=tol)
+    assert torch.allclose(k[:11], ka, atol=tol * 4, rtol=tol)
+
+
+def test_overflow_truncate_and_free():
+    spec = _spec()
+    cache = PagedKVCache(spec, KVSpec.parse("f16"), n_ctx=10, max_seqs=1, block_size=4)
+    s = cache.new_seq()
+    with pytest.raises(ContextOverflowError) as e:
+        cache.reserve(s, 11)
+    assert e.value.n_prompt == 11 and e.value.n_ctx == 10
+    with pytest.raises(LocalMoEError):
+        cache.new_seq()
+    cache.reserve(s, 9)
+    cache.commit(s, 9)
+    cache.truncate(s, 3)
+    assert cache.seq_len(s) == 3
+    assert len(cache.block_table(s)) == 1
+    cache.free_seq(s)
+    s2 = cache.new_seq()
+    cache.reserve(s2, 10)
+    assert cache.seq_len(s2) == 0
+    assert cache.footprint() == 2 * 2 * 12 * 2 * 8 * 2
