@@ -1,0 +1,514 @@
+"""Quantized KV-cache codecs: int8/int4/int3/int2 (asymmetric, grouped) and fp4 (E2M1, E4M3 scales).
+
+These are the storage formats behind ``--kv-cache int8|int4|int3|int2|fp4`` and the PyTorch
+*twins* of the Triton kernels in :mod:`localmoe.kernels.kv_quant_append` and
+:mod:`localmoe.kernels.decode_attention`: the kernels must produce exactly these bytes and read
+them back the same way.
+
+Quantization (per token, per kv head, groups of ``G`` consecutive channels of ``head_dim``):
+
+* ``intB`` (B in 8, 4, 3, 2), asymmetric min/max as in KIVI (Liu et al., 2024):
+  ``scale = (max - min) / (2^B - 1)`` and ``zero = min`` are stored as fp16; a code is
+  ``c = clamp(floor((x - zero) / scale + 0.5), 0, 2^B - 1)`` computed with the *fp16-rounded*
+  scale and zero, and ``x_hat = c * scale + zero``. Error bound per value:
+  ``|x - x_hat| <= scale / 2`` plus fp16 rounding of ``zero`` (see :func:`int_error_bound`).
+* ``fp4``: E2M1 codes (values 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives; OCP MX spec) with
+  one E4M3 scale per 16 values (NVFP4 layout without the per-tensor scale):
+  ``s = e4m3(absmax / 6)``, ``x_hat = s * e2m1(round_nearest(x / s))``. Error bound: half the
+  E2M1 spacing at the value's magnitude times ``s`` (<= ``s``), see :func:`fp4_error_bound`.
+
+Optional extras, all per :class:`~localmoe.kv_cache.KVSpec`:
+
+* **Outliers** (dense-and-sparse, KVQuant, Hooper et al., 2024): per token and head the
+  ``n_out = ceil(outlier_frac * head_dim)`` channels of largest ``|x|`` are left out of the
+  group's min/max and stored exactly as (uint8 index, fp16 value); a read overwrites them.
+* **Sinks** (StreamingLLM, Xiao et al., 2023): positions ``< sink_tokens`` are also stored in
+  fp16 in a per-sequence side buffer and read from there.
+* **Recent window**: the last ``window`` written positions of a sequence are also kept in a
+  per-sequence fp16 ring (slot ``pos % window``, tagged with ``pos``); a position whose tag
+  matches is read from the ring. Tokens that age out are read from the quantized store, which
+  is always written.
+* **Key rotation** (optional, QuaRot-style): keys may be multiplied by a normalized Hadamard
+  matrix ``H`` (orthogonal, symmetric) before quantization, which spreads outlier channels over
+  all channels; ``read`` rotates back; the attention kernel rotates ``q`` instead (``qH . kH =
+  q . k``). Off by default (see docs/KV-QUALITY.md for the measurement behind the choice).
+
+Packed layout (all tensors head-major so one head's consecutive slots are contiguous for the
+attention kernel; ``H = n_kv_heads``, ``D = head_dim``, ``S = n_slots``, ``NG = D / G``):
+
+=============  =======================  =====================================================
+key            shape, dtype             meaning
+=============  =======================  =====================================================
+``q``          [H, S, D*P/8] uint8      codes, P = plane bits (B, or 2 for int3)
+``q_hi``       [H, S, D/8] uint8        int3 only: the third (high) bit of every code
+``scale``      [H, S, NG] fp16 | uint8  int: fp16 scale; fp4: E4M3 scale byte
+``zero``       [H, S, NG] fp16          int only: group minimum
+``oidx``       [H, S, n_out] uint8      outlier channel indices (if outlier_frac > 0)
+``oval``       [H, S, n_out] fp16       outlier values
+``sink``       [R, H, n_sink, D] fp16   sink tokens of each sequence row (R = max_seqs)
+``ring``       [R, H, W, D] fp16        recent-window ring per sequence row
+``ring_pos``   [R, W] int32             position held by each ring entry (-1 = empty)
+=============  =======================  =====================================================
+
+Bit packing ("split planes"): with ``PACK = 8 / P`` codes per byte and ``RB = D / PACK`` bytes
+per row, channel ``d`` lives in byte ``d % RB`` at bit offset ``(d // RB) * P``. A kernel can
+load a row once and extract plane ``p`` (channels ``p*RB .. p*RB+RB-1``) with one shift.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from .errors import KVCacheFormatError
+from .kv_cache import KVCodec, KVFormat, KVSpec, register_codec
+
+QUANT_FORMATS = ("int8", "int4", "int3", "int2", "fp4")
+FP4_GROUP = 16
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E4M3_MAX = 448.0
+E4M3_MIN_SUB = 2.0 ** -9
+FP16_MAX = 65504.0
+
+# Default key grouping: per-token groups along head_dim without rotation (measured, see
+# docs/KV-QUALITY.md). Set per codec with ``rotate=True``.
+DEFAULT_KEY_ROTATE = False
+
+
+# --------------------------------------------------------------------------------------------
+# bit packing
+# --------------------------------------------------------------------------------------------
+def plane_bits(bits: int) -> int:
+    """Bits of the main code plane: ``bits`` itself, or 2 for int3 (whose third bit is a plane
+    of its own)."""
+    return 2 if bits == 3 else bits
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-bit codes (uint8 Tensor[..., D], values < 2**bits, bits in 1, 2, 4, 8)
+    into uint8 Tensor[..., D*bits/8] using the split-plane layout of the module docstring.
+
+    Raises:
+        ValueError: D is not a multiple of 8/bits.
+    """
+    if bits == 8:
+        return codes.to(torch.uint8)
+    pack = 8 // bits
+    d = codes.shape[-1]
+    if d % pack:
+        raise ValueError(f"head_dim {d} is not a multiple of {pack} for {bits}-bit packing")
+    rb = d // pack
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], pack, rb)
+    shifts = (torch.arange(pack, device=codes.device, dtype=torch.int32) * bits).view(pack, 1)
+    return (c << shifts).sum(dim=-2).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 Tensor[..., RB] -> uint8 Tensor[..., RB*8/bits]."""
+    if bits == 8:
+        return packed.to(torch.uint8)
+    pack = 8 // bits
+    p = packed.to(torch.int32).unsqueeze(-2)  # [..., 1, RB]
+    shifts = (torch.arange(pack, device=packed.device, dtype=torch.int32) * bits).view(pack, 1)
+    c = (p >> shifts) & ((1 << bits) - 1)     # [..., pack, RB]
+    return c.reshape(*packed.shape[:-1], pack * packed.shape[-1]).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# scalar formats
+# --------------------------------------------------------------------------------------------
+def e4m3_encode(s: torch.Tensor) -> torch.Tensor:
+    """Encode positive float32 scales as E4M3 (fn variant) bytes, round half up, saturating at
+    448 and flushing below 2**-9 up to the smallest subnormal. Tensor[...] -> uint8 Tensor[...].
+
+    Done with integer-exact float arithmetic so the Triton kernel reproduces it bit for bit.
+    """
+    s = s.float().clamp(E4M3_MIN_SUB, E4M3_MAX)
+    e = (((s.view(torch.int32) >> 23) & 255) - 127).float()   # exact floor(log2(s))
+    # normal: code = (e + 7) * 8 + round(s / 2^(e-3)) - 8, a mantissa that rounds up to 16
+    # carries into the exponent by itself; subnormal (e < -6): code = round(s * 2^9)
+    m = torch.floor(s * torch.exp2(3.0 - e) + 0.5)
+    code = (e + 7.0) * 8.0 + m - 8.0
+    code = torch.where(e < -6, torch.floor(s * 512.0 + 0.5), code)
+    return code.clamp(0, 126).to(torch.uint8)
+
+
+def e4m3_decode(c: torch.Tensor) -> torch.Tensor:
+    """Decode E4M3 (fn) bytes to float32 (no NaN codes are ever produced by the encoder)."""
+    c = c.to(torch.int32)
+    e = (c >> 3) & 15
+    m = (c & 7).float()
+    normal = (8.0 + m) * torch.exp2(e.float() - 10.0)
+    sub = m * E4M3_MIN_SUB
+    return torch.where(e == 0, sub, normal)
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values (already divided by the scale) to the nearest E2M1 code (4 bits:
+    sign, 2 exponent, 1 mantissa); magnitudes above 6 saturate. -> uint8 Tensor."""
+    a = v.abs()
+    mag = torch.zeros_like(a, dtype=torch.int32)
+    for t in _E2M1_MIDPOINTS:
+        mag += (a > t).to(torch.int32)
+    sign = (v < 0).to(torch.int32) << 3
+    return (mag | sign).to(torch.uint8)
+
+
+def e2m1_decode(c: torch.Tensor) -> torch.Tensor:
+    """Decode 4-bit E2M1 codes (uint8 Tensor) to float32."""
+    c = c.to(torch.int32)
+    mag = c & 7
+    e = (mag >> 1).float()
+    m = (mag & 1).float()
+    val = torch.where(e == 0, m * 0.5, (1.0 + 0.5 * m) * torch.exp2(e - 1.0))
+    return torch.where((c & 8) != 0, -val, val)
+
+
+@lru_cache(maxsize=16)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def hadamard(n: int, device: Any = "cpu") -> torch.Tensor:
+    """Normalized Sylvester Hadamard matrix float32 [n, n] (orthogonal and symmetric).
+
+    Raises:
+        ValueError: n is not a power of two.
+    """
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {n}")
+    return _hadamard_cpu(n).to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# row quantizers (the twins of the append kernel)
+# --------------------------------------------------------------------------------------------
+def outlier_count(outlier_frac: float, head_dim: int) -> int:
+    """Outlier channels kept per token and head: ``ceil(outlier_frac * head_dim)`` (0 if off)."""
+    if outlier_frac <= 0:
+        return 0
+    return min(head_dim // 4, max(1, math.ceil(outlier_frac * head_dim)))
+
+
+def select_outliers(x: torch.Tensor, n_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``n_out`` channels by |x| of each row. x float32 [..., D] -> (idx int64 [..., n_out]
+    in descending |x| order, ties to the lower index; mask bool [..., D])."""
+    a = x.abs()
+    idx = []
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    for _ in range(n_out):
+        i = torch.where(mask, torch.full_like(a, -1.0), a).argmax(dim=-1, keepdim=True)
+        idx.append(i)
+        mask.scatter_(-1, i, True)
+    return torch.cat(idx, dim=-1), mask
+
+
+def quantize_int(x: torch.Tensor, bits: int, group: int, exclude: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric grouped integer quantization of float32 rows.
+
+    Args:
+        x: float32 Tensor[..., D] (finite).
+        bits: 2..8.
+        group: channels per group (divides D).
+        exclude: optional bool Tensor[..., D]; True channels (outliers) are left out of the
+            group min/max (their codes are clamped and never read back).
+
+    Returns:
+        codes uint8 [..., D], scale fp16 [..., D/group], zero fp16 [..., D/group].
+    """
+    d = x.shape[-1]
+    xg = x.float().clamp(-FP16_MAX, FP16_MAX).reshape(*x.shape[:-1], d // group, group)
+    if exclude is not None:
+        ex = exclude.reshape(xg.shape)
+        mn = torch.where(ex, torch.full_like(xg, float("inf")), xg).amin(-1)
+        mx = torch.where(ex, torch.full_like(xg, float("-inf")), xg).amax(-1)
+    else:
+        mn, mx = xg.amin(-1), xg.amax(-1)
+    qmax = (1 << bits) - 1
+    zero = mn.to(torch.float16)
+    scale = ((mx - zero.float()) / qmax).clamp(max=FP16_MAX).to(torch.float16)
+    s32 = scale.float()
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    c = torch.floor((xg - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1) + 0.5).clamp(0, qmax)
+    return c.reshape(x.shape).to(torch.uint8), scale, zero
+
+
+def dequantize_int(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int
+                   ) -> torch.Tensor:
+    """``codes * scale + zero`` per group: uint8 [..., D], fp16 [..., NG] x2 -> float32 [..., D]."""
+    d = codes.shape[-1]
+    c = codes.float().reshape(*codes.shape[:-1], d // group, group)
+    return (c * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+def quantize_fp4(x: torch.Tensor, exclude: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 quantization with an E4M3 scale per 16 channels.
+
+    Args:
+        x: float32 Tensor[..., D], D a multiple of 16.
+        exclude: optional bool Tensor[..., D] of outlier channels left out of the absmax.
+
+    Returns:
+        codes uint8 [..., D] (4-bit values), scale uint8 [..., D/16] (E4M3 bytes).
+    """
+    d = x.shape[-1]
+    xg = x.float().clamp(-FP16_MAX, FP16_MAX).reshape(*x.shape[:-1], d // FP4_GROUP, FP4_GROUP)
+    a = xg.abs()
+    if exclude is not None:
+        a = torch.where(exclude.reshape(xg.shape), torch.zeros_like(a), a)
+    sb = e4m3_encode(a.amax(-1) / 6.0)
+    s = e4m3_decode(sb)
+    codes = e2m1_encode(xg * (1.0 / s).unsqueeze(-1))
+    return codes.reshape(x.shape), sb
+
+
+def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., D] and E4M3 scale bytes [..., D/16] -> float32 [..., D]."""
+    d = codes.shape[-1]
+    v = e2m1_decode(codes).reshape(*codes.shape[:-1], d // FP4_GROUP, FP4_GROUP)
+    return (v * e4m3_decode(scale).unsqueeze(-1)).reshape(codes.shape)
+
+
+def int_error_bound(x: torch.Tensor, bits: int, group: int,
+                    exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Analytic per-value bound of ``|x - dequant(quant(x))|`` for ``intB`` (float32 [..., D]):
+    half a step ``(max - min) / (2^B - 1) / 2`` plus fp16 rounding of scale (times the top
+    code) and of zero (relative 2^-11 each), plus a float32 slack."""
+    d = x.shape[-1]
+    xg = x.float().reshape(*x.shape[:-1], d // group, group)
+    if exclude is not None:
+        ex = exclude.reshape(xg.shape)
+        mn = torch.where(ex, torch.full_like(xg, float("inf")), xg).amin(-1)
+        mx = torch.where(ex, torch.full_like(xg, float("-inf")), xg).amax(-1)
+    else:
+        mn, mx = xg.amin(-1), xg.amax(-1)
+    step = (mx - mn) / ((1 << bits) - 1)
+    b = step * 0.5 * (1 + 2.0 ** -9) + (mn.abs() + mx.abs()) * 2.0 ** -10 + 1e-6
+    return b.unsqueeze(-1).expand_as(xg).reshape(x.shape)
+
+
+def fp4_error_bound(x: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
+    """Analytic per-value bound of ``|x - dequant(quant(x))|`` for ``fp4``: with the decoded
+    E4M3 scale ``s`` (which may be up to 1/16 below absmax/6, so values may clip by that much),
+    the E2M1 grid spacing around ``|x|/s`` is at most 2 (between 4 and 6), half-spacing 1 ->
+    bound ``s * max(half_spacing(|x|/s), |x|/s - 6)`` plus the subnormal flush ``2^-9 * 0.25``."""
+    d = x.shape[-1]
+    xg = x.float().reshape(*x.shape[:-1], d // FP4_GROUP, FP4_GROUP)
+    a = xg.abs()
+    if exclude is not None:
+        a = torch.where(exclude.reshape(xg.shape), torch.zeros_like(a), a)
+    s = e4m3_decode(e4m3_encode(a.amax(-1) / 6.0)).unsqueeze(-1)
+    r = xg.abs() / s
+    half = torch.where(r <= 2.0, torch.full_like(r, 0.25),
+                       torch.where(r <= 4.0, torch.full_like(r, 0.5), torch.ones_like(r)))
+    b = s * torch.maximum(half, r - 6.0) * (1 + 1e-5) + 1e-7
+    return b.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# the codec
+# --------------------------------------------------------------------------------------------
+class QuantCodec(KVCodec):
+    """Storage of K or V of one layer in a quantized format (see the module docstring).
+
+    Args:
+        fmt: KVFormat with name in :data:`QUANT_FORMATS`.
+        n_kv_heads, head_dim: per-token shape ``[n_kv_heads, head_dim]``.
+        kv_spec: the cache's KVSpec (outlier_frac, sink_tokens, window).
+        role: ``"k"`` or ``"v"`` (only keys may be rotated).
+        max_seqs: sequence rows of the sink/window side buffers.
+        rotate: Hadamard-rotate keys before quantization (default :data:`DEFAULT_KEY_ROTATE`
+            for keys with a power-of-two head_dim, never for values).
+
+    Raises:
+        KVCacheFormatError: group size does not divide head_dim, or head_dim is not packable.
+    """
+
+    def __init__(self, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spec: KVSpec, *,
+                 role: str = "k", max_seqs: int = 1, rotate: bool | None = None):
+        super().__init__(fmt, n_kv_heads, head_dim, kv_spec)
+        if fmt.name not in QUANT_FORMATS:
+            raise KVCacheFormatError(f"{fmt.name} is not a quantized KV format")
+        self.bits = fmt.bits
+        self.is_fp4 = fmt.name == "fp4"
+        self.group = FP4_GROUP if self.is_fp4 else min(fmt.group_size or 32, head_dim)
+        if head_dim % self.group or head_dim % 8:
+            raise KVCacheFormatError(
+                f"KV format {fmt} needs head_dim ({head_dim}) to be a multiple of its group size "
+                f"{self.group} and of 8; pick another group size (e.g. '{fmt.name}:g16')")
+        self.role = role
+        self.max_seqs = max(1, int(max_seqs))
+        pow2 = head_dim & (head_dim - 1) == 0
+        if rotate is None:
+            rotate = DEFAULT_KEY_ROTATE and role == "k" and pow2
+        if rotate and (role != "k" or not pow2):
+            raise KVCacheFormatError("Hadamard rotation applies to keys with a power-of-two head_dim")
+        self.rotate = bool(rotate)
+        self.n_out = outlier_count(kv_spec.outlier_frac, head_dim)
+        self.n_sink = int(kv_spec.sink_tokens)
+        self.window = int(kv_spec.window)
+        self.pbits = plane_bits(self.bits)
+        self._had: dict[str, torch.Tensor] = {}
+
+    # --- sizes ----------------------------------------------------------------------------
+    @classmethod
+    def bits_per_value(cls, fmt: KVFormat, head_dim: int, kv_spec: KVSpec) -> float:
+        """Stored bits per value with scales and outliers (sinks/window are per sequence and
+        not counted here; see :meth:`side_bytes`)."""
+        if fmt.name == "fp4":
+            per = 4 + 8 / FP4_GROUP
+        else:
+            g = min(fmt.group_size or 32, head_dim)
+            per = fmt.bits + 32 / g
+        n_out = outlier_count(kv_spec.outlier_frac, head_dim)
+        return per + n_out * 24 / head_dim
+
+    def side_bytes(self) -> int:
+        """Bytes of the per-sequence fp16 sink and window buffers of this layer and kind."""
+        per_row = (self.n_sink + self.window) * self.n_kv_heads * self.head_dim * 2 + self.window * 4
+        return per_row * self.max_seqs
+
+    # --- rotation -------------------------------------------------------------------------
+    def hadamard(self, device: Any) -> torch.Tensor:
+        """The rotation matrix float32 [D, D] on ``device`` (cached)."""
+        key = str(device)
+        if key not in self._had:
+            self._had[key] = hadamard(self.head_dim, device)
+        return self._had[key]
+
+    # --- storage --------------------------------------------------------------------------
+    def alloc(self, n_slots: int, device: Any) -> dict[str, torch.Tensor]:
+        """Zeroed packed storage for ``n_slots`` slots (see the layout table)."""
+        h, d = self.n_kv_heads, self.head_dim
+        ng = d // self.group
+        dev = torch.device(device)
+        st = {"q": torch.zeros(h, n_slots, d * self.pbits // 8, dtype=torch.uint8, device=dev)}
+        if self.bits == 3:
+            st["q_hi"] = torch.zeros(h, n_slots, d // 8, dtype=torch.uint8, device=dev)
+        if self.is_fp4:
+            st["scale"] = torch.zeros(h, n_slots, ng, dtype=torch.uint8, device=dev)
+        else:
+            st["scale"] = torch.zeros(h, n_slots, ng, dtype=torch.float16, device=dev)
+            st["zero"] = torch.zeros(h, n_slots, ng, dtype=torch.float16, device=dev)
+        if self.n_out:
+            st["oidx"] = torch.zeros(h, n_slots, self.n_out, dtype=torch.uint8, device=dev)
+            st["oval"] = torch.zeros(h, n_slots, self.n_out, dtype=torch.float16, device=dev)
+        if self.n_sink:
+            st["sink"] = torch.zeros(self.max_seqs, h, self.n_sink, d, dtype=torch.float16, device=dev)
+        if self.window:
+            st["ring"] = torch.zeros(self.max_seqs, h, self.window, d, dtype=torch.float16, device=dev)
+            st["ring_pos"] = torch.full((self.max_seqs, self.window), -1, dtype=torch.int32, device=dev)
+        return st
+
+    def reset_row(self, store: dict[str, torch.Tensor], row: int) -> None:
+        """Forget the window of sequence row ``row`` (called when a row is (re)assigned)."""
+        if "ring_pos" in store:
+            store["ring_pos"][row].fill_(-1)
+
+    # --- quantize / dequantize rows (twins of the kernels) -----------------------------------
+    def quantize_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Quantize rows float [T, H, D] (already rotated if the codec rotates) into packed
+        tensors shaped like the store entries but token-major ([T, H, ...])."""
+        x = x.float()
+        out: dict[str, torch.Tensor] = {}
+        exclude = None
+        if self.n_out:
+            idx, exclude = select_outliers(x, self.n_out)
+            out["oidx"] = idx.to(torch.uint8)
+            out["oval"] = torch.gather(x, -1, idx).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        if self.is_fp4:
+            codes, out["scale"] = quantize_fp4(x, exclude)
+        else:
+            codes, out["scale"], out["zero"] = quantize_int(x, self.bits, self.group, exclude)
+        if self.bits == 3:
+            out["q"] = pack_codes(codes & 3, 2)
+            out["q_hi"] = pack_codes(codes >> 2, 1)
+        else:
+            out["q"] = pack_codes(codes, self.pbits)
+        return out
+
+    def dequantize_rows(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`quantize_rows` (before un-rotation): -> float32 [..., D]."""
+        codes = unpack_codes(p["q"], self.pbits)
+        if self.bits == 3:
+            codes = codes | (unpack_codes(p["q_hi"], 1) << 2)
+        if self.is_fp4:
+            x = dequantize_fp4(codes, p["scale"])
+        else:
+            x = dequantize_int(codes, p["scale"], p["zero"], self.group)
+        if self.n_out:
+            x = x.scatter(-1, p["oidx"].long(), p["oval"].float())
+        return x
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 copy of ``x`` [T, H, D], rotated when the codec rotates."""
+        x = x.float()
+        if self.rotate:
+            x = x @ self.hadamard(x.device)
+        return x
+
+    _PACKED_KEYS = ("q", "q_hi", "scale", "zero", "oidx", "oval")
+
+    def write(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
+              positions: torch.Tensor, seq_row: int | None = None) -> None:
+        """Quantize and store ``x`` float [T, H, D] at ``slots`` LongTensor[T]; positions
+        LongTensor[T] select sink/window tokens, whose fp16 copies go to row ``seq_row``
+        (default 0) of the side buffers."""
+        packed = self.quantize_rows(self.prepare(x))
+        for k, v in packed.items():
+            store[k][:, slots] = v.transpose(0, 1)
+        self.write_side(store, x, positions, seq_row)
+
+    def write_side(self, store: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor,
+                   seq_row: int | None) -> None:
+        """Copy sink and window tokens of ``x`` [T, H, D] (unrotated) to the fp16 side buffers."""
+        if not (self.n_sink or self.window):
+            return
+        row = 0 if seq_row is None else int(seq_row)
+        pos = positions.to(x.device).long()
+        xh = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        if self.n_sink:
+            m = pos < self.n_sink
+            if bool(m.any()):
+                store["sink"][row][:, pos[m]] = xh[m].transpose(0, 1)
+        if self.window:
+            keep = pos >= pos.max() - self.window + 1 if pos.numel() else pos
+            p = pos[keep]
+            r = p % self.window
+            store["ring"][row][:, r] = xh[keep].transpose(0, 1)
+            store["ring_pos"][row][r] = p.to(torch.int32)
+
+    def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
+             positions: torch.Tensor | None = None, seq_row: int | None = None) -> torch.Tensor:
+        """Dequantized float32 [L, H, D] of ``slots`` LongTensor[L]. With ``positions`` (and
+        ``seq_row``, default 0) sink and window tokens come from the fp16 side buffers."""
+        p = {k: store[k][:, slots].transpose(0, 1) for k in self._PACKED_KEYS if k in store}
+        x = self.dequantize_rows(p)
+        if self.rotate:
+            x = x @ self.hadamard(x.device)  # H is symmetric and orthogonal: H^-1 = H
+        if positions is not None and (self.n_sink or self.window):
+            row = 0 if seq_row is None else int(seq_row)
+            pos = positions.to(x.device).long()
+            if self.n_sink:
+                m = pos < self.n_sink
+                if bool(m.any()):
+                    x[m] = store["sink"][row][:, pos[m]].transpose(0, 1).float()
+            if self.window:
+                r = pos % self.window
+                m = store["ring_pos"][row][r].long() == pos
+                if bool(m.any()):
+                    x[m] = store["ring"][row][:, r[m]].transpose(0, 1).float()
+        return x
+
+
+for _name in QUANT_FORMATS:
+    register_codec(_name, QuantCodec)
