@@ -1,0 +1,220 @@
+"""Modal dialogs: rename, confirm, export, context full, per-chat settings.
+
+Each is a ``ModalScreen`` that dismisses with its result (None when cancelled with Esc);
+the app pushes them with a callback. Layout only; the app does the work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, TextArea
+
+from ..store import ChatSettings
+
+__all__ = [
+    "TextPromptScreen",
+    "ConfirmScreen",
+    "ContextFullScreen",
+    "SettingsScreen",
+    "KV_FORMATS",
+    "BACKENDS",
+]
+
+KV_FORMATS = ["f16", "bf16", "f32", "int8", "int4", "int3", "int2", "fp4"]
+BACKENDS = ["auto", "triton", "llamacpp", "torch"]
+
+
+class _Dialog(ModalScreen):
+    """Base: Esc cancels (dismisses with None)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def action_cancel(self) -> None:
+        """Close without a result."""
+        self.dismiss(None)
+
+
+class TextPromptScreen(_Dialog):
+    """Ask for one line of text (chat title, export path). Dismisses with the text or None."""
+
+    def __init__(self, title: str, value: str = "", *, ok_label: str = "OK") -> None:
+        super().__init__()
+        self._title = title
+        self._value = value
+        self._ok = ok_label
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(self._title, classes="dialog-title")
+            yield Input(self._value, id="dialog-input")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(self._ok, variant="primary", id="ok")
+                yield Button("Cancel", id="cancel")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.value)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(self.query_one(Input).value if event.button.id == "ok" else None)
+
+
+class ConfirmScreen(_Dialog):
+    """A yes/no question. Dismisses with True, or False/None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("y", "yes", "Yes"),
+                Binding("n", "cancel", "No")]
+
+    def __init__(self, question: str, yes_label: str = "Yes") -> None:
+        super().__init__()
+        self._q = question
+        self._yes = yes_label
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(self._q, classes="dialog-title")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button(self._yes, variant="error", id="yes")
+                yield Button("Cancel", id="no")
+
+    def action_yes(self) -> None:
+        """Confirm."""
+        self.dismiss(True)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id == "yes")
+
+
+class ContextFullScreen(_Dialog):
+    """The conversation no longer fits in the context window. Dismisses with ``"new"``
+    (continue the last question in a new chat), ``"drop"`` (drop the oldest turns and retry)
+    or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("n", "choose('new')", "New chat"),
+                Binding("d", "choose('drop')", "Drop oldest turns")]
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self._message = message
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label("Context full", classes="dialog-title")
+            yield Label(self._message, classes="dialog-text")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("New chat (n)", variant="primary", id="new")
+                yield Button("Drop oldest turns (d)", variant="warning", id="drop")
+                yield Button("Cancel", id="cancel")
+
+    def action_choose(self, choice: str) -> None:
+        """Dismiss with ``choice``."""
+        self.dismiss(choice)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id if event.button.id in ("new", "drop") else None)
+
+
+def _fmt(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+class SettingsScreen(_Dialog):
+    """Per-chat settings form. Dismisses with a new :class:`ChatSettings` or None.
+
+    Empty numeric fields mean "model default"; the placeholders show those defaults (from
+    the model file's ``general.sampling.*`` metadata when present).
+
+    Args:
+        settings: the chat's current settings.
+        defaults: effective defaults to show as placeholders (``temperature``, ``top_p``,
+            ``top_k``, ``kv_cache``, ``backend``).
+    """
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, settings: ChatSettings, defaults: dict[str, Any]) -> None:
+        super().__init__()
+        self._s = settings
+        self._d = defaults
+
+    def compose(self):
+        s, d = self._s, self._d
+        with Vertical(classes="dialog settings-dialog"):
+            yield Label("Chat settings", classes="dialog-title")
+            with VerticalScroll(classes="settings-body"):
+                yield Label("System prompt")
+                yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True,
+                               tab_behavior="focus")
+                with Grid(classes="settings-grid"):
+                    for name, label in (("temperature", "Temperature"), ("top_p", "Top-p"),
+                                        ("top_k", "Top-k"), ("max_tokens", "Max tokens"),
+                                        ("seed", "Seed")):
+                        yield Label(label)
+                        kind = "integer" if name in ("top_k", "max_tokens", "seed") else "number"
+                        yield Input(_fmt(getattr(s, name)), id=name, type=kind,
+                                    placeholder=f"default: {_fmt(d.get(name)) or 'engine'}")
+                    yield Label("KV cache")
+                    yield Select([(k, k) for k in KV_FORMATS], id="kv_cache",
+                                 value=s.kv_cache if s.kv_cache in KV_FORMATS else Select.NULL,
+                                 prompt=f"default ({d.get('kv_cache', 'f16')})")
+                    yield Label("Backend")
+                    yield Select([(b, b) for b in BACKENDS], id="backend",
+                                 value=s.backend if s.backend in BACKENDS else Select.NULL,
+                                 prompt=f"default ({d.get('backend', 'auto')})")
+            yield Label("", id="settings-error", classes="dialog-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save (ctrl+s)", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def _read(self) -> ChatSettings:
+        """Collect the form; raises ValueError with a message on a bad number."""
+        def num(name: str, conv):
+            raw = self.query_one(f"#{name}", Input).value.strip()
+            if not raw:
+                return None
+            try:
+                return conv(raw)
+            except ValueError:
+                raise ValueError(f"{name}: '{raw}' is not a valid number") from None
+
+        vals = {n: num(n, float) for n in ("temperature", "top_p")}
+        vals.update({n: num(n, int) for n in ("top_k", "max_tokens", "seed")})
+        if vals["temperature"] is not None and vals["temperature"] < 0:
+            raise ValueError("temperature must be >= 0")
+        if vals["top_p"] is not None and not 0 < vals["top_p"] <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if vals["top_k"] is not None and vals["top_k"] < 0:
+            raise ValueError("top_k must be >= 0 (0 = off)")
+        if vals["max_tokens"] is not None and vals["max_tokens"] < 1:
+            raise ValueError("max tokens must be >= 1")
+        kv = self.query_one("#kv_cache", Select).value
+        be = self.query_one("#backend", Select).value
+        return ChatSettings(
+            system_prompt=self.query_one("#system_prompt", TextArea).text,
+            kv_cache=kv if isinstance(kv, str) else None,
+            backend=be if isinstance(be, str) else None,
+            **vals,
+        )
+
+    def action_save(self) -> None:
+        """Validate and dismiss with the new settings (or show what is wrong)."""
+        try:
+            settings = self._read()
+        except ValueError as e:
+            self.query_one("#settings-error", Label).update(str(e))
+            return
+        self.dismiss(settings)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
