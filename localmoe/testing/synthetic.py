@@ -1,0 +1,720 @@
+"""Random-weight model files in llama.cpp's exact GGUF layout (and tiny HF checkpoints).
+
+No real MoE weights are reachable offline, so MoE architectures are tested on files this module
+writes with ``gguf.GGUFWriter``: tensor names, ggml shapes and metadata keys are those llama.cpp's
+converter (``convert_hf_to_gguf.py``) writes and ``src/llama-model.cpp`` expects for
+``qwen3moe``, ``qwen2moe`` (shared expert + sigmoid gate), ``olmoe``, Mixtral-style ``llama``
+(stacked ``ffn_*_exps``) and dense ``llama``. Each file carries a small byte-level BPE tokenizer
+(``tokenizer.ggml.model = gpt2``: 256 byte tokens, merges learned from a built-in English text,
+ChatML control tokens, a ChatML chat template) so llama.cpp accepts it.
+
+Presets (:data:`PRESETS`):
+
+* ``tiny-*``: 2 layers, d_model 256, for CI. Default storage mix like real downloads: Q8_0
+  attention and embeddings, Q4_K experts / FFN, Q6_K output, F32 norms and routers; quantized with
+  ``gguf.quants.quantize`` (Q4_0..Q8_0) or this module's K-quant quantizers (``gguf`` has no K-quant
+  quantizer). ``quant="f32"`` / ``"f16"`` writes unquantized weights instead.
+* ``qwen3-30b-a3b``, ``olmoe-1b-7b``, ``mixtral-8x7b``: real geometries for benchmarks (Q4_K
+  experts, Q8_0 attention, Q6_K output). Their blocks are random *valid* blocks generated directly
+  (quantizing 30 B random floats would take hours); ``n_layers=`` writes a truncated copy.
+
+API: ``write_gguf(path, preset, seed=0) -> Path``, ``write_hf(dir, preset, seed=0) -> Path``.
+CLI: ``python -m localmoe.testing.synthetic --preset tiny-qwen3moe --out /tmp/x.gguf [--hf]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+__all__ = [
+    "Preset",
+    "PRESETS",
+    "write_gguf",
+    "write_hf",
+    "build_tokenizer",
+    "quantize_blocks",
+    "CHATML_TEMPLATE",
+]
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Own English text the tiny BPE vocabulary is learned from (deterministic merges).
+_BPE_TEXT = """
+The quick brown fox jumps over the lazy dog. A mixture of experts model routes every token to a
+few experts chosen by a small router network, and only those experts run for that token. This
+keeps the compute per token low while the total number of parameters stays large. The model
+reads the prompt, then writes one token at a time; each new token attends to all the tokens
+before it through the key and value cache. When the cache is quantized to a few bits per value,
+more tokens fit in the same memory, and the answer should stay the same. Tests compare the
+logits of this program with the logits of another program on the same file, position by
+position, and they agree when the code is right. Hello world! It is 2025 and the weather is
+fine; there are 7 days in a week, 24 hours in a day and 60 minutes in an hour. Please answer the
+question in one short sentence, then stop.
+"""
+
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (openai/gpt-2 encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A byte-level BPE vocabulary (GGUF ``gpt2`` model).
+
+    Attributes:
+        tokens: token strings (byte-unicode encoded), id = index.
+        token_types: GGUF token types (1 normal, 3 control).
+        merges: ``"a b"`` merge rules, highest priority first.
+        bos_id, eos_id, pad_id, im_start_id, im_end_id: special ids.
+    """
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    im_start_id: int
+    im_end_id: int
+
+
+def build_tokenizer(n_merges: int = 200, vocab_size: int | None = None) -> Tokenizer:
+    """Learn ``n_merges`` BPE merges from the built-in text; optionally pad to ``vocab_size``.
+
+    Padding tokens are plain ASCII strings ``[pad<i>]`` (normal tokens that no merge produces).
+    Specials follow the merges: ``<|endoftext|>`` (bos/pad), ``<|im_start|>``, ``<|im_end|>``
+    (eos), typed control (3).
+    """
+    b2u = _bytes_to_unicode()
+    byte_tokens = [b2u[b] for b in range(256)]
+    words = re.findall(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+", _BPE_TEXT)
+    counts = Counter("".join(b2u[b] for b in w.encode("utf-8")) for w in words)
+    seqs = {w: list(w) for w in counts}
+    merges: list[str] = []
+    vocab = list(byte_tokens)
+    known = set(vocab)
+    for _ in range(n_merges):
+        pairs: Counter = Counter()
+        for w, c in counts.items():
+            s = seqs[w]
+            for a, b in zip(s, s[1:]):
+                pairs[(a, b)] += c
+        if not pairs:
+            break
+        best = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))[0]  # deterministic tie-break
+        a, b = best
+        merged = a + b
+        merges.append(f"{a} {b}")
+        if merged not in known:
+            vocab.append(merged)
+            known.add(merged)
+        for w, s in seqs.items():
+            i, out = 0, []
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    types = [1] * len(vocab)
+    n_base = len(vocab)
+    if vocab_size is not None:
+        need = vocab_size - n_base - len(_SPECIALS)
+        if need < 0:
+            raise ValueError(f"vocab_size {vocab_size} < {n_base + len(_SPECIALS)} base tokens")
+        vocab += [f"[pad{i}]" for i in range(need)]
+        types += [1] * need
+    first_special = len(vocab)
+    vocab += _SPECIALS
+    types += [3] * len(_SPECIALS)
+    eot, ims, ime = first_special, first_special + 1, first_special + 2
+    return Tokenizer(vocab, types, merges, bos_id=eot, eos_id=ime, pad_id=eot, im_start_id=ims, im_end_id=ime)
+
+
+# ---------------------------------------------------------------------------------------------
+# presets
+# ---------------------------------------------------------------------------------------------
+
+_MIXED = {"embd": "Q8_0", "attn": "Q8_0", "ffn": "Q4_K", "exps": "Q4_K", "shexp": "Q4_K", "output": "Q6_K"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Geometry and storage of a synthetic model (project vocabulary; see ModelSpec)."""
+
+    name: str
+    arch: str                      # GGUF general.architecture
+    hf_arch: str | None            # transformers model_type for write_hf, None if not offered
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int | None = None  # None: tokenizer size (tiny presets)
+    d_ff: int = 0                  # dense FFN (dense llama)
+    n_experts: int = 0
+    top_k: int = 0
+    d_ff_expert: int = 0
+    d_ff_shared: int = 0           # qwen2moe shared expert
+    n_ctx: int = 4096
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    add_bos: bool = False
+    tokenizer_pre: str = "qwen2"
+    qtypes: dict = field(default_factory=lambda: dict(_MIXED))
+    real_geometry: bool = False    # random valid blocks instead of quantizing floats
+    extra_kv: dict = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+def _tiny(name, arch, hf_arch, **kw) -> Preset:
+    base = dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, n_ctx=2048)
+    base.update(kw)
+    return Preset(name=name, arch=arch, hf_arch=hf_arch, **base)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        _tiny("tiny-qwen3moe", "qwen3moe", "qwen3_moe", n_experts=8, top_k=2, d_ff_expert=256,
+              d_ff=768, rope_base=1e6),
+        _tiny("tiny-qwen2moe", "qwen2moe", "qwen2_moe", n_experts=8, top_k=2, d_ff_expert=256,
+              d_ff_shared=512, d_ff=768, rope_base=1e6),
+        _tiny("tiny-olmoe", "olmoe", "olmoe", n_kv_heads=4, n_experts=8, top_k=2, d_ff_expert=256,
+              d_ff=256, norm_eps=1e-5),
+        _tiny("tiny-mixtral", "llama", "mixtral", n_experts=4, top_k=2, d_ff_expert=256, d_ff=256,
+              rope_base=1e6, norm_eps=1e-5, add_bos=True, tokenizer_pre="llama-bpe"),
+        _tiny("tiny-llama", "llama", "llama", d_ff=512, norm_eps=1e-5, add_bos=True,
+              tokenizer_pre="llama-bpe", tie_embeddings=True),
+        Preset("qwen3-30b-a3b", "qwen3moe", "qwen3_moe", n_layers=48, d_model=2048, n_heads=32,
+               n_kv_heads=4, head_dim=128, vocab_size=151936, d_ff=6144, n_experts=128, top_k=8,
+               d_ff_expert=768, n_ctx=40960, rope_base=1e6, real_geometry=True),
+        Preset("olmoe-1b-7b", "olmoe", "olmoe", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16,
+               head_dim=128, vocab_size=50304, d_ff=1024, n_experts=64, top_k=8, d_ff_expert=1024,
+               n_ctx=4096, norm_eps=1e-5, real_geometry=True),
+        Preset("mixtral-8x7b", "llama", "mixtral", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+               head_dim=128, vocab_size=32000, d_ff=14336, n_experts=8, top_k=2, d_ff_expert=14336,
+               n_ctx=32768, rope_base=1e6, norm_eps=1e-5, add_bos=True, tokenizer_pre="llama-bpe",
+               real_geometry=True),
+    ]
+}
+
+
+def _resolve(preset: str | Preset, n_layers: int | None, quant: str | None) -> Preset:
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise KeyError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        preset = PRESETS[preset]
+    if n_layers is not None:
+        preset = replace(preset, n_layers=int(n_layers))
+    if quant is not None:
+        q = quant.upper()
+        if q == "MIXED":
+            preset = replace(preset, qtypes=dict(_MIXED))
+        else:
+            preset = replace(preset, qtypes={k: q for k in _MIXED})
+    return preset
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization (numpy) of GGML blocks
+# ---------------------------------------------------------------------------------------------
+
+def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales + 8 six-bit mins -> 12 bytes (inverse of ggml get_scale_min_k4)."""
+    sc = sc.astype(np.uint8)
+    mn = mn.astype(np.uint8)
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _quant_k_asym(x: np.ndarray, nmax: int):
+    """Shared Q4_K/Q5_K step: x [n, 8, 32] -> (d, dmin fp16 bytes, sc, mn, q in [0, nmax])."""
+    n = x.shape[0]
+    mn_v = np.minimum(x.min(-1), 0.0)
+    mx_v = x.max(-1)
+    scale = (mx_v - mn_v) / nmax
+    minv = -mn_v
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (minv.max(-1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), 0, 63), 0)
+        mq = np.where(dmin32 > 0, np.clip(np.rint(minv / dmin32), 0, 63), 0)
+        S = (d32 * sc)[..., None]
+        M = (dmin32 * mq)[..., None]
+        q = np.where(S > 0, np.clip(np.rint((x + M) / S), 0, nmax), 0).astype(np.uint8)
+    head = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
+                           _pack_k_scales(sc, mq)], axis=1)
+    return head, q
+
+
+def _quant_q4_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    head, q = _quant_k_asym(x.reshape(n, 8, 32), 15)
+    q = q.reshape(n, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    return np.concatenate([head, qs], axis=1)
+
+
+def _quant_q5_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    head, q = _quant_k_asym(x.reshape(n, 8, 32), 31)          # q [n, 8, 32]
+    hi = (q >> 4) & 1
+    qh = np.zeros((n, 32), dtype=np.uint8)
+    for j in range(8):                                         # 8 bit planes (not a loop over blocks)
+        qh |= hi[:, j] << j
+    lo = (q & 0x0F).reshape(n, 4, 2, 32)
+    qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
+    return np.concatenate([head, qh, qs], axis=1)
+
+
+def _quant_q6_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    xs = x.reshape(n, 16, 16)
+    amax = np.abs(xs).max(-1)
+    scale = amax / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), -128, 127), 0).astype(np.int8)
+        S = (d32 * sc.astype(np.float32))[..., None]
+        q = np.where(S != 0, np.clip(np.rint(xs / S), -32, 31), 0).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(n, 2, 4, 32)               # [half, group, 32]
+    lo = (q & 0x0F).reshape(n, 2, 2, 64)
+    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
+    hi = (q >> 4) & 0x03                                       # [n, 2, 4, 32]
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
+
+
+_K_QUANTIZERS = {"Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k}
+
+
+def quantize_blocks(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Quantize float32 ``x`` (last dim a multiple of the block size) to GGML blocks.
+
+    Uses ``gguf.quants.quantize`` where it exists (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and
+    this module's simple K-quant quantizers for Q4_K / Q5_K / Q6_K (round-to-nearest per
+    sub-block with 6-bit (Q4_K/Q5_K) or int8 (Q6_K) sub-block scales; valid blocks whose
+    ``gguf.quants.dequantize`` is close to ``x``, not llama.cpp's optimized search).
+
+    Returns:
+        ``np.ndarray`` (uint8 block bytes, shape ``(*x.shape[:-1], row_bytes)``) or, for F32/F16,
+        the converted float array.
+    """
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if qtype in _K_QUANTIZERS:
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        if x.shape[-1] % bs:
+            raise ValueError(f"{qtype} needs rows that are a multiple of {bs}, got {x.shape}")
+        blocks = _K_QUANTIZERS[qtype](x.reshape(-1, bs))
+        return blocks.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)
+    return gguf.quants.quantize(x, qt)
+
+
+def _random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Random *valid* blocks with value std ~ ``std`` (fast path for real geometries)."""
+    import gguf
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    n = math.prod(shape) // bs
+    b = np.frombuffer(rng.bytes(n * ts), dtype=np.uint8).reshape(n, ts).copy()
+
+    def f16(v):
+        return np.full((n, 1), v, dtype=np.float16).view(np.uint8)
+
+    if qtype == "Q8_0":
+        b[:, 0:2] = f16(std / 74.0)
+    elif qtype == "Q4_0":
+        b[:, 0:2] = f16(std / 4.6)
+    elif qtype == "Q4_K":
+        b[:, 0:2] = f16(std / (31.5 * 4.6 * 1.2))
+        b[:, 2:4] = f16(std / (31.5 * 4.6 * 1.2) * 7.5)
+    elif qtype == "Q5_K":
+        b[:, 0:2] = f16(std / (31.5 * 9.2 * 1.2))
+        b[:, 2:4] = f16(std / (31.5 * 9.2 * 1.2) * 15.5)
+    elif qtype == "Q6_K":
+        b[:, 208:210] = f16(std / (74.0 * 18.5))
+    else:
+        raise ValueError(f"no random-block generator for {qtype}")
+    return b.reshape(*shape[:-1], shape[-1] // bs * ts)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor plan (llama.cpp layout)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _T:
+    name: str
+    shape: tuple[int, ...]     # torch order
+    role: str                  # norm | router | bias | embd | attn | ffn | exps | shexp | output
+    std: float
+    mean: float = 0.0
+
+
+def _plan(p: Preset, vocab: int) -> list[_T]:
+    D, H, KV, hd = p.d_model, p.n_heads, p.n_kv_heads, p.head_dim
+    s_in = 1.0 / math.sqrt(D)
+    out: list[_T] = [_T("token_embd.weight", (vocab, D), "embd", 1.0)]
+    for i in range(p.n_layers):
+        b = f"blk.{i}."
+        out += [
+            _T(b + "attn_norm.weight", (D,), "norm", 0.1, 1.0),
+            _T(b + "attn_q.weight", (H * hd, D), "attn", s_in),
+            _T(b + "attn_k.weight", (KV * hd, D), "attn", s_in),
+            _T(b + "attn_v.weight", (KV * hd, D), "attn", s_in),
+            _T(b + "attn_output.weight", (D, H * hd), "attn", 1.0 / math.sqrt(H * hd)),
+            _T(b + "ffn_norm.weight", (D,), "norm", 0.1, 1.0),
+        ]
+        if p.arch == "qwen2moe":
+            out += [_T(b + "attn_q.bias", (H * hd,), "bias", 0.1), _T(b + "attn_k.bias", (KV * hd,), "bias", 0.1),
+                    _T(b + "attn_v.bias", (KV * hd,), "bias", 0.1)]
+        if p.arch in ("qwen3moe",):
+            out += [_T(b + "attn_q_norm.weight", (hd,), "norm", 0.1, 1.0), _T(b + "attn_k_norm.weight", (hd,), "norm", 0.1, 1.0)]
+        if p.arch == "olmoe":
+            out += [_T(b + "attn_q_norm.weight", (H * hd,), "norm", 0.1, 1.0),
+                    _T(b + "attn_k_norm.weight", (KV * hd,), "norm", 0.1, 1.0)]
+        if p.is_moe:
+            E, F = p.n_experts, p.d_ff_expert
+            out += [
+                _T(b + "ffn_gate_inp.weight", (E, D), "router", s_in),
+                _T(b + "ffn_gate_exps.weight", (E, F, D), "exps", s_in),
+                _T(b + "ffn_up_exps.weight", (E, F, D), "exps", s_in),
+                _T(b + "ffn_down_exps.weight", (E, D, F), "exps", 1.0 / math.sqrt(F)),
+            ]
+            if p.d_ff_shared:
+                Fs = p.d_ff_shared
+                out += [
+                    _T(b + "ffn_gate_inp_shexp.weight", (D,), "router", s_in),
+                    _T(b + "ffn_gate_shexp.weight", (Fs, D), "shexp", s_in),
+                    _T(b + "ffn_up_shexp.weight", (Fs, D), "shexp", s_in),
+                    _T(b + "ffn_down_shexp.weight", (D, Fs), "shexp", 1.0 / math.sqrt(Fs)),
+                ]
+        else:
+            F = p.d_ff
+            out += [
+                _T(b + "ffn_gate.weight", (F, D), "ffn", s_in),
+                _T(b + "ffn_up.weight", (F, D), "ffn", s_in),
+                _T(b + "ffn_down.weight", (D, F), "ffn", 1.0 / math.sqrt(F)),
+            ]
+    out.append(_T("output_norm.weight", (D,), "norm", 0.1, 1.0))
+    if not p.tie_embeddings:
+        out.append(_T("output.weight", (vocab, D), "output", 2.0 * s_in))
+    return out
+
+
+def _storage(p: Preset, t: _T) -> str:
+    if t.role in ("norm", "router", "bias"):
+        return "F32"
+    q = p.qtypes.get(t.role, "F32")
+    if q in ("F32", "F16", "BF16"):
+        return q
+    import gguf
+
+    bs = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]][0]
+    if t.shape[-1] % bs:
+        # llama.cpp falls back the same way for rows that do not fill a block
+        return "Q8_0" if t.shape[-1] % 32 == 0 else "F16"
+    return q
+
+
+def _gen(rng: np.random.Generator, p: Preset, t: _T, qtype: str):
+    """Array to write for tensor t: float array (F32/F16/BF16 via gguf) or uint8 blocks."""
+    import gguf
+
+    if p.real_geometry and qtype not in ("F32", "F16", "BF16"):
+        return _random_blocks(rng, qtype, t.shape, t.std)
+    x = rng.standard_normal(t.shape, dtype=np.float32) * np.float32(t.std) + np.float32(t.mean)
+    if qtype == "F32":
+        return x
+    if qtype == "F16":
+        return x.astype(np.float16)
+    if qtype == "BF16":
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16)
+    return quantize_blocks(x, qtype)
+
+
+def _metadata(p: Preset, tok: Tokenizer) -> list[tuple[str, str, Any]]:
+    a = p.arch
+    kv: list[tuple[str, str, Any]] = [
+        ("general.name", "str", f"synthetic {p.name}"),
+        ("general.type", "str", "model"),
+        ("general.quantization_version", "u32", 2),
+        (f"{a}.context_length", "u32", p.n_ctx),
+        (f"{a}.embedding_length", "u32", p.d_model),
+        (f"{a}.block_count", "u32", p.n_layers),
+        (f"{a}.attention.head_count", "u32", p.n_heads),
+        (f"{a}.attention.head_count_kv", "u32", p.n_kv_heads),
+        (f"{a}.rope.freq_base", "f32", p.rope_base),
+        (f"{a}.attention.layer_norm_rms_epsilon", "f32", p.norm_eps),
+        (f"{a}.vocab_size", "u32", len(tok.tokens)),
+    ]
+    if p.head_dim != p.d_model // p.n_heads or a in ("qwen3moe",):
+        kv += [(f"{a}.attention.key_length", "u32", p.head_dim), (f"{a}.attention.value_length", "u32", p.head_dim)]
+    kv.append((f"{a}.rope.dimension_count", "u32", p.head_dim))
+    if p.is_moe:
+        # llama (Mixtral) and olmoe size their experts with feed_forward_length
+        ff = p.d_ff_expert if a in ("llama", "olmoe") else (p.d_ff or p.d_ff_expert)
+        kv += [
+            (f"{a}.feed_forward_length", "u32", ff),
+            (f"{a}.expert_count", "u32", p.n_experts),
+            (f"{a}.expert_used_count", "u32", p.top_k),
+        ]
+        if a in ("qwen3moe", "qwen2moe"):
+            kv.append((f"{a}.expert_feed_forward_length", "u32", p.d_ff_expert))
+        if p.d_ff_shared:
+            kv.append((f"{a}.expert_shared_feed_forward_length", "u32", p.d_ff_shared))
+    else:
+        kv.append((f"{a}.feed_forward_length", "u32", p.d_ff))
+    kv += [
+        ("tokenizer.ggml.model", "str", "gpt2"),
+        ("tokenizer.ggml.pre", "str", p.tokenizer_pre),
+        ("tokenizer.ggml.tokens", "arr", tok.tokens),
+        ("tokenizer.ggml.token_type", "arr_i32", tok.token_types),
+        ("tokenizer.ggml.merges", "arr", tok.merges),
+        ("tokenizer.ggml.bos_token_id", "u32", tok.bos_id),
+        ("tokenizer.ggml.eos_token_id", "u32", tok.eos_id),
+        ("tokenizer.ggml.padding_token_id", "u32", tok.pad_id),
+        ("tokenizer.ggml.add_bos_token", "bool", p.add_bos),
+        ("tokenizer.chat_template", "str", CHATML_TEMPLATE),
+    ]
+    for k, v in p.extra_kv.items():
+        kv.append((k.replace("{arch}", a), "auto", v))
+    return kv
+
+
+def _add_kv(w, key: str, kind: str, val: Any) -> None:
+    import gguf
+
+    if kind == "str":
+        w.add_string(key, val)
+    elif kind == "u32":
+        w.add_uint32(key, int(val))
+    elif kind == "f32":
+        w.add_float32(key, float(val))
+    elif kind == "bool":
+        w.add_bool(key, bool(val))
+    elif kind == "arr":
+        w.add_array(key, val)
+    elif kind == "arr_i32":
+        w.add_key_value(key, list(val), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    elif kind == "auto":
+        if isinstance(val, bool):
+            w.add_bool(key, val)
+        elif isinstance(val, int):
+            w.add_uint32(key, val)
+        elif isinstance(val, float):
+            w.add_float32(key, val)
+        elif isinstance(val, str):
+            w.add_string(key, val)
+        else:
+            w.add_array(key, val)
+    else:  # pragma: no cover
+        raise ValueError(kind)
+
+
+def write_gguf(path: str | Path, preset: str | Preset, seed: int = 0, *, quant: str | None = None,
+               n_layers: int | None = None, split_max_tensors: int = 0) -> Path:
+    """Write a random-weight GGUF file for ``preset`` (a :data:`PRESETS` key or a :class:`Preset`).
+
+    Args:
+        path: output file. With ``split_max_tensors > 0`` llama.cpp-style shards
+            ``<stem>-0000k-of-0000n.gguf`` are written next to it and the first shard's path is
+            returned.
+        seed: RNG seed; the same (preset, seed, quant) gives byte-identical files.
+        quant: override the storage of every weight matrix: ``"f32"``, ``"f16"``, ``"q8_0"``,
+            ``"q4_k"``, ... or ``"mixed"`` (norms and routers stay F32).
+        n_layers: write only this many layers (e.g. a 4-layer Qwen3-30B-A3B for quick benchmarks).
+    Returns:
+        Path of the file (first shard when split).
+
+    Tensors are generated and written one at a time, so memory stays at one tensor even for the
+    real-geometry presets (Qwen3-30B-A3B is ~17 GB on disk).
+    """
+    import gguf
+
+    p = _resolve(preset, n_layers, quant)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(vocab_size=p.vocab_size)
+    vocab = len(tok.tokens)
+    plan = _plan(p, vocab)
+    w = gguf.GGUFWriter(path, p.arch, split_max_tensors=split_max_tensors)
+    for key, kind, val in _metadata(p, tok):
+        _add_kv(w, key, kind, val)
+    storages = []
+    for t in plan:
+        q = _storage(p, t)
+        qt = gguf.GGMLQuantizationType[q]
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        nbytes = math.prod(t.shape) // bs * ts
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes, raw_dtype=qt)
+        storages.append(q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for t, q in zip(plan, storages):
+        arr = _gen(rng, p, t, q)
+        w.write_tensor_data(np.ascontiguousarray(arr))
+    w.close()
+    if split_max_tensors and len(w.tensors) > 1:
+        return w.format_shard_names(path)[0]
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# HF checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def _hf_config(p: Preset, vocab: int, tok: Tokenizer):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab, hidden_size=p.d_model, num_hidden_layers=p.n_layers,
+        num_attention_heads=p.n_heads, num_key_value_heads=p.n_kv_heads,
+        max_position_embeddings=p.n_ctx, rms_norm_eps=p.norm_eps, rope_theta=p.rope_base,
+        tie_word_embeddings=p.tie_embeddings, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id, initializer_range=0.5 / math.sqrt(p.d_model) * 2,
+    )
+    t = p.hf_arch
+    if t == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(intermediate_size=p.d_ff or p.d_ff_expert, moe_intermediate_size=p.d_ff_expert,
+                                num_experts=p.n_experts, num_experts_per_tok=p.top_k, norm_topk_prob=True,
+                                head_dim=p.head_dim, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    elif t == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(intermediate_size=p.d_ff or p.d_ff_expert, moe_intermediate_size=p.d_ff_expert,
+                                shared_expert_intermediate_size=p.d_ff_shared, num_experts=p.n_experts,
+                                num_experts_per_tok=p.top_k, norm_topk_prob=False, decoder_sparse_step=1,
+                                mlp_only_layers=[], **common)
+    elif t == "olmoe":
+        cfg = tf.OlmoeConfig(intermediate_size=p.d_ff_expert, num_experts=p.n_experts,
+                             num_experts_per_tok=p.top_k, norm_topk_prob=False, **common)
+    elif t == "mixtral":
+        cfg = tf.MixtralConfig(intermediate_size=p.d_ff_expert, num_local_experts=p.n_experts,
+                               num_experts_per_tok=p.top_k, head_dim=p.head_dim, **common)
+    elif t == "llama":
+        cfg = tf.LlamaConfig(intermediate_size=p.d_ff, head_dim=p.head_dim, **common)
+    else:
+        raise ValueError(f"preset {p.name} has no HF architecture")
+    return cfg
+
+
+def _hf_tokenizer_files(out: Path, tok: Tokenizer) -> None:
+    """tokenizer.json (byte-level BPE via the ``tokenizers`` library) + tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, pre_tokenizers
+
+    n_regular = len(tok.tokens) - len(_SPECIALS)
+    vocab = {t: i for i, t in enumerate(tok.tokens[:n_regular])}
+    merges = [tuple(m.split(" ", 1)) for m in tok.merges]
+    t = HFTok(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in _SPECIALS])
+    t.save(str(out / "tokenizer.json"))
+    cfg = {
+        "bos_token": tok.tokens[tok.bos_id], "eos_token": tok.tokens[tok.eos_id],
+        "pad_token": tok.tokens[tok.pad_id], "chat_template": CHATML_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def write_hf(dir: str | Path, preset: str | Preset, seed: int = 0, *, max_shard_size: str | None = None) -> Path:
+    """Write a tiny random HF checkpoint (config.json + safetensors + tokenizer files).
+
+    The model is built by ``transformers`` itself (``AutoModelForCausalLM.from_config`` under
+    ``torch.manual_seed(seed)``, initializer_range ~ 1/sqrt(d_model) so logits are not flat) and
+    saved with ``save_pretrained`` (safetensors; ``max_shard_size="100KB"`` gives several shards +
+    ``model.safetensors.index.json``), so it loads with ``AutoModelForCausalLM.from_pretrained``.
+
+    Returns:
+        the directory.
+    Raises:
+        ValueError: the preset has no HF architecture.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = _resolve(preset, None, None)
+    if p.real_geometry:
+        raise ValueError(f"write_hf writes tiny checkpoints only; {p.name} is a real geometry")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(vocab_size=p.vocab_size)
+    cfg = _hf_config(p, len(tok.tokens), tok)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # norms: 1 + noise, so a wrong norm mapping shows in the logits
+        for n, prm in model.named_parameters():
+            if prm.ndim == 1 and "norm" in n:
+                prm.add_(torch.randn_like(prm) * 0.1)
+            elif prm.ndim == 1 and n.endswith("bias"):
+                prm.copy_(torch.randn_like(prm) * 0.1)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **kw)
+    _hf_tokenizer_files(out, tok)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m localmoe.testing.synthetic",
+                                 description="write a random-weight GGUF file (or HF dir) in llama.cpp's layout")
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True, help="output .gguf path (or directory with --hf)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quant", default=None, help="f32, f16, q8_0, q4_k, ... or mixed (default: preset's mix)")
+    ap.add_argument("--n-layers", type=int, default=None, help="write only the first N layers")
+    ap.add_argument("--split-max-tensors", type=int, default=0, help="write llama.cpp split shards")
+    ap.add_argument("--hf", action="store_true", help="write an HF safetensors checkpoint directory")
+    a = ap.parse_args(argv)
+    if a.hf:
+        print(write_hf(a.out, a.preset, a.seed))
+    else:
+        print(write_gguf(a.out, a.preset, a.seed, quant=a.quant, n_layers=a.n_layers,
+                         split_max_tensors=a.split_max_tensors))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
