@@ -1,0 +1,564 @@
+"""One shared decoder-only transformer (dense and MoE) built from a :class:`ModelSpec`.
+
+Every family runs through the same block (:meth:`Transformer.block`); ``models/<family>.py``
+only declares what differs (a :class:`Family` subclass). The attention itself is a callback
+(``attn(layer, q, k, v) -> out``) supplied by the caller, so a runner can route it through its
+paged KV cache and a faster backend can override just that op.
+
+Formulas and their sources:
+
+* RMSNorm: ``x / sqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich 2019).
+* RoPE: Su et al. 2021, "RoFormer". Two layouts (llama.cpp ``LLAMA_ROPE_TYPE_NORM`` /
+  ``NEOX``): "norm" rotates interleaved pairs ``(x[2i], x[2i+1])`` (GGUF llama files, whose Q/K
+  rows are permuted for this), "neox" rotates ``(x[i], x[i + d/2])`` (HF layout).
+  ``theta_i = base^(-2i/d)``. Scaling: "linear" (positions / factor, Chen et al. 2023) and
+  "yarn" (Peng et al. 2023, "YaRN": per-frequency blend of interpolation and extrapolation with a
+  linear ramp between ``beta_fast`` and ``beta_slow`` rotations, cos/sin scaled by
+  ``0.1 ln(factor) + 1``), as in HF ``modeling_rope_utils``.
+* Attention: softmax(q k^T * scale) v with causal mask, grouped-query attention (Ainslie et al.
+  2023), optional sliding window (a query at position p sees keys at p - window < j <= p, the
+  llama.cpp/HF convention) and optional logit soft-capping (Gemma 2).
+* FFN: gated linear unit ``down(act(gate x) * up x)`` with SiLU (SwiGLU) or tanh-GELU (GeGLU),
+  Shazeer 2020, "GLU Variants Improve Transformer".
+* MoE: routed experts (localmoe.routing) computed by grouping tokens per expert
+  (argsort + index_add), plus optional shared experts with a sigmoid gate (Qwen2-MoE).
+
+Tensor names are the canonical GGUF names (INTERFACES.md); shapes are torch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import torch
+
+from .errors import UnsupportedModelError
+from .experts import ExpertProvider, ResidentExpertProvider
+from .routing import route, shared_expert_gate
+from .spec import ModelSpec
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# --------------------------------------------------------------------------------------------
+# primitive ops
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x * rsqrt(mean(x^2) + eps) * w`` (Zhang & Sennrich 2019).
+
+    Args:
+        x: ``[..., n]`` float tensor.
+        w: ``[n]`` weight (any offset such as Gemma's ``1 + w`` already applied) or None.
+        eps: epsilon inside the square root.
+
+    Returns:
+        tensor shaped and typed like ``x`` (computed in float32 when ``x`` is half precision).
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        y = y * w.float()
+    return y.to(x.dtype)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The FFN gate activation named by ``ModelSpec.act`` (``silu`` | ``gelu_tanh`` | ``gelu``).
+
+    Raises:
+        UnsupportedModelError: unknown name.
+    """
+    if name == "silu":
+        return torch.nn.functional.silu
+    if name in ("gelu_tanh", "gelu_pytorch_tanh"):
+        return lambda x: torch.nn.functional.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return torch.nn.functional.gelu
+    raise UnsupportedModelError(f"unknown FFN activation {name!r}; supported: silu, gelu_tanh, gelu")
+
+
+def rope_inv_freq(rope_dim: int, base: float, scaling: dict | None = None,
+                  n_ctx_train: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of RoPE, with optional scaling.
+
+    Args:
+        rope_dim: number of rotated dims per head (even).
+        base: RoPE base (``rope.freq_base``).
+        scaling: ``{"type": "linear"|"yarn"|"none", "factor": f, "original_context_length": n,
+            "beta_fast": 32, "beta_slow": 1, "attn_factor": a}``; empty/None for plain RoPE.
+        n_ctx_train: fallback for yarn's original context length.
+
+    Returns:
+        ``(inv_freq [rope_dim // 2] float32, mscale)`` where ``mscale`` multiplies cos and sin
+        (1.0 except for YaRN).
+
+    Raises:
+        UnsupportedModelError: an unknown scaling type.
+    """
+    idx = torch.arange(0, rope_dim, 2, dtype=torch.float64)
+    inv = 1.0 / (base ** (idx / rope_dim))
+    scaling = scaling or {}
+    kind = (scaling.get("type") or scaling.get("rope_type") or "none").lower()
+    factor = float(scaling.get("factor") or 1.0)
+    mscale = 1.0
+    if kind in ("none", "default", "") or factor == 1.0 and kind != "yarn":
+        pass
+    elif kind == "linear":
+        inv = inv / factor
+    elif kind == "yarn":
+        orig = float(scaling.get("original_context_length")
+                     or scaling.get("original_max_position_embeddings") or n_ctx_train or 4096)
+        beta_fast = float(scaling.get("beta_fast") or 32.0)
+        beta_slow = float(scaling.get("beta_slow") or 1.0)
+
+        def corr_dim(n_rot: float) -> float:
+            return (rope_dim * math.log(orig / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(beta_fast)), 0)
+        high = min(math.ceil(corr_dim(beta_slow)), rope_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrap_w = 1.0 - ramp
+        inv = (inv / factor) * (1 - extrap_w) + inv * extrap_w
+        af = scaling.get("attn_factor") or scaling.get("attention_factor")
+        mscale = float(af) if af else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    else:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling type {kind!r}; supported: none, linear, yarn")
+    return inv.float(), mscale
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[T, rope_dim // 2]`` float32 for integer ``positions [T]``."""
+    ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    return torch.cos(ang) * mscale, torch.sin(ang) * mscale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox"
+               ) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` dims of each head (RoFormer, Su et al. 2021).
+
+    Args:
+        x: ``[T, H, D]`` queries or keys.
+        cos, sin: ``[T, R/2]`` from :func:`rope_cos_sin` (R = rotated dims <= D).
+        style: ``"norm"`` (interleaved pairs 2i, 2i+1; llama.cpp NORM) or ``"neox"``
+            (pairs i, i + R/2).
+
+    Returns:
+        ``[T, H, D]`` in the dtype of ``x`` (rotation computed in float32).
+
+    Raises:
+        UnsupportedModelError: unknown style.
+    """
+    half = cos.shape[-1]
+    rd = 2 * half
+    xf = x.float()
+    xr, xp = xf[..., :rd], xf[..., rd:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "neox":
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    elif style == "norm":
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    else:
+        raise UnsupportedModelError(f"unknown rope style {style!r}; expected 'norm' or 'neox'")
+    if xp.shape[-1]:
+        out = torch.cat([out, xp], dim=-1)
+    return out.to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, scale: float,
+              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal (optionally sliding-window) grouped-query attention of new queries over keys.
+
+    The ``T`` queries sit at positions ``q_start .. q_start+T-1``; keys/values at ``0 .. L-1``
+    with ``L >= q_start + T``. Query at position p sees key j iff ``j <= p`` and (no window or
+    ``p - j < window``).
+
+    Args:
+        q: ``[T, H, D]``; k: ``[L, Hkv, D]``; v: ``[L, Hkv, Dv]`` with ``H % Hkv == 0``.
+        q_start: position of the first query (tokens).
+        scale: logit scale (usually ``1/sqrt(D)``).
+        window: sliding window in tokens or None.
+        softcap: ``cap * tanh(logits / cap)`` before the mask (Gemma 2) or None.
+
+    Returns:
+        ``[T, H, Dv]`` float32 (dtype of ``q`` if that is float32/64).
+    """
+    T, H, D = q.shape
+    L, Hkv, _ = k.shape
+    g = H // Hkv
+    qf = q.float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)        # [Hkv, g, T, D]
+    kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
+    vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
+    s = torch.matmul(qf, kf.unsqueeze(1)) * scale                     # [Hkv, g, T, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    qpos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    kpos = torch.arange(L, device=q.device)[None, :]
+    mask = kpos > qpos
+    if window:
+        mask = mask | (qpos - kpos >= window)
+    if bool(mask.any()):
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
+    return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
+
+
+def moe_ffn(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
+            layer: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Routed expert mixture, tokens grouped by expert (no Python loop over tokens).
+
+    The ``N * top_k`` (token, expert) assignments are sorted by expert id (stable argsort); each
+    used expert then runs once on its gathered tokens and the weighted outputs are scattered
+    back with ``index_add_``.
+
+    Args:
+        x: ``[N, d_model]`` FFN input (after the FFN norm).
+        weights: ``[N, top_k]`` float mixing weights (localmoe.routing.route).
+        ids: ``[N, top_k]`` int64 expert ids.
+        provider: where expert weights come from (``prepare`` is called with the used ids).
+        layer: block index.
+        act: gate activation.
+
+    Returns:
+        ``[N, d_model]`` dtype of ``x``.
+    """
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // k
+    w_sorted = weights.reshape(-1)[order].to(x.dtype)
+    counts = torch.bincount(flat, minlength=provider.n_experts)
+    used = torch.nonzero(counts).flatten()
+    provider.prepare(layer, used)
+    ends = torch.cumsum(counts, 0)
+    out = torch.zeros_like(x)
+    used_l = used.tolist()
+    ends_l = ends[used].tolist()
+    cnt_l = counts[used].tolist()
+    for e, end, c in zip(used_l, ends_l, cnt_l):
+        start = end - c
+        t = tok[start:end]
+        xs = x.index_select(0, t)
+        g, u, d = provider.expert(layer, e)
+        h = act(xs @ g.t()) * (xs @ u.t())
+        y = (h @ d.t()) * w_sorted[start:end, None]
+        out.index_add_(0, t, y)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# families
+# --------------------------------------------------------------------------------------------
+
+
+class Family:
+    """What an architecture family changes relative to the shared block.
+
+    Subclasses (one small file per family in ``models/``) set class attributes and may override
+    :meth:`configure`. Features visible from tensor names (q/k norm, q/k/v bias, post norms,
+    shared experts and their gate, dense vs MoE layers) are detected from the file, not declared.
+
+    Attributes:
+        arch: GGUF ``general.architecture``.
+        gguf_rope_style: rotation layout of this arch's GGUF files (``norm`` | ``neox``).
+        gguf_norm_topk_prob: llama.cpp's fixed renormalization choice for this arch (its graph
+            builder hard-codes it), or None to use the spec.
+        qk_norm_full: q/k RMSNorm over the whole projection (OLMoE) instead of per head.
+        act: FFN activation, or None to use ``spec.act``.
+    """
+
+    arch: str = ""
+    gguf_rope_style: str = "neox"
+    gguf_norm_topk_prob: bool | None = None
+    qk_norm_full: bool = False
+    act: str | None = None
+
+    def configure(self, spec: ModelSpec, model_format: str, tensor_names: set[str]) -> ModelSpec:
+        """Return the spec this family runs with (a copy; the loader's spec is not mutated)."""
+        upd: dict = {}
+        if model_format == "gguf":
+            upd["rope_style"] = self.gguf_rope_style
+            if self.gguf_norm_topk_prob is not None and spec.is_moe:
+                upd["norm_topk_prob"] = self.gguf_norm_topk_prob
+        if self.act:
+            upd["act"] = self.act
+        upd["qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_names
+        upd["qk_norm_full"] = self.qk_norm_full
+        upd["post_norms"] = "blk.0.post_attention_norm.weight" in tensor_names or spec.post_norms
+        upd["attn_bias"] = "blk.0.attn_q.bias" in tensor_names
+        upd["tie_embeddings"] = "output.weight" not in tensor_names
+        return dataclasses.replace(spec, **upd)
+
+
+FAMILIES: dict[str, type[Family]] = {}
+
+
+def register_family(arch: str) -> Callable[[type[Family]], type[Family]]:
+    """Class decorator registering a :class:`Family` for GGUF architecture ``arch``."""
+
+    def deco(cls: type[Family]) -> type[Family]:
+        cls.arch = arch
+        FAMILIES[arch] = cls
+        return cls
+
+    return deco
+
+
+def get_family(arch: str) -> Family:
+    """The registered family of ``arch``.
+
+    Raises:
+        UnsupportedModelError: no family registered for ``arch``.
+    """
+    from . import models  # noqa: F401  (registers the built-in families)
+
+    if arch not in FAMILIES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[arch]()
+
+
+# --------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------
+
+_NORM_SUFFIXES = ("_norm.weight",)
+
+
+class Transformer:
+    """A decoder-only transformer: embeddings, ``n_layers`` shared blocks, final norm, lm head.
+
+    Args:
+        spec: the configured spec (see :meth:`Family.configure`).
+        weights: GGUF-named float tensors on one device (norm offsets already applied); the
+            constructor fuses q/k/v and gate/up into single matrices.
+        experts: provider of routed expert weights (None for dense models).
+
+    Raises:
+        ModelLoadError: a required tensor is missing.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
+                 experts: ExpertProvider | None = None):
+        from .errors import ModelLoadError
+
+        self.spec = spec
+        self.experts = experts
+        self._act = activation(spec.act)
+        w = dict(weights)
+
+        def need(name: str) -> torch.Tensor:
+            if name not in w:
+                raise ModelLoadError(f"tensor {name!r} is missing from the model file; the file "
+                                     f"does not match architecture {spec.arch!r}")
+            return w[name]
+
+        self.tok_embd = need("token_embd.weight")
+        self.output = w.get("output.weight", self.tok_embd)
+        self.output_norm = need("output_norm.weight")
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(spec.n_layers):
+            p = f"blk.{i}."
+            L: dict[str, torch.Tensor] = {}
+            L["attn_norm"] = need(p + "attn_norm.weight")
+            q, k, v = need(p + "attn_q.weight"), need(p + "attn_k.weight"), need(p + "attn_v.weight")
+            L["wqkv"] = torch.cat([q, k, v], 0).contiguous()
+            self._q_out, self._k_out = q.shape[0], k.shape[0]
+            if spec.attn_bias:
+                L["bqkv"] = torch.cat([need(p + "attn_q.bias"), need(p + "attn_k.bias"),
+                                       need(p + "attn_v.bias")], 0)
+            L["wo"] = need(p + "attn_output.weight")
+            for opt in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+                if p + opt + ".weight" in w:
+                    L[opt] = w[p + opt + ".weight"]
+            L["ffn_norm"] = need(p + "ffn_norm.weight")
+            if p + "ffn_gate_inp.weight" in w:
+                L["router"] = w[p + "ffn_gate_inp.weight"]
+                if p + "exp_probs_b.bias" in w:
+                    L["exp_bias"] = w[p + "exp_probs_b.bias"]
+                if p + "ffn_up_shexp.weight" in w:
+                    L["sh_gate_up"] = torch.cat([need(p + "ffn_gate_shexp.weight"),
+                                                 need(p + "ffn_up_shexp.weight")], 0).contiguous()
+                    L["sh_down"] = need(p + "ffn_down_shexp.weight")
+                    if p + "ffn_gate_inp_shexp.weight" in w:
+                        L["sh_gate"] = w[p + "ffn_gate_inp_shexp.weight"]
+            else:
+                L["gate_up"] = torch.cat([need(p + "ffn_gate.weight"), need(p + "ffn_up.weight")],
+                                         0).contiguous()
+                L["down"] = need(p + "ffn_down.weight")
+            self.layers.append(L)
+        if any("router" in L for L in self.layers) and experts is None:
+            raise ModelLoadError("the model has MoE layers but no expert provider was given")
+        self.device = self.tok_embd.device
+        self.dtype = self.tok_embd.dtype
+        self.scale = spec.attn_scale if spec.attn_scale else 1.0 / math.sqrt(spec.head_dim)
+        self._rope: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+    # ---- construction from a file ----
+    @classmethod
+    def from_model_file(cls, model_file, *, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32,
+                        experts: ExpertProvider | None = None,
+                        spec: ModelSpec | None = None) -> "Transformer":
+        """Load a model from a :class:`localmoe.loader.ModelFile` (dequantizing every tensor).
+
+        Args:
+            model_file: an open ModelFile (``.spec``, ``.format``, ``.tensor_names()``,
+                ``.load_tensor(name, dtype, device)``).
+            device, dtype: where and in which float type weights live.
+            experts: a custom provider (e.g. offloading); default resident.
+            spec: an already configured spec (default: configure ``model_file.spec``).
+
+        Raises:
+            UnsupportedModelError: unknown architecture; ModelLoadError: missing tensors.
+        """
+        names = set(model_file.tensor_names())
+        if spec is None:
+            spec = get_family(model_file.spec.arch).configure(model_file.spec, model_file.format,
+                                                              names)
+        off = float(spec.norm_weight_offset or 0.0)
+
+        def load(name: str) -> torch.Tensor:
+            t = model_file.load_tensor(name, dtype=torch.float32, device="cpu")
+            if off and name.endswith(_NORM_SUFFIXES):
+                t = t + off
+            return t.to(device=device, dtype=dtype)
+
+        weights = {n: load(n) for n in sorted(names) if "_exps." not in n}
+        if experts is None and spec.is_moe:
+            moe_layers = [i for i in range(spec.n_layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+            experts = ResidentExpertProvider.from_loader(moe_layers, load)
+        return cls(spec, weights, experts)
+
+    # ---- pieces ----
+    def rope_for_layer(self, layer: int) -> tuple[float, dict]:
+        """(rope base, scaling dict) of ``layer``: sliding-window layers of families with a local
+        base (Gemma 3) use ``rope_base_local`` without scaling."""
+        s = self.spec
+        if s.rope_base_local and s.layer_window(layer):
+            return float(s.rope_base_local), {}
+        return float(s.rope_base), dict(s.rope_scaling or {})
+
+    def _inv_freq(self, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+        key = (base, tuple(sorted((k, str(v)) for k, v in scaling.items())))
+        if key not in self._rope:
+            rd = self.spec.rope_dim or self.spec.head_dim
+            inv, ms = rope_inv_freq(rd, base, scaling, self.spec.n_ctx_train)
+            self._rope[key] = (inv.to(self.device), ms)
+        return self._rope[key]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[N]`` int64 token ids -> ``[N, d_model]`` (times ``embed_scale`` if set)."""
+        x = self.tok_embd.index_select(0, tokens)
+        if self.spec.embed_scale:
+            x = x * self.spec.embed_scale
+        return x
+
+    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Dense or MoE FFN of ``layer`` on ``[N, d_model]`` (input already normed)."""
+        L = self.layers[layer]
+        s = self.spec
+        if "router" not in L:
+            gu = x @ L["gate_up"].t()
+            g, u = gu.chunk(2, dim=-1)
+            return (self._act(g) * u) @ L["down"].t()
+        logits = x @ L["router"].t()
+        w, ids = route(logits, s.top_k, gating=s.gating, norm_topk_prob=s.norm_topk_prob,
+                       expert_weights_scale=s.expert_weights_scale,
+                       selection_bias=L.get("exp_bias"))
+        out = moe_ffn(x, w, ids, self.experts, layer, self._act)
+        if "sh_gate_up" in L:
+            gu = x @ L["sh_gate_up"].t()
+            g, u = gu.chunk(2, dim=-1)
+            sh = (self._act(g) * u) @ L["sh_down"].t()
+            if "sh_gate" in L:
+                sh = sh * shared_expert_gate(x, L["sh_gate"])
+            out = out + sh
+        return out
+
+    def block(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              attn: AttnFn) -> torch.Tensor:
+        """One transformer block on ``x [N, d_model]``; ``rope`` = (cos, sin) ``[N, R/2]`` for
+        this layer's base; ``attn(layer, q[N,H,D], k[N,Hkv,D], v[N,Hkv,Dv]) -> [N,H,Dv]``."""
+        s = self.spec
+        L = self.layers[layer]
+        N = x.shape[0]
+        eps = s.norm_eps
+        h = rms_norm(x, L["attn_norm"], eps)
+        qkv = h @ L["wqkv"].t()
+        if "bqkv" in L:
+            qkv = qkv + L["bqkv"]
+        q, k, v = qkv.split([self._q_out, self._k_out, qkv.shape[1] - self._q_out - self._k_out], -1)
+        if s.qk_norm and s.qk_norm_full:
+            q = rms_norm(q, L["attn_q_norm"], eps)
+            k = rms_norm(k, L["attn_k_norm"], eps)
+        q = q.reshape(N, s.n_heads, s.head_dim)
+        k = k.reshape(N, s.n_kv_heads, s.head_dim)
+        v = v.reshape(N, s.n_kv_heads, s.v_head_dim)
+        if s.qk_norm and not s.qk_norm_full:
+            q = rms_norm(q, L["attn_q_norm"], eps)
+            k = rms_norm(k, L["attn_k_norm"], eps)
+        cos, sin = rope
+        q = apply_rope(q, cos, sin, s.rope_style)
+        k = apply_rope(k, cos, sin, s.rope_style)
+        o = attn(layer, q, k, v).reshape(N, -1).to(x.dtype)
+        o = o @ L["wo"].t()
+        if "post_attention_norm" in L:
+            o = rms_norm(o, L["post_attention_norm"], eps)
+        x = x + o
+        f = self.ffn(layer, rms_norm(x, L["ffn_norm"], eps))
+        if "post_ffw_norm" in L:
+            f = rms_norm(f, L["post_ffw_norm"], eps)
+        return x + f
+
+    def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn
+                       ) -> torch.Tensor:
+        """Run all blocks; returns the final-normed hidden states ``[N, d_model]``.
+
+        Args:
+            tokens: ``[N]`` int64 ids (all sequences of a batch concatenated).
+            positions: ``[N]`` int64 absolute positions of those tokens.
+            attn: attention callback (sees each layer's q/k/v after RoPE).
+        """
+        x = self.embed(tokens)
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(self.spec.n_layers):
+            base, scaling = self.rope_for_layer(i)
+            inv, ms = self._inv_freq(base, scaling)
+            key = (base, id(inv))
+            if key not in tables:
+                tables[key] = tuple(t.to(x.dtype) if x.dtype == torch.float64 else t
+                                    for t in rope_cos_sin(positions, inv, ms))
+            x = self.block(i, x, tables[key], attn)
+        return rms_norm(x, self.output_norm, self.spec.norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""
+        out = (hidden @ self.output.t()).float()
+        cap = self.spec.final_logit_softcap
+        if cap:
+            out = cap * torch.tanh(out / cap)
+        return out
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window (tokens) of ``layer`` or None."""
+        return self.spec.layer_window(layer)
+
+    def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Cache-free forward of one sequence at positions ``0..N-1``: ``[N]`` -> logits
+        ``[N, vocab]`` float32 (the test oracle for cached/batched paths)."""
+        pos = torch.arange(tokens.shape[0], device=tokens.device)
+
+        def attn(layer, q, k, v):
+            return attention(q, k, v, q_start=0, scale=self.scale,
+                             window=self.layer_window(layer), softcap=self.spec.attn_logit_softcap)
+
+        return self.logits(self.forward_hidden(tokens, pos, attn))
