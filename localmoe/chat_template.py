@@ -1,0 +1,389 @@
+"""Chat templates: render OpenAI-style messages into a prompt with the model's Jinja template.
+
+Templates come from the model (GGUF ``tokenizer.chat_template``, HF ``tokenizer_config.json``)
+and are untrusted code: they run in Jinja2's ``ImmutableSandboxedEnvironment``. The environment
+matches what transformers' ``apply_chat_template`` gives templates, so that output is
+byte-identical where both can render a template:
+
+* ``trim_blocks=True, lstrip_blocks=True``, the ``loopcontrols`` extension (``break`` /
+  ``continue``) and a ``{% generation %}`` block tag (rendered as its body);
+* globals ``raise_exception(msg)``, ``strftime_now(fmt)`` (local time), ``namespace`` (no
+  underscore-prefixed attributes) and ``dict``;
+* the ``tojson`` filter is ``json.dumps`` (non-ASCII kept, no HTML escaping; ``indent``,
+  ``separators``, ``sort_keys``, ``ensure_ascii`` accepted);
+* variables ``messages``, ``tools``, ``add_generation_prompt``, ``bos_token``, ``eos_token``
+  plus any extra keyword (``enable_thinking=False``, ...).
+
+Messages are normalized first: objects with ``model_dump()`` become dicts, keys whose value is
+``None`` are dropped except ``content``, which becomes ``""``; a ``content`` list made only of
+``{"type": "text"}`` parts is joined into one string; tool-call ``arguments`` given as a JSON
+string (the OpenAI wire format) are decoded into objects, since templates render them with
+``tojson``; ``reasoning``/``thinking`` are aliased to ``reasoning_content`` as transformers does.
+
+Control tokens in the prompt must come only from the template: :meth:`ChatTemplate.encode`
+marks control-token text inside user-supplied strings before rendering and has the tokenizer
+encode those spans as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Iterable
+
+from localmoe.errors import TemplateError
+
+__all__ = ["ChatTemplate", "normalize_messages"]
+
+# Private-use markers wrapped around control-token text found in user strings.
+_MARK_START = "\U000F8FF0"
+_MARK_END = "\U000F8FF1"
+
+
+def _to_plain(value: Any) -> Any:
+    """Rebuild ``value`` from plain JSON types (str/int/float/bool/None/dict/list)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, dict):
+        return {_to_plain(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return _to_plain(dump())
+    return str(value)
+
+
+def _normalize_tool_call(tc: Any) -> Any:
+    tc = _to_plain(tc)
+    if not isinstance(tc, dict):
+        return tc
+    tc = {k: v for k, v in tc.items() if v is not None}
+    fn = tc.get("function")
+    if isinstance(fn, dict):
+        fn = {k: v for k, v in fn.items() if v is not None}
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # not JSON: leave the string, templates usually print strings as-is
+        tc["function"] = fn
+    return tc
+
+
+def normalize_messages(messages: Iterable[Any]) -> list[dict]:
+    """OpenAI chat messages -> plain dicts a chat template can render (see module docstring).
+
+    Raises:
+        TemplateError: a message is not a mapping or has no role.
+    """
+    out = []
+    for k, m in enumerate(messages):
+        m = _to_plain(m)
+        if not isinstance(m, dict):
+            raise TemplateError(f"message {k} must be an object with 'role' and 'content', got {m!r}")
+        if "role" not in m:
+            raise TemplateError(f"message {k} has no 'role'")
+        msg = {key: val for key, val in m.items() if val is not None or key == "content"}
+        content = msg.get("content")
+        if content is None:
+            msg["content"] = ""
+        elif isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in content
+        ):
+            msg["content"] = "".join(str(p.get("text", "")) for p in content)
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_normalize_tool_call(tc) for tc in msg["tool_calls"]]
+        reasoning = next((msg[f] for f in ("reasoning_content", "thinking", "reasoning")
+                          if msg.get(f) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
+    return out
+
+
+def _mark(obj: Any, specials: list[str]) -> Any:
+    """Wrap control-token texts in user strings with the private-use markers."""
+    if isinstance(obj, str):
+        s = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+        for t in specials:  # longest first; markers cannot be part of any token text
+            if t in s:
+                s = s.replace(t, _MARK_START + t + _MARK_END)
+        return s
+    if isinstance(obj, dict):
+        return {k: _mark(v, specials) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_mark(v, specials) for v in obj]
+    return obj
+
+
+def _unmark(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """Remove markers; return the clean text and the spans (start, end) that were marked.
+    A lone marker (a template split the string) is dropped."""
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    i = 0
+    n = len(text)
+    while i < n:
+        j = text.find(_MARK_START, i)
+        k_end = text.find(_MARK_END, i)
+        if j < 0 and k_end < 0:
+            out.append(text[i:])
+            break
+        if j < 0 or (0 <= k_end < j):  # lone end marker
+            out.append(text[i:k_end])
+            pos += k_end - i
+            i = k_end + 1
+            continue
+        out.append(text[i:j])
+        pos += j - i
+        e = text.find(_MARK_END, j + 1)
+        nxt = text.find(_MARK_START, j + 1)
+        if e < 0 or (0 <= nxt < e):  # lone start marker
+            i = j + 1
+            continue
+        inner = text[j + 1:e]
+        out.append(inner)
+        spans.append((pos, pos + len(inner)))
+        pos += len(inner)
+        i = e + 1
+    return "".join(out), spans
+
+
+def _make_env():
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (HF assistant masks): renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # same signature trick as jinja's Namespace
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["namespace"] = TemplateNamespace
+    env.globals["dict"] = TemplateDict()
+    return env
+
+
+_ENV = None
+
+
+def _env():
+    global _ENV
+    if _ENV is None:
+        _ENV = _make_env()
+    return _ENV
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    Args:
+        source: the Jinja template text.
+        bos_token / eos_token: texts exposed to the template as ``bos_token`` / ``eos_token``.
+        control_tokens: texts of the vocabulary's control tokens (used by :meth:`encode` to keep
+            control-token text in user content plain). ``from_model`` fills it.
+    Raises:
+        TemplateError: the template does not parse (message names the line).
+    """
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
+                 control_tokens: Iterable[str] = ()):
+        import jinja2
+
+        if not isinstance(source, str) or not source.strip():
+            raise TemplateError("the chat template is empty")
+        self.source = source
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self.control_tokens = sorted({t for t in control_tokens if t}, key=len, reverse=True)
+        try:
+            self._tpl = _env().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"the chat template has a syntax error at line {e.lineno}: {e.message}") from e
+        except Exception as e:
+            raise TemplateError(f"the chat template cannot be compiled: {e}") from e
+        self._renders_bos: bool | None = None
+
+    @classmethod
+    def from_model(cls, model_file: Any, tokenizer: Any) -> "ChatTemplate | None":
+        """The template of a loaded model, or None when the model has none (base models).
+
+        Args:
+            model_file: a ``ModelFile`` (``.chat_template`` or ``.metadata["tokenizer.chat_template"]``).
+            tokenizer: the model's ``Tokenizer`` (BOS/EOS texts, control-token texts).
+        Raises:
+            TemplateError: the template does not parse.
+        """
+        src = getattr(model_file, "chat_template", None)
+        if src is None:
+            md = getattr(model_file, "metadata", None) or {}
+            src = md.get("tokenizer.chat_template")
+        if not src or not isinstance(src, str):
+            return None
+
+        def text(i):
+            if i is None:
+                return ""
+            return tokenizer.token_bytes(i).decode("utf-8", "replace")
+
+        ctl = []
+        try:
+            ctl = [text(i) for i in tokenizer.control_ids]
+        except Exception:
+            pass
+        return cls(src, bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id),
+                   control_tokens=ctl)
+
+    # ------------------------------------------------------------------ render
+    def _render(self, messages: list[dict], tools, add_generation_prompt: bool, extra: dict) -> str:
+        import jinja2
+        from jinja2.exceptions import SecurityError
+
+        kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        kwargs.update(_to_plain(extra))
+        try:
+            return self._tpl.render(messages=messages, tools=tools,
+                                    add_generation_prompt=bool(add_generation_prompt), **kwargs)
+        except SecurityError as e:
+            raise TemplateError(f"the chat template tried an unsafe operation and was stopped: {e}") from e
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"the chat template raised an error: {e.message or e}") from e
+        except RecursionError as e:
+            raise TemplateError("the chat template recursed too deeply") from e
+        except Exception as e:  # TypeError, KeyError, ... inside template expressions
+            raise TemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+
+    def _prepare(self, messages, tools):
+        msgs = normalize_messages(messages)
+        tools_plain = None if tools is None else _to_plain(list(tools))
+        return msgs, tools_plain
+
+    def render(self, messages: Iterable[Any], tools: list | None = None,
+               add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Render ``messages`` (OpenAI format) into prompt text.
+
+        Args:
+            messages: list of ``{"role", "content", ["tool_calls", "tool_call_id", "name"]}``.
+            tools: OpenAI tool schemas (``[{"type": "function", "function": {...}}]``) or None.
+            add_generation_prompt: append the assistant turn header.
+            **extra: more template variables (``enable_thinking=False``, ...).
+        Returns:
+            the prompt text, BOS text included when the template writes it.
+        Raises:
+            TemplateError: the template raised (message carried), failed, or tried to reach
+                Python internals.
+        """
+        msgs, tools_plain = self._prepare(messages, tools)
+        return self._render(msgs, tools_plain, add_generation_prompt, extra)
+
+    def render_marked(self, messages: Iterable[Any], tools: list | None = None,
+                      add_generation_prompt: bool = True,
+                      **extra: Any) -> tuple[str, list[tuple[int, int]]]:
+        """Like :meth:`render`, also returning the character spans of control-token text that
+        came from messages or tools (not from the template) -- those must be encoded as text."""
+        msgs, tools_plain = self._prepare(messages, tools)
+        if self.control_tokens:
+            msgs = _mark(msgs, self.control_tokens)
+            tools_plain = _mark(tools_plain, self.control_tokens)
+            extra = _mark(_to_plain(extra), self.control_tokens)
+        text = self._render(msgs, tools_plain, add_generation_prompt, extra)
+        return _unmark(text)
+
+    def encode(self, tokenizer: Any, messages: Iterable[Any], tools: list | None = None,
+               add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        """Render and tokenize a chat prompt safely.
+
+        Control tokens come only from the template (the same text inside a message is encoded
+        as plain text); BOS is added only if the model adds one and the template did not
+        already write it.
+
+        Returns:
+            list of int token ids.
+        Raises:
+            TemplateError: as :meth:`render`.
+        """
+        text, spans = self.render_marked(messages, tools, add_generation_prompt, **extra)
+        add_special = not (self.bos_token and text.startswith(self.bos_token))
+        return tokenizer.encode_with_plain_spans(text, spans, add_special=add_special)
+
+    @property
+    def renders_bos(self) -> bool:
+        """True when the rendered prompt starts with the BOS text (the engine must then not add
+        another BOS). Determined by rendering a one-message probe conversation."""
+        if self._renders_bos is None:
+            self._renders_bos = False
+            if self.bos_token:
+                for probe in ([{"role": "user", "content": "Hi"}],
+                              [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]):
+                    try:
+                        out = self.render(probe, add_generation_prompt=True)
+                    except TemplateError:
+                        continue
+                    self._renders_bos = out.startswith(self.bos_token)
+                    break
+        return self._renders_bos
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({len(self.source)} chars, bos={self.bos_token!r}, eos={self.eos_token!r})"

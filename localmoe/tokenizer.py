@@ -1,0 +1,749 @@
+"""Tokenizer for GGUF vocabularies and Hugging Face ``tokenizer.json`` files.
+
+Token ids are meant to be identical to llama.cpp's tokenizer on the same GGUF file
+(``src/llama-vocab.cpp``), which is what users compare us with:
+
+* ``tokenizer.ggml.model == "gpt2"`` -- byte-level BPE. The text is split by the pre-tokenizer
+  regexes named by ``tokenizer.ggml.pre`` (same expressions, same order as llama.cpp's
+  ``llm_tokenizer_bpe``), each piece is mapped to GPT-2's byte-to-unicode alphabet and merged by
+  rank with the file's ``tokenizer.ggml.merges``. ``llama-bpe``/``llama3`` (and ``tekken``) use
+  ``ignore_merges``: a piece that is a whole vocabulary entry is emitted as is.
+* ``tokenizer.ggml.model == "llama"`` -- SentencePiece BPE with byte fallback (Llama-2, Gemma).
+  Spaces become U+2581, an optional space prefix is added, and symbols (UTF-8 characters) are
+  merged greedily by the *score* of the merged piece (highest first, leftmost on ties); a symbol
+  left outside the vocabulary becomes ``<0xXX>`` byte tokens. We express this as a
+  ``tokenizers`` BPE model whose merge ranks are the pieces ordered by score (the construction
+  HF's SentencePiece converter uses), which gives the same result.
+
+Both paths run on the ``tokenizers`` library (Rust). Before the model runs, the text is
+partitioned on special-token text the way llama.cpp's ``tokenizer_st_partition`` does: control
+and unknown tokens are matched only when ``parse_special=True``; user-defined tokens
+(token_type 4) always. Longer special texts are matched first.
+
+A ``tokenizer.json`` (HF model directory) is run through ``tokenizers`` directly; tokens marked
+``special`` are "control" tokens here and follow the same ``parse_special`` rule.
+
+Decoding works on bytes: :meth:`Tokenizer.token_bytes` gives each token's bytes (byte-level
+alphabet undone, U+2581 back to a space, ``<0xXX>`` to its byte), and text is the UTF-8 decoding
+of their concatenation (invalid sequences replaced by U+FFFD). :class:`IncrementalDetokenizer`
+streams the same text in valid UTF-8 pieces.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterable
+
+from localmoe.errors import ModelLoadError, UnsupportedModelError
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "TURN_END_TOKENS", "PRE_TOKENIZER_REGEXES"]
+
+# GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*).
+TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+
+# Texts of control tokens that end a turn / generation (llama.cpp's auto-detected EOG set).
+TURN_END_TOKENS = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<｜end▁of▁sentence｜>",
+    "<|return|>",
+    "<|call|>",
+)
+
+# Pre-tokenizer regexes by llama.cpp pre-type (applied in order, each splitting the pieces of the
+# previous one, matches and gaps both kept).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|"
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|"
+    r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
+PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "llama3": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "smollm": (r"\p{N}", _GPT2),
+    "gpt2": (_GPT2,),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
+    "gpt4o": (_GPT4O,),
+    "tekken": (_TEKKEN,),
+    "deepseek3": _DEEPSEEK3,
+    "chatglm4": (_LLAMA3,),
+}
+
+# tokenizer.ggml.pre name -> (regex family, ignore_merges)
+_PRE_ALIASES: dict[str, tuple[str, bool]] = {
+    "default": ("default", False),
+    "llama3": ("llama3", True),
+    "llama-v3": ("llama3", True),
+    "llama-bpe": ("llama3", True),
+    "falcon3": ("llama3", True),
+    "falcon-h1": ("llama3", True),
+    "pixtral": ("llama3", True),
+    "midm-2.0": ("llama3", True),
+    "lfm2": ("llama3", True),
+    "dbrx": ("llama3", False),
+    "smaug-bpe": ("llama3", False),
+    "qwen2": ("qwen2", False),
+    "deepseek-r1-qwen": ("qwen2", False),
+    "megrez": ("qwen2", False),
+    "stablelm2": ("qwen2", False),
+    "hunyuan": ("qwen2", False),
+    "smollm": ("smollm", False),
+    "starcoder": ("smollm", False),
+    "refact": ("smollm", False),
+    "command-r": ("smollm", False),
+    "codeshell": ("smollm", False),
+    "exaone": ("smollm", False),
+    "minerva-7b": ("smollm", False),
+    "gpt2": ("gpt2", False),
+    "gpt-2": ("gpt2", False),
+    "phi-2": ("gpt2", False),
+    "jina-es": ("gpt2", False),
+    "jina-de": ("gpt2", False),
+    "mpt": ("gpt2", False),
+    "olmo": ("gpt2", False),
+    "jais": ("gpt2", False),
+    "trillion": ("gpt2", False),
+    "granite-docling": ("gpt2", False),
+    "falcon": ("falcon", False),
+    "gpt-4o": ("gpt4o", False),
+    "minimax-m2": ("gpt4o", False),
+    "tekken": ("tekken", True),
+    "deepseek-v3": ("deepseek3", False),
+    "hunyuan-dense": ("deepseek3", False),
+    "chatglm-bpe": ("chatglm4", False),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table (256 entries)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_ENCODER = _bytes_to_unicode()
+_BYTE_DECODER = {c: b for b, c in _BYTE_ENCODER.items()}
+_SPM_SPACE = "\u2581"
+
+
+def _byte_level_to_bytes(text: str) -> bytes:
+    """Undo GPT-2's byte-to-unicode mapping (characters outside the table are kept as UTF-8)."""
+    out = bytearray()
+    for ch in text:
+        b = _BYTE_DECODER.get(ch)
+        if b is None:
+            out += ch.encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+def _parse_byte_token(text: str) -> int | None:
+    """``"<0x0A>"`` -> 10, anything else -> None."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return int(text[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    Build with :meth:`from_model` (a loaded ``ModelFile``), :meth:`from_gguf_metadata` (a GGUF
+    metadata dict) or :meth:`from_hf_dir` (a directory with ``tokenizer.json``).
+
+    Attributes:
+        vocab_size: number of token ids (int).
+        bos_id / eos_id: ids of the BOS / EOS tokens, or None.
+        eog_ids: set of ids that end generation (eos, eot, eom and turn-ending control tokens).
+        add_bos: whether :meth:`encode` with ``add_special=True`` prepends BOS.
+        add_eos: whether :meth:`encode` with ``add_special=True`` appends EOS.
+        kind: ``"bpe"`` (byte-level), ``"spm"`` (SentencePiece-style) or ``"hf"``.
+    """
+
+    def __init__(self) -> None:  # use the from_* constructors
+        self._tk = None  # tokenizers.Tokenizer running the model on raw fragments
+        self._lock = threading.Lock()
+        self.kind = ""
+        self.vocab_size = 0
+        self.bos_id: int | None = None
+        self.eos_id: int | None = None
+        self.eog_ids: set[int] = set()
+        self.add_bos = False
+        self.add_eos = False
+        self.add_space_prefix = False
+        self._tokens: list[str] = []
+        self._types: list[int] = []
+        self._bytes: list[bytes] = []
+        self._special_order: list[tuple[str, int, bool]] = []  # (text, id, always_parsed)
+        self._special_texts: set[str] = set()
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_model(cls, model_file: Any) -> "Tokenizer":
+        """Build the tokenizer of a loaded model.
+
+        Args:
+            model_file: a ``localmoe.loader.ModelFile``; GGUF files use ``.metadata``, HF
+                directories (``.format == "safetensors"``) their ``tokenizer.json``.
+        Raises:
+            ModelLoadError: no usable vocabulary in the model.
+            UnsupportedModelError: a tokenizer type or pre-tokenizer localmoe does not know.
+        """
+        fmt = getattr(model_file, "format", "gguf")
+        if fmt == "safetensors":
+            return cls.from_hf_dir(Path(model_file.path))
+        return cls.from_gguf_metadata(model_file.metadata)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """Build from a GGUF metadata dict (``tokenizer.ggml.*`` keys, arrays as lists).
+
+        Raises:
+            ModelLoadError: tokens/merges missing or inconsistent.
+            UnsupportedModelError: unknown ``tokenizer.ggml.model`` or ``tokenizer.ggml.pre``.
+        """
+        md = metadata
+        model = md.get("tokenizer.ggml.model")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if model is None or not tokens:
+            raise ModelLoadError(
+                "the model file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens "
+                "missing); re-convert it with llama.cpp's convert_hf_to_gguf.py"
+            )
+        tokens = [t if isinstance(t, str) else bytes(t).decode("utf-8", "replace") for t in tokens]
+        n = len(tokens)
+        types = md.get("tokenizer.ggml.token_type") or [TT_NORMAL] * n
+        types = [int(t) for t in types]
+        if len(types) != n:
+            raise ModelLoadError(
+                f"tokenizer.ggml.token_type has {len(types)} entries but there are {n} tokens; "
+                "the file is corrupt"
+            )
+        self = cls()
+        self.vocab_size = n
+        self._tokens = tokens
+        self._types = types
+        pre_default_add_bos = False
+        if model == "gpt2":
+            self.kind = "bpe"
+            pre = md.get("tokenizer.ggml.pre") or "default"
+            if pre not in _PRE_ALIASES:
+                raise UnsupportedModelError(
+                    f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; known: "
+                    f"{', '.join(sorted(_PRE_ALIASES))}"
+                )
+            family, ignore_merges = _PRE_ALIASES[pre]
+            pre_default_add_bos = family == "llama3"
+            merges = md.get("tokenizer.ggml.merges")
+            if not merges:
+                raise ModelLoadError("byte-level BPE vocabulary without tokenizer.ggml.merges")
+            self._tk = _build_bpe(tokens, merges, PRE_TOKENIZER_REGEXES[family], ignore_merges)
+            self.add_space_prefix = False
+        elif model == "llama":
+            self.kind = "spm"
+            scores = md.get("tokenizer.ggml.scores") or [0.0] * n
+            if len(scores) != n:
+                raise ModelLoadError(
+                    f"tokenizer.ggml.scores has {len(scores)} entries but there are {n} tokens"
+                )
+            self._tk = _build_spm(tokens, [float(s) for s in scores])
+            self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+            pre_default_add_bos = True
+        else:
+            raise UnsupportedModelError(
+                f"unsupported tokenizer model tokenizer.ggml.model={model!r} "
+                "(localmoe runs 'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies)"
+            )
+
+        def tid(key: str) -> int | None:
+            v = md.get(key)
+            if v is None:
+                return None
+            v = int(v)
+            return v if 0 <= v < n else None
+
+        self.bos_id = tid("tokenizer.ggml.bos_token_id")
+        self.eos_id = tid("tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", pre_default_add_bos))
+        self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+        if self.bos_id is None:
+            self.add_bos = False
+        if self.eos_id is None:
+            self.add_eos = False
+
+        # token bytes (decode)
+        bl = []
+        for text, tt in zip(tokens, types):
+            if tt in (TT_CONTROL, TT_USER_DEFINED, TT_UNKNOWN, TT_UNUSED):
+                bl.append(text.encode("utf-8"))
+            elif tt == TT_BYTE and _parse_byte_token(text) is not None:
+                bl.append(bytes([_parse_byte_token(text)]))
+            elif self.kind == "bpe":
+                bl.append(_byte_level_to_bytes(text))
+            else:
+                bl.append(text.replace(_SPM_SPACE, " ").encode("utf-8"))
+        self._bytes = bl
+
+        # special-token partition (llama.cpp cache_special_tokens, longest text first)
+        specials = [
+            (text, i, tt == TT_USER_DEFINED)
+            for i, (text, tt) in enumerate(zip(tokens, types))
+            if tt in (TT_CONTROL, TT_USER_DEFINED, TT_UNKNOWN) and text
+        ]
+        specials.sort(key=lambda s: -len(s[0].encode("utf-8")))
+        self._special_order = specials
+
+        # end of generation
+        eog = set()
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                    "tokenizer.ggml.eom_token_id"):
+            i = tid(key)
+            if i is not None:
+                eog.add(i)
+        text_to_id = {}
+        for i, text in enumerate(tokens):
+            text_to_id[text] = i
+        for text in TURN_END_TOKENS:
+            i = text_to_id.get(text)
+            if i is not None and types[i] in (TT_CONTROL, TT_USER_DEFINED):
+                eog.add(i)
+        self.eog_ids = eog
+        return self
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """Build from an HF model directory holding ``tokenizer.json`` (and optionally
+        ``tokenizer_config.json``, ``config.json``, ``generation_config.json``).
+
+        Raises:
+            ModelLoadError: ``tokenizer.json`` missing or unreadable.
+        """
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise ModelLoadError(
+                f"{path} has no tokenizer.json; localmoe needs the fast-tokenizer file "
+                "(save it with transformers' AutoTokenizer.save_pretrained)"
+            )
+        try:
+            tk = HFTokenizer.from_file(str(tj))
+            spec = json.loads(tj.read_text(encoding="utf-8"))
+        except Exception as e:  # corrupt json, unknown component
+            raise ModelLoadError(f"cannot read {tj}: {e}") from e
+
+        def read_json(name: str) -> dict:
+            p = path / name
+            if p.is_file():
+                try:
+                    return json.loads(p.read_text(encoding="utf-8"))
+                except Exception:
+                    return {}
+            return {}
+
+        tcfg, cfg, gcfg = (read_json("tokenizer_config.json"), read_json("config.json"),
+                           read_json("generation_config.json"))
+        self = cls()
+        self.kind = "hf"
+        self._tk = tk
+        n = tk.get_vocab_size(with_added_tokens=True)
+        vocab = tk.get_vocab(with_added_tokens=True)
+        n = max(n, max(vocab.values()) + 1 if vocab else 0)
+        self.vocab_size = n
+        id_to_tok = [""] * n
+        for t, i in vocab.items():
+            id_to_tok[i] = t
+        added = {int(a["id"]): a for a in spec.get("added_tokens", [])}
+        types = [TT_NORMAL] * n
+        for i, a in added.items():
+            if i < n:
+                types[i] = TT_CONTROL if a.get("special") else TT_USER_DEFINED
+                id_to_tok[i] = a["content"]
+        for i, t in enumerate(id_to_tok):
+            if types[i] == TT_NORMAL and _parse_byte_token(t) is not None:
+                types[i] = TT_BYTE
+        self._tokens, self._types = id_to_tok, types
+        dec = json.dumps(spec.get("decoder") or {})
+        byte_level = '"ByteLevel"' in dec
+        norm = json.dumps(spec.get("normalizer") or {}) + json.dumps(spec.get("pre_tokenizer") or {})
+        self.add_space_prefix = ('"Prepend"' in norm) or (
+            '"Metaspace"' in norm and '"never"' not in norm and '"add_prefix_space": false' not in norm
+        )
+        bl = []
+        for t, tt in zip(id_to_tok, types):
+            if tt in (TT_CONTROL, TT_USER_DEFINED):
+                bl.append(t.encode("utf-8"))
+            elif tt == TT_BYTE:
+                bl.append(bytes([_parse_byte_token(t)]))
+            elif byte_level:
+                bl.append(_byte_level_to_bytes(t))
+            else:
+                bl.append(t.replace(_SPM_SPACE, " ").encode("utf-8"))
+        self._bytes = bl
+
+        def tok_id(v: Any) -> int | None:
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str):
+                return vocab.get(v)
+            return None
+
+        self.bos_id = tok_id(tcfg.get("bos_token"))
+        self.eos_id = tok_id(tcfg.get("eos_token"))
+        if self.bos_id is None and isinstance(cfg.get("bos_token_id"), int):
+            self.bos_id = cfg["bos_token_id"]
+        if self.eos_id is None and isinstance(cfg.get("eos_token_id"), int):
+            self.eos_id = cfg["eos_token_id"]
+        # does the post-processor add BOS / EOS?
+        with_sp = tk.encode("a", add_special_tokens=True).ids
+        without = tk.encode("a", add_special_tokens=False).ids
+        self.add_bos = (self.bos_id is not None and len(with_sp) > len(without)
+                        and with_sp[0] == self.bos_id)
+        if "add_bos_token" in tcfg and self.bos_id is not None:
+            self.add_bos = bool(tcfg["add_bos_token"])
+        self.add_eos = (self.eos_id is not None and len(with_sp) > len(without)
+                        and with_sp[-1] == self.eos_id)
+        if "add_eos_token" in tcfg and self.eos_id is not None:
+            self.add_eos = bool(tcfg["add_eos_token"])
+        eog = set()
+        for src in (cfg, gcfg):
+            v = src.get("eos_token_id")
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, int) and 0 <= x < n:
+                    eog.add(x)
+        if self.eos_id is not None:
+            eog.add(self.eos_id)
+        for text in TURN_END_TOKENS:
+            i = vocab.get(text)
+            if i is not None and i in added:
+                eog.add(i)
+        self.eog_ids = eog
+        return self
+
+    # ------------------------------------------------------------------ queries
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of one token as it appears in decoded text (control tokens: their text).
+
+        Raises:
+            IndexError: id outside ``[0, vocab_size)``.
+        """
+        if not 0 <= token_id < len(self._bytes):
+            raise IndexError(f"token id {token_id} outside the vocabulary (0..{self.vocab_size - 1})")
+        return self._bytes[token_id]
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of a token as stored (byte-level / U+2581 form)."""
+        return self._tokens[token_id]
+
+    def token_to_id(self, text: str) -> int | None:
+        """Id of the vocabulary entry ``text`` (stored form), or None."""
+        try:
+            return self._tokens.index(text)
+        except ValueError:
+            return None
+
+    def is_control(self, token_id: int) -> bool:
+        """True for control tokens (GGUF token_type 3 / HF ``special`` added tokens)."""
+        return 0 <= token_id < len(self._types) and self._types[token_id] == TT_CONTROL
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control, unknown and unused tokens (what ``skip_special`` drops)."""
+        return 0 <= token_id < len(self._types) and self._types[token_id] in (
+            TT_CONTROL, TT_UNKNOWN, TT_UNUSED)
+
+    @property
+    def control_ids(self) -> set[int]:
+        """All control token ids (e.g. for the sampler's penalty exemption)."""
+        return {i for i, t in enumerate(self._types) if t == TT_CONTROL}
+
+    # ------------------------------------------------------------------ encode
+    def _partition(self, text: str, parse_special: bool,
+                   plain_spans: list[tuple[int, int]] = ()) -> list[str | int]:
+        """Split ``text`` into raw fragments (str) and special token ids (int), llama.cpp style
+        (``tokenizer_st_partition``): for each special token, longest text first, split every
+        raw fragment on its occurrences. Control tokens are matched only if ``parse_special``,
+        and never inside ``plain_spans`` (character ranges that must stay text)."""
+        frags: list[tuple[int, int] | int] = [(0, len(text))]
+        for stext, sid, always in self._special_order:
+            if not (always or parse_special):
+                continue
+            if stext not in text:
+                continue
+            out: list[tuple[int, int] | int] = []
+            for f in frags:
+                if isinstance(f, int):
+                    out.append(f)
+                    continue
+                start, end = f
+                pos = start
+                while True:
+                    j = text.find(stext, pos, end)
+                    if j < 0:
+                        break
+                    k = j + len(stext)
+                    if not always and any(a < k and j < b for a, b in plain_spans):
+                        pos = j + 1  # user text, not a token: look further
+                        continue
+                    if j > start:
+                        out.append((start, j))
+                    out.append(sid)
+                    start = pos = k
+                if start < end:
+                    out.append((start, end))
+            frags = out
+        return [f if isinstance(f, int) else text[f[0]:f[1]] for f in frags]
+
+    def _encode_raw(self, text: str, is_first: bool) -> list[int]:
+        if self.kind == "spm":
+            if self.add_space_prefix and is_first:
+                text = " " + text
+            text = text.replace(" ", _SPM_SPACE)
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False,
+               plain_spans: list[tuple[int, int]] = ()) -> list[int]:
+        """Text -> token ids.
+
+        Args:
+            text: the text (str).
+            add_special: prepend BOS / append EOS as the model's flags say (``add_bos``,
+                ``add_eos``). Pass False when the chat template already emitted BOS
+                (see ``ChatTemplate.renders_bos``).
+            parse_special: if True, control-token text in ``text`` (``<|im_end|>``) becomes the
+                control token; if False (default) it is encoded as plain text. User-defined
+                tokens are matched either way (as llama.cpp does).
+            plain_spans: with ``parse_special``, character ranges ``(start, end)`` of ``text``
+                where control-token text stays plain text (user content inside a rendered
+                chat, see ``ChatTemplate.encode``).
+        Returns:
+            list of int token ids.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() expects str, got {type(text).__name__}")
+        ids: list[int] = []
+        if add_special and self.add_bos:
+            ids.append(self.bos_id)
+        if self.kind == "hf":
+            ids.extend(self._encode_hf(text, parse_special, plain_spans))
+        else:
+            prev_special = True
+            for f in self._partition(text, parse_special, plain_spans) if text else []:
+                if isinstance(f, int):
+                    ids.append(f)
+                    prev_special = True
+                else:
+                    ids.extend(self._encode_raw(f, prev_special))
+                    prev_special = False
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def _encode_hf(self, text: str, parse_special: bool, plain_spans) -> list[int]:
+        if parse_special and plain_spans:
+            out: list[int] = []
+            pos = 0
+            for a, b in sorted(plain_spans):
+                if a > pos:
+                    out.extend(self._encode_hf(text[pos:a], True, ()))
+                out.extend(self._encode_hf(text[max(a, pos):b], False, ()))
+                pos = max(pos, b)
+            if pos < len(text):
+                out.extend(self._encode_hf(text[pos:], True, ()))
+            return out
+        with self._lock:
+            self._tk.encode_special_tokens = not parse_special
+            try:
+                return self._tk.encode(text, add_special_tokens=False).ids
+            finally:
+                self._tk.encode_special_tokens = False
+
+    def encode_with_plain_spans(self, text: str, plain_spans: list[tuple[int, int]],
+                                add_special: bool = True) -> list[int]:
+        """Encode a rendered chat: control-token text is parsed except inside ``plain_spans``
+        (the spans ``ChatTemplate.render_marked`` reports for user content)."""
+        return self.encode(text, add_special=add_special, parse_special=True, plain_spans=plain_spans)
+
+    def count(self, text: str) -> int:
+        """Number of tokens of ``text`` as a plain completion prompt (with BOS if added)."""
+        return len(self.encode(text))
+
+    # ------------------------------------------------------------------ decode
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        """Concatenated bytes of ``ids`` (see :meth:`token_bytes`)."""
+        out = bytearray()
+        for i in ids:
+            if skip_special and self.is_special(i):
+                continue
+            out += self.token_bytes(i)
+        return bytes(out)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False,
+               strip_prefix_space: bool | None = None) -> str:
+        """Token ids -> text (UTF-8; invalid byte sequences become U+FFFD).
+
+        Args:
+            ids: token ids.
+            skip_special: drop control / unknown / unused tokens (e.g. BOS, ``<|im_end|>``).
+            strip_prefix_space: remove the one space a SentencePiece ``add_space_prefix``
+                vocabulary puts before the first word (default: ``add_space_prefix``), so that
+                ``decode(encode(s)) == s``.
+        """
+        ids = list(ids)
+        if strip_prefix_space is None:
+            strip_prefix_space = self.add_space_prefix
+        data = self.decode_bytes(ids, skip_special)
+        text = data.decode("utf-8", errors="replace")
+        if strip_prefix_space and self.add_space_prefix and text.startswith(" "):
+            # only when the first kept token is ordinary text (llama.cpp's remove_space)
+            first = next((i for i in ids if not self.is_special(i)), None)
+            if first is not None and not self.is_special(first):
+                text = text[1:]
+        return text
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+                f"eos={self.eos_id}, eog={sorted(self.eog_ids)}, add_bos={self.add_bos})")
+
+
+def _build_bpe(tokens: list[str], merges: list[str], regexes: tuple[str, ...],
+               ignore_merges: bool):
+    """A ``tokenizers`` byte-level BPE pipeline equal to llama.cpp's for these regexes."""
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab[t] = i
+    pairs = []
+    for m in merges:
+        if isinstance(m, bytes):
+            m = m.decode("utf-8", "replace")
+        k = m.find(" ", 1)
+        if k < 0:
+            continue
+        a, b = m[:k], m[k + 1:]
+        if a in vocab and b in vocab and (a + b) in vocab:
+            pairs.append((a, b))
+    try:
+        model = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges,
+                           fuse_unk=False, byte_fallback=False)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build the BPE vocabulary: {e}") from e
+    tk = HFTokenizer(model)
+    pts = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+    pts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(pts)
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _build_spm(tokens: list[str], scores: list[float]):
+    """A ``tokenizers`` BPE model reproducing SentencePiece/llama.cpp score-ordered merging.
+
+    Merge ranks: every split ``(l, r)`` of a vocabulary entry ``t`` with both halves in the
+    vocabulary, ordered by ``score(t)`` descending (ties: lower token id first).
+    """
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab[t] = i
+    cands = []
+    for t, i in vocab.items():
+        if len(t) < 2:
+            continue
+        s = scores[i]
+        for k in range(1, len(t)):
+            lft, rgt = t[:k], t[k:]
+            if lft in vocab and rgt in vocab:
+                cands.append((-s, i, vocab[lft], lft, rgt))
+    cands.sort(key=lambda c: (c[0], c[1], c[2]))
+    pairs = [(c[3], c[4]) for c in cands]
+    unk = next((t for t in ("<unk>",) if t in vocab), None)
+    try:
+        model = models.BPE(vocab=vocab, merges=pairs, byte_fallback=True, fuse_unk=False,
+                           unk_token=unk)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build the SentencePiece vocabulary: {e}") from e
+    return HFTokenizer(model)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that are always valid UTF-8.
+
+    Bytes of an incomplete UTF-8 sequence (a character split across tokens, e.g. emoji in
+    byte-fallback tokens) are held back until completed; invalid bytes become U+FFFD exactly as
+    :meth:`Tokenizer.decode` does, so ``"".join(push(i) for i in ids) + flush() ==
+    tokenizer.decode(ids, skip_special, strip_prefix_space=False)``. Spaces are never lost
+    (SentencePiece U+2581 pieces are decoded per token as " ").
+
+    Args:
+        tokenizer: the :class:`Tokenizer`.
+        skip_special: drop control / unknown / unused tokens from the text (default False,
+            like ``decode``). The engine stops on end-of-generation tokens before pushing them.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # everything emitted so far
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the new text (maybe ``""``)."""
+        if self.skip_special and self.tokenizer.is_special(token_id):
+            return ""
+        delta = self._dec.decode(self.tokenizer.token_bytes(token_id), final=False)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """End of stream: returns held-back bytes (as U+FFFD if they never completed)."""
+        delta = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        self.text += delta
+        return delta
