@@ -384,6 +384,9 @@ class LLM:
                     if n_reused < len(self._cached):
                         runner.truncate(seq, n_reused)
                         self._cached = self._cached[:n_reused]
+                        if runner.seq_len(seq) != n_reused:  # the backend could not cut there
+                            runner.truncate(seq, 0)
+                            self._cached, n_reused = [], 0
                     new = ids[n_reused:]
                     t_p0 = time.perf_counter()
                     logits = runner.forward([(seq, new)])[0]

@@ -1,0 +1,313 @@
+"""``llamacpp`` backend: the whole model on the CPU through llama-cpp-python.
+
+A thin Runner (docs/INTERFACES.md) over llama.cpp's C API: it feeds token ids with
+``llama_decode`` and returns float32 logits; sampling, chat templates, stop strings and
+detokenization stay in localmoe's engine, so this backend produces the same text as the others
+for the same logits. GGUF files only.
+
+KV cache formats map onto llama.cpp cache types (``type_k`` / ``type_v``)::
+
+    f32 -> F32    f16 -> F16    bf16 -> BF16    int8 (group 32) -> Q8_0    int4 (group 32) -> Q4_0
+
+(Q8_0/Q4_0 are symmetric blocks of 32 values with one fp16 scale: 8.5 and 4.5 bits per value.)
+A quantized V cache needs flash attention, which is then switched on. int3, int2, fp4, other
+group sizes, fp16 outlier channels, sink tokens and recent windows have no llama.cpp
+equivalent and are refused by :meth:`LlamaCppBackend.supports` before any weights load.
+
+Sequences: llama.cpp's context holds ``max_seqs`` sequences (default 1) in one KV cache of
+``n_ctx`` tokens; ``truncate`` maps to ``llama_memory_seq_rm``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from typing import Any
+
+from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
+                             LocalMoEError, ModelLoadError)
+from localmoe.registry import Backend, register_backend
+
+# localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)
+KV_TYPE_MAP: dict[str, tuple[int, str, int, int]] = {
+    "f32": (0, "f32", 4, 1),
+    "f16": (1, "f16", 2, 1),
+    "bf16": (30, "bf16", 2, 1),
+    "int8": (8, "q8_0", 34, 32),
+    "int4": (2, "q4_0", 18, 32),
+}
+
+
+def _kv_reason(kv_spec: Any) -> str | None:
+    """Why llama.cpp cannot hold ``kv_spec`` (None when it can)."""
+    if kv_spec is None:
+        return None
+    for side in ("k", "v"):
+        fmt = getattr(kv_spec, side)
+        if fmt.name not in KV_TYPE_MAP:
+            return (f"llama.cpp has no {fmt.name} KV cache ({side.upper()}); use --kv-cache "
+                    f"f16|bf16|int8|int4 with this backend, or --backend torch/triton for {fmt.name}")
+        if not getattr(fmt, "is_float", False) and fmt.group_size != KV_TYPE_MAP[fmt.name][3]:
+            return (f"llama.cpp's {KV_TYPE_MAP[fmt.name][1]} KV cache uses groups of "
+                    f"{KV_TYPE_MAP[fmt.name][3]}, not {fmt.group_size}; drop the :g option or "
+                    f"use --backend torch/triton")
+    if getattr(kv_spec, "outlier_frac", 0) or getattr(kv_spec, "sink_tokens", 0) \
+            or getattr(kv_spec, "window", 0):
+        return ("llama.cpp cannot keep fp16 outlier channels, sink tokens or a full-precision "
+                "window in its KV cache; use --backend torch/triton for those options")
+    return None
+
+
+def _default_threads() -> int:
+    env = os.environ.get("LOCALMOE_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    n = os.cpu_count() or 1
+    return n if n <= 4 else n // 2  # llama.cpp does best on physical cores
+
+
+@register_backend("llamacpp")
+class LlamaCppBackend(Backend):
+    """Whole-model CPU fallback through llama-cpp-python (GGUF only)."""
+
+    description = "llama.cpp through llama-cpp-python: GGUF on the CPU (f16/bf16/int8/int4 KV)"
+
+    def available(self) -> str | None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            return "llama-cpp-python not installed (pip install 'localmoe[llamacpp]')"
+        return None
+
+    def supports(self, model_format: str, kv_spec: Any = None) -> str | None:
+        if model_format != "gguf":
+            return (f"llama.cpp runs GGUF files only, this model is {model_format}; use "
+                    f"--backend torch, or convert it with llama.cpp's convert_hf_to_gguf.py")
+        return _kv_reason(kv_spec)
+
+    def load(self, model: Any, *, n_ctx: int | None = None, kv_spec: Any = None,
+             device: str | None = None, n_threads: int | None = None, n_batch: int = 512,
+             max_seqs: int = 1, **options: Any) -> "LlamaCppRunner":
+        """Load ``model`` (a GGUF ModelFile) into llama.cpp.
+
+        Args:
+            n_ctx: context size in tokens (default: the model's training context, max 4096).
+            kv_spec: KVSpec (default f16); see the module docstring for the mapping.
+            device: None/"cpu"; "cuda" offloads all layers when llama-cpp-python was built
+                with GPU support.
+            n_threads: CPU threads (default ``$LOCALMOE_THREADS`` or the physical cores).
+            n_batch: prefill chunk in tokens.
+
+        Raises:
+            BackendUnavailableError: llama-cpp-python missing, or a GPU asked of a CPU build.
+            KVCacheFormatError: a KV format llama.cpp does not have (before weights load).
+            ModelLoadError: llama.cpp could not load the file.
+        """
+        why = self.available()
+        if why:
+            raise BackendUnavailableError(f"backend 'llamacpp' is not available: {why}")
+        fmt = getattr(model, "format", "gguf")
+        if fmt != "gguf":
+            raise BackendUnavailableError(self.supports(fmt, None))
+        from localmoe.kv_cache import KVSpec
+
+        kv_spec = KVSpec.parse(kv_spec or "f16")
+        why = _kv_reason(kv_spec)
+        if why:
+            raise KVCacheFormatError(why)
+        import llama_cpp
+
+        n_gpu_layers = 0
+        dev = (device or "cpu").lower()
+        if dev.startswith("cuda") or dev == "gpu":
+            if not llama_cpp.llama_supports_gpu_offload():
+                raise BackendUnavailableError(
+                    "this llama-cpp-python build has no GPU support; use --device cpu or "
+                    "--backend triton/torch")
+            n_gpu_layers = -1
+        elif dev != "cpu":
+            raise BackendUnavailableError(f"llamacpp backend: unknown device {device!r}")
+        spec = model.spec
+        ctx = int(n_ctx or min(int(spec.n_ctx_train or 4096), 4096))
+        tk, tv = KV_TYPE_MAP[kv_spec.k.name][0], KV_TYPE_MAP[kv_spec.v.name][0]
+        flash = not (kv_spec.k.is_float and kv_spec.v.is_float)
+        threads = int(n_threads or _default_threads())
+        path = str(getattr(model, "path"))
+        nb = max(1, min(int(n_batch), ctx))
+        try:
+            llm = llama_cpp.Llama(
+                model_path=path, n_ctx=ctx, n_batch=nb, n_ubatch=nb, n_threads=threads,
+                n_threads_batch=threads, n_gpu_layers=n_gpu_layers, type_k=tk, type_v=tv,
+                flash_attn=flash, logits_all=False, verbose=False, **options)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise ModelLoadError(f"llama.cpp could not load {path}: {e}") from e
+        return LlamaCppRunner(llm, spec, ctx, kv_spec, "cuda" if n_gpu_layers else "cpu",
+                              threads=threads, n_batch=nb, flash_attn=flash,
+                              max_seqs=max(1, int(max_seqs)))
+
+
+class LlamaCppRunner:
+    """Runner over one llama.cpp context (see docs/INTERFACES.md "Runner").
+
+    Attributes:
+        spec: ModelSpec; n_ctx: tokens; kv_spec: KVSpec; device: "cpu"|"cuda";
+        backend_name: "llamacpp"; max_seqs: sequences the context can hold.
+    """
+
+    backend_name = "llamacpp"
+
+    def __init__(self, llm: Any, spec: Any, n_ctx: int, kv_spec: Any, device: str, *,
+                 threads: int, n_batch: int, flash_attn: bool, max_seqs: int = 1):
+        import llama_cpp
+
+        self._lc = llama_cpp
+        self._llm = llm
+        self.spec = spec
+        self.n_ctx = int(n_ctx)
+        self.kv_spec = kv_spec
+        self.device = device
+        self.max_seqs = int(max_seqs)
+        self.threads = threads
+        self.flash_attn = flash_attn
+        self._n_batch = int(n_batch)
+        self._ctx = llm.ctx
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, self.max_seqs)
+        self._lens: dict[int, int] = {}
+        self._closed = False
+
+    # -- sequences ------------------------------------------------------------------------------
+    def new_sequence(self) -> int:
+        """Reserve a sequence id (0 .. max_seqs-1).
+
+        Raises:
+            LocalMoEError: all sequences are in use.
+        """
+        for sid in range(self.max_seqs):
+            if sid not in self._lens:
+                self._lens[sid] = 0
+                self._lc.llama_memory_seq_rm(self._mem, sid, -1, -1)
+                return sid
+        raise LocalMoEError(f"llama.cpp context holds at most {self.max_seqs} sequence(s)")
+
+    def free_sequence(self, seq_id: int) -> None:
+        if seq_id in self._lens and not self._closed:
+            self._lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+        self._lens.pop(seq_id, None)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lens[seq_id]
+
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` cached tokens of ``seq_id``.
+
+        llama.cpp cannot cut some caches (e.g. sliding-window layers) in the middle; then the
+        whole sequence is dropped and ``seq_len`` reports 0, so callers re-prefill.
+        """
+        n = max(0, min(int(n_tokens), self._lens[seq_id]))
+        if n == self._lens[seq_id]:
+            return
+        ok = self._lc.llama_memory_seq_rm(self._mem, seq_id, n, -1)
+        if not ok:
+            self._lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+            n = 0
+        self._lens[seq_id] = n
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, batch: list[tuple[int, list[int]]], all_logits: bool = False) -> list:
+        """Append each sequence's tokens and return float32 CPU logits per sequence:
+        ``[vocab]`` for its last new token, or ``[T_i, vocab]`` when ``all_logits``.
+
+        Raises:
+            ContextOverflowError: a sequence would exceed ``n_ctx``.
+            LocalMoEError: llama_decode failed.
+        """
+        import numpy as np
+        import torch
+
+        lc = self._lc
+        for sid, toks in batch:
+            if sid not in self._lens:
+                raise LocalMoEError(f"unknown sequence id {sid}")
+            if self._lens[sid] + len(toks) > self.n_ctx:
+                raise ContextOverflowError(self._lens[sid] + len(toks), self.n_ctx)
+            if not toks:
+                raise LocalMoEError("forward() needs at least one token per sequence")
+        # flatten to (seq, pos, token, want_logits), then run in chunks of n_batch
+        items = []
+        for k, (sid, toks) in enumerate(batch):
+            start = self._lens[sid]
+            last = len(toks) - 1
+            for j, t in enumerate(toks):
+                items.append((k, sid, start + j, int(t), all_logits or j == last))
+        per_seq: list[list] = [[] for _ in batch]
+        b = self._batch
+        nv = self.vocab_size
+        for c0 in range(0, len(items), self._n_batch):
+            chunk = items[c0:c0 + self._n_batch]
+            for i, (_, sid, pos, t, want) in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = pos
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = sid
+                b.logits[i] = 1 if want else 0
+            b.n_tokens = len(chunk)
+            rc = lc.llama_decode(self._ctx, b)
+            if rc != 0:
+                # the failed chunk may be partly in the cache: drop it
+                for sid in {it[1] for it in chunk}:
+                    lc.llama_memory_seq_rm(self._mem, sid, min(it[2] for it in chunk if it[1] == sid), -1)
+                if rc == 1:
+                    raise ContextOverflowError(chunk[-1][2] + 1, self.n_ctx,
+                                               "llama.cpp found no free KV cache slot for the batch; "
+                                               "raise the context size (--ctx-size)")
+                raise LocalMoEError(f"llama_decode failed with code {rc}")
+            for i, (k, sid, pos, _t, want) in enumerate(chunk):
+                self._lens[sid] = pos + 1
+                if want:
+                    ptr = lc.llama_get_logits_ith(self._ctx, i)
+                    per_seq[k].append(np.ctypeslib.as_array(ptr, shape=(nv,)).copy())
+        out = []
+        for rows in per_seq:
+            if all_logits:
+                out.append(torch.from_numpy(np.stack(rows)))
+            else:
+                out.append(torch.from_numpy(rows[-1]))
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """{"device", "kv_bytes" (allocated for n_ctx tokens), "kv_type_k", "kv_type_v",
+        "n_threads", "flash_attn", "tokens_cached"}."""
+        s = self.spec
+        def side(name, dim):
+            _, _, bpb, vpb = KV_TYPE_MAP[name]
+            return dim * bpb / vpb
+        per_tok = s.n_layers * s.n_kv_heads * (side(self.kv_spec.k.name, s.head_dim)
+                                               + side(self.kv_spec.v.name, s.v_head_dim))
+        return {"device": self.device, "kv_bytes": int(per_tok * self.n_ctx),
+                "kv_type_k": KV_TYPE_MAP[self.kv_spec.k.name][1],
+                "kv_type_v": KV_TYPE_MAP[self.kv_spec.v.name][1],
+                "n_threads": self.threads, "flash_attn": self.flash_attn,
+                "tokens_cached": sum(self._lens.values())}
+
+    def close(self) -> None:
+        """Free the batch, context and model (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._lc.llama_batch_free(self._batch)
+        except Exception:
+            pass
+        try:
+            self._llm.close()
+        except Exception:
+            pass
+        self._lens.clear()
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

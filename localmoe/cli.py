@@ -1,0 +1,464 @@
+"""``localmoe`` command line (click).
+
+The CLI is thin: it parses flags, resolves the model through the store and calls the engine,
+the TUI or the server. Heavy modules (torch, the engine, backends) are imported inside the
+commands so ``localmoe --help`` stays fast. Errors a user can cause (``LocalMoEError``) print one
+line ``error: ...`` on stderr and exit with status 1; Ctrl-C stops generation cleanly and exits
+with status 130; usage errors exit with status 2 (click's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import LocalMoEError
+
+KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
+KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
+
+
+class _Group(click.Group):
+    """Click group that turns user errors into one line and Ctrl-C into exit status 130."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except LocalMoEError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            ctx.exit(130)
+        except BrokenPipeError:  # `localmoe generate ... | head`
+            try:
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
+            ctx.exit(0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="localmoe")
+def cli() -> None:
+    """localmoe: fast local inference for Mixture-of-Experts language models.
+
+    \b
+    Quick start:
+      localmoe generate "Why is the sky blue?"      one-shot answer (default model)
+      localmoe chat -m smollm2                      terminal chat UI
+      localmoe serve -m FILE.gguf --port 8000       OpenAI-compatible server
+      localmoe pull gemma3-270m | hf:OWNER/REPO/FILE.gguf | PATH
+      localmoe info MODEL                           architecture, experts, quant mix, KV sizes
+      localmoe backends                             which backends run here, and why not
+    """
+
+
+# ---- shared options --------------------------------------------------------------------------
+def _model_options(f):
+    opts = [
+        click.option("-m", "--model", default=None, metavar="MODEL",
+                     help="Model file (.gguf, any shard), HF folder, store name, or "
+                          "hf:OWNER/REPO/FILE. Default: smollm2 (pulled on first use)."),
+        click.option("--backend", default="auto", show_default=True, metavar="NAME",
+                     help="Backend: auto, triton, llamacpp, torch (see `localmoe backends`)."),
+        click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None,
+                     help="Context size in tokens (default: model's, at most 4096)."),
+        click.option("--kv-cache", default="f16", show_default=True, metavar="FMT",
+                     help=f"KV cache format for keys and values: {KV_CHOICES_HELP}."),
+        click.option("--kv-cache-k", default=None, metavar="FMT", help="Key cache format (overrides --kv-cache)."),
+        click.option("--kv-cache-v", default=None, metavar="FMT", help="Value cache format (overrides --kv-cache)."),
+        click.option("--device", default=None, help="Device for the backend: cpu, cuda, cuda:N."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _sampling_options(f):
+    opts = [
+        click.option("--temperature", "--temp", "temperature", type=float, default=None,
+                     help="Sampling temperature (0 = greedy). Default 0.8."),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off). Default 40."),
+        click.option("--top-p", type=float, default=None, help="Nucleus sampling mass. Default 0.95."),
+        click.option("--min-p", type=float, default=None, help="Drop tokens below min_p x top probability. Default 0.05."),
+        click.option("--repeat-penalty", type=float, default=None, help="Repetition penalty (1 = off)."),
+        click.option("--repeat-last-n", type=int, default=None, help="Tokens the repetition penalty looks back."),
+        click.option("--frequency-penalty", type=float, default=None, help="OpenAI-style frequency penalty."),
+        click.option("--presence-penalty", type=float, default=None, help="OpenAI-style presence penalty."),
+        click.option("--seed", type=int, default=None, help="Random seed (same seed, same output)."),
+        click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=None,
+                     help="Stop after this many generated tokens (default: until the end or the context is full)."),
+        click.option("--stop", multiple=True, metavar="TEXT", help="Stop string (repeatable)."),
+        click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _sampling_kwargs(kw: dict) -> dict:
+    keys = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+            "frequency_penalty", "presence_penalty", "seed", "max_tokens")
+    out = {k: kw.pop(k) for k in keys if kw.get(k) is not None}
+    for k in keys:
+        kw.pop(k, None)
+    stop = kw.pop("stop", ())
+    if stop:
+        out["stop"] = tuple(stop)
+    if kw.pop("greedy", False):
+        out["temperature"] = 0.0
+    return out
+
+
+def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False):
+    from .engine import LLM
+
+    def progress(frac: float, msg: str) -> None:
+        if verbose:
+            click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
+
+    llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
+              kv_cache_v=kv_cache_v, device=device, progress=progress)
+    if verbose:
+        click.echo(f"model {llm.model_name} | backend {llm.backend_reason} | context {llm.n_ctx} "
+                   f"| kv {llm.kv_spec}", err=True)
+    return llm
+
+
+# ---- generate --------------------------------------------------------------------------------
+@cli.command()
+@click.argument("prompt", required=False)
+@_model_options
+@_sampling_options
+@click.option("--raw", is_flag=True, help="Plain-text completion: do not apply the chat template.")
+@click.option("--system", default=None, metavar="TEXT", help="System message (chat template only).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, timings) instead of streaming.")
+@click.option("-v", "--verbose", is_flag=True, help="Print loading steps and timings on stderr.")
+def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, raw,
+             system, as_json, verbose, **kw):
+    """Generate a reply to PROMPT (or stdin) and stream it to stdout.
+
+    The model's chat template is applied when it has one (as `ollama run` does); --raw sends
+    the text as is for plain completion.
+    """
+    sampling = _sampling_kwargs(kw)
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty() and prompt is None:
+            raise click.UsageError("give a PROMPT argument or pipe the prompt on stdin")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose)
+    try:
+        if raw or llm.template is None:
+            if system and not raw:
+                prompt = f"{system}\n\n{prompt}"
+            events = llm.generate(prompt, stream=True, raw=True, **sampling)
+        else:
+            from .engine import _sampling_params
+
+            msgs = ([{"role": "system", "content": system}] if system else []) + \
+                   [{"role": "user", "content": prompt}]
+            events = llm.chat_stream(msgs, _sampling_params(None, **sampling))
+        result = None
+        out = sys.stdout
+        wrote_nl = True
+        try:
+            for ev in events:
+                if ev.done:
+                    result = ev.result
+                elif not as_json:
+                    out.write(ev.delta)
+                    out.flush()
+                    wrote_nl = ev.delta.endswith("\n")
+        finally:
+            close = getattr(events, "close", None)
+            if close:
+                close()
+            if not as_json and not wrote_nl:
+                out.write("\n")
+                out.flush()
+        if as_json:
+            d = {"model": llm.model_name, "backend": llm.backend_name, "n_ctx": llm.n_ctx,
+                 "kv_cache": str(llm.kv_spec)}
+            d.update(result.to_dict())
+            click.echo(json.dumps(d, ensure_ascii=False))
+        elif verbose and result is not None:
+            t = result.timings
+            click.echo(f"[{result.finish_reason}] prompt {result.prompt_tokens} tok "
+                       f"({t.prefill_tok_s:.1f} tok/s) | {result.completion_tokens} tok, TTFT "
+                       f"{t.ttft_ms:.0f} ms, TPOT {t.tpot_ms:.1f} ms, {t.decode_tok_s:.1f} tok/s",
+                       err=True)
+    finally:
+        llm.close()
+
+
+# ---- chat / serve ----------------------------------------------------------------------------
+@cli.command()
+@click.option("-m", "--model", default=None, metavar="MODEL", help="Model file, store name or hf: reference.")
+@click.option("--backend", default="auto", show_default=True, metavar="NAME")
+@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None)
+@click.option("--kv-cache", default="f16", show_default=True, metavar="FMT", help=KV_CHOICES_HELP)
+@click.option("--continue", "continue_last", is_flag=True, help="Reopen the most recent chat.")
+@click.option("--list", "list_chats", is_flag=True, help="List saved chats and exit.")
+def chat(model, backend, n_ctx, kv_cache, continue_last, list_chats):
+    """Open the terminal chat UI."""
+    from .tui import app as tui_app
+
+    if list_chats:
+        click.echo(tui_app.list_chats_text())
+        return
+    from .kv_cache import KVSpec
+
+    KVSpec.parse(kv_cache)  # a bad format is an error before the UI starts
+    tui_app.run_chat(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
+                     continue_last=continue_last)
+
+
+@cli.command()
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--api-key", default=None, envvar="LOCALMOE_API_KEY",
+              help="Require this bearer token (env LOCALMOE_API_KEY).")
+def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host, port, api_key):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)."""
+    from .kv_cache import KVSpec
+
+    KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
+    from . import server
+
+    kwargs = dict(host=host, port=port, api_key=api_key, backend=backend, n_ctx=n_ctx,
+                  kv_cache=kv_cache, kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v)
+    if device is not None:
+        kwargs["device"] = device
+    server.run_server(model, **kwargs)
+
+
+# ---- store -----------------------------------------------------------------------------------
+@cli.command()
+@click.argument("source")
+@click.option("--force", is_flag=True, help="Download again even if already stored.")
+@click.option("--link", is_flag=True, help="For a local file: register it in place instead of copying.")
+def pull(source, force, link):
+    """Fetch a model into the store: NAME (smollm2, gemma3-270m), hf:OWNER/REPO/FILE.gguf or PATH."""
+    from .store import ModelStore, format_size
+
+    st = ModelStore()
+    m = st.pull(source, force=force, link=link)
+    click.echo(f"{m.name}: {m.path} ({format_size(m.size)}, sha256 {m.sha256[:12] or '-'})")
+
+
+@cli.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_cmd(as_json):
+    """List the models in the store (and the pullable short names)."""
+    from .store import CATALOG, ModelStore, format_size
+
+    st = ModelStore()
+    items = st.list()
+    if as_json:
+        click.echo(json.dumps([{"name": m.name, "path": str(m.path), "size": m.size,
+                                "sha256": m.sha256, "source": m.source} for m in items], indent=1))
+        return
+    click.echo(f"store: {st.models_dir}")
+    if items:
+        w = max(len(m.name) for m in items)
+        for m in items:
+            click.echo(f"  {m.name:<{w}}  {format_size(m.size):>10}  {m.source}")
+    else:
+        click.echo("  (empty)")
+    missing = [e for n, e in CATALOG.items() if st.find(n) is None]
+    if missing:
+        click.echo("pullable: " + ", ".join(f"{e.name} ({e.description})" for e in missing))
+
+
+@cli.command()
+@click.argument("name")
+def rm(name):
+    """Delete a model from the store."""
+    from .store import ModelStore, format_size
+
+    m = ModelStore().remove(name)
+    click.echo(f"removed {m.name}" + ("" if m.linked else f" ({format_size(m.size)} freed)"))
+
+
+# ---- info / backends -------------------------------------------------------------------------
+def model_info(model_file) -> dict[str, Any]:
+    """Facts about a model for ``localmoe info`` (pure; used by tests).
+
+    Returns a dict with: name, path, format, architecture, params_total, params_active,
+    n_experts, top_k, n_shared_experts, d_ff_expert, n_layers, d_model, n_heads, n_kv_heads,
+    head_dim, context (training context in tokens), chat_template (bool), quant_mix
+    ({qtype: {"tensors": n, "bytes": b}}), kv_bytes_per_token ({format: bytes or None}).
+    """
+    from .kv_cache import KVSpec
+
+    spec = model_file.spec
+    total = 0
+    expert = 0
+    mix: dict[str, dict[str, int]] = {}
+    for name in model_file.tensor_names():
+        ti = model_file.tensor_info(name)
+        n = 1
+        for d in ti.shape:
+            n *= int(d)
+        total += n
+        if "_exps." in name:
+            expert += n
+        q = mix.setdefault(str(ti.qtype), {"tensors": 0, "bytes": 0})
+        q["tensors"] += 1
+        q["bytes"] += int(ti.nbytes)
+    active = total
+    if spec.n_experts and expert:
+        active = total - expert + expert * spec.top_k // spec.n_experts
+    kv = {}
+    for fmt in KV_FORMATS:
+        try:
+            kv[fmt] = KVSpec.parse(fmt).bytes_per_token(spec)
+        except LocalMoEError:
+            kv[fmt] = None
+    return {
+        "name": model_file.name, "path": str(model_file.path), "format": model_file.format,
+        "architecture": spec.arch, "params_total": total, "params_active": active,
+        "n_experts": spec.n_experts, "top_k": spec.top_k, "n_shared_experts": spec.n_shared_experts,
+        "d_ff_expert": spec.d_ff_expert, "n_layers": spec.n_layers, "d_model": spec.d_model,
+        "n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size, "context": spec.n_ctx_train,
+        "sliding_window": spec.sliding_window,
+        "chat_template": bool(model_file.chat_template), "quant_mix": mix,
+        "kv_bytes_per_token": kv,
+    }
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def info(model, as_json):
+    """Show a model's architecture, parameters, experts, quant mix, context, template and the
+    KV cache bytes per token of every format."""
+    from .loader import open_model
+    from .store import ModelStore, format_size
+
+    mf = open_model(ModelStore().resolve(model))
+    d = model_info(mf)
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+        return
+    moe = (f"{d['n_experts']} experts, top-{d['top_k']}, d_ff_expert {d['d_ff_expert']}"
+           + (f", {d['n_shared_experts']} shared" if d["n_shared_experts"] else "")
+           if d["n_experts"] else "none (dense)")
+    rows = [
+        ("model", f"{d['name']}  ({d['path']})"),
+        ("format", d["format"]),
+        ("architecture", d["architecture"]),
+        ("parameters", f"{_fmt_count(d['params_total'])} total, {_fmt_count(d['params_active'])} active per token"),
+        ("experts", moe),
+        ("shape", f"{d['n_layers']} layers, d_model {d['d_model']}, {d['n_heads']} q / "
+                  f"{d['n_kv_heads']} kv heads, head_dim {d['head_dim']}, vocab {d['vocab_size']}"),
+        ("context", f"{d['context']} tokens" + (f" (sliding window {d['sliding_window']})"
+                                                 if d["sliding_window"] else "")),
+        ("chat template", "yes" if d["chat_template"] else "no"),
+        ("quant mix", ", ".join(f"{q}: {v['tensors']} tensors {format_size(v['bytes'])}"
+                                for q, v in sorted(d["quant_mix"].items(),
+                                                   key=lambda kv: -kv[1]["bytes"]))),
+    ]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{w}}  {v}")
+    click.echo(f"KV cache per token (and for the full {d['context']}-token context):")
+    for fmt, b in d["kv_bytes_per_token"].items():
+        if b is None:
+            click.echo(f"  {fmt:<5} (not available in this build)")
+        else:
+            click.echo(f"  {fmt:<5} {b:>10,.0f} B/token  {format_size(b * d['context']):>10}")
+
+
+@cli.command()
+def backends():
+    """List backends, whether each can run here, and which one `auto` picks for GGUF."""
+    from .registry import list_backends, select_backend
+
+    rows = list_backends()
+    w = max((len(n) for n, _, _ in rows), default=4)
+    for name, reason, desc in rows:
+        status = "available" if reason is None else f"unavailable: {reason}"
+        click.echo(f"{name:<{w}}  {status}")
+        click.echo(f"{'':<{w}}  {desc}")
+    for fmt in ("gguf", "safetensors"):
+        try:
+            _, why = select_backend("auto", fmt)
+            click.echo(f"auto for {fmt}: {why}")
+        except LocalMoEError as e:
+            click.echo(f"auto for {fmt}: none ({e})")
+
+
+# ---- bench -----------------------------------------------------------------------------------
+@cli.command()
+@_model_options
+@click.option("-p", "--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("-n", "--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("-r", "--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the results to this JSON file.")
+def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, prompt_tokens,
+          gen_tokens, repeat, json_out):
+    """Measure prefill and decode speed (greedy, fixed lengths, median of repeats)."""
+    import platform
+    import statistics
+
+    llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device)
+    try:
+        text = ("The quick brown fox jumps over the lazy dog. " * 400)
+        ids = llm.tokenizer.encode(text, add_special=False)[:prompt_tokens]
+        if len(ids) + gen_tokens > llm.n_ctx:
+            raise LocalMoEError(f"prompt {len(ids)} + {gen_tokens} tokens exceed the context "
+                                f"{llm.n_ctx}; lower -p/-n or raise --ctx-size")
+        runs = []
+        llm.generate(ids[:8], max_tokens=4, temperature=0.0)  # warm-up
+        for i in range(repeat):
+            llm.reset()
+            r = llm.generate(ids, max_tokens=gen_tokens, temperature=0.0,
+                             logit_bias=None)
+            runs.append(r)
+        med = lambda xs: statistics.median(xs)
+        tp = sorted(r.timings.tpot_ms for r in runs)
+        res = {
+            "model": llm.model_name, "backend": llm.backend_name, "device": llm.stats().get("device"),
+            "machine": platform.node(), "cpu_count": os.cpu_count(), "kv_cache": str(llm.kv_spec),
+            "prompt_tokens": len(ids), "gen_tokens": gen_tokens, "repeat": repeat,
+            "ttft_ms": med([r.timings.ttft_ms for r in runs]),
+            "tpot_ms_median": med(tp), "tpot_ms_p90": tp[min(len(tp) - 1, int(0.9 * len(tp)))],
+            "decode_tok_s": med([r.timings.decode_tok_s for r in runs]),
+            "prefill_tok_s": med([r.timings.prefill_tok_s for r in runs]),
+            "kv_bytes_per_token": llm.kv_spec.bytes_per_token(llm.spec) if llm.spec else None,
+        }
+    finally:
+        llm.close()
+    for k, v in res.items():
+        click.echo(f"{k:<20} {v:.2f}" if isinstance(v, float) else f"{k:<20} {v}")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point (``localmoe``)."""
+    cli.main(args=argv, prog_name="localmoe")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
