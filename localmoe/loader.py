@@ -435,9 +435,18 @@ class GGUFModelFile(ModelFile):
         self._headers: list[_Header] = []
         try:
             self._open()
-        except Exception:
+        except ModelLoadError:
             self.close()
             raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, struct.error, UnicodeError) as e:
+            # safety net: a corrupt header must never surface as a bare traceback
+            self.close()
+            raise ModelLoadError(
+                f"{self.path.name}: the file is corrupt ({type(e).__name__}: {e}); download it again"
+            ) from e
+        except OSError as e:
+            self.close()
+            raise ModelLoadError(f"cannot read {self.path}: {e}") from e
 
     def _open(self) -> None:
         p = self.path
@@ -669,6 +678,13 @@ def _pos_int(md: dict[str, Any], key: str, required: bool = True, default: int =
     return v
 
 
+def _num(md: dict[str, Any], key: str, default: float) -> float:
+    v = md.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ModelLoadError(f"metadata {key!r} = {v!r} is not a finite number; the file is corrupt")
+    return float(v)
+
+
 def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = None) -> ModelSpec:
     """Build a :class:`ModelSpec` from GGUF metadata (+ tensor presence when ``model`` is given).
 
@@ -720,9 +736,9 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
         vocab_size=int(vocab),
         d_ff=_pos_int(md, a + "feed_forward_length", required=False, default=0),
         n_ctx_train=_pos_int(md, a + "context_length", required=False, default=2048) or 2048,
-        norm_eps=float(md.get(a + "attention.layer_norm_rms_epsilon", md.get(a + "attention.layer_norm_epsilon", 1e-5))),
+        norm_eps=_num(md, a + "attention.layer_norm_rms_epsilon", _num(md, a + "attention.layer_norm_epsilon", 1e-5)),
         norm_type="rms" if (a + "attention.layer_norm_epsilon") not in md or (a + "attention.layer_norm_rms_epsilon") in md else "layer",
-        rope_base=float(md.get(a + "rope.freq_base", 10000.0)),
+        rope_base=_num(md, a + "rope.freq_base", 10000.0),
         name=str(md.get("general.name", "")),
     )
     for k, v in d.items():
@@ -741,7 +757,7 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
                 rs[k] = md[a + "rope.scaling." + k]
     spec.rope_scaling = rs
     if a + "rope.freq_base_swa" in md:
-        spec.rope_base_local = float(md[a + "rope.freq_base_swa"])
+        spec.rope_base_local = _num(md, a + "rope.freq_base_swa", 10000.0)
     sw = md.get(a + "attention.sliding_window")
     if sw:
         spec.sliding_window = int(sw) if not isinstance(sw, list) else int(max(sw))
@@ -753,9 +769,9 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
         spec.rope_base_local = None if a + "rope.freq_base_swa" not in md else spec.rope_base_local
     for key, field_ in (("attn_logit_softcapping", "attn_logit_softcap"), ("final_logit_softcapping", "final_logit_softcap")):
         if md.get(a + key):
-            setattr(spec, field_, float(md[a + key]))
+            setattr(spec, field_, _num(md, a + key, 0.0))
     if md.get(a + "attention.scale"):
-        spec.attn_scale = float(md[a + "attention.scale"])
+        spec.attn_scale = _num(md, a + "attention.scale", 0.0)
     # MoE
     n_exp = _pos_int(md, a + "expert_count", required=False, default=0)
     if n_exp:
@@ -810,7 +826,7 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
         if a + "expert_weights_norm" in md:
             spec.norm_topk_prob = bool(md[a + "expert_weights_norm"])
         if md.get(a + "expert_weights_scale"):
-            spec.expert_weights_scale = float(md[a + "expert_weights_scale"])
+            spec.expert_weights_scale = _num(md, a + "expert_weights_scale", 1.0)
     else:
         spec.norm_topk_prob = False
         if model is not None and any(n.endswith("ffn_gate_exps.weight") for n in model.tensor_names()):
