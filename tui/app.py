@@ -48,7 +48,7 @@ from .widgets.stats import StatsBar
 __all__ = ["ChatApp", "run_chat", "list_chats_text"]
 
 NO_MODEL_HELP = (
-    "No model selected. Start with `localmoe chat -m MODEL` (a .gguf file, an HF model folder "
+    "Pick a model with `localmoe chat -m MODEL` (a .gguf file, an HF model folder "
     "or a name from `localmoe list`); `localmoe pull smollm2` fetches a small one to try."
 )
 
@@ -76,7 +76,7 @@ class ChatApp(App):
 
     Args:
         model: model path or name to load (None: the model of the continued chat, else the
-            last model used; an in-app message explains what to do when there is none).
+            last model used, else the engine's default model, pulled on first use).
         backend: backend name or ``auto`` (a chat's own setting overrides it).
         n_ctx: context size in tokens (None: the engine's default).
         kv_cache: KV cache format (a chat's own setting overrides it).
@@ -127,6 +127,7 @@ class ChatApp(App):
         self._cancel: threading.Event | None = None
         self._editing_id: int | None = None
         self._wanted_key: tuple | None = None
+        self._started = False
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -145,6 +146,7 @@ class ChatApp(App):
             self._update_titles()
         if self.model is None:
             self.model = self.store.get_meta("last_model")
+        self._started = True
         self._ensure_engine()
 
     # -- engine --------------------------------------------------------------------------
@@ -155,12 +157,6 @@ class ChatApp(App):
 
     def _ensure_engine(self) -> None:
         """Load (or reload) the engine when the current chat needs a different one."""
-        if self.model is None:
-            self.load_error = NO_MODEL_HELP
-            self._progress(None)
-            self._stats(status="no model")
-            self._show_error(NO_MODEL_HELP)
-            return
         key = self._key_for(self.settings)
         if key == self.engine_key and (self.engine is not None or self.loading):
             return
@@ -170,7 +166,8 @@ class ChatApp(App):
         self.loading = True
         self.load_error = None
         self._progress(0.0)
-        self._stats(status=f"loading {Path(str(self.model)).name}…")
+        name = Path(str(self.model)).name if self.model else "the default model"
+        self._stats(status=f"loading {name}…")
         self._load_worker(key, old)
 
     @work(thread=True, exclusive=True, group="load")
@@ -189,7 +186,9 @@ class ChatApp(App):
             engine = self.engine_factory(model, backend=backend, n_ctx=n_ctx, kv_cache=kv,
                                          progress=progress)
         except LocalMoEError as e:
-            self._ui(self._on_load_failed, key, f"Could not load the model {model}: {e}")
+            hint = f" {NO_MODEL_HELP}" if model is None else ""
+            self._ui(self._on_load_failed, key,
+                     f"Could not load the model {model or '(default)'}: {e}{hint}")
         except Exception as e:  # a bug, but the UI must not die
             self._ui(self._on_load_failed, key,
                      f"Could not load the model {model}: unexpected {type(e).__name__}: {e}")
@@ -223,7 +222,8 @@ class ChatApp(App):
             self.model_defaults = sampling_defaults(getattr(engine.model_file, "metadata", None))
         except Exception:
             self.model_defaults = {}
-        self.store.set_meta("last_model", str(self.model))
+        if self.model is not None:
+            self.store.set_meta("last_model", str(self.model))
         rs = self._runner_stats()
         hit, gbps = expert_stats(rs)
         self._stats(status="", backend=getattr(engine, "backend_name", None),
@@ -266,7 +266,7 @@ class ChatApp(App):
         await self._refresh_sidebar()
         self._update_titles()
         self._stats(ttft_ms=None, tok_s=None, ctx_used=None)
-        if self.model is not None and self.is_mounted:
+        if self._started:
             self._ensure_engine()
 
     def _view_for(self, m: Message) -> MessageView:
@@ -319,7 +319,8 @@ class ChatApp(App):
             self._editing_id = None
         chat_id = self._ensure_saved_chat(text)
         msg = self.store.add_message(chat_id, "user", text)
-        self.store.set_model(chat_id, str(self.model))
+        self.store.set_model(chat_id, str(self.model) if self.model else
+                             getattr(self.engine, "model_name", None))
         prompt = self._chat_screen().query_one(PromptInput)
         prompt.remember(text)
         prompt.clear()
@@ -702,8 +703,7 @@ class ChatApp(App):
             if self.chat_id is not None:
                 self.store.set_settings(self.chat_id, settings)
             self.notify("Settings saved.", timeout=2)
-            if self.model is not None:
-                self._ensure_engine()
+            self._ensure_engine()
 
         self.push_screen(SettingsScreen(self.settings, defaults), done)
 
@@ -787,7 +787,8 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
     """Run the chat UI in the terminal until the user quits (``localmoe chat``).
 
     Args:
-        model: model path or name (None: the continued chat's model or the last one used).
+        model: model path or name (None: the continued chat's model, the last one used, or
+            the engine's default model).
         backend: backend name or ``auto``.
         n_ctx: context size in tokens (None: engine default).
         kv_cache: KV cache format name.

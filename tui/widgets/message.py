@@ -24,8 +24,9 @@ ROLE_TITLES = {"user": "You", "assistant": "Assistant", "system": "System", "err
 
 def code_blocks(markdown: str) -> list[str]:
     """The contents of the fenced code blocks of a Markdown text, in order (closed fences
-    only; the fence lines themselves are not included)."""
-    return [m.group(2) for m in _FENCE.finditer(markdown)]
+    only; the fence lines and the final newline are not included, as in Textual's
+    ``MarkdownFence.code``)."""
+    return [m.group(2).removesuffix("\n") for m in _FENCE.finditer(markdown)]
 
 
 class MessageView(Vertical, can_focus=True):
