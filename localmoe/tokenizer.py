@@ -11,11 +11,11 @@ Token ids are meant to be identical to llama.cpp's tokenizer on the same GGUF fi
 * ``tokenizer.ggml.model == "llama"`` -- SentencePiece BPE with byte fallback (Llama-2, Gemma).
   Spaces become U+2581, an optional space prefix is added, and symbols (UTF-8 characters) are
   merged greedily by the *score* of the merged piece (highest first, leftmost on ties); a symbol
-  left outside the vocabulary becomes ``<0xXX>`` byte tokens. We express this as a
-  ``tokenizers`` BPE model whose merge ranks are the pieces ordered by score (the construction
-  HF's SentencePiece converter uses), which gives the same result.
+  left outside the vocabulary becomes ``<0xXX>`` byte tokens. This runs as a small heap-based
+  port of that algorithm (:class:`_SpmModel`): exact, and free of the ~10 s it took to express a
+  256k-entry vocabulary as ``tokenizers`` BPE merges at every load.
 
-Both paths run on the ``tokenizers`` library (Rust). Before the model runs, the text is
+Byte-level BPE runs on the ``tokenizers`` library (Rust). Before the model runs, the text is
 partitioned on special-token text the way llama.cpp's ``tokenizer_st_partition`` does: control
 and unknown tokens are matched only when ``parse_special=True``; user-defined tokens
 (token_type 4) always. Longer special texts are matched first.
@@ -220,6 +220,7 @@ class Tokenizer:
         self._bytes: list[bytes] = []
         self._special_order: list[tuple[str, int, bool]] = []  # (text, id, always_parsed)
         self._special_texts: set[str] = set()
+        self._missing_bytes: frozenset[int] = frozenset()  # bytes the vocabulary cannot spell
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -282,6 +283,8 @@ class Tokenizer:
             if not merges:
                 raise ModelLoadError("byte-level BPE vocabulary without tokenizer.ggml.merges")
             self._tk = _build_bpe(tokens, merges, PRE_TOKENIZER_REGEXES[family], ignore_merges)
+            tokset = set(tokens)
+            self._missing_bytes = frozenset(b for b, c in _BYTE_ENCODER.items() if c not in tokset)
             self.add_space_prefix = False
         elif model == "llama":
             self.kind = "spm"
@@ -290,7 +293,11 @@ class Tokenizer:
                 raise ModelLoadError(
                     f"tokenizer.ggml.scores has {len(scores)} entries but there are {n} tokens"
                 )
-            self._tk = _build_spm(tokens, [float(s) for s in scores])
+            unk = md.get("tokenizer.ggml.unknown_token_id")
+            self._tk = _SpmModel(tokens, [float(s) for s in scores],
+                                 int(unk) if unk is not None and 0 <= int(unk) < n else None)
+            self._missing_bytes = frozenset(
+                b for b in range(256) if self._tk.byte_ids[b] is None)
             self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
             pre_default_add_bos = True
         else:
@@ -542,7 +549,7 @@ class Tokenizer:
         if self.kind == "spm":
             if self.add_space_prefix and is_first:
                 text = " " + text
-            text = text.replace(" ", _SPM_SPACE)
+            return self._tk.encode(text.replace(" ", _SPM_SPACE))
         return self._tk.encode(text, add_special_tokens=False).ids
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False,
@@ -608,6 +615,15 @@ class Tokenizer:
         (the spans ``ChatTemplate.render_marked`` reports for user content)."""
         return self.encode(text, add_special=add_special, parse_special=True, plain_spans=plain_spans)
 
+    def is_lossless(self, text: str) -> bool:
+        """True when ``decode(encode(text)) == text`` is guaranteed byte-wise: every byte of
+        ``text`` that may need byte fallback has a token. Some vocabularies lack a few byte
+        tokens (SmolLM2: 0x04, 0xF1, ...); llama.cpp drops such bytes and so do we (the ids must
+        match), so text using them does not round-trip."""
+        if not self._missing_bytes:
+            return True
+        return not any(b in self._missing_bytes for b in text.encode("utf-8"))
+
     def count(self, text: str) -> int:
         """Number of tokens of ``text`` as a plain completion prompt (with BOS if added)."""
         return len(self.encode(text))
@@ -630,20 +646,27 @@ class Tokenizer:
             ids: token ids.
             skip_special: drop control / unknown / unused tokens (e.g. BOS, ``<|im_end|>``).
             strip_prefix_space: remove the one space a SentencePiece ``add_space_prefix``
-                vocabulary puts before the first word (default: ``add_space_prefix``), so that
-                ``decode(encode(s)) == s``.
+                vocabulary puts before the first word (from the first ordinary token; default:
+                ``add_space_prefix``), so that ``decode(encode(s)) == s``.
         """
-        ids = list(ids)
         if strip_prefix_space is None:
             strip_prefix_space = self.add_space_prefix
-        data = self.decode_bytes(ids, skip_special)
-        text = data.decode("utf-8", errors="replace")
-        if strip_prefix_space and self.add_space_prefix and text.startswith(" "):
-            # only when the first kept token is ordinary text (llama.cpp's remove_space)
-            first = next((i for i in ids if not self.is_special(i)), None)
-            if first is not None and not self.is_special(first):
-                text = text[1:]
-        return text
+        if not (strip_prefix_space and self.add_space_prefix):
+            return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+        out = bytearray()
+        first = True
+        for i in ids:
+            special = self.is_special(i)
+            if skip_special and special:
+                continue
+            piece = self.token_bytes(i)
+            if first and not special:
+                # llama.cpp's remove_space: the first word's prefix space is not text
+                if piece.startswith(b" "):
+                    piece = piece[1:]
+                first = False
+            out += piece
+        return bytes(out).decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
@@ -681,35 +704,84 @@ def _build_bpe(tokens: list[str], merges: list[str], regexes: tuple[str, ...],
     return tk
 
 
-def _build_spm(tokens: list[str], scores: list[float]):
-    """A ``tokenizers`` BPE model reproducing SentencePiece/llama.cpp score-ordered merging.
+class _SpmModel:
+    """llama.cpp's SentencePiece tokenizer (``llm_tokenizer_spm_session``) on one fragment.
 
-    Merge ranks: every split ``(l, r)`` of a vocabulary entry ``t`` with both halves in the
-    vocabulary, ordered by ``score(t)`` descending (ties: lower token id first).
+    Symbols start as the fragment's characters; the adjacent pair whose concatenation is a
+    vocabulary entry with the highest score is merged first (leftmost on ties), until no pair
+    merges. A final symbol outside the vocabulary becomes its UTF-8 bytes as ``<0xXX>`` tokens
+    (byte fallback; the unknown token when the vocabulary has no byte tokens). This is exact
+    (including score ties) and needs no build step, which matters for 256k-entry vocabularies:
+    expressing it as ``tokenizers`` BPE merges took ~10 s per load.
     """
-    from tokenizers import Tokenizer as HFTokenizer, models
 
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab[t] = i
-    cands = []
-    for t, i in vocab.items():
-        if len(t) < 2:
-            continue
-        s = scores[i]
-        for k in range(1, len(t)):
-            lft, rgt = t[:k], t[k:]
-            if lft in vocab and rgt in vocab:
-                cands.append((-s, i, vocab[lft], lft, rgt))
-    cands.sort(key=lambda c: (c[0], c[1], c[2]))
-    pairs = [(c[3], c[4]) for c in cands]
-    unk = next((t for t in ("<unk>",) if t in vocab), None)
-    try:
-        model = models.BPE(vocab=vocab, merges=pairs, byte_fallback=True, fuse_unk=False,
-                           unk_token=unk)
-    except Exception as e:
-        raise ModelLoadError(f"cannot build the SentencePiece vocabulary: {e}") from e
-    return HFTokenizer(model)
+    def __init__(self, tokens: list[str], scores: list[float], unk_id: int | None):
+        self.vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            self.vocab[t] = i
+        self.scores = scores
+        self.byte_ids = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
+        self.unk_id = unk_id
+
+    def encode(self, text: str) -> list[int]:
+        import heapq
+
+        vocab, scores = self.vocab, self.scores
+        syms = list(text)
+        n = len(syms)
+        if n == 0:
+            return []
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prev = list(range(-1, n - 1))
+        heap: list = []
+        push = heapq.heappush
+
+        for i in range(n - 1):
+            t = syms[i] + syms[i + 1]
+            tid = vocab.get(t)
+            if tid is not None:
+                heap.append((-scores[tid], i, t))
+        heapq.heapify(heap)
+        pop = heapq.heappop
+        while heap:
+            _, left, t = pop(heap)
+            right = nxt[left]
+            if right < 0 or not syms[left] or syms[left] + syms[right] != t:
+                continue  # stale
+            syms[left] = t
+            syms[right] = ""
+            nr = nxt[right]
+            nxt[left] = nr
+            if nr >= 0:
+                prev[nr] = left
+            pl = prev[left]
+            if pl >= 0:
+                t2 = syms[pl] + t
+                tid = vocab.get(t2)
+                if tid is not None:
+                    push(heap, (-scores[tid], pl, t2))
+            if nr >= 0:
+                t2 = t + syms[nr]
+                tid = vocab.get(t2)
+                if tid is not None:
+                    push(heap, (-scores[tid], left, t2))
+        out: list[int] = []
+        i = 0
+        while i >= 0:
+            sym = syms[i]
+            tid = vocab.get(sym)
+            if tid is not None:
+                out.append(tid)
+            else:
+                for b in sym.encode("utf-8"):
+                    bid = self.byte_ids[b]
+                    if bid is None:
+                        bid = self.unk_id
+                    if bid is not None:
+                        out.append(bid)
+            i = nxt[i]
+        return out
 
 
 class IncrementalDetokenizer:
