@@ -684,7 +684,7 @@ def write_hf(dir: str | Path, preset: str | Preset, seed: int = 0, *, max_shard_
     tok = build_tokenizer(vocab_size=p.vocab_size)
     cfg = _hf_config(p, len(tok.tokens), tok)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # norms: 1 + noise, so a wrong norm mapping shows in the logits
         for n, prm in model.named_parameters():
             if prm.ndim == 1 and "norm" in n:
