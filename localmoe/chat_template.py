@@ -214,7 +214,15 @@ def _make_env():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    class StrictSandbox(ImmutableSandboxedEnvironment):
+        """Reaching for an unsafe attribute (dunders, ``_private``, function internals) raises
+        at once instead of rendering as an empty Undefined."""
+
+        def unsafe_undefined(self, obj, attribute):
+            raise jinja2.exceptions.SecurityError(
+                f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+    env = StrictSandbox(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[GenerationTag, jinja2.ext.loopcontrols],
     )
