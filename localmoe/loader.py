@@ -759,12 +759,23 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
     if a + "rope.freq_base_swa" in md:
         spec.rope_base_local = _num(md, a + "rope.freq_base_swa", 10000.0)
     sw = md.get(a + "attention.sliding_window")
-    if sw:
-        spec.sliding_window = int(sw) if not isinstance(sw, list) else int(max(sw))
     if arch == "gemma3":
+        # llama.cpp models/gemma3.cpp: SWA only when the key is present and > 0; pattern default 6
         spec.embed_scale = math.sqrt(d_model)
-        if not sw:
-            spec.sliding_window = 512
+        spec.sliding_window = int(sw) if isinstance(sw, int) and sw > 0 else None
+        pat = md.get(a + "attention.sliding_window_pattern")
+        if spec.sliding_window is None:
+            spec.sliding_window_pattern = None
+        elif isinstance(pat, int) and pat > 0:
+            spec.sliding_window_pattern = pat
+        elif isinstance(pat, list) and pat:
+            # per-layer flags (True = sliding): must be "N-1 sliding, then 1 global", repeated
+            n = next((i + 1 for i, v in enumerate(pat) if not v), None)
+            if n is None or any(bool(v) != ((i + 1) % n != 0) for i, v in enumerate(pat)):
+                raise UnsupportedModelError(
+                    f"{a}attention.sliding_window_pattern {pat[:12]}... is not periodic; not supported"
+                )
+            spec.sliding_window_pattern = n
     if arch != "gemma3":
         spec.rope_base_local = None if a + "rope.freq_base_swa" not in md else spec.rope_base_local
     for key, field_ in (("attn_logit_softcapping", "attn_logit_softcap"), ("final_logit_softcapping", "final_logit_softcap")):
