@@ -285,8 +285,7 @@ class LLM:
         t0 = time.perf_counter()
         p = _sampling_params(params, **sampling)
         if not raw and isinstance(prompt, str):
-            text = self.render_chat([{"role": "user", "content": prompt}])
-            ids = self._encode_prompt(text, templated=self.template is not None)
+            ids = self._chat_ids([{"role": "user", "content": prompt}])
         else:
             ids = self._encode_prompt(prompt, templated=False)
         return self._start(ids, p, cancel, stream, t0)
@@ -304,9 +303,23 @@ class LLM:
             import dataclasses
 
             p = dataclasses.replace(p, stop=tuple(p.stop or ()) + ("\nUser:",))
-        text = self.render_chat(messages, tools=tools)
-        ids = self._encode_prompt(text, templated=self.template is not None)
+        ids = self._chat_ids(messages, tools)
         return self._start(ids, p, cancel, True, t0)
+
+    def _chat_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """Token ids of a chat prompt: control tokens only from the template (the same text
+        inside a message stays plain text), one BOS at most."""
+        if self.template is not None and hasattr(self.template, "encode"):
+            ids = list(self.template.encode(self.tokenizer, messages, tools=tools,
+                                            add_generation_prompt=True))
+            bos = getattr(self.tokenizer, "bos_id", None)
+            while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+                ids = ids[1:]
+            if not ids:
+                raise InvalidRequestError("the prompt is empty", param="messages")
+            return ids
+        text = self.render_chat(messages, tools=tools)
+        return self._encode_prompt(text, templated=self.template is not None)
 
     def chat(self, messages: list[dict], *, tools: list | None = None, tool_choice: Any = None,
              stream: bool = False, cancel: threading.Event | None = None, **sampling: Any):
@@ -440,7 +453,6 @@ class LLM:
                                      t_end, n_prefilled, len(generated)),
                     cached_tokens=n_reused)
                 completed = True
-                yield StreamEvent("", None, True, result)
             except GeneratorExit:
                 raise  # closed between tokens: the cached state is consistent
             except BaseException:
@@ -448,13 +460,19 @@ class LLM:
                     # the runner may hold a partial step; start from scratch next time
                     self._reset_cache()
                 raise
+        # the final event is yielded after the lock is released, so a consumer that stops
+        # iterating once it has the result does not block the next generation
+        yield StreamEvent("", None, True, result)
 
     def _control_ids(self) -> set[int]:
         """Control-token ids (exempt from repetition penalties), computed once."""
         if self._control is None:
             fn = getattr(self.tokenizer, "is_control", None)
             ids: set[int] = set()
-            if fn is not None:
+            direct = getattr(self.tokenizer, "control_ids", None)
+            if isinstance(direct, (set, frozenset)):
+                ids = set(direct)
+            elif fn is not None:
                 try:
                     ids = {i for i in range(int(self.tokenizer.vocab_size)) if fn(i)}
                 except Exception:
