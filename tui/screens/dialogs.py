@@ -151,23 +151,24 @@ class SettingsScreen(_Dialog):
             with VerticalScroll(classes="settings-body"):
                 yield Label("System prompt")
                 yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True,
-                               tab_behavior="focus")
+                               tab_behavior="focus", compact=True,
+                               placeholder="(none) e.g. You are a concise assistant.")
                 with Grid(classes="settings-grid"):
                     for name, label in (("temperature", "Temperature"), ("top_p", "Top-p"),
                                         ("top_k", "Top-k"), ("max_tokens", "Max tokens"),
                                         ("seed", "Seed")):
                         yield Label(label)
                         kind = "integer" if name in ("top_k", "max_tokens", "seed") else "number"
-                        yield Input(_fmt(getattr(s, name)), id=name, type=kind,
+                        yield Input(_fmt(getattr(s, name)), id=name, type=kind, compact=True,
                                     placeholder=f"default: {_fmt(d.get(name)) or 'engine'}")
                     yield Label("KV cache")
                     yield Select([(k, k) for k in KV_FORMATS], id="kv_cache",
                                  value=s.kv_cache if s.kv_cache in KV_FORMATS else Select.NULL,
-                                 prompt=f"default ({d.get('kv_cache', 'f16')})")
+                                 prompt=f"default ({d.get('kv_cache', 'f16')})", compact=True)
                     yield Label("Backend")
                     yield Select([(b, b) for b in BACKENDS], id="backend",
                                  value=s.backend if s.backend in BACKENDS else Select.NULL,
-                                 prompt=f"default ({d.get('backend', 'auto')})")
+                                 prompt=f"default ({d.get('backend', 'auto')})", compact=True)
             yield Label("", id="settings-error", classes="dialog-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save (ctrl+s)", variant="primary", id="save")

@@ -43,8 +43,8 @@ class Stats:
         if self.tok_s is not None:
             parts.append(f"{self.tok_s:.1f} tok/s")
         if self.n_ctx:
-            used = "?" if self.ctx_used is None else str(self.ctx_used)
-            parts.append(f"ctx {used}/{self.n_ctx}")
+            parts.append(f"ctx {self.n_ctx}" if self.ctx_used is None
+                         else f"ctx {self.ctx_used}/{self.n_ctx}")
         if self.kv_bytes is not None:
             parts.append(f"KV {format_bytes(self.kv_bytes)}")
         if self.expert_hit_rate is not None:
