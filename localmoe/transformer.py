@@ -154,21 +154,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     Raises:
         UnsupportedModelError: unknown style.
     """
-    half = cos.shape[-1]
-    rd = 2 * half
-    xf = x.float()
-    xr, xp = xf[..., :rd], xf[..., rd:]
-    c, s = cos[:, None, :], sin[:, None, :]
+    return apply_rope_tables(x, *rope_tables(cos, sin, style), style)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand ``[T, R/2]`` cos/sin into full-width ``[T, 1, R]`` tables for
+    :func:`apply_rope_tables` (computed once per forward step, shared by q and k of every layer
+    with the same RoPE base).
+
+    Raises:
+        UnsupportedModelError: unknown style.
+    """
     if style == "neox":
-        x1, x2 = xr[..., :half], xr[..., half:]
-        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
     elif style == "norm":
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+        c, s = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
     else:
         raise UnsupportedModelError(f"unknown rope style {style!r}; expected 'norm' or 'neox'")
-    if xp.shape[-1]:
-        out = torch.cat([out, xp], dim=-1)
+    return c[:, None, :], s[:, None, :]
+
+
+def apply_rope_tables(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, style: str
+                      ) -> torch.Tensor:
+    """``x * cos + rot(x) * sin`` over the first ``R = cos2.shape[-1]`` dims, where ``rot`` maps
+    each pair ``(a, b)`` to ``(-b, a)``; tables from :func:`rope_tables`. ``x``: ``[T, H, D]``."""
+    rd = cos2.shape[-1]
+    xf = x.float()
+    xr = xf[..., :rd] if rd < xf.shape[-1] else xf
+    if style == "neox":
+        half = rd // 2
+        rot = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+    else:
+        rot = torch.stack([-xr[..., 1::2], xr[..., 0::2]], -1).flatten(-2)
+    out = xr * cos2 + rot * sin2
+    if rd < xf.shape[-1]:
+        out = torch.cat([out, xf[..., rd:]], -1)
     return out.to(x.dtype)
 
 
@@ -192,20 +212,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
     """
     T, H, D = q.shape
     L, Hkv, _ = k.shape
+    need_mask = T > 1 or L > q_start + T or (window is not None and q_start + 1 > window)
+    mask = None
+    if need_mask:
+        qpos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+        kpos = torch.arange(L, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask = mask & (qpos - kpos < window)
+    if not softcap:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+            v.float().transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+        return o[0].transpose(0, 1)
     g = H // Hkv
     qf = q.float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)        # [Hkv, g, T, D]
     kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
     vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
     s = torch.matmul(qf, kf.unsqueeze(1)) * scale                     # [Hkv, g, T, L]
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    qpos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
-    kpos = torch.arange(L, device=q.device)[None, :]
-    mask = kpos > qpos
-    if window:
-        mask = mask | (qpos - kpos >= window)
-    if bool(mask.any()):
-        s = s.masked_fill(mask, float("-inf"))
+    s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
     return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
@@ -486,8 +513,8 @@ class Transformer:
 
     def block(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               attn: AttnFn) -> torch.Tensor:
-        """One transformer block on ``x [N, d_model]``; ``rope`` = (cos, sin) ``[N, R/2]`` for
-        this layer's base; ``attn(layer, q[N,H,D], k[N,Hkv,D], v[N,Hkv,Dv]) -> [N,H,Dv]``."""
+        """One transformer block on ``x [N, d_model]``; ``rope`` = full-width (cos, sin) tables
+        ``[N, 1, R]`` (:func:`rope_tables`) for this layer's base; ``attn(layer, q[N,H,D], k[N,Hkv,D], v[N,Hkv,Dv]) -> [N,H,Dv]``."""
         s = self.spec
         L = self.layers[layer]
         N = x.shape[0]
@@ -506,9 +533,9 @@ class Transformer:
         if s.qk_norm and not s.qk_norm_full:
             q = rms_norm(q, L["attn_q_norm"], eps)
             k = rms_norm(k, L["attn_k_norm"], eps)
-        cos, sin = rope
-        q = apply_rope(q, cos, sin, s.rope_style)
-        k = apply_rope(k, cos, sin, s.rope_style)
+        cos2, sin2 = rope
+        q = apply_rope_tables(q, cos2, sin2, s.rope_style)
+        k = apply_rope_tables(k, cos2, sin2, s.rope_style)
         o = attn(layer, q, k, v).reshape(N, -1).to(x.dtype)
         o = o @ L["wo"].t()
         if "post_attention_norm" in L:
@@ -535,8 +562,7 @@ class Transformer:
             inv, ms = self._inv_freq(base, scaling)
             key = (base, id(inv))
             if key not in tables:
-                tables[key] = tuple(t.to(x.dtype) if x.dtype == torch.float64 else t
-                                    for t in rope_cos_sin(positions, inv, ms))
+                tables[key] = rope_tables(*rope_cos_sin(positions, inv, ms), self.spec.rope_style)
             x = self.block(i, x, tables[key], attn)
         return rms_norm(x, self.output_norm, self.spec.norm_eps)
 

@@ -1,0 +1,193 @@
+"""CPU decode speed of the torch reference backend next to llama-cpp-python on the same file.
+
+For each backend (each in its own subprocess, so load time and peak RSS are its own) the script
+loads the model, prefills one prompt, then decodes ``--tokens`` tokens greedily one at a time and
+reports:
+
+* ``load_s``: model load wall time (s); ``peak_rss_mb``: peak resident memory of the process (MiB);
+* ``prefill_tok_s``: prompt tokens / prefill wall time;
+* ``decode_tok_s``: generated tokens / decode wall time (the headline number);
+* ``decode_cpu_ms_per_tok``: process CPU time per decoded token (ms) -- on a shared machine the
+  wall-clock number moves with the load average, this one much less;
+* ``load_avg``: 1-minute load average when the run started.
+
+Both backends see the same token ids (llama.cpp's tokenizer when available, else localmoe's).
+Usage::
+
+    python benchmarks/bench_cpu_decode.py                      # SmolLM2 Q4_1, 64 tokens
+    python benchmarks/bench_cpu_decode.py --model gemma3 --tokens 32
+    python benchmarks/bench_cpu_decode.py --model /path/file.gguf --threads 2 --json out.json
+
+Prints one JSON document (``--json`` also writes it) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+PROMPT = ("The GNU General Public License is a free, copyleft license for software and other "
+          "kinds of works. Summarize what it allows in one paragraph:")
+MODELS = {"smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3": "gemma-3-270m-q4_k_m.gguf"}
+
+
+def _resolve_model(name: str) -> str:
+    if os.path.isfile(name):
+        return name
+    fname = MODELS.get(name, name)
+    for d in (os.environ.get("LOCALMOE_TEST_MODELS"), "/tmp/models"):
+        if d and os.path.isfile(os.path.join(d, fname)):
+            return os.path.join(d, fname)
+    try:
+        from localmoe.store import ModelStore
+
+        p = ModelStore().find({"gemma3": "gemma3-270m"}.get(name, name))
+        if p:
+            return str(p)
+    except Exception:
+        pass
+    sys.exit(f"model {name!r} not found; pass a .gguf path or set LOCALMOE_TEST_MODELS")
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _tokens(path: str) -> list[int]:
+    try:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=path, n_ctx=256, vocab_only=True, verbose=False)
+        return llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+    except ImportError:
+        from localmoe.loader import open_model
+        from localmoe.tokenizer import Tokenizer
+
+        return Tokenizer.from_model(open_model(path)).encode(PROMPT)
+
+
+def _child_torch(path: str, toks: list[int], n: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from localmoe.loader import open_model
+    from localmoe.registry import get_backend
+
+    t0 = time.perf_counter()
+    runner = get_backend("torch").load(open_model(path), n_ctx=len(toks) + n + 8, max_seqs=1)
+    load_s = time.perf_counter() - t0
+    sid = runner.new_sequence()
+    t0 = time.perf_counter()
+    logits = runner.forward([(sid, toks)])[0]
+    prefill_s = time.perf_counter() - t0
+    out = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        nxt = int(torch.argmax(logits))
+        out.append(nxt)
+        logits = runner.forward([(sid, [nxt])])[0]
+    dec_s, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": dec_s, "decode_cpu_s": dec_cpu,
+            "generated": out, "dtype": str(runner.dtype).replace("torch.", ""),
+            "kv": str(runner.kv_spec)}
+
+
+def _child_llamacpp(path: str, toks: list[int], n: int, threads: int) -> dict:
+    import numpy as np
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=len(toks) + n + 8, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.eval(toks)
+    prefill_s = time.perf_counter() - t0
+    out = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(n):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(nxt)
+        llm.eval([nxt])
+    dec_s, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": dec_s, "decode_cpu_s": dec_cpu,
+            "generated": out, "dtype": "gguf-native", "kv": "f16"}
+
+
+def _child(args) -> None:
+    toks = json.loads(args.child_tokens)
+    fn = _child_torch if args.child == "torch" else _child_llamacpp
+    res = fn(args.model_path, toks, args.tokens, args.threads)
+    res["peak_rss_mb"] = _peak_rss_mb()
+    print("RESULT " + json.dumps(res))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | path to a .gguf")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens to decode")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--backends", default="torch,llamacpp")
+    ap.add_argument("--json", default=None, help="also write the JSON here")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-tokens", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    path = _resolve_model(args.model)
+    toks = _tokens(path)
+    results = []
+    for be in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        load_avg = os.getloadavg()[0]
+        cmd = [sys.executable, __file__, "--child", be, "--model-path", path, "--tokens",
+               str(args.tokens), "--threads", str(args.threads), "--child-tokens", json.dumps(toks)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode or not line:
+            results.append({"backend": be, "error": (p.stderr or p.stdout)[-800:]})
+            continue
+        r = json.loads(line[-1][7:])
+        n = args.tokens
+        results.append({
+            "backend": be, "dtype": r["dtype"], "kv": r["kv"], "load_s": round(r["load_s"], 2),
+            "peak_rss_mb": round(r["peak_rss_mb"], 1),
+            "prefill_tok_s": round(len(toks) / r["prefill_s"], 1),
+            "decode_tok_s": round(n / r["decode_s"], 2),
+            "decode_cpu_ms_per_tok": round(1000 * r["decode_cpu_s"] / n, 1),
+            "load_avg": round(load_avg, 2), "generated": r["generated"]})
+    gens = [r.get("generated") for r in results if "generated" in r]
+    same = None
+    if len(gens) == 2:
+        same = next((i for i, (a, b) in enumerate(zip(*gens)) if a != b), len(gens[0]))
+    doc = {"model": os.path.basename(path), "prompt_tokens": len(toks), "decode_tokens": args.tokens,
+           "threads": args.threads, "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cpus, {platform.system()}", "greedy_tokens_identical_prefix": same,
+           "results": [{k: v for k, v in r.items() if k != "generated"} for r in results]}
+    txt = json.dumps(doc, indent=1)
+    print(txt)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(txt)
+    cols = ["backend", "dtype", "load_s", "peak_rss_mb", "prefill_tok_s", "decode_tok_s",
+            "decode_cpu_ms_per_tok", "load_avg"]
+    print()
+    print(" | ".join(f"{c:>12}" for c in cols))
+    for r in doc["results"]:
+        if "error" in r:
+            print(f"{r['backend']:>12} | error: {r['error'].splitlines()[-1] if r['error'] else '?'}")
+            continue
+        print(" | ".join(f"{str(r.get(c, '')):>12}" for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
