@@ -1,0 +1,205 @@
+"""CLI: click CliRunner for wiring and errors, subprocess end to end on the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+from click.testing import CliRunner
+
+from localmoe.cli import cli
+
+from conftest import has_llamacpp
+
+
+def run(args, **kw):
+    return CliRunner().invoke(cli, args, catch_exceptions=False, **kw)
+
+
+def lm(*args, stdin=None, timeout=300, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "localmoe", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, env=e)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALMOE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def assert_one_line_error(r, *needles):
+    assert r.returncode == 1 if hasattr(r, "returncode") else r.exit_code == 1
+    err = r.stderr
+    assert "Traceback" not in err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert lines and lines[-1].startswith("error: "), err
+    for n in needles:
+        assert n in lines[-1], (n, lines[-1])
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = ("import sys, localmoe.cli\n"
+            "heavy = [m for m in ('torch', 'numpy', 'llama_cpp', 'textual', 'fastapi') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    r = run(["--help"])
+    assert r.exit_code == 0
+    for cmd in ("generate", "chat", "serve", "pull", "models", "rm", "info", "backends"):
+        assert cmd in r.output
+
+
+def test_errors_are_one_line_with_exit_1(home, tmp_path):
+    # a real process: exit status and stderr exactly as a user sees them
+    r = lm("generate", "-m", str(tmp_path / "missing.gguf"), "hi")
+    assert_one_line_error(r, "does not exist")
+    # in-process for the rest (catch_exceptions=False: a traceback would fail the test)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOTAGGUF" * 10)
+    for args, needle in ((["generate", "-m", "no-such-model", "hi"], "no-such-model"),
+                         (["generate", "-m", str(bad), "hi"], ""),
+                         (["generate", "--kv-cache", "int9", "-m", str(bad), "hi"], "int9"),
+                         (["info", "no-such-model"], "no-such-model"),
+                         (["rm", "nothing-here"], "nothing-here")):
+        r = run(args)
+        assert r.exit_code == 1, (args, r.output)
+        assert_one_line_error(types.SimpleNamespace(returncode=1, stderr=r.stderr), needle)
+
+
+def test_usage_errors_exit_2():
+    r = CliRunner().invoke(cli, ["generate", "--max-tokens", "0", "hi"])
+    assert r.exit_code == 2
+    r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf"], input="   ")
+    assert r.exit_code == 2 and "empty" in r.output
+
+
+def test_backends_lists_every_backend():
+    r = run(["backends"])
+    assert r.exit_code == 0
+    assert "torch" in r.output and "llamacpp" in r.output
+    assert "auto for gguf:" in r.output
+    if not has_llamacpp():
+        assert "llama-cpp-python not installed" in r.output
+
+
+def test_pull_models_rm_local_file(home, tmp_path):
+    src = tmp_path / "tiny.gguf"
+    src.write_bytes(b"GGUF" + b"\0" * 100)
+    r = run(["pull", str(src)])
+    assert r.exit_code == 0 and "tiny:" in r.output
+    r = run(["models"])
+    assert "tiny" in r.output and str(home) in r.output
+    r = run(["models", "--json"])
+    assert json.loads(r.output)[0]["name"] == "tiny"
+    r = run(["rm", "tiny"])
+    assert r.exit_code == 0 and "removed tiny" in r.output
+    assert "tiny " not in run(["models"]).output
+
+
+def test_chat_and_serve_are_wired(monkeypatch):
+    calls = {}
+    fake_server = types.ModuleType("localmoe.server")
+    fake_server.run_server = lambda model, **kw: calls.setdefault("serve", (model, kw))
+    monkeypatch.setitem(sys.modules, "localmoe.server", fake_server)
+    import localmoe
+
+    monkeypatch.setattr(localmoe, "server", fake_server, raising=False)
+    r = run(["serve", "-m", "smollm2", "--port", "9001", "--api-key", "k", "--kv-cache", "int8",
+             "--kv-cache-v", "int4", "-c", "2048", "--backend", "torch"])
+    assert r.exit_code == 0, r.output
+    model, kw = calls["serve"]
+    assert model == "smollm2"
+    assert kw == dict(host="127.0.0.1", port=9001, api_key="k", backend="torch", n_ctx=2048,
+                      kv_cache="int8", kv_cache_k=None, kv_cache_v="int4")
+    r = CliRunner().invoke(cli, ["serve", "--kv-cache", "bogus"])
+    assert r.exit_code == 1 and "bogus" in r.output
+
+    import localmoe.tui.app as tui_app
+
+    monkeypatch.setattr(tui_app, "list_chats_text", lambda: "CHATS-TABLE")
+    monkeypatch.setattr(tui_app, "run_chat", lambda model, **kw: calls.setdefault("chat", (model, kw)))
+    r = run(["chat", "--list"])
+    assert r.exit_code == 0 and "CHATS-TABLE" in r.output
+    r = run(["chat", "-m", "m.gguf", "--continue", "--kv-cache", "int4", "-c", "512"])
+    assert r.exit_code == 0
+    assert calls["chat"] == ("m.gguf", dict(backend="auto", n_ctx=512, kv_cache="int4",
+                                            continue_last=True))
+
+
+@pytest.mark.slow
+def test_info_real_model(smollm2_path):
+    r = lm("info", str(smollm2_path))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "architecture  llama" in out
+    assert "chat template  yes" in out
+    assert "none (dense)" in out
+    for fmt in ("f16", "int8", "int4", "int2"):
+        assert f"  {fmt} " in out
+    r = lm("info", "--json", str(smollm2_path))
+    d = json.loads(r.stdout)
+    assert d["architecture"] == "llama" and d["n_experts"] == 0
+    assert 100e6 < d["params_total"] < 200e6 and d["params_active"] == d["params_total"]
+    kv = d["kv_bytes_per_token"]
+    # SmolLM2-135M: 30 layers x 3 kv heads x 64 dims x (K+V) x 2 bytes = 23040 B/token in f16
+    assert kv["f16"] == 30 * 3 * 64 * 2 * 2
+    assert kv["int4"] < kv["int8"] < kv["f16"]
+    assert "Q4_1" in d["quant_mix"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", pytest.param("llamacpp", marks=pytest.mark.llamacpp)])
+def test_generate_end_to_end(smollm2_path, backend):
+    r = lm("generate", "-m", str(smollm2_path), "--backend", backend, "--greedy", "-n", "4",
+           "--json", "Why is the sky blue?")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["backend"] == backend and d["completion_tokens"] >= 1 and d["text"].strip()
+    assert d["finish_reason"] in ("length", "stop")
+    assert d["timings"]["ttft_ms"] > 0
+    # streamed plain text from stdin, raw completion
+    r2 = lm("generate", "-m", str(smollm2_path), "--backend", backend, "--greedy", "-n", "4",
+            "--raw", stdin="The capital of France is")
+    assert r2.returncode == 0, r2.stderr
+    assert r2.stdout.strip() and "Traceback" not in r2.stderr
+    # prompt over the context: a user error with both numbers
+    r3 = lm("generate", "-m", str(smollm2_path), "--backend", backend, "-c", "8",
+            "one two three four five six seven eight nine ten eleven twelve")
+    assert_one_line_error(r3, "context holds 8")
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_ctrl_c_stops_cleanly(smollm2_path):
+    p = subprocess.Popen([sys.executable, "-m", "localmoe", "generate", "-m", str(smollm2_path),
+                          "--backend", "llamacpp", "--raw", "-n", "2000", "Once upon a time"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.read(1)  # generation has started
+        assert first
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.llamacpp
+def test_kv_cache_flags_on_llamacpp(smollm2_path):
+    r = lm("generate", "-m", str(smollm2_path), "--backend", "llamacpp", "--kv-cache", "int2",
+           "hi")
+    assert_one_line_error(r, "int2")
+    r = lm("generate", "-m", str(smollm2_path), "--backend", "llamacpp", "--kv-cache-k", "int8",
+           "--kv-cache-v", "int4", "--greedy", "-n", "3", "--json", "hi")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kv_cache"] == "k=int8,v=int4"
