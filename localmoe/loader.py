@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -619,8 +620,11 @@ class GGUFModelFile(ModelFile):
 
         dtype = dtype or torch.float32
         raw = self.raw_tensor(name)
-        # copy the (small) block bytes out of the read-only mapping so torch gets a writable buffer
-        data = torch.from_numpy(np.array(raw.data, copy=True))
+        # zero-copy view of the read-only mapping: dequantize() only reads its input (torch warns
+        # about non-writable arrays, which is the point here, so the warning is silenced)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(raw.data))
         dev = torch.device(device)
         if dev.type != "cpu":
             data = data.to(dev)
