@@ -17,8 +17,9 @@ Sampler order (the same chain as llama.cpp's default sampler, minus DRY/XTC/typi
 6. **min_p**: keep tokens whose probability is >= ``min_p`` times the top probability
    (0 = off).
 7. **temperature**: divide the surviving logits by ``temperature``.
-8. **sample** from the softmax with the sampler's own ``torch.Generator``: seeded from
-   ``seed`` (same seed + same logits -> same tokens), or from OS entropy when ``seed`` is None.
+8. **sample** from the softmax with the sampler's own NumPy ``Generator`` (PCG64): seeded
+   from ``seed`` (same seed + same logits -> same tokens), or from OS entropy when ``seed`` is
+   None; independent of the global torch/NumPy random state.
 
 Non-finite logits are handled: NaN counts as -inf; if nothing finite remains the sampler falls
 back to the argmax of the raw logits with NaN removed, so it never returns an out-of-range id
@@ -32,6 +33,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from localmoe.errors import InvalidRequestError
@@ -169,6 +171,11 @@ class SamplingParams:
 class Sampler:
     """Picks the next token from logits (see the module docstring for the order).
 
+    The math runs in NumPy on CPU (single-threaded, no per-op dispatch cost) and the filters
+    avoid full sorts: ``top_k`` by partition, ``min_p`` by a logit threshold
+    (``logit >= max + ln(min_p)``), ``top_p`` by a partial sort of the best 512 candidates that
+    falls back to a full sort only for very flat distributions without ``min_p``/``top_k``.
+
     Args:
         params: validated :class:`SamplingParams` (validated again here).
         vocab_size: number of token ids; logits may be longer (padded vocabularies) -- the
@@ -178,12 +185,12 @@ class Sampler:
         InvalidRequestError: bad params, or a ``logit_bias`` id >= vocab_size.
     """
 
+    _TOP_P_PARTIAL = 512
+
     def __init__(self, params: SamplingParams, vocab_size: int, exempt_ids: Iterable[int] = ()):
         self.params = params.validate()
         self.vocab_size = int(vocab_size)
-        self.exempt_ids = {int(i) for i in exempt_ids if 0 <= int(i) < self.vocab_size}
-        self._exempt_t = (torch.tensor(sorted(self.exempt_ids), dtype=torch.long)
-                          if self.exempt_ids else None)
+        self.exempt_ids = frozenset(int(i) for i in exempt_ids if 0 <= int(i) < self.vocab_size)
         self._bias_ids = self._bias_vals = None
         if params.logit_bias:
             bad = [i for i in params.logit_bias if i >= self.vocab_size]
@@ -191,91 +198,132 @@ class Sampler:
                 raise InvalidRequestError(
                     f"logit_bias token id {bad[0]} is outside the vocabulary (size {self.vocab_size})",
                     param="logit_bias")
-            self._bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-            self._bias_vals = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+            self._bias_ids = np.array(list(params.logit_bias), dtype=np.int64)
+            self._bias_vals = np.array(list(params.logit_bias.values()), dtype=np.float32)
         seed = params.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
         self.seed = seed
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed & ((1 << 64) - 1))
+        self.rng = np.random.Generator(np.random.PCG64(seed & ((1 << 128) - 1) if seed >= 0
+                                                       else (-seed) | (1 << 127)))
 
     # -- steps ---------------------------------------------------------------------------------
-    def apply_penalties(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        """Step 1 (in place on ``logits``, float32 [vocab]); returns it."""
+    def apply_penalties(self, logits, history: Sequence[int]):
+        """Step 1, in place on ``logits`` (float32 ``[vocab]``, NumPy array or torch tensor
+        sharing memory); returns it."""
         p = self.params
-        if p.repeat_last_n == 0 or not history:
+        if p.repeat_last_n == 0 or not len(history):
             return logits
         if p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
             return logits
+        x = logits.numpy() if isinstance(logits, torch.Tensor) else logits
         window = history if p.repeat_last_n < 0 else history[-p.repeat_last_n:]
-        ids = torch.tensor([t for t in window if 0 <= t < self.vocab_size], dtype=torch.long)
-        if ids.numel() == 0:
+        ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+        keep = (ids >= 0) & (ids < self.vocab_size)
+        if self.exempt_ids:
+            keep &= np.fromiter((int(i) not in self.exempt_ids for i in ids), dtype=bool, count=ids.size)
+        ids, counts = ids[keep], counts[keep].astype(np.float32)
+        if ids.size == 0:
             return logits
-        counts = torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size].to(torch.float32)
-        if self._exempt_t is not None:
-            counts[self._exempt_t] = 0
-        seen = counts > 0
-        if not bool(seen.any()):
-            return logits
-        lg = logits[: self.vocab_size]
+        sel = x[ids]
         if p.repeat_penalty != 1.0:
-            sel = lg[seen]
-            lg[seen] = torch.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
-        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            lg -= counts * p.frequency_penalty + seen.to(torch.float32) * p.presence_penalty
+            sel = np.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
+        sel = sel - (counts * p.frequency_penalty + p.presence_penalty)
+        x[ids] = sel.astype(np.float32)
         return logits
 
-    def sample(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+    def sample(self, logits, history: Sequence[int] = ()) -> int:
         """Pick the next token id.
 
         Args:
-            logits: float tensor ``[vocab]`` (any float dtype/device; copied to CPU float32).
+            logits: ``[vocab]`` (or ``[1, vocab]``) float tensor / NumPy array, any float dtype.
             history: token ids so far (prompt + generated), for the penalties.
         Returns:
             token id in ``[0, vocab_size)``.
         """
         p = self.params
-        x = logits.detach().reshape(-1).to("cpu", torch.float32).clone()
-        x = x[: self.vocab_size]
-        if x.numel() == 0:
+        if isinstance(logits, torch.Tensor):
+            x = logits.detach().reshape(-1)[: self.vocab_size].to("cpu", torch.float32).numpy().copy()
+        else:
+            x = np.array(logits, dtype=np.float32).reshape(-1)[: self.vocab_size].copy()
+        if x.size == 0:
             raise InvalidRequestError("empty logits", param="logits")
-        raw = x
-        x = torch.nan_to_num(x, nan=float("-inf"))
-        x = self.apply_penalties(x, history)
+        nan = np.isnan(x)
+        if nan.any():
+            x[nan] = -np.inf
+        self.apply_penalties(x, history)
         if self._bias_ids is not None:
             x[self._bias_ids] += self._bias_vals
-        if not bool(torch.isfinite(x).any()):
-            return int(torch.argmax(torch.nan_to_num(raw, nan=-1e30, posinf=1e30, neginf=-1e30)))
+        top = int(np.argmax(x))  # lowest id on ties
+        if not np.isfinite(x[top]):
+            if x[top] == np.inf:  # +inf logits: only those can win
+                x = np.where(x == np.inf, 0.0, -np.inf).astype(np.float32)
+            else:  # nothing finite left
+                return top if not nan[top] else int(np.argmin(nan))
         if p.is_greedy:
-            return int(torch.argmax(torch.nan_to_num(x, posinf=3e38)))
-        # +inf logits: only those can win
-        if bool(torch.isposinf(x).any()):
-            x = torch.where(torch.isposinf(x), torch.zeros_like(x), torch.full_like(x, float("-inf")))
-        # top_k
-        k = p.top_k if 0 < p.top_k < x.numel() else x.numel()
-        if k < x.numel():
-            vals, idx = torch.topk(x, k)
+            return top
+        n = x.size
+        k = p.top_k if 0 < p.top_k < n else n
+        log_min_p = math.log(p.min_p) if p.min_p > 0.0 else -math.inf
+        # top_p and min_p each keep a prefix of the sorted candidates (min_p's ratio test does
+        # not change under renormalization), so the survivors are the shorter prefix and the
+        # cheap one can be applied first without changing the result.
+        if k < n:
+            idx = np.argpartition(x, n - k)[n - k:]
+            idx = idx[np.argsort(-x[idx], kind="stable")]
+            vals = x[idx]
+            lse = _logsumexp(vals)
         else:
-            vals, idx = torch.sort(x, descending=True)
-        # top_p (at temperature 1)
+            lse = _logsumexp(x)
+            if p.min_p > 0.0:
+                idx = np.flatnonzero(x >= x[top] + log_min_p)
+                if p.top_p >= 1.0:
+                    return int(idx[self._draw(x[idx], x[top])])
+                idx = idx[np.argsort(-x[idx], kind="stable")]
+                vals = x[idx]
+            elif p.top_p < 1.0:
+                idx = vals = None
+                m = self._TOP_P_PARTIAL
+                if m < n:
+                    cand = np.argpartition(x, n - m)[n - m:]
+                    cand = cand[np.argsort(-x[cand], kind="stable")]
+                    mass = np.cumsum(np.exp(x[cand].astype(np.float64) - lse))
+                    if mass[-1] >= p.top_p:
+                        idx, vals = cand, x[cand]
+                if idx is None:
+                    idx = np.argsort(-x, kind="stable")
+                    vals = x[idx]
+            else:
+                idx = np.flatnonzero(np.isfinite(x))
+                return int(idx[self._draw(x[idx], x[top])])
+        # top_p: probabilities at temperature 1, normalized over the top_k survivors
         if p.top_p < 1.0:
-            probs = torch.softmax(vals, dim=0)
-            cum = torch.cumsum(probs, dim=0)
-            # keep tokens until the mass reaches top_p (the token crossing it included)
-            keep = int(torch.searchsorted(cum, torch.tensor([p.top_p]), right=False).item()) + 1
-            keep = max(1, min(keep, vals.numel()))
-            vals, idx = vals[:keep], idx[:keep]
-        # min_p (relative to the top probability)
-        if p.min_p > 0.0 and vals.numel() > 1:
-            probs = torch.softmax(vals, dim=0)
-            mask = probs >= p.min_p * probs[0]
+            cum = np.cumsum(np.exp(vals.astype(np.float64) - lse))
+            keep = int(np.searchsorted(cum, p.top_p, side="left")) + 1
+            keep = max(1, min(keep, vals.size))
+            idx, vals = idx[:keep], vals[:keep]
+        # min_p relative to the best token
+        if p.min_p > 0.0 and vals.size > 1:
+            mask = vals >= vals[0] + log_min_p
             mask[0] = True
-            vals, idx = vals[mask], idx[mask]
-        # temperature
-        vals = vals / p.temperature
-        probs = torch.softmax(vals - vals.max(), dim=0)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-            return int(idx[0])
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(idx[int(choice)])
+            idx, vals = idx[mask], vals[mask]
+        return int(idx[self._draw(vals, vals[0])])
+
+    def _draw(self, vals, vmax) -> int:
+        """Temperature, then one categorical draw; returns a position in ``vals``."""
+        t = self.params.temperature
+        z = (vals.astype(np.float64) - float(vmax)) / t  # shift first: no overflow
+        w = np.exp(z)
+        c = np.cumsum(w)
+        total = c[-1]
+        if not np.isfinite(total) or total <= 0:
+            return int(np.argmax(vals))
+        u = self.rng.random() * total
+        return int(min(np.searchsorted(c, u, side="right"), vals.size - 1))
+
+
+def _logsumexp(v) -> float:
+    m = float(np.max(v))
+    if not math.isfinite(m):
+        return m
+    return m + math.log(float(np.sum(np.exp(v.astype(np.float64) - m))))
