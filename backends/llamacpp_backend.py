@@ -63,8 +63,9 @@ def _default_threads() -> int:
     env = os.environ.get("LOCALMOE_THREADS")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
-    n = os.cpu_count() or 1
-    return n if n <= 4 else n // 2  # llama.cpp does best on physical cores
+    # llama-cpp-python's own default: half the logical CPUs (= physical cores with SMT). Its
+    # threads spin at barriers, so oversubscribing a busy machine is far slower than fewer.
+    return max(1, (os.cpu_count() or 1) // 2)
 
 
 @register_backend("llamacpp")
@@ -94,7 +95,7 @@ class LlamaCppBackend(Backend):
             kv_spec: KVSpec (default f16); see the module docstring for the mapping.
             device: None/"cpu"; "cuda" offloads all layers when llama-cpp-python was built
                 with GPU support.
-            n_threads: CPU threads (default ``$LOCALMOE_THREADS`` or the physical cores).
+            n_threads: CPU threads (default ``$LOCALMOE_THREADS``, else half the logical CPUs).
             n_batch: prefill chunk in tokens.
 
         Raises:

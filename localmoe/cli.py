@@ -372,7 +372,7 @@ def info(model, as_json):
         ("context", f"{d['context']} tokens" + (f" (sliding window {d['sliding_window']})"
                                                  if d["sliding_window"] else "")),
         ("chat template", "yes" if d["chat_template"] else "no"),
-        ("quant mix", ", ".join(f"{q}: {v['tensors']} tensors {format_size(v['bytes'])}"
+        ("quant mix", ", ".join(f"{q}: {v['tensors']} tensor{'s' if v['tensors'] != 1 else ''} {format_size(v['bytes'])}"
                                 for q, v in sorted(d["quant_mix"].items(),
                                                    key=lambda kv: -kv[1]["bytes"]))),
     ]

@@ -137,8 +137,10 @@ def test_info_real_model(smollm2_path):
     r = lm("info", str(smollm2_path))
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "architecture  llama" in out
-    assert "chat template  yes" in out
+    import re
+
+    assert re.search(r"^architecture +llama$", out, re.M)
+    assert re.search(r"^chat template +yes$", out, re.M)
     assert "none (dense)" in out
     for fmt in ("f16", "int8", "int4", "int2"):
         assert f"  {fmt} " in out
