@@ -142,3 +142,18 @@ def test_cuda_matches_cpu(qtype):
     gpu = dequantize(torch.from_numpy(b).cuda(), int(qtype), (8, 8 * bs))
     assert gpu.device.type == "cuda"
     assert torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_every_real_tensor_bit_exact(which, request):
+    """All tensors of the real files (slow: gguf's numpy reference is the bottleneck)."""
+    from localmoe.loader import open_model
+
+    path = request.getfixturevalue(f"{which}_path")
+    with open_model(path) as m:
+        for name in m.tensor_names():
+            r = m.raw_tensor(name)
+            got = m.load_tensor(name)
+            want = ref(np.asarray(r.data), QT(r.qtype), r.shape)
+            assert torch.equal(got, want), name
