@@ -44,21 +44,28 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer", "TURN_END_TOKENS", "PRE_TOKENI
 # GGUF token types (llama.cpp LLAMA_TOKEN_TYPE_*).
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 
-# Texts of control tokens that end a turn / generation (llama.cpp's auto-detected EOG set).
-TURN_END_TOKENS = (
-    "<|eot_id|>",
-    "<|eom_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|end_of_text|>",
-    "<EOT>",
-    "_<EOT>",
-    "<｜end▁of▁sentence｜>",
-    "<|return|>",
-    "<|call|>",
+# Token texts llama.cpp (src/llama-vocab.cpp) auto-detects. Each detected token is made a
+# control token (so its text in user content stays plain text) -- we mirror that exactly so that
+# ids and the end-of-generation set match llama.cpp's.
+TURN_END_TOKENS = (  # end of generation
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
 )
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<end_of_utterance>")
+_FIM_TEXTS = {  # metadata key suffix -> texts; pad/rep/sep also end generation
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "<|code_prefix|>",
+                "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "<|code_suffix|>",
+                "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "<|code_middle|>",
+                "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")  # gpt-oss
 
 # Pre-tokenizer regexes by llama.cpp pre-type (applied in order, each splitting the pieces of the
 # previous one, matches and gaps both kept).
@@ -322,11 +329,17 @@ class Tokenizer:
         if self.eos_id is None:
             self.add_eos = False
 
-        # token bytes (decode)
+        types = list(types)
+        self.eog_ids = _llamacpp_special_fixups(md, tokens, types, tid)
+        self._types = types
+
+        # token bytes (decode), as llama.cpp's token_to_piece(special=True)
         bl = []
         for text, tt in zip(tokens, types):
-            if tt in (TT_CONTROL, TT_USER_DEFINED, TT_UNKNOWN, TT_UNUSED):
+            if tt in (TT_CONTROL, TT_USER_DEFINED, TT_UNKNOWN):
                 bl.append(text.encode("utf-8"))
+            elif tt == TT_UNUSED:
+                bl.append(b"")
             elif tt == TT_BYTE and _parse_byte_token(text) is not None:
                 bl.append(bytes([_parse_byte_token(text)]))
             elif self.kind == "bpe":
@@ -343,22 +356,6 @@ class Tokenizer:
         ]
         specials.sort(key=lambda s: -len(s[0].encode("utf-8")))
         self._special_order = specials
-
-        # end of generation
-        eog = set()
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                    "tokenizer.ggml.eom_token_id"):
-            i = tid(key)
-            if i is not None:
-                eog.add(i)
-        text_to_id = {}
-        for i, text in enumerate(tokens):
-            text_to_id[text] = i
-        for text in TURN_END_TOKENS:
-            i = text_to_id.get(text)
-            if i is not None and types[i] in (TT_CONTROL, TT_USER_DEFINED):
-                eog.add(i)
-        self.eog_ids = eog
         return self
 
     @classmethod
@@ -671,6 +668,60 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
                 f"eos={self.eos_id}, eog={sorted(self.eog_ids)}, add_bos={self.add_bos})")
+
+
+def _llamacpp_special_fixups(md: dict, tokens: list[str], types: list[int], tid) -> set[int]:
+    """Mirror llama.cpp's special-token auto-detection (``llama_vocab::impl::load``).
+
+    Tokens found by text (EOT, EOM, FIM, end-of-generation texts) become control tokens in
+    ``types`` (modified in place); gpt-oss channel tokens become user-defined. Returns the
+    end-of-generation id set: eos, eot, eom, FIM pad/repo/sep and the :data:`TURN_END_TOKENS`
+    present, minus llama.cpp's two exceptions (``<|end|>`` next to ``<|return|>``/``<|call|>``,
+    ``</s>`` next to ``<|tool_response>``).
+    """
+    last_id = {t: i for i, t in enumerate(tokens)}  # llama.cpp's token_to_id keeps the last
+
+    def make_control(i: int) -> None:
+        if types[i] != TT_CONTROL:
+            types[i] = TT_CONTROL
+
+    def detect(key: str, texts) -> int | None:
+        i = tid(key)
+        if i is None:
+            for t in texts:
+                if t in last_id:
+                    i = last_id[t]
+                    break
+            else:
+                return None
+            make_control(i)
+        return i
+
+    eot = detect("tokenizer.ggml.eot_token_id", _EOT_TEXTS)
+    eom = detect("tokenizer.ggml.eom_token_id", ("<|eom_id|>",))
+    fim = {name: detect(f"tokenizer.ggml.{name}_token_id", texts) for name, texts in _FIM_TEXTS.items()}
+    eog: set[int] = {fim[n] for n in ("fim_pad", "fim_rep", "fim_sep") if fim[n] is not None}
+    for t in TURN_END_TOKENS:
+        i = last_id.get(t)
+        if i is not None:
+            eog.add(i)
+            make_control(i)
+    for t in _ALWAYS_RENDERED:
+        i = last_id.get(t)
+        if i is not None:
+            types[i] = TT_USER_DEFINED
+    for i in (tid("tokenizer.ggml.eos_token_id"), eot, eom):
+        if i is not None:
+            eog.add(i)
+    texts = {tokens[i]: i for i in eog}
+    if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
+                               or ("<|calls|>" in texts and "<|flush|>" in texts)):
+        eog.discard(texts["<|end|>"])
+        types[texts["<|end|>"]] = TT_USER_DEFINED
+    if "<|tool_response>" in texts and "</s>" in texts:
+        eog.discard(texts["</s>"])
+        types[texts["</s>"]] = TT_NORMAL
+    return eog
 
 
 def _build_bpe(tokens: list[str], merges: list[str], regexes: tuple[str, ...],
