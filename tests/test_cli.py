@@ -158,13 +158,16 @@ def test_info_real_model(smollm2_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", pytest.param("llamacpp", marks=pytest.mark.llamacpp)])
 def test_generate_end_to_end(smollm2_path, backend):
-    r = lm("generate", "-m", str(smollm2_path), "--backend", backend, "--greedy", "-n", "4",
+    n = "2" if backend == "torch" else "4"
+    r = lm("generate", "-m", str(smollm2_path), "--backend", backend, "--greedy", "-n", n,
            "--json", "Why is the sky blue?")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["backend"] == backend and d["completion_tokens"] >= 1 and d["text"].strip()
     assert d["finish_reason"] in ("length", "stop")
     assert d["timings"]["ttft_ms"] > 0
+    if backend == "torch":
+        return  # the rest is backend-independent CLI behaviour; the torch reference is slow
     # streamed plain text from stdin, raw completion
     r2 = lm("generate", "-m", str(smollm2_path), "--backend", backend, "--greedy", "-n", "4",
             "--raw", stdin="The capital of France is")
