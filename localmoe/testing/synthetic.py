@@ -683,14 +683,15 @@ def write_hf(dir: str | Path, preset: str | Preset, seed: int = 0, *, max_shard_
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size=p.vocab_size)
     cfg = _hf_config(p, len(tok.tokens), tok)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # norms: 1 + noise, so a wrong norm mapping shows in the logits
-        for n, prm in model.named_parameters():
-            if prm.ndim == 1 and "norm" in n:
-                prm.add_(torch.randn_like(prm) * 0.1)
-            elif prm.ndim == 1 and n.endswith("bias"):
-                prm.copy_(torch.randn_like(prm) * 0.1)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():  # norms: 1 + noise, so a wrong norm mapping shows in the logits
+            for n, prm in model.named_parameters():
+                if prm.ndim == 1 and "norm" in n:
+                    prm.add_(torch.randn_like(prm) * 0.1)
+                elif prm.ndim == 1 and n.endswith("bias"):
+                    prm.copy_(torch.randn_like(prm) * 0.1)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kw)
     _hf_tokenizer_files(out, tok)
