@@ -462,10 +462,12 @@ class Tokenizer:
                     eog.add(x)
         if self.eos_id is not None:
             eog.add(self.eos_id)
-        for text in TURN_END_TOKENS:
-            i = vocab.get(text)
-            if i is not None and i in added:
-                eog.add(i)
+        # llama.cpp's text-based detection, limited to added tokens (the ones HF treats as
+        # tokens of their own)
+        eos_id = self.eos_id
+        detected = _llamacpp_special_fixups(
+            {}, id_to_tok, list(types), lambda key: eos_id if key.endswith("eos_token_id") else None)
+        eog |= {i for i in detected if i in added}
         self.eog_ids = eog
         return self
 
@@ -617,6 +619,8 @@ class Tokenizer:
         ``text`` that may need byte fallback has a token. Some vocabularies lack a few byte
         tokens (SmolLM2: 0x04, 0xF1, ...); llama.cpp drops such bytes and so do we (the ids must
         match), so text using them does not round-trip."""
+        if self.kind == "spm" and _SPM_SPACE in text:
+            return False  # a literal U+2581 is SentencePiece's space marker: it decodes as " "
         if not self._missing_bytes:
             return True
         return not any(b in self._missing_bytes for b in text.encode("utf-8"))
