@@ -743,7 +743,14 @@ class CompletionJob:
                              "finish_reason": finish}]}
 
     def _events(self):
-        it = iter(self.llm.generate(self.prompt, stream=True, raw=True, cancel=self.cancel,
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            # like llama.cpp's server: special-token text in a raw prompt (<|im_start|>, ...)
+            # becomes those tokens, so hand-written chat markup works
+            tok = self.llm.tokenizer
+            prompt = tok.encode(prompt, add_special=True,
+                                parse_special=True)
+        it = iter(self.llm.generate(prompt, stream=True, raw=True, cancel=self.cancel,
                                     params=self.params))
         try:
             for ev in it:

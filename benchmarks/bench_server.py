@@ -1,0 +1,189 @@
+"""Server overhead: TTFT and decode tok/s through ``localmoe serve`` vs the Python API.
+
+The same model is loaded twice: in this process (Python API: ``LLM.chat(stream=True)``) and in a
+``localmoe`` server subprocess on 127.0.0.1 (driven with the official ``openai`` client, SSE
+streaming). Runs alternate API / server on the same prompts (greedy, fixed ``max_tokens``) so
+drifting machine load hits both alike; each prompt gets a distinct prefix so prefix reuse helps
+neither side more. Reported: median TTFT (ms, client side: call -> first content delta) and
+median decode tok/s ((completion_tokens - 1) / (last delta - first delta)), and the server's
+relative difference (target: within 5%). Then 8 concurrent streams are fired at the server
+and must all finish without error.
+
+Usage::
+
+    python benchmarks/bench_server.py -m /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        [--backend torch] [--runs 5] [--max-tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+PROMPT = ("Explain in a few sentences why the sky looks blue during the day and red at sunset, "
+          "for a curious ten year old.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure(chunks, t0: float) -> dict:
+    """Consume a stream of ChatCompletionChunk (dicts or openai objects); timings in ms."""
+    t_first = t_last = None
+    usage = None
+    text = []
+    for c in chunks:
+        c = c if isinstance(c, dict) else c.model_dump()
+        if c.get("usage"):
+            usage = c["usage"]
+        for ch in c.get("choices") or []:
+            d = ch.get("delta") or {}
+            if d.get("content"):
+                now = time.perf_counter()
+                t_first = t_first or now
+                t_last = now
+                text.append(d["content"])
+    n = int(usage["completion_tokens"]) if usage else 0
+    out = {"ttft_ms": (t_first - t0) * 1000 if t_first else float("nan"),
+           "completion_tokens": n, "text": "".join(text)}
+    out["decode_tok_s"] = ((n - 1) / (t_last - t_first)
+                           if t_first and t_last and t_last > t_first and n > 1 else float("nan"))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    from openai import OpenAI
+
+    from localmoe.engine import LLM
+
+    port = _free_port()
+    code = ("from localmoe.server import run_server; "
+            f"run_server({args.model!r}, port={port}, backend={args.backend!r}, "
+            f"n_ctx={args.n_ctx}, model_name='bench', log_level='warning')")
+    server = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
+    try:
+        t = time.perf_counter()
+        llm = LLM(args.model, backend=args.backend, n_ctx=args.n_ctx)
+        print(f"loaded in-process: {llm!r} ({time.perf_counter() - t:.1f} s)", flush=True)
+        import httpx
+
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise SystemExit("server process exited")
+            if time.time() > deadline:
+                raise SystemExit("server did not become ready")
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                        timeout=600)
+        sampling = dict(temperature=0.0, max_tokens=args.max_tokens)
+
+        def via_api(i):
+            msgs = [{"role": "user", "content": f"({i}) {PROMPT}"}]
+            t0 = time.perf_counter()
+            return _measure(llm.chat(msgs, stream=True, stream_options={"include_usage": True},
+                                     **sampling), t0)
+
+        def via_server(i):
+            msgs = [{"role": "user", "content": f"({i}) {PROMPT}"}]
+            t0 = time.perf_counter()
+            return _measure(client.chat.completions.create(
+                model="bench", messages=msgs, stream=True,
+                stream_options={"include_usage": True}, **sampling), t0)
+
+        via_api(-1), via_server(-1)  # warm-up (first-call allocations, lazy imports)
+        api, srv = [], []
+        for i in range(args.runs):
+            if i % 2 == 0:
+                a = via_api(i)
+                s = via_server(i)
+            else:
+                s = via_server(i)
+                a = via_api(i)
+            if a["text"] != s["text"]:
+                print(f"note: run {i}: server and API texts differ", flush=True)
+            api.append(a)
+            srv.append(s)
+            print(f"run {i}: api ttft {a['ttft_ms']:.1f} ms {a['decode_tok_s']:.1f} tok/s | "
+                  f"server ttft {s['ttft_ms']:.1f} ms {s['decode_tok_s']:.1f} tok/s "
+                  f"({s['completion_tokens']} tokens)", flush=True)
+
+        def med(rows, k):
+            return statistics.median(r[k] for r in rows)
+
+        res = {
+            "model": args.model, "backend": llm.backend_reason, "runs": args.runs,
+            "max_tokens": args.max_tokens,
+            "api": {"ttft_ms": med(api, "ttft_ms"), "decode_tok_s": med(api, "decode_tok_s")},
+            "server": {"ttft_ms": med(srv, "ttft_ms"), "decode_tok_s": med(srv, "decode_tok_s")},
+        }
+        res["ttft_diff_pct"] = 100 * (res["server"]["ttft_ms"] / res["api"]["ttft_ms"] - 1)
+        res["tok_s_diff_pct"] = 100 * (res["server"]["decode_tok_s"] / res["api"]["decode_tok_s"] - 1)
+
+        # N concurrent streams: all must finish, no errors
+        errors, done = [], []
+
+        def one(i):
+            try:
+                r = _measure(client.chat.completions.create(
+                    model="bench", messages=[{"role": "user", "content": f"[{i}] {PROMPT}"}],
+                    stream=True, stream_options={"include_usage": True},
+                    temperature=0.7, seed=i, max_tokens=args.max_tokens // 2), time.perf_counter())
+                if r["completion_tokens"] < 1:
+                    raise RuntimeError("empty completion")
+                done.append(r)
+            except Exception as e:  # noqa: BLE001 -- counted and reported
+                errors.append(repr(e))
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(args.concurrent)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        res["concurrent"] = {"streams": args.concurrent, "completed": len(done),
+                             "errors": errors, "wall_s": wall,
+                             "total_tokens": sum(r["completion_tokens"] for r in done),
+                             "aggregate_tok_s": sum(r["completion_tokens"] for r in done) / wall}
+        print(json.dumps(res, indent=2))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+        llm.close()
+        return 0 if not errors and len(done) == args.concurrent else 1
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
