@@ -14,7 +14,7 @@ from localmoe.errors import ModelLoadError, UnsupportedModelError
 from localmoe.loader import open_model
 from localmoe.testing.synthetic import PRESETS, write_gguf, write_hf
 
-HF_PRESETS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-mixtral", "tiny-llama"]
+HF_PRESETS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-mixtral", "tiny-llama", "tiny-qwen3", "tiny-qwen2"]
 
 
 @pytest.fixture(scope="module")

@@ -109,6 +109,10 @@ EXPECT = {
                        n_shared_experts=0, attn_bias=False),
     "tiny-mixtral": dict(arch="llama", rope_style="norm", qk_norm=False, norm_topk_prob=True, n_experts=4, d_ff=0),
     "tiny-llama": dict(arch="llama", rope_style="norm", n_experts=0, d_ff=512, tie_embeddings=True),
+    "tiny-qwen3": dict(arch="qwen3", rope_style="neox", qk_norm=True, attn_bias=False, n_experts=0, d_ff=512,
+                       tie_embeddings=False, rope_base=1e6),
+    "tiny-qwen2": dict(arch="qwen2", rope_style="neox", qk_norm=False, attn_bias=True, n_experts=0, d_ff=512,
+                       tie_embeddings=True),
 }
 
 

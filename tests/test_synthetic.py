@@ -26,6 +26,10 @@ BLOCK = {
     "tiny-olmoe": ATTN | MOE | {"attn_q_norm.weight", "attn_k_norm.weight"},
     "tiny-mixtral": ATTN | MOE,
     "tiny-llama": ATTN | {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"},
+    "tiny-qwen3": ATTN | {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_q_norm.weight",
+                          "attn_k_norm.weight"},
+    "tiny-qwen2": ATTN | {"ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_q.bias", "attn_k.bias",
+                          "attn_v.bias"},
 }
 
 

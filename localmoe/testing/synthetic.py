@@ -4,7 +4,7 @@ No real MoE weights are reachable offline, so MoE architectures are tested on fi
 writes with ``gguf.GGUFWriter``: tensor names, ggml shapes and metadata keys are those llama.cpp's
 converter (``convert_hf_to_gguf.py``) writes and ``src/llama-model.cpp`` expects for
 ``qwen3moe``, ``qwen2moe`` (shared expert + sigmoid gate), ``olmoe``, Mixtral-style ``llama``
-(stacked ``ffn_*_exps``) and dense ``llama``. Each file carries a small byte-level BPE tokenizer
+(stacked ``ffn_*_exps``) and dense ``llama``, ``qwen3`` and ``qwen2``. Each file carries a small byte-level BPE tokenizer
 (``tokenizer.ggml.model = gpt2``: 256 byte tokens, merges learned from a built-in English text,
 ChatML control tokens, a ChatML chat template) so llama.cpp accepts it.
 
@@ -217,6 +217,8 @@ PRESETS: dict[str, Preset] = {
               rope_base=1e6, norm_eps=1e-5, add_bos=True, tokenizer_pre="llama-bpe"),
         _tiny("tiny-llama", "llama", "llama", d_ff=512, norm_eps=1e-5, add_bos=True,
               tokenizer_pre="llama-bpe", tie_embeddings=True),
+        _tiny("tiny-qwen3", "qwen3", "qwen3", d_ff=512, rope_base=1e6),
+        _tiny("tiny-qwen2", "qwen2", "qwen2", d_ff=512, rope_base=1e6, tie_embeddings=True),
         Preset("qwen3-30b-a3b", "qwen3moe", "qwen3_moe", n_layers=48, d_model=2048, n_heads=32,
                n_kv_heads=4, head_dim=128, vocab_size=151936, d_ff=6144, n_experts=128, top_k=8,
                d_ff_expert=768, n_ctx=40960, rope_base=1e6, real_geometry=True),
@@ -406,10 +408,10 @@ def _plan(p: Preset, vocab: int) -> list[_T]:
             _T(b + "attn_output.weight", (D, H * hd), "attn", 1.0 / math.sqrt(H * hd)),
             _T(b + "ffn_norm.weight", (D,), "norm", 0.1, 1.0),
         ]
-        if p.arch == "qwen2moe":
+        if p.arch in ("qwen2moe", "qwen2"):
             out += [_T(b + "attn_q.bias", (H * hd,), "bias", 0.1), _T(b + "attn_k.bias", (KV * hd,), "bias", 0.1),
                     _T(b + "attn_v.bias", (KV * hd,), "bias", 0.1)]
-        if p.arch in ("qwen3moe",):
+        if p.arch in ("qwen3moe", "qwen3"):
             out += [_T(b + "attn_q_norm.weight", (hd,), "norm", 0.1, 1.0), _T(b + "attn_k_norm.weight", (hd,), "norm", 0.1, 1.0)]
         if p.arch == "olmoe":
             out += [_T(b + "attn_q_norm.weight", (H * hd,), "norm", 0.1, 1.0),
@@ -489,7 +491,7 @@ def _metadata(p: Preset, tok: Tokenizer) -> list[tuple[str, str, Any]]:
         (f"{a}.attention.layer_norm_rms_epsilon", "f32", p.norm_eps),
         (f"{a}.vocab_size", "u32", len(tok.tokens)),
     ]
-    if p.head_dim != p.d_model // p.n_heads or a in ("qwen3moe",):
+    if p.head_dim != p.d_model // p.n_heads or a in ("qwen3moe", "qwen3"):
         kv += [(f"{a}.attention.key_length", "u32", p.head_dim), (f"{a}.attention.value_length", "u32", p.head_dim)]
     kv.append((f"{a}.rope.dimension_count", "u32", p.head_dim))
     if p.is_moe:
@@ -635,6 +637,10 @@ def _hf_config(p: Preset, vocab: int, tok: Tokenizer):
                                num_experts_per_tok=p.top_k, head_dim=p.head_dim, **common)
     elif t == "llama":
         cfg = tf.LlamaConfig(intermediate_size=p.d_ff, head_dim=p.head_dim, **common)
+    elif t == "qwen3":
+        cfg = tf.Qwen3Config(intermediate_size=p.d_ff, head_dim=p.head_dim, **common)
+    elif t == "qwen2":
+        cfg = tf.Qwen2Config(intermediate_size=p.d_ff, **common)
     else:
         raise ValueError(f"preset {p.name} has no HF architecture")
     return cfg
