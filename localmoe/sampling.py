@@ -108,6 +108,25 @@ class SamplingParams:
         kw.update(overrides)
         return cls(**kw)
 
+    @classmethod
+    def model_defaults(cls, metadata: dict | None) -> dict:
+        """Sampling defaults a model file recommends (GGUF ``general.sampling.*``: ``temp``,
+        ``top_k``, ``top_p``, ``min_p``, ``penalty_repeat``, ``penalty_last_n``), as a dict of
+        :class:`SamplingParams` field overrides; out-of-range values are ignored."""
+        keys = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                "penalty_repeat": "repeat_penalty", "penalty_last_n": "repeat_last_n"}
+        out: dict = {}
+        for k, field in keys.items():
+            v = (metadata or {}).get(f"general.sampling.{k}")
+            if v is None:
+                continue
+            try:
+                cls(**{field: v}).validate()
+            except InvalidRequestError:
+                continue
+            out[field] = int(v) if field in ("top_k", "repeat_last_n") else float(v)
+        return out
+
     @property
     def is_greedy(self) -> bool:
         """True when the sampler will always take the argmax."""

@@ -251,3 +251,12 @@ def test_seeded_sampler_is_independent_of_global_rng():
     torch.rand(1000)
     b = Sampler(p, 100)
     assert [b.sample(x) for _ in range(10)] == first
+
+
+def test_model_defaults_from_gguf_metadata():
+    md = {"general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.top_p": 0.95,
+          "general.sampling.min_p": 7.0, "general.sampling.penalty_repeat": 1.1, "other": 1}
+    d = SamplingParams.model_defaults(md)
+    assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repeat_penalty": 1.1}
+    assert SamplingParams(**d).validate().top_k == 20
+    assert SamplingParams.model_defaults(None) == {}

@@ -315,3 +315,23 @@ def test_hf_dir_matches_gguf(tmp_path, smollm):
 def test_hf_dir_missing_tokenizer(tmp_path):
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2", "smollm", "gpt-2", "falcon",
+                                 "gpt-4o", "tekken", "deepseek-v3", "chatglm-bpe", "dbrx"])
+def test_every_pre_tokenizer_builds_and_round_trips(pre):
+    """A byte-level vocabulary (256 byte symbols + a few merges) under each pre-tokenizer."""
+    from localmoe.tokenizer import _BYTE_ENCODER
+
+    chars = [_BYTE_ENCODER[b] for b in range(256)]
+    toks = ["<|endoftext|>"] + chars + ["Ġt", "he", "Ġthe", "12", "123"]
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": toks,
+          "tokenizer.ggml.token_type": [3] + [1] * (len(toks) - 1),
+          "tokenizer.ggml.merges": ["Ġ t", "h e", "Ġt he", "1 2", "12 3"],
+          "tokenizer.ggml.eos_token_id": 0}
+    tk = Tokenizer.from_gguf_metadata(md)
+    s = "the theme: 12345 apples, Ünïcödé 😀 don't\n\n  x"
+    ids = tk.encode(s)
+    assert tk.decode(ids) == s
+    assert toks.index("Ġthe") in ids
+    assert tk.eog_ids == {0}
