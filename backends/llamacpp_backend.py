@@ -268,7 +268,9 @@ class LlamaCppRunner:
                 self._lens[sid] = pos + 1
                 if want:
                     ptr = lc.llama_get_logits_ith(self._ctx, i)
-                    per_seq[k].append(np.ctypeslib.as_array(ptr, shape=(nv,)).copy())
+                    row = np.empty(nv, dtype=np.float32)
+                    ctypes.memmove(row.ctypes.data, ptr, nv * 4)
+                    per_seq[k].append(row)
         out = []
         for rows in per_seq:
             if all_logits:

@@ -238,7 +238,11 @@ def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host,
                   kv_cache=kv_cache, kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v)
     if device is not None:
         kwargs["device"] = device
-    server.run_server(model, **kwargs)
+    try:
+        server.run_server(model, **kwargs)
+    except OSError as e:
+        raise LocalMoEError(f"cannot serve on {host}:{port}: {e.strerror or e}; "
+                            f"pick another --port or stop the other server") from e
 
 
 # ---- store -----------------------------------------------------------------------------------

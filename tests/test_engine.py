@@ -359,3 +359,18 @@ def test_real_model_chat_prompt_has_one_bos(smollm2_path):
     im_start = tok.token_to_id("<|im_start|>")
     rendered = llm.render_chat([{"role": "user", "content": "hi"}])
     assert ids.count(im_start) == rendered.count("<|im_start|>")
+
+
+def test_chat_returns_openai_shapes():
+    llm = make_llm(chain={}, default_next=9)
+    out = llm.chat([{"role": "user", "content": "hi"}], temperature=0, max_tokens=3)
+    assert out["object"] == "chat.completion"
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == " the the the"
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 3
+    chunks = list(llm.chat([{"role": "user", "content": "hi"}], stream=True, temperature=0,
+                           max_tokens=3))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == " the the the"
