@@ -200,3 +200,38 @@ def test_hf_errors(tmp_path, hf_dirs):
     (d4 / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(UnsupportedModelError, match="safetensors"):
         open_model(d4)
+
+
+def test_gemma3_text_checkpoint(tmp_path, gemma3_path):
+    """HF Gemma-3 names map onto the real Gemma-3 GGUF's names; Gemma specifics land in the spec."""
+    import transformers as tf
+
+    cfg = tf.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+        model.save_pretrained(tmp_path / "g3")
+    m = open_model(tmp_path / "g3")
+    real = open_model(gemma3_path)
+
+    def suffixes(mf):
+        return {n.split(".", 2)[2] for n in mf.tensor_names() if n.startswith("blk.0.")}
+
+    assert suffixes(m) == suffixes(real)
+    assert {n for n in m.tensor_names() if not n.startswith("blk.")} == {
+        n for n in real.tensor_names() if not n.startswith("blk.")}
+    s = m.spec
+    assert s.arch == "gemma3" and s.rope_style == "neox" and s.tie_embeddings
+    assert s.norm_weight_offset == 1.0 and real.spec.norm_weight_offset == 0.0  # HF stores w, GGUF stores 1+w
+    assert s.sliding_window == 16 and s.sliding_window_pattern == 6
+    assert s.rope_base == 1e6 and s.rope_base_local == 1e4
+    assert s.attn_scale == pytest.approx(256 ** -0.5) and s.embed_scale == pytest.approx(8.0)
+    assert s.act == real.spec.act and s.post_norms and s.qk_norm
+    sd = model.state_dict()
+    L = model.model.layers[0]
+    assert torch.equal(m.load_tensor("blk.0.post_attention_norm.weight"), L.post_attention_layernorm.weight.detach())
+    assert torch.equal(m.load_tensor("blk.0.ffn_norm.weight"), L.pre_feedforward_layernorm.weight.detach())
+    assert torch.equal(m.load_tensor("blk.0.post_ffw_norm.weight"), sd["model.layers.0.post_feedforward_layernorm.weight"])
+    real.close()
