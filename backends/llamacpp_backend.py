@@ -59,6 +59,30 @@ def _kv_reason(kv_spec: Any) -> str | None:
     return None
 
 
+_LOG_CB = None
+
+
+def _quiet_llama_logs(llama_cpp: Any) -> None:
+    """Route llama.cpp's log lines: errors only (all with ``$LOCALMOE_DEBUG``), so they do not
+    interleave with streamed text on the terminal."""
+    global _LOG_CB
+    if _LOG_CB is not None or os.environ.get("LOCALMOE_DEBUG"):
+        return
+    import sys
+
+    # ggml_log_level in this llama.cpp: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+    @llama_cpp.llama_log_callback
+    def _cb(level, text, user_data):
+        if level == 4:
+            try:
+                sys.stderr.write(text.decode("utf-8", "replace"))
+            except Exception:
+                pass
+
+    _LOG_CB = _cb  # keep the ctypes callback alive
+    llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+
+
 def _default_threads() -> int:
     env = os.environ.get("LOCALMOE_THREADS")
     if env and env.isdigit() and int(env) > 0:
@@ -134,6 +158,7 @@ class LlamaCppBackend(Backend):
         threads = int(n_threads or _default_threads())
         path = str(getattr(model, "path"))
         nb = max(1, min(int(n_batch), ctx))
+        _quiet_llama_logs(llama_cpp)
         try:
             llm = llama_cpp.Llama(
                 model_path=path, n_ctx=ctx, n_batch=nb, n_ubatch=nb, n_threads=threads,
