@@ -165,7 +165,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
 
             msgs = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": prompt}]
-            events = llm.chat_stream(msgs, _sampling_params(None, **sampling))
+            events = llm.chat_stream(msgs, _sampling_params(llm.default_sampling(), **sampling))
         result = None
         out = sys.stdout
         wrote_nl = True

@@ -213,6 +213,21 @@ class LLM:
         self._cached: list[int] = []  # token ids whose K/V the runner holds for self._seq
         self._closed = False
         self._control: set[int] | None = None
+        from .sampling import SamplingParams
+
+        try:
+            self._model_sampling = SamplingParams.model_defaults(getattr(model_file, "metadata", None))
+        except Exception:
+            self._model_sampling = {}
+
+    def default_sampling(self):
+        """SamplingParams with the model file's recommended defaults (``general.sampling.*``)
+        over the library defaults; explicit arguments to generate/chat override these."""
+        import dataclasses
+
+        from .sampling import SamplingParams
+
+        return dataclasses.replace(SamplingParams(), **self._model_sampling)
 
     # -- text helpers ---------------------------------------------------------------------------
     def count_tokens(self, text: str) -> int:
@@ -283,7 +298,7 @@ class LLM:
             InvalidRequestError: bad sampling parameter or empty prompt.
         """
         t0 = time.perf_counter()
-        p = _sampling_params(params, **sampling)
+        p = _sampling_params(params if params is not None else self.default_sampling(), **sampling)
         if not raw and isinstance(prompt, str):
             ids = self._chat_ids([{"role": "user", "content": prompt}])
         else:
@@ -298,7 +313,7 @@ class LLM:
         InvalidRequestError at call time (before the first event).
         """
         t0 = time.perf_counter()
-        p = _sampling_params(params)
+        p = _sampling_params(params if params is not None else self.default_sampling())
         if self.template is None:
             import dataclasses
 

@@ -374,3 +374,14 @@ def test_chat_returns_openai_shapes():
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == " the the the"
+
+
+def test_model_sampling_defaults_apply_unless_overridden():
+    import types as _t
+
+    mf = _t.SimpleNamespace(metadata={"general.sampling.temp": 0.0, "general.sampling.top_k": 7},
+                            name="m", spec=None)
+    llm = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_file=mf)
+    d = llm.default_sampling()
+    assert d.temperature == 0.0 and d.top_k == 7
+    assert llm.generate("x", max_tokens=2).text == " the the"  # greedy from the file
