@@ -212,8 +212,6 @@ def spec_from_hf_config(cfg: dict, tensor_names: set[str] | None = None) -> Mode
             spec.n_shared_experts = 1
             spec.d_ff_shared = sh
             spec.shared_expert_gate = ("blk.0.ffn_gate_inp_shexp.weight" in names) if names else arch == "qwen2moe"
-        if arch in ("qwen2moe", "qwen3moe", "olmoe"):
-            spec.d_ff = spec.d_ff if spec.leading_dense_layers else spec.d_ff
     return spec
 
 

@@ -780,8 +780,6 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
                     f"{a}attention.sliding_window_pattern {pat[:12]}... is not periodic; not supported"
                 )
             spec.sliding_window_pattern = n
-    if arch != "gemma3":
-        spec.rope_base_local = None if a + "rope.freq_base_swa" not in md else spec.rope_base_local
     for key, field_ in (("attn_logit_softcapping", "attn_logit_softcap"), ("final_logit_softcapping", "final_logit_softcap")):
         if md.get(a + key):
             setattr(spec, field_, _num(md, a + key, 0.0))
@@ -800,9 +798,7 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
             )
         spec.n_experts, spec.top_k = n_exp, top_k
         dfe = _pos_int(md, a + "expert_feed_forward_length", required=False, default=0)
-        if not dfe and model is not None and model.has_tensor("blk.0.ffn_gate_exps.weight") is False:
-            pass
-        if not dfe and model is not None:
+        if not dfe and model is not None:  # llama (Mixtral) and olmoe: size from the expert tensors
             for i in range(n_layers):
                 nm = f"blk.{i}.ffn_up_exps.weight"
                 if model.has_tensor(nm):
