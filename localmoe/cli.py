@@ -435,15 +435,17 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
         llm.generate(ids[:8], max_tokens=4, temperature=0.0)  # warm-up
         for i in range(repeat):
             llm.reset()
+            # end-of-generation tokens biased away: every run decodes exactly gen_tokens
             r = llm.generate(ids, max_tokens=gen_tokens, temperature=0.0,
-                             logit_bias=None)
+                             logit_bias={i: -100.0 for i in llm.tokenizer.eog_ids})
             runs.append(r)
         med = lambda xs: statistics.median(xs)
         tp = sorted(r.timings.tpot_ms for r in runs)
         res = {
             "model": llm.model_name, "backend": llm.backend_name, "device": llm.stats().get("device"),
             "machine": platform.node(), "cpu_count": os.cpu_count(), "kv_cache": str(llm.kv_spec),
-            "prompt_tokens": len(ids), "gen_tokens": gen_tokens, "repeat": repeat,
+            "prompt_tokens": len(ids), "gen_tokens": min(r.completion_tokens for r in runs),
+            "repeat": repeat,
             "ttft_ms": med([r.timings.ttft_ms for r in runs]),
             "tpot_ms_median": med(tp), "tpot_ms_p90": tp[min(len(tp) - 1, int(0.9 * len(tp)))],
             "decode_tok_s": med([r.timings.decode_tok_s for r in runs]),
