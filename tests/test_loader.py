@@ -284,3 +284,50 @@ def test_directory_and_missing_path(tmp_path):
         open_model(tmp_path / "nope.gguf")
     with pytest.raises(ModelLoadError, match="config.json"):
         open_model(tmp_path)
+
+
+# --- ModelSpec from metadata alone ---------------------------------------------------------
+
+from localmoe.loader import spec_from_gguf_metadata  # noqa: E402
+
+
+def _md(arch="qwen3moe", **kv):
+    base = {"general.architecture": arch, f"{arch}.block_count": 4, f"{arch}.embedding_length": 512,
+            f"{arch}.attention.head_count": 8, f"{arch}.attention.head_count_kv": 2, f"{arch}.vocab_size": 1000}
+    base.update({k.replace("A.", f"{arch}."): v for k, v in kv.items()})
+    return base
+
+
+def test_spec_rope_scaling_and_moe_keys():
+    s = spec_from_gguf_metadata(_md(**{
+        "A.rope.scaling.type": "yarn", "A.rope.scaling.factor": 4.0, "A.rope.scaling.original_context_length": 32768,
+        "A.expert_count": 16, "A.expert_used_count": 4, "A.expert_feed_forward_length": 256,
+        "A.leading_dense_block_count": 1, "A.attention.key_length": 128}))
+    assert s.rope_scaling == {"type": "yarn", "factor": 4.0, "original_context_length": 32768}
+    assert (s.n_experts, s.top_k, s.d_ff_expert, s.leading_dense_layers, s.head_dim) == (16, 4, 256, 1, 128)
+    assert s.layer_is_moe(1) and not s.layer_is_moe(0) and s.norm_topk_prob
+
+
+def test_spec_gemma3_pattern_flags():
+    flags = [True] * 5 + [False] + [True] * 5 + [False]
+    s = spec_from_gguf_metadata(_md("gemma3", **{"A.attention.sliding_window": 512,
+                                                  "A.attention.sliding_window_pattern": flags}))
+    assert s.sliding_window_pattern == 6 and s.layer_window(5) is None and s.layer_window(4) == 512
+    with pytest.raises(UnsupportedModelError, match="not periodic"):
+        spec_from_gguf_metadata(_md("gemma3", **{"A.attention.sliding_window": 512,
+                                                 "A.attention.sliding_window_pattern": [True, False, False, True]}))
+    s = spec_from_gguf_metadata(_md("gemma3"))
+    assert s.sliding_window is None  # no SWA key: every layer global, as in llama.cpp
+
+
+@pytest.mark.parametrize("kv,err,match", [
+    ({"A.expert_count": 8, "A.expert_used_count": 2, "A.expert_gating_func": 3}, UnsupportedModelError, "gating_func = 3"),
+    ({"A.attention.head_count_kv": [2, 2, 4, 2]}, UnsupportedModelError, "varies per layer"),
+    ({"A.attention.head_count_kv": 3}, ModelLoadError, "not a multiple"),
+    ({"A.rope.freq_base": "fast"}, ModelLoadError, "rope.freq_base"),
+    ({"A.block_count": -1}, ModelLoadError, "block_count"),
+    ({"A.expert_count": 8}, ModelLoadError, "expert_used_count is missing"),
+])
+def test_spec_bad_metadata(kv, err, match):
+    with pytest.raises(err, match=match):
+        spec_from_gguf_metadata(_md(**kv))
