@@ -229,6 +229,7 @@ class Tokenizer:
         self._types: list[int] = []
         self._bytes: list[bytes] = []
         self._special_order: list[tuple[str, int, bool]] = []  # (text, id, always_parsed)
+        self._special_by_first: dict[str, list[int]] = {}
         self._special_texts: set[str] = set()
         self._missing_bytes: frozenset[int] = frozenset()  # bytes the vocabulary cannot spell
 
@@ -359,6 +360,7 @@ class Tokenizer:
         ]
         specials.sort(key=lambda s: -len(s[0].encode("utf-8")))
         self._special_order = specials
+        self._index_specials()
         return self
 
     @classmethod
@@ -511,6 +513,13 @@ class Tokenizer:
         return {i for i, t in enumerate(self._types) if t == TT_CONTROL}
 
     # ------------------------------------------------------------------ encode
+    def _index_specials(self) -> None:
+        """Group the partition order by first character (a cheap pre-filter for _partition)."""
+        by_first: dict[str, list[int]] = {}
+        for k, (text, _, _) in enumerate(self._special_order):
+            by_first.setdefault(text[0], []).append(k)
+        self._special_by_first = by_first
+
     def _partition(self, text: str, parse_special: bool,
                    plain_spans: list[tuple[int, int]] = ()) -> list[str | int]:
         """Split ``text`` into raw fragments (str) and special token ids (int), llama.cpp style
@@ -518,7 +527,11 @@ class Tokenizer:
         raw fragment on its occurrences. Control tokens are matched only if ``parse_special``,
         and never inside ``plain_spans`` (character ranges that must stay text)."""
         frags: list[tuple[int, int] | int] = [(0, len(text))]
-        for stext, sid, always in self._special_order:
+        by_first = self._special_by_first
+        cand = sorted(k for ch in set(text) if ch in by_first for k in by_first[ch])
+        order = self._special_order
+        for k in cand:
+            stext, sid, always = order[k]
             if not (always or parse_special):
                 continue
             if stext not in text:
