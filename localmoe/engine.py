@@ -452,11 +452,16 @@ class LLM:
                         self._cached.append(t_id)
                     if not string_stop:
                         tail = detok.flush()
-                        emit, stopped = stopper.push_text(tail) if tail else ("", False)
-                        if stopped:
-                            finish = "stop"
+                        if stopper.stopped:  # ended by an end-of-generation token
+                            rest = stopper.flush() + tail
+                            cuts = [rest.find(s) for s in (p.stop or ()) if s and s in rest]
+                            emit = rest[:min(cuts)] if cuts else rest
                         else:
-                            emit += stopper.flush()
+                            emit, stopped = stopper.push_text(tail) if tail else ("", False)
+                            if stopped:
+                                finish = "stop"
+                            else:
+                                emit += stopper.flush()
                         if emit:
                             parts.append(emit)
                             yield StreamEvent(emit, generated[-1] if generated else None)

@@ -162,7 +162,8 @@ def test_stream_equals_blocking_and_utf8_held_back():
 @pytest.mark.parametrize("stop,expected", [
     (("o wo",), "Hell"),        # spans "lo" + " wor"
     (("world😀",), "Hello "),    # spans three tokens incl. a split character
-    (("zzz",), "Hello world😀!"),  # never matches: held text flushed at the end
+    (("zzz",), "Hello world😀!"),  # never matches
+    (("!x",), "Hello world😀!"),   # "!" held back as a possible prefix, released at the EOS
     (("!", "ld"), "Hello wor"),   # earliest match wins
     (("Hello world😀!",), ""),
 ])
@@ -385,3 +386,14 @@ def test_model_sampling_defaults_apply_unless_overridden():
     d = llm.default_sampling()
     assert d.temperature == 0.0 and d.top_k == 7
     assert llm.generate("x", max_tokens=2).text == " the the"  # greedy from the file
+
+
+def test_incomplete_utf8_at_eos_is_flushed_like_decode():
+    """A character cut off by the end-of-generation token: its bytes are released (as U+FFFD,
+    like Tokenizer.decode) in stream and non-stream alike, even with stop strings set."""
+    llm = LLM.from_parts(FakeRunner(chain={X: 2, 2: 6, 6: EOS}), FakeTokenizer())
+    for stop in ((), ("zz",)):
+        r = llm.generate("x", temperature=0, stop=stop)
+        assert r.text == "Hel\ufffd" and r.finish_reason == "stop"
+        evs = list(llm.generate("x", temperature=0, stop=stop, stream=True))
+        assert "".join(e.delta for e in evs) == r.text
