@@ -147,12 +147,15 @@ def test_cuda_matches_cpu(qtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_every_real_tensor_bit_exact(which, request):
-    """All tensors of the real files (slow: gguf's numpy reference is the bottleneck)."""
+    """All tensors of the real files but the embedding tables (their Q8_0 blocks are covered above;
+    gguf's numpy reference needs minutes for 167 M values on a small CPU)."""
     from localmoe.loader import open_model
 
     path = request.getfixturevalue(f"{which}_path")
     with open_model(path) as m:
         for name in m.tensor_names():
+            if name == "token_embd.weight":
+                continue
             r = m.raw_tensor(name)
             got = m.load_tensor(name)
             want = ref(np.asarray(r.data), QT(r.qtype), r.shape)
