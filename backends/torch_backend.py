@@ -50,6 +50,9 @@ class TorchRunner:
         max_seqs: concurrently live sequences in the KV cache.
         block_size: KV cache block size in tokens.
         experts: a custom :class:`localmoe.experts.ExpertProvider` (default resident).
+        numerics: ``"exact"`` (default: float matmuls on dequantized weights) or ``"ggml"``
+            (GGUF: round matmul inputs as llama.cpp's CPU backend does; see
+            :meth:`localmoe.transformer.Transformer.from_model_file`).
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
@@ -60,7 +63,7 @@ class TorchRunner:
 
     def __init__(self, model_file, *, n_ctx: int | None = None, kv_spec: Any = None,
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 4,
-                 block_size: int = 16, experts: Any = None):
+                 block_size: int = 16, experts: Any = None, numerics: str = "exact"):
         from localmoe.kv_cache import KVSpec, PagedKVCache
         from localmoe.transformer import Transformer
 
@@ -72,7 +75,7 @@ class TorchRunner:
         if dev.type == "cpu":
             self.dtype = torch.float32   # the CPU reference computes in fp32
         self.model = Transformer.from_model_file(model_file, device=dev, dtype=self.dtype,
-                                                 experts=experts)
+                                                 experts=experts, numerics=numerics)
         self.spec = self.model.spec
         self.n_ctx = int(n_ctx or min(self.spec.n_ctx_train or 4096, 4096))
         self.kv_spec = KVSpec.parse(kv_spec if kv_spec is not None else "f16")
@@ -124,7 +127,8 @@ class TorchRunner:
         K, V = self.cache.read(layer, seq_id, end, start=k_start)
         return attention(q, K.to(q.dtype), V.to(q.dtype), q_start=start - k_start,
                          scale=self.model.scale, window=window,
-                         softcap=self.spec.attn_logit_softcap)
+                         softcap=self.spec.attn_logit_softcap,
+                         ggml_f16=self.model.numerics == "ggml" and self.kv_spec.k.name == "f16")
 
     def attention_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         seqs: list[SeqSlice]) -> torch.Tensor:
@@ -258,7 +262,8 @@ class TorchBackend(Backend):
 
     def load(self, model, *, n_ctx: int | None = None, kv_spec: Any = None,
              device: str | None = None, **options: Any) -> TorchRunner:
-        """Build a :class:`TorchRunner`; ``options``: dtype, max_seqs, block_size, experts.
+        """Build a :class:`TorchRunner`; ``options``: dtype, max_seqs, block_size, experts,
+        numerics.
 
         Raises:
             BackendUnavailableError: CUDA requested but absent.

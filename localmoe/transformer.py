@@ -32,6 +32,7 @@ import dataclasses
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .errors import UnsupportedModelError
@@ -77,6 +78,58 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "gelu":
         return torch.nn.functional.gelu
     raise UnsupportedModelError(f"unknown FFN activation {name!r}; supported: silu, gelu_tanh, gelu")
+
+
+# llama.cpp's CPU backend multiplies a quantized weight by activations quantized to the weight
+# type's "vec_dot_type" (ggml-cpu type_traits): Q8_0 blocks of 32 with an fp16 scale for
+# Q4_0/Q5_0/Q8_0, Q8_1 (same values) for Q4_1/Q5_1, Q8_K blocks of 256 with an fp32 scale for the
+# K-quants, f16/bf16 for f16/bf16 weights.
+GGML_VEC_DOT_TYPE = {
+    "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
+    "Q2_K": "q8_K", "Q3_K": "q8_K", "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K",
+    "IQ4_XS": "q8_K", "IQ4_NL": "q8_0", "F16": "f16", "BF16": "bf16",
+}
+
+
+def _ggml_q8(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dequantized x, fp32 block scale d [..., nb, 1], block sum of q [..., nb, 1])."""
+    B = 256 if kind == "q8_K" else 32
+    K = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], K // B, B)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # ggml-cpu x86: 127/max
+    q = torch.round(xb * inv)
+    ds = d if kind == "q8_K" else d.half().float()
+    return (q * ds).reshape(x.shape).to(x.dtype), d, q.sum(-1, keepdim=True)
+
+
+def ggml_act_quant(x: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """Round activations the way llama.cpp's CPU backend does before a quantized dot product.
+
+    ``q8_0``/``q8_1``: per 32 values ``d = amax/127`` (stored fp16), ``q = round(x * 127/amax)``;
+    ``q8_K``: per 256 values, fp32 scale (ggml-quants.c / ggml-cpu ``quantize_row_q8_*``);
+    ``f16``/``bf16``: a cast. Returns ``q * d`` (shape and dtype of ``x [..., K]``); ``None``
+    returns ``x``. Used only by the opt-in ``numerics="ggml"`` mode (parity checks).
+    """
+    if kind is None:
+        return x
+    if kind == "f16":
+        return x.half().to(x.dtype)
+    if kind == "bf16":
+        return x.bfloat16().to(x.dtype)
+    if x.shape[-1] % (256 if kind == "q8_K" else 32):
+        return x
+    return _ggml_q8(x, kind)[0]
+
+
+def ggml_q8_1_min_correction(x: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Correction for Q4_1/Q5_1 weights (``w = d q + m`` per block of 32): ggml adds
+    ``m * s`` with ``s = fp16(d_x * sum(q_x))`` (block_q8_1.s) where ``x_deq @ W`` has
+    ``m * fp16(d_x) * sum(q_x)``. ``x [N, K]``, ``mins [out, K/32]`` -> ``[N, out]``."""
+    _, d, qs = _ggml_q8(x, "q8_1")
+    c = ((d * qs).half().float() - d.half().float() * qs).squeeze(-1)   # [N, K/32]
+    return c @ mins.t()
 
 
 def rope_inv_freq(rope_dim: int, base: float, scaling: dict | None = None,
@@ -131,10 +184,26 @@ def rope_inv_freq(rope_dim: int, base: float, scaling: dict | None = None,
     return inv.float(), mscale
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[T, rope_dim // 2]`` float32 for integer ``positions [T]``."""
-    ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0,
+                 ggml_base: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[T, rope_dim // 2]`` float32 for integer ``positions [T]``.
+
+    ``ggml_base``: instead of ``p * inv_freq``, build the angles the way llama.cpp's
+    ``rope_cache_init`` does (unscaled RoPE): ``theta_0 = p``, ``theta_{i+1} = theta_i *
+    powf(base, -2/R)`` in float32 -- whose rounding grows with the position (``numerics="ggml"``).
+    """
+    if ggml_base is not None:
+        half = inv_freq.shape[0]
+        step = torch.tensor(float(ggml_base), dtype=torch.float64).pow(-1.0 / half).float()
+        step = step.to(positions.device)
+        th = positions.to(torch.float32)
+        cols = []
+        for _ in range(half):
+            cols.append(th)
+            th = th * step
+        ang = torch.stack(cols, -1)
+    else:
+        ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     return torch.cos(ang) * mscale, torch.sin(ang) * mscale
 
 
@@ -193,7 +262,8 @@ def apply_rope_tables(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, scale: float,
-              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+              window: int | None = None, softcap: float | None = None,
+              ggml_f16: bool = False) -> torch.Tensor:
     """Causal (optionally sliding-window) grouped-query attention of new queries over keys.
 
     The ``T`` queries sit at positions ``q_start .. q_start+T-1``; keys/values at ``0 .. L-1``
@@ -206,6 +276,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
         scale: logit scale (usually ``1/sqrt(D)``).
         window: sliding window in tokens or None.
         softcap: ``cap * tanh(logits / cap)`` before the mask (Gemma 2) or None.
+        ggml_f16: round q and the softmax probabilities to fp16 before their matmuls with an
+            f16 K/V cache, as llama.cpp's (non flash-attention) CPU graph does; only for the
+            ``numerics="ggml"`` parity mode.
 
     Returns:
         ``[T, H, Dv]`` float32 (dtype of ``q`` if that is float32/64).
@@ -220,26 +293,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
         mask = kpos <= qpos
         if window:
             mask = mask & (qpos - kpos < window)
-    if not softcap:
+    if not softcap and not ggml_f16:
         o = torch.nn.functional.scaled_dot_product_attention(
             q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
             v.float().transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
         return o[0].transpose(0, 1)
     g = H // Hkv
+    if ggml_f16:
+        q = q.half()
     qf = q.float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)        # [Hkv, g, T, D]
     kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
     vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
     s = torch.matmul(qf, kf.unsqueeze(1)) * scale                     # [Hkv, g, T, L]
-    s = softcap * torch.tanh(s / softcap)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
+    if ggml_f16:
+        p = p.half().float()
     o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
     return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
 
 
 def moe_ffn(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider,
-            layer: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            layer: int, act: Callable[[torch.Tensor], torch.Tensor],
+            quant_h: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Routed expert mixture, tokens grouped by expert (no Python loop over tokens).
 
     The ``N * top_k`` (token, expert) assignments are sorted by expert id (stable argsort); each
@@ -253,6 +332,7 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider:
         provider: where expert weights come from (``prepare`` is called with the used ids).
         layer: block index.
         act: gate activation.
+        quant_h: optional rounding of the hidden activations before ``down`` (ggml numerics).
 
     Returns:
         ``[N, d_model]`` dtype of ``x``.
@@ -276,6 +356,8 @@ def moe_ffn(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider:
         xs = x.index_select(0, t)
         g, u, d = provider.expert(layer, e)
         h = act(xs @ g.t()) * (xs @ u.t())
+        if quant_h is not None:
+            h = quant_h(h)
         y = (h @ d.t()) * w_sorted[start:end, None]
         out.index_add_(0, t, y)
     return out
@@ -374,11 +456,17 @@ class Transformer:
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor],
-                 experts: ExpertProvider | None = None):
+                 experts: ExpertProvider | None = None,
+                 act_types: dict[str, str | None] | None = None,
+                 block_mins: dict[str, torch.Tensor] | None = None):
         from .errors import ModelLoadError
 
         self.spec = spec
         self.experts = experts
+        #: "exact" (float matmuls) or "ggml" (activations rounded like llama.cpp's CPU backend)
+        self.numerics = "ggml" if act_types is not None else "exact"
+        at = act_types or {}
+        self._aq: dict[tuple[int, str], list[tuple[int, str | None]] | None] = {}
         self._act = activation(spec.act)
         w = dict(weights)
 
@@ -392,9 +480,29 @@ class Transformer:
         self.output = w.get("output.weight", self.tok_embd)
         self.output_norm = need("output_norm.weight")
         self.layers: list[dict[str, torch.Tensor]] = []
+        self._mins: dict[tuple[int, str], list[torch.Tensor | None]] = {}
+
+        def parts(layer, key, *names):
+            if act_types is not None:
+                self._aq[(layer, key)] = [(w[n].shape[0], at.get(n)) for n in names]
+                if block_mins and any(n in block_mins for n in names):
+                    self._mins[(layer, key)] = [block_mins.get(n) for n in names]
+
+        parts(-1, "output", "output.weight" if "output.weight" in w else "token_embd.weight")
         for i in range(spec.n_layers):
             p = f"blk.{i}."
             L: dict[str, torch.Tensor] = {}
+            parts(i, "wqkv", p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")
+            parts(i, "wo", p + "attn_output.weight")
+            if p + "ffn_gate.weight" in w:
+                parts(i, "gate_up", p + "ffn_gate.weight", p + "ffn_up.weight")
+                parts(i, "down", p + "ffn_down.weight")
+            if p + "ffn_gate_shexp.weight" in w:
+                parts(i, "sh_gate_up", p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight")
+                parts(i, "sh_down", p + "ffn_down_shexp.weight")
+            if act_types is not None and p + "ffn_gate_exps.weight" in at:
+                self._aq[(i, "exps_in")] = [(0, at[p + "ffn_gate_exps.weight"])]
+                self._aq[(i, "exps_down")] = [(0, at[p + "ffn_down_exps.weight"])]
             L["attn_norm"] = need(p + "attn_norm.weight")
             q, k, v = need(p + "attn_q.weight"), need(p + "attn_k.weight"), need(p + "attn_v.weight")
             L["wqkv"] = torch.cat([q, k, v], 0).contiguous()
@@ -434,7 +542,7 @@ class Transformer:
     def from_model_file(cls, model_file, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32,
                         experts: ExpertProvider | None = None,
-                        spec: ModelSpec | None = None) -> "Transformer":
+                        spec: ModelSpec | None = None, numerics: str = "exact") -> "Transformer":
         """Load a model from a :class:`localmoe.loader.ModelFile` (dequantizing every tensor).
 
         Args:
@@ -443,10 +551,17 @@ class Transformer:
             device, dtype: where and in which float type weights live.
             experts: a custom provider (e.g. offloading); default resident.
             spec: an already configured spec (default: configure ``model_file.spec``).
+            numerics: ``"exact"`` (float32 matmuls on the dequantized weights: the reference) or
+                ``"ggml"`` (GGUF only: additionally round each quantized matmul's input
+                activations to the weight type's ggml ``vec_dot_type`` as llama.cpp's CPU
+                backend does -- for tight parity checks against llama.cpp).
 
         Raises:
             UnsupportedModelError: unknown architecture; ModelLoadError: missing tensors.
+            ValueError: unknown ``numerics``.
         """
+        if numerics not in ("exact", "ggml"):
+            raise ValueError(f"numerics must be 'exact' or 'ggml', got {numerics!r}")
         names = set(model_file.tensor_names())
         if spec is None:
             spec = get_family(model_file.spec.arch).configure(model_file.spec, model_file.format,
@@ -463,7 +578,38 @@ class Transformer:
         if experts is None and spec.is_moe:
             moe_layers = [i for i in range(spec.n_layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
             experts = ResidentExpertProvider.from_loader(moe_layers, load)
-        return cls(spec, weights, experts)
+        act_types, mins = None, None
+        if numerics == "ggml" and model_file.format == "gguf":
+            act_types, mins = {}, {}
+            for n in names:
+                qt = model_file.tensor_info(n).qtype
+                act_types[n] = GGML_VEC_DOT_TYPE.get(qt)
+                if qt in ("Q4_1", "Q5_1") and "_exps." not in n:
+                    raw = model_file.raw_tensor(n)
+                    bb = 20 if qt == "Q4_1" else 24
+                    blocks = np.ascontiguousarray(raw.data).reshape(*raw.data.shape[:-1], -1, bb)
+                    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+                    mins[n] = torch.from_numpy(m.astype(np.float32)).to(device)
+        return cls(spec, weights, experts, act_types, mins)
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, layer: int, key: str) -> torch.Tensor:
+        """``x @ w.T``; in ggml numerics each row block of a fused ``w`` sees ``x`` rounded to
+        its own weight type's ggml vec_dot type."""
+        parts = self._aq.get((layer, key)) if self._aq else None
+        if not parts:
+            return x @ w.t()
+        mins = self._mins.get((layer, key))
+        kinds = {k for _, k in parts}
+        if len(kinds) == 1 and not mins:
+            return ggml_act_quant(x, parts[0][1]) @ w.t()
+        outs, r = [], 0
+        for j, (n, k) in enumerate(parts):
+            o = ggml_act_quant(x, k) @ w[r:r + n].t()
+            if mins and mins[j] is not None:
+                o = o + ggml_q8_1_min_correction(x, mins[j])
+            outs.append(o)
+            r += n
+        return torch.cat(outs, -1)
 
     # ---- pieces ----
     def rope_for_layer(self, layer: int) -> tuple[float, dict]:
@@ -494,18 +640,23 @@ class Transformer:
         L = self.layers[layer]
         s = self.spec
         if "router" not in L:
-            gu = x @ L["gate_up"].t()
+            gu = self._mm(x, L["gate_up"], layer, "gate_up")
             g, u = gu.chunk(2, dim=-1)
-            return (self._act(g) * u) @ L["down"].t()
+            return self._mm(self._act(g) * u, L["down"], layer, "down")
         logits = x @ L["router"].t()
         w, ids = route(logits, s.top_k, gating=s.gating, norm_topk_prob=s.norm_topk_prob,
                        expert_weights_scale=s.expert_weights_scale,
                        selection_bias=L.get("exp_bias"))
-        out = moe_ffn(x, w, ids, self.experts, layer, self._act)
+        if (layer, "exps_in") in self._aq:
+            k_in, k_down = self._aq[(layer, "exps_in")][0][1], self._aq[(layer, "exps_down")][0][1]
+            out = moe_ffn(ggml_act_quant(x, k_in), w, ids, self.experts, layer, self._act,
+                          quant_h=lambda h: ggml_act_quant(h, k_down))
+        else:
+            out = moe_ffn(x, w, ids, self.experts, layer, self._act)
         if "sh_gate_up" in L:
-            gu = x @ L["sh_gate_up"].t()
+            gu = self._mm(x, L["sh_gate_up"], layer, "sh_gate_up")
             g, u = gu.chunk(2, dim=-1)
-            sh = (self._act(g) * u) @ L["sh_down"].t()
+            sh = self._mm(self._act(g) * u, L["sh_down"], layer, "sh_down")
             if "sh_gate" in L:
                 sh = sh * shared_expert_gate(x, L["sh_gate"])
             out = out + sh
@@ -520,7 +671,7 @@ class Transformer:
         N = x.shape[0]
         eps = s.norm_eps
         h = rms_norm(x, L["attn_norm"], eps)
-        qkv = h @ L["wqkv"].t()
+        qkv = self._mm(h, L["wqkv"], layer, "wqkv")
         if "bqkv" in L:
             qkv = qkv + L["bqkv"]
         q, k, v = qkv.split([self._q_out, self._k_out, qkv.shape[1] - self._q_out - self._k_out], -1)
@@ -537,7 +688,7 @@ class Transformer:
         q = apply_rope_tables(q, cos2, sin2, s.rope_style)
         k = apply_rope_tables(k, cos2, sin2, s.rope_style)
         o = attn(layer, q, k, v).reshape(N, -1).to(x.dtype)
-        o = o @ L["wo"].t()
+        o = self._mm(o, L["wo"], layer, "wo")
         if "post_attention_norm" in L:
             o = rms_norm(o, L["post_attention_norm"], eps)
         x = x + o
@@ -562,13 +713,15 @@ class Transformer:
             inv, ms = self._inv_freq(base, scaling)
             key = (base, id(inv))
             if key not in tables:
-                tables[key] = rope_tables(*rope_cos_sin(positions, inv, ms), self.spec.rope_style)
+                gb = base if self.numerics == "ggml" and not scaling else None
+                tables[key] = rope_tables(*rope_cos_sin(positions, inv, ms, ggml_base=gb),
+                                          self.spec.rope_style)
             x = self.block(i, x, tables[key], attn)
         return rms_norm(x, self.output_norm, self.spec.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""
-        out = (hidden @ self.output.t()).float()
+        out = self._mm(hidden, self.output, -1, "output").float()
         cap = self.spec.final_logit_softcap
         if cap:
             out = cap * torch.tanh(out / cap)
