@@ -267,9 +267,11 @@ class Sampler:
             x = np.array(logits, dtype=np.float32).reshape(-1)[: self.vocab_size].copy()
         if x.size == 0:
             raise InvalidRequestError("empty logits", param="logits")
-        nan = np.isnan(x)
-        if nan.any():
-            x[nan] = -np.inf
+        nan = None
+        if not math.isfinite(float(x.sum(dtype=np.float64))):  # cheap screen for NaN / inf
+            nan = np.isnan(x)
+            if nan.any():
+                x[nan] = -np.inf
         self.apply_penalties(x, history)
         if self._bias_ids is not None:
             x[self._bias_ids] += self._bias_vals
@@ -278,7 +280,7 @@ class Sampler:
             if x[top] == np.inf:  # +inf logits: only those can win
                 x = np.where(x == np.inf, 0.0, -np.inf).astype(np.float32)
             else:  # nothing finite left
-                return top if not nan[top] else int(np.argmin(nan))
+                return top if nan is None or not nan[top] else int(np.argmin(nan))
         if p.is_greedy:
             return top
         n = x.size
@@ -288,8 +290,7 @@ class Sampler:
         # not change under renormalization), so the survivors are the shorter prefix and the
         # cheap one can be applied first without changing the result.
         if k < n:
-            idx = np.argpartition(x, n - k)[n - k:]
-            idx = idx[np.argsort(-x[idx], kind="stable")]
+            idx = _top_m(x, k, float(x[top]))
             vals = x[idx]
             lse = _logsumexp(vals)
         else:
@@ -304,8 +305,7 @@ class Sampler:
                 idx = vals = None
                 m = self._TOP_P_PARTIAL
                 if m < n:
-                    cand = np.argpartition(x, n - m)[n - m:]
-                    cand = cand[np.argsort(-x[cand], kind="stable")]
+                    cand = _top_m(x, m, float(x[top]))
                     mass = np.cumsum(np.exp(x[cand].astype(np.float64) - lse))
                     if mass[-1] >= p.top_p:
                         idx, vals = cand, x[cand]
@@ -339,6 +339,25 @@ class Sampler:
             return int(np.argmax(vals))
         u = self.rng.random() * total
         return int(min(np.searchsorted(c, u, side="right"), vals.size - 1))
+
+
+def _top_m(x, m: int, xmax: float):
+    """Indices of the ``m`` largest entries of ``x`` (fewer if fewer are finite), sorted by
+    value descending. Pre-selects candidates with a cheap threshold (``x >= xmax - gap``, gap
+    widened until ``m`` qualify) so the partition runs on a few hundred entries, not the whole
+    vocabulary."""
+    n = x.size
+    gap = 8.0
+    while True:
+        cand = np.flatnonzero(x >= xmax - gap)
+        if cand.size >= m or gap > 1e6:
+            break
+        gap *= 8.0
+    if cand.size < m:
+        cand = np.flatnonzero(x > -np.inf) if cand.size < n else cand
+    if cand.size > m:
+        cand = cand[np.argpartition(x[cand], cand.size - m)[cand.size - m:]]
+    return cand[np.argsort(-x[cand], kind="stable")]
 
 
 def _logsumexp(v) -> float:
