@@ -260,3 +260,15 @@ def test_model_defaults_from_gguf_metadata():
     assert d == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repeat_penalty": 1.1}
     assert SamplingParams(**d).validate().top_k == 20
     assert SamplingParams.model_defaults(None) == {}
+
+
+def test_top_k_on_wide_logit_ranges():
+    x = torch.arange(1000, dtype=torch.float32) * 0.01  # flat-ish: needs the gap to widen
+    s = Sampler(_plain(top_k=5), 1000)
+    assert {s.sample(x) for _ in range(300)} == {995, 996, 997, 998, 999}
+    y = torch.full((1000,), float("-inf"))
+    y[[3, 500]] = torch.tensor([0.0, 1.0])  # fewer finite tokens than top_k
+    s = Sampler(_plain(top_k=40), 1000)
+    assert {s.sample(y) for _ in range(200)} == {3, 500}
+    z = -torch.arange(5000, dtype=torch.float32) * 100.0  # huge gaps
+    assert Sampler(_plain(top_k=3, temperature=100.0), 5000).sample(z) in (0, 1, 2)
