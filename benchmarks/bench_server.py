@@ -6,7 +6,8 @@ streaming). Runs alternate API / server on the same prompts (greedy, fixed ``max
 drifting machine load hits both alike; each prompt gets a distinct prefix so prefix reuse helps
 neither side more. Reported: median TTFT (ms, client side: call -> first content delta) and
 median decode tok/s ((completion_tokens - 1) / (last delta - first delta)), and the server's
-relative difference (target: within 5%). Then 8 concurrent streams are fired at the server
+relative difference (target: within 5%), with the openai client and with a minimal SSE
+client (httpx + json) that separates the client's parsing cost. Then 8 concurrent streams are fired at the server
 and must all finish without error.
 
 Usage::
@@ -43,17 +44,20 @@ def _measure(chunks, t0: float) -> dict:
     usage = None
     text = []
     for c in chunks:
-        c = c if isinstance(c, dict) else c.model_dump()
-        if c.get("usage"):
-            usage = c["usage"]
-        for ch in c.get("choices") or []:
-            d = ch.get("delta") or {}
-            if d.get("content"):
-                now = time.perf_counter()
-                t_first = t_first or now
-                t_last = now
-                text.append(d["content"])
-    n = int(usage["completion_tokens"]) if usage else 0
+        if isinstance(c, dict):  # Python API
+            if c.get("usage"):
+                usage = c["usage"]["completion_tokens"]
+            content = c["choices"][0]["delta"].get("content") if c["choices"] else None
+        else:  # openai client objects (attribute access: no model_dump per chunk)
+            if c.usage is not None:
+                usage = c.usage.completion_tokens
+            content = c.choices[0].delta.content if c.choices else None
+        if content:
+            now = time.perf_counter()
+            t_first = t_first or now
+            t_last = now
+            text.append(content)
+    n = int(usage or 0)
     out = {"ttft_ms": (t_first - t0) * 1000 if t_first else float("nan"),
            "completion_tokens": n, "text": "".join(text)}
     out["decode_tok_s"] = ((n - 1) / (t_last - t_first)
@@ -65,6 +69,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--device", default=None, help="backend device (cpu, cuda)")
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -72,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
+    import httpx
     from openai import OpenAI
 
     from localmoe.engine import LLM
@@ -79,14 +85,12 @@ def main(argv=None) -> int:
     port = _free_port()
     code = ("from localmoe.server import run_server; "
             f"run_server({args.model!r}, port={port}, backend={args.backend!r}, "
-            f"n_ctx={args.n_ctx}, model_name='bench', log_level='warning')")
+            f"n_ctx={args.n_ctx}, model_name='bench', log_level='warning', device={args.device!r})")
     server = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))
     try:
         t = time.perf_counter()
-        llm = LLM(args.model, backend=args.backend, n_ctx=args.n_ctx)
+        llm = LLM(args.model, backend=args.backend, n_ctx=args.n_ctx, device=args.device)
         print(f"loaded in-process: {llm!r} ({time.perf_counter() - t:.1f} s)", flush=True)
-        import httpx
-
         deadline = time.time() + 600
         while True:
             try:
@@ -116,34 +120,56 @@ def main(argv=None) -> int:
                 model="bench", messages=msgs, stream=True,
                 stream_options={"include_usage": True}, **sampling), t0)
 
-        via_api(-1), via_server(-1)  # warm-up (first-call allocations, lazy imports)
-        api, srv = [], []
+        hc = httpx.Client(timeout=600)
+
+        def sse_dicts(resp):
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    yield json.loads(line[6:])
+
+        def via_server_raw(i):
+            """Same request with a minimal SSE client (httpx + json): separates the openai
+            client's own parsing cost from the server's."""
+            body = {"model": "bench", "messages": [{"role": "user", "content": f"({i}) {PROMPT}"}],
+                    "stream": True, "stream_options": {"include_usage": True}, **sampling}
+            t0 = time.perf_counter()
+            with hc.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                return _measure(sse_dicts(r), t0)
+
+        via_api(-1), via_server(-1), via_server_raw(-1)  # warm-up (allocations, lazy imports)
+        api, srv, raw = [], [], []
+        order = [via_api, via_server, via_server_raw]
         for i in range(args.runs):
-            if i % 2 == 0:
-                a = via_api(i)
-                s = via_server(i)
-            else:
-                s = via_server(i)
-                a = via_api(i)
-            if a["text"] != s["text"]:
+            got = {}
+            for fn in order[i % 3:] + order[:i % 3]:  # rotate who goes first
+                got[fn] = fn(i)
+            a, s, w = got[via_api], got[via_server], got[via_server_raw]
+            if not (a["text"] == s["text"] == w["text"]):
                 print(f"note: run {i}: server and API texts differ", flush=True)
             api.append(a)
             srv.append(s)
+            raw.append(w)
             print(f"run {i}: api ttft {a['ttft_ms']:.1f} ms {a['decode_tok_s']:.1f} tok/s | "
-                  f"server ttft {s['ttft_ms']:.1f} ms {s['decode_tok_s']:.1f} tok/s "
+                  f"server(openai) ttft {s['ttft_ms']:.1f} ms {s['decode_tok_s']:.1f} tok/s | "
+                  f"server(raw sse) ttft {w['ttft_ms']:.1f} ms {w['decode_tok_s']:.1f} tok/s "
                   f"({s['completion_tokens']} tokens)", flush=True)
 
         def med(rows, k):
             return statistics.median(r[k] for r in rows)
 
         res = {
-            "model": args.model, "backend": llm.backend_reason, "runs": args.runs,
+            "model": args.model, "backend": llm.backend_reason, "device": args.device,
+            "runs": args.runs, "cpu_count": os.cpu_count(),
             "max_tokens": args.max_tokens,
             "api": {"ttft_ms": med(api, "ttft_ms"), "decode_tok_s": med(api, "decode_tok_s")},
             "server": {"ttft_ms": med(srv, "ttft_ms"), "decode_tok_s": med(srv, "decode_tok_s")},
+            "server_raw_sse": {"ttft_ms": med(raw, "ttft_ms"), "decode_tok_s": med(raw, "decode_tok_s")},
         }
-        res["ttft_diff_pct"] = 100 * (res["server"]["ttft_ms"] / res["api"]["ttft_ms"] - 1)
-        res["tok_s_diff_pct"] = 100 * (res["server"]["decode_tok_s"] / res["api"]["decode_tok_s"] - 1)
+        for key in ("server", "server_raw_sse"):
+            r = res[key]
+            r["ttft_diff_pct"] = 100 * (r["ttft_ms"] / res["api"]["ttft_ms"] - 1)
+            r["tok_s_diff_pct"] = 100 * (r["decode_tok_s"] / res["api"]["decode_tok_s"] - 1)
+            r["ttft_diff_ms"] = r["ttft_ms"] - res["api"]["ttft_ms"]
 
         # N concurrent streams: all must finish, no errors
         errors, done = [], []

@@ -29,6 +29,7 @@ Behaviour:
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import ipaddress
 import json
@@ -378,9 +379,29 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
             m.queue_depth -= 1
         m.running += 1
         _END = object()
+        # Hand-off from the generation thread: items go into a deque and the event loop is
+        # woken only when it is not already due to drain it, so a fast model's tokens coalesce
+        # into fewer wake-ups and socket writes. Stream chunks are SSE-encoded in the worker.
+        items: collections.deque = collections.deque()
+        wake = asyncio.Event()
+        pending = [False]
 
         def put(item):
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            items.append(item)
+            if not pending[0]:
+                pending[0] = True
+                loop.call_soon_threadsafe(wake.set)
+
+        async def take() -> list:
+            while True:
+                await wake.wait()
+                wake.clear()
+                pending[0] = False
+                got = []
+                while items:
+                    got.append(items.popleft())
+                if got:
+                    return got
 
         def worker():
             try:
@@ -388,7 +409,7 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
                     it = job.chunks()
                     try:
                         for chunk in it:
-                            put(chunk)
+                            put(_sse(chunk))
                             if cancel.is_set():
                                 break
                     finally:
@@ -416,11 +437,12 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
         watcher = asyncio.create_task(_watch_disconnect(request, cancel))
         threading.Thread(target=worker, name="localmoe-gen", daemon=True).start()
         try:
-            first = await q.get()
+            backlog = await take()
         except BaseException:
             cancel.set()
             watcher.cancel()
             raise
+        first = backlog[0]
         if isinstance(first, BaseException) or first is _END:
             watcher.cancel()
             if first is _END:
@@ -432,16 +454,24 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
 
         async def sse():
             try:
-                yield _sse(first)
+                batch = backlog
                 while True:
-                    item = await q.get()
-                    if item is _END:
+                    out = []
+                    ended = False
+                    for item in batch:
+                        if item is _END:
+                            ended = True
+                            break
+                        if isinstance(item, BaseException):
+                            out.append(_sse(_error_from_exception(item).body()))
+                            ended = True
+                            break
+                        out.append(item)
+                    if out:
+                        yield b"".join(out)
+                    if ended:
                         break
-                    if isinstance(item, BaseException):
-                        err = _error_from_exception(item)
-                        yield _sse(err.body())
-                        break
-                    yield _sse(item)
+                    batch = await take()
                 yield b"data: [DONE]\n\n"
             finally:
                 cancel.set()  # no-op after a finished generation; stops one still running
