@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
@@ -47,10 +48,41 @@ from .widgets.stats import StatsBar
 
 __all__ = ["ChatApp", "run_chat", "list_chats_text"]
 
+UI_PUSH_S = 0.08
+"""Seconds between hand-overs of streamed text from the generation worker to the UI."""
+
 NO_MODEL_HELP = (
     "Pick a model with `localmoe chat -m MODEL` (a .gguf file, an HF model folder "
     "or a name from `localmoe list`); `localmoe pull smollm2` fetches a small one to try."
 )
+
+
+class _Feed:
+    """Streamed text handed from the generation worker to the UI.
+
+    The worker ``put``s every delta (never blocking on the UI); a UI timer ``take``s what has
+    accumulated every UI_PUSH_S seconds, so a fast engine cannot flood the event loop and a
+    slow one is still shown token by token.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: list[str] = []
+        self._live: tuple | None = None
+
+    def put(self, delta: str, live: tuple | None) -> None:
+        """Add a delta and the latest live (ttft_ms, tok/s) measurement."""
+        with self._lock:
+            self._parts.append(delta)
+            self._live = live
+
+    def take(self) -> tuple[str, tuple | None]:
+        """Everything put since the last take, and the latest live measurement."""
+        with self._lock:
+            text, live = "".join(self._parts), self._live
+            self._parts.clear()
+            self._live = None
+        return text, live
 
 
 def _stats_note(stats: dict[str, Any], finish: str | None) -> str:
@@ -128,6 +160,7 @@ class ChatApp(App):
         self._editing_id: int | None = None
         self._wanted_key: tuple | None = None
         self._started = False
+        self._feed_timer = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -358,16 +391,18 @@ class ChatApp(App):
         self.generating = True
         self._cancel = threading.Event()
         self._stats(ttft_ms=None, tok_s=None)
-        self._generate_worker(self.engine, messages, params, answer.id, view, self._cancel)
+        feed = _Feed()
+        self._feed_timer = self.set_interval(UI_PUSH_S, partial(self._pump, view, feed))
+        self._generate_worker(self.engine, messages, params, answer.id, view, self._cancel, feed)
 
     @work(thread=True, exclusive=True, group="generate")
     def _generate_worker(self, engine: EngineProtocol, messages: list[dict], params: Any,
-                         message_id: int, view: MessageView, cancel: threading.Event) -> None:
+                         message_id: int, view: MessageView, cancel: threading.Event,
+                         feed: "_Feed") -> None:
         text = ""
         t0 = time.perf_counter()
         t_first: float | None = None
         n_tokens = 0
-        last_ui = 0.0
         result = None
         try:
             for ev in engine.chat_stream(messages, params, cancel=cancel):
@@ -380,28 +415,24 @@ class ChatApp(App):
                         t_first = now
                     text += delta
                     self.store.update_message(message_id, text)  # flushed per token
-                    live = None
-                    if now - last_ui > 0.25:
-                        last_ui = now
-                        dt = now - t_first
-                        live = ((t_first - t0) * 1e3, (n_tokens - 1) / dt if dt > 0 else None)
-                    if not self._ui(self._on_delta, view, delta, live):
-                        cancel.set()
-                        break
+                    dt = now - t_first
+                    feed.put(delta, ((t_first - t0) * 1e3, (n_tokens - 1) / dt if dt > 0 else None))
                 if getattr(ev, "done", False):
                     result = getattr(ev, "result", None)
+                if not self.is_running:
+                    cancel.set()
         except ContextOverflowError as e:
             self._finish_failed(message_id, text)
             self._ui(self._on_context_full, view, e)
             return
         except LocalMoEError as e:
             self._finish_failed(message_id, text)
-            self._ui(self._on_generation_error, view, str(e), bool(text))
+            self._ui(self._on_generation_error, view, str(e), text)
             return
         except Exception as e:  # a bug in the engine must not kill the UI
             self._finish_failed(message_id, text)
             self._ui(self._on_generation_error, view,
-                     f"unexpected {type(e).__name__}: {e}", bool(text))
+                     f"unexpected {type(e).__name__}: {e}", text)
             return
         finish = getattr(result, "finish_reason", None) or ("cancelled" if cancel.is_set()
                                                             else "stop")
@@ -434,15 +465,31 @@ class ChatApp(App):
         except RuntimeError:
             return False
 
-    async def _on_delta(self, view: MessageView, delta: str, live: tuple | None) -> None:
-        await view.append(delta)
+    async def _pump(self, view: MessageView, feed: "_Feed") -> None:
+        """Timer (every UI_PUSH_S): move streamed text from the worker's feed to the view."""
+        text, live = feed.take()
+        if text:
+            await view.append(text)
         if live is not None:
             self._stats(ttft_ms=live[0], tok_s=live[1])
 
-    async def _on_generation_done(self, view: MessageView, text: str, finish: str,
-                                  stats: dict) -> None:
+    async def _end_stream(self, view: MessageView) -> None:
+        """Stop the feed timer and show whatever was still pending."""
+        timer, self._feed_timer = self._feed_timer, None
+        if timer is not None:
+            timer.stop()
         self.generating = False
         view.remove_class("-streaming")
+
+    def _screen_gone(self) -> bool:
+        """True while the app is shutting down (the chat screen is no longer there)."""
+        return not any(isinstance(s, ChatScreen) for s in self.screen_stack)
+
+    async def _on_generation_done(self, view: MessageView, text: str, finish: str,
+                                  stats: dict) -> None:
+        await self._end_stream(view)
+        if self._screen_gone():
+            return
         if text != view.text:
             view._text = text
         await view.finish()
@@ -453,8 +500,9 @@ class ChatApp(App):
         if stats.get("prompt_tokens") is not None and stats.get("completion_tokens") is not None:
             used = stats["prompt_tokens"] + stats["completion_tokens"]
         self._stats(ttft_ms=stats.get("ttft_ms"), tok_s=stats.get("decode_tok_s"),
-                    ctx_used=used, kv_bytes=rs.get("kv_bytes", self._statsbar().stats.kv_bytes),
-                    expert_hit_rate=hit, h2d_gbps=gbps)
+                    ctx_used=used, expert_hit_rate=hit, h2d_gbps=gbps)
+        if "kv_bytes" in rs:
+            self._stats(kv_bytes=rs["kv_bytes"])
         self.store.touch(self.chat_id)
         n_ctx = getattr(self.engine, "n_ctx", None)
         if (finish == "length" and used is not None and n_ctx and used >= n_ctx
@@ -462,10 +510,12 @@ class ChatApp(App):
             self._offer_context_full(
                 f"The answer stopped because the context ({n_ctx} tokens) is full.")
 
-    async def _on_generation_error(self, view: MessageView, message: str, partial: bool) -> None:
-        self.generating = False
-        view.remove_class("-streaming")
-        if partial:
+    async def _on_generation_error(self, view: MessageView, message: str, text: str) -> None:
+        await self._end_stream(view)
+        if self._screen_gone():
+            return
+        if text:
+            view._text = text
             await view.finish()
             view.set_note("failed")
         else:
@@ -473,7 +523,9 @@ class ChatApp(App):
         self._show_error(f"Generation failed: {message}")
 
     async def _on_context_full(self, view: MessageView, e: ContextOverflowError) -> None:
-        self.generating = False
+        await self._end_stream(view)
+        if self._screen_gone():
+            return
         await view.remove()
         self._offer_context_full(
             f"This conversation is {e.n_prompt} tokens but the context holds {e.n_ctx}.")
