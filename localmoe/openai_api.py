@@ -624,7 +624,7 @@ class ChatJob:
             if kind == "content":
                 content.append(val)
             elif kind == "call":
-                calls.append({"id": new_call_id(), "type": "function",
+                calls.append({"id": new_call_id(self.gen.fmt), "type": "function",
                               "function": {"name": val.name, "arguments": val.arguments}})
         text = "".join(content)
         msg: dict[str, Any] = {"role": "assistant",
@@ -660,7 +660,7 @@ class ChatJob:
                 elif kind == "content":
                     yield chunk({"content": val})
                 else:
-                    yield chunk({"tool_calls": [{"index": n_calls, "id": new_call_id(),
+                    yield chunk({"tool_calls": [{"index": n_calls, "id": new_call_id(self.gen.fmt),
                                                  "type": "function",
                                                  "function": {"name": val.name,
                                                               "arguments": ""}}]})

@@ -45,8 +45,18 @@ __all__ = ["FORMATS", "ToolCall", "ParsedOutput", "detect_format", "scan_json",
            "parse_tool_calls", "StreamingToolParser", "new_call_id"]
 
 
-def new_call_id() -> str:
-    """A fresh OpenAI-style tool call id (``"call_"`` + 24 hex characters)."""
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def new_call_id(fmt: str | None = None) -> str:
+    """A fresh tool call id.
+
+    OpenAI style (``"call_"`` + 24 hex characters), except for the ``mistral`` format, whose
+    chat templates only accept 9 alphanumeric characters (they raise on anything else when the
+    id comes back in the conversation).
+    """
+    if fmt == "mistral":
+        return "".join(_ALNUM[b % 62] for b in uuid.uuid4().bytes[:9])
     return "call_" + uuid.uuid4().hex[:24]
 
 

@@ -617,3 +617,108 @@ def test_plain_chat_with_real_smollm2(smollm2_path):
     finally:
         srv.stop()
         llm.close()
+
+
+# ------------------------------------------------------ openai_api over other template families
+
+class TemplateLLM:
+    """Minimal engine stand-in (the LLM attributes openai_api uses) with a given chat template;
+    its reply is fixed text streamed in 3-character pieces."""
+
+    def __init__(self, template_src: str, reply: str):
+        from localmoe.chat_template import ChatTemplate
+
+        self.template = ChatTemplate(template_src)
+        self.tokenizer = None
+        self.model_name, self.backend_name = "fake", "fake"
+        self.reply = reply
+        self.seen = None
+
+    def chat_stream(self, messages, params, tools=None, cancel=None):
+        from localmoe.engine import GenerationResult, StreamEvent
+
+        self.seen = (messages, tools, self.template.render(messages, tools=tools))
+        for i in range(0, len(self.reply), 3):
+            yield StreamEvent(self.reply[i:i + 3], 1)
+        yield StreamEvent("", None, True, GenerationResult(self.reply, [1] * 7, 11, 7, "stop"))
+
+
+LLAMA3_TPL = ("{%- if tools %}<|start_header_id|>system<|end_header_id|>{{ tools | tojson }}"
+              "<|eot_id|>{%- endif %}{%- for m in messages %}<|start_header_id|>{{ m.role }}"
+              "<|end_header_id|>{{ m.content }}{%- if m.tool_calls %}<|python_tag|>"
+              "{{ m.tool_calls[0].function | tojson }}{%- endif %}<|eot_id|>{%- endfor %}"
+              "<|start_header_id|>assistant<|end_header_id|>")
+MISTRAL_TPL = ("{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{%- for c in m.tool_calls %}"
+               "{%- if c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+               "strings with length 9!') }}{%- endif %}{{ c.function | tojson }}{%- endfor %}"
+               "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+               "{%- else %}[INST]{{ m.content }}[/INST]{%- endif %}{%- endfor %}"
+               "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}")
+
+
+def test_llama3_template_gets_tools_and_json_reply_is_a_call():
+    from localmoe import openai_api
+
+    llm = TemplateLLM(LLAMA3_TPL, 'Checking. {"name": "get_weather", "parameters": {"city": "Lima"}}')
+    r = openai_api.chat_completion(llm, {"messages": [{"role": "user", "content": "weather?"}],
+                                         "tools": [WEATHER_TOOL]})
+    assert llm.seen[1][0]["function"]["name"] == "get_weather"  # tools reached the template
+    assert "get_weather" in llm.seen[2]
+    msg = r["choices"][0]["message"]
+    assert msg["content"] == "Checking."
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Lima"}'}
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert r["usage"] == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    # a tool not in the request's list is not a call: stays content
+    llm = TemplateLLM(LLAMA3_TPL, '{"name": "rm_rf", "parameters": {}}')
+    r = openai_api.chat_completion(llm, {"messages": [{"role": "user", "content": "x"}],
+                                         "tools": [WEATHER_TOOL]})
+    assert r["choices"][0]["message"]["content"] == '{"name": "rm_rf", "parameters": {}}'
+    assert "tool_calls" not in r["choices"][0]["message"]
+
+
+def test_mistral_ids_survive_the_round_trip_through_its_template():
+    from localmoe import openai_api
+
+    llm = TemplateLLM(MISTRAL_TPL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    req = {"messages": [{"role": "user", "content": "weather in Rome?"}], "tools": [WEATHER_TOOL]}
+    r = openai_api.chat_completion(llm, req)
+    call = r["choices"][0]["message"]["tool_calls"][0]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
+    streamed = list(openai_api.chat_completion(llm, {**req, "stream": True}))
+    ids = [tc["id"] for c in streamed for tc in c["choices"][0]["delta"].get("tool_calls") or []
+           if tc.get("id")] if streamed else []
+    assert ids and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+    llm.reply = "It is sunny in Rome."
+    req["messages"] += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "sun"}'}]
+    r = openai_api.chat_completion(llm, req)  # the template would raise on a bad id
+    assert r["choices"][0]["message"]["content"] == "It is sunny in Rome."
+    rendered = llm.seen[2]
+    assert '[TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Rome"}}' in rendered
+    assert '[TOOL_RESULTS]{"sky": "sun"}[/TOOL_RESULTS]' in rendered
+
+
+def test_validation_errors_name_the_parameter_without_a_model():
+    from localmoe import openai_api
+    from localmoe.errors import InvalidRequestError
+
+    llm = TemplateLLM(LLAMA3_TPL, "x")
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [({"messages": "hi"}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+              "messages[0].content[0]"),
+             ({**base, "stop": ["ok", ""]}, "stop"),
+             ({**base, "seed": 1.5}, "seed"),
+             ({**base, "top_p": 1.5}, "top_p"),
+             ({**base, "tool_choice": "required"}, "tool_choice"),
+             ({**base, "logprobs": True}, "logprobs"),
+             ({**base, "response_format": {"type": "json_schema"}}, "response_format"),
+             ({**base, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
+              "messages[0].tool_calls[0].function.arguments")]
+    for req, param in cases:
+        with pytest.raises(InvalidRequestError) as ei:
+            openai_api.chat_completion(llm, req)
+        assert ei.value.param == param, (req, ei.value.param, str(ei.value))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localmoe.tool_calls import (StreamingToolParser, ToolCall, detect_format,
+from localmoe.tool_calls import (StreamingToolParser, ToolCall, detect_format, new_call_id,
                                  parse_tool_calls, scan_json)
 
 
@@ -247,3 +248,9 @@ def test_detect_format():
 def test_unknown_format_rejected():
     with pytest.raises(ValueError):
         StreamingToolParser("nope")
+
+
+def test_call_ids_fit_the_format():
+    assert re.fullmatch(r"call_[0-9a-f]{24}", new_call_id())
+    ids = {new_call_id("mistral") for _ in range(50)}
+    assert len(ids) == 50 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
