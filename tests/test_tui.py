@@ -328,6 +328,38 @@ def test_persistence_across_restart_and_continue(db):
     assert "remember me" in text and "fake-model" in text and "4" in text.splitlines()[1]
 
 
+def test_quit_mid_answer_keeps_partial_and_theme(db):
+    """Ctrl+Q while streaming: the app exits cleanly, the partial answer is saved (and shown
+    by --continue); the theme picked is restored on the next start."""
+    eng = FakeEngine(["alpha beta gamma delta epsilon"], hold_after=2)
+
+    async def first():
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            app.theme = "nord"
+            await send(pilot, "partial please", wait=False)
+            await wait_until(pilot, lambda: eng.tokens_streamed >= 2, "two tokens")
+            await pilot.press("ctrl+q")
+        return app
+
+    app = run(first())
+    assert not app.is_running
+    msgs = ChatStore(db).messages(app.chat_id)
+    assert [(m.role, m.content) for m in msgs] == [("user", "partial please"),
+                                                   ("assistant", "alpha beta")]
+    assert msgs[1].finish_reason == "cancelled"
+
+    async def second():
+        app2 = make_app(db, FakeEngine(["x"]), continue_last=True)
+        async with app2.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            assert [v.text for v in views(app2)] == ["partial please", "alpha beta"]
+            assert app2.theme == "nord"
+
+    run(second())
+
+
 def test_model_missing_is_shown_not_a_crash(db):
     err = ModelNotFoundError("no model named 'nope'; run `localmoe list` to see local models")
 

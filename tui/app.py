@@ -167,6 +167,16 @@ class ChatApp(App):
     def get_default_screen(self) -> ChatScreen:
         return ChatScreen(history=self.store.recent_prompts())
 
+    def on_mount(self) -> None:
+        """Restore the theme chosen last time (Ctrl+P > Change theme) and remember changes."""
+        saved = self.store.get_meta("theme")
+        if saved and saved in self.available_themes:
+            self.theme = saved
+        self.theme_changed_signal.subscribe(self, self._remember_theme)
+
+    def _remember_theme(self, theme) -> None:
+        self.store.set_meta("theme", theme.name)
+
     async def screen_ready(self) -> None:
         """Called by ChatScreen once its widgets exist: open the first chat, start loading."""
         chat = self.store.last_chat() if self.continue_last else None
