@@ -577,6 +577,20 @@ def test_client_disconnect_mid_stream_cancels_generation(live):
     assert r.choices[0].message.content == "You said 42."
 
 
+def test_client_disconnect_non_stream_cancels_generation(live):
+    before = metric(live.url, "localmoe_cancelled_generations_total")
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "slow please"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.time() + 5
+    while metric(live.url, "localmoe_cancelled_generations_total") <= before:
+        assert time.time() < deadline, "generation was not cancelled"
+        time.sleep(0.05)
+    r = live.client().chat.completions.create(model="scripted",
+                                              messages=[{"role": "user", "content": "echo 7"}])
+    assert r.choices[0].message.content == "You said 7."
+
+
 def test_non_loopback_bind_without_key_warns(monkeypatch, capsys):
     import uvicorn
 
