@@ -38,47 +38,71 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _unpack(b, BN: tl.constexpr, RB: tl.constexpr, P: tl.constexpr):
+    """uint8-in-int32 bytes [BN, RB] -> int32 codes [BN, RB * 8/P] (interleaved layout:
+    channel d in byte d // (8/P) at bit (d % (8/P)) * P), rebuilt with register joins."""
+    M: tl.constexpr = (1 << P) - 1
+    if P == 8:
+        c = b
+    elif P == 4:
+        c = tl.reshape(tl.join(b & M, (b >> 4) & M), [BN, RB * 2])
+    elif P == 2:
+        c = tl.reshape(tl.join(tl.join(b & M, (b >> 4) & M), tl.join((b >> 2) & M, (b >> 6) & M)),
+                       [BN, RB * 4])
+    else:
+        c = tl.reshape(tl.join(tl.join(tl.join(b & 1, (b >> 4) & 1), tl.join((b >> 2) & 1, (b >> 6) & 1)),
+                               tl.join(tl.join((b >> 1) & 1, (b >> 5) & 1), tl.join((b >> 3) & 1, (b >> 7) & 1))),
+                       [BN, RB * 8])
+    return c
+
+
+@triton.jit
 def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, mask_n, n_slots, sqh, sqs,
-                  D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                  N_OUT: tl.constexpr):
-    """Dequantized float32 [BLOCK_N, D] tile of kv head ``h`` at ``slots`` (int64 [BLOCK_N])."""
+                  BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr,
+                  G: tl.constexpr, N_OUT: tl.constexpr):
+    """Dequantized fp16 [BN, D] tile of kv head ``h`` at ``slots`` (int64 [BN])."""
     d = tl.arange(0, D)
     m2 = mask_n[:, None]
     if FMT == 0:
         x = tl.load(Qp + h * sqh + slots[:, None] * sqs + d[None, :], mask=m2, other=0.0)
-        x = x.to(tl.float32)
+        x = x.to(tl.float16)
     else:
         row = h * n_slots + slots
         P: tl.constexpr = 2 if BITS == 3 else BITS
-        PACK: tl.constexpr = 8 // P
-        RB: tl.constexpr = D // PACK
-        b = tl.load(Qp + row[:, None] * RB + (d % RB)[None, :], mask=m2, other=0).to(tl.int32)
-        c = (b >> ((d // RB) * P)[None, :]) & ((1 << P) - 1)
+        RB: tl.constexpr = D * P // 8
+        b = tl.load(Qp + row[:, None] * RB + tl.arange(0, RB)[None, :], mask=m2, other=0)
+        c = _unpack(b.to(tl.int32), BN, RB, P)
         if BITS == 3:
             RB2: tl.constexpr = D // 8
-            b2 = tl.load(QHp + row[:, None] * RB2 + (d % RB2)[None, :], mask=m2, other=0)
-            c = c | (((b2.to(tl.int32) >> (d // RB2)[None, :]) & 1) << 2)
+            b2 = tl.load(QHp + row[:, None] * RB2 + tl.arange(0, RB2)[None, :], mask=m2, other=0)
+            c = c | (_unpack(b2.to(tl.int32), BN, RB2, 1) << 2)
         NG: tl.constexpr = D // G
-        gi = (d // G)[None, :]
+        g = tl.arange(0, NG)
         if FMT == 2:
-            sc = tl.load(Sp + row[:, None] * NG + gi, mask=m2, other=0).to(tl.int32)
+            # E4M3 scale (small [BN, NG] tensor), broadcast over its group
+            sc = tl.load(Sp + row[:, None] * NG + g[None, :], mask=m2, other=0).to(tl.int32)
             se = (sc >> 3) & 15
             sm = (sc & 7).to(tl.float32)
             s = tl.where(se == 0, sm * 0.001953125, (8.0 + sm) * tl.exp2(se.to(tl.float32) - 10.0))
+            s = tl.reshape(tl.broadcast_to(s.to(tl.float16)[:, :, None], [BN, NG, G]), [BN, D])
+            # E2M1 -> fp16 bits without conversions: (e1 e0 m) with e > 0 is exponent e + 14,
+            # mantissa m, i.e. bits (mag + 28) << 9; mag 1 is 0.5 (0x3800); sign to bit 15
             mag = c & 7
-            e = mag >> 1
-            mm = (mag & 1).to(tl.float32)
-            val = tl.where(e == 0, mm * 0.5,
-                           (1.0 + 0.5 * mm) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0)))
-            val = tl.where((c & 8) != 0, -val, val)
+            hb = tl.where(mag >= 2, (mag + 28) << 9, tl.where(mag == 1, 0x3800, 0))
+            hb = hb | ((c & 8) << 12)
+            val = hb.to(tl.int16).to(tl.float16, bitcast=True)
             x = val * s
         else:
-            s = tl.load(Sp + row[:, None] * NG + gi, mask=m2, other=0.0).to(tl.float32)
-            z = tl.load(Zp + row[:, None] * NG + gi, mask=m2, other=0.0).to(tl.float32)
-            x = c.to(tl.float32) * s + z
+            s = tl.load(Sp + row[:, None] * NG + g[None, :], mask=m2, other=0.0)
+            z = tl.load(Zp + row[:, None] * NG + g[None, :], mask=m2, other=0.0)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NG, G]), [BN, D])
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], [BN, NG, G]), [BN, D])
+            # int -> fp16 without I2F: 0x6400 | c is the fp16 number 1024 + c (c < 1024)
+            cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+            x = cf * s + z
         for j in tl.static_range(N_OUT):
             oi = tl.load(OIp + row * N_OUT + j, mask=mask_n, other=0).to(tl.int32)
-            ov = tl.load(OVp + row * N_OUT + j, mask=mask_n, other=0.0).to(tl.float32)
+            ov = tl.load(OVp + row * N_OUT + j, mask=mask_n, other=0.0).to(tl.float16)
             x = tl.where(d[None, :] == oi[:, None], ov[:, None], x)
     return x
 
@@ -86,17 +110,17 @@ def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, mask_n, n_slots, sqh, sqs
 @triton.jit
 def _load_side(Sink, Ring, RingPos, srow, h, pos, mask_n,
                H: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_RING: tl.constexpr):
-    """Full-precision tile (float32 [BLOCK_N, D]) and bool mask [BLOCK_N] of the tokens held
+    """Full-precision tile (fp16 [BLOCK_N, D]) and bool mask [BLOCK_N] of the tokens held
     in the sink/ring side buffers of sequence row ``srow``."""
     d = tl.arange(0, D)
     is_fp = pos < 0
-    xf = tl.zeros([pos.shape[0], D], dtype=tl.float32)
+    xf = tl.zeros([pos.shape[0], D], dtype=tl.float16)
     if N_SINK > 0:
         is_s = mask_n & (pos < N_SINK)
         ps = tl.where(is_s, pos, 0)
         xs = tl.load(Sink + ((srow * H + h) * N_SINK + ps)[:, None] * D + d[None, :],
                      mask=is_s[:, None], other=0.0)
-        xf = tl.where(is_s[:, None], xs.to(tl.float32), xf)
+        xf = tl.where(is_s[:, None], xs.to(tl.float16), xf)
         is_fp = is_fp | is_s
     if N_RING > 0:
         r = pos % N_RING
@@ -104,7 +128,7 @@ def _load_side(Sink, Ring, RingPos, srow, h, pos, mask_n,
         is_r = mask_n & (tag == pos) & (~is_fp)
         xr = tl.load(Ring + ((srow * H + h) * N_RING + r)[:, None] * D + d[None, :],
                      mask=is_r[:, None], other=0.0)
-        xf = tl.where(is_r[:, None], xr.to(tl.float32), xf)
+        xf = tl.where(is_r[:, None], xr.to(tl.float16), xf)
         is_fp = is_fp | is_r
     return xf, is_fp
 
@@ -123,7 +147,7 @@ def _decode_split_kernel(
     K_SIDE: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NOUT: tl.constexpr,
     V_SIDE: tl.constexpr,
-    N_SINK: tl.constexpr, N_RING: tl.constexpr, ROT: tl.constexpr,
+    N_SINK: tl.constexpr, N_RING: tl.constexpr, ROT: tl.constexpr, IDX64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -156,34 +180,36 @@ def _decode_split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = pos < end
         blk = tl.load(BlockTable + b * stride_bt + pos // PAGE, mask=mask_n, other=0)
-        slots = blk.to(tl.int64) * PAGE + pos % PAGE
+        slots = blk * PAGE + pos % PAGE
+        if IDX64:
+            slots = slots.to(tl.int64)
         k = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, mask_n, n_slots, k_sqh, k_sqs,
-                          D, K_FMT, K_BITS, K_G, K_NOUT)
+                          BLOCK_N, D, K_FMT, K_BITS, K_G, K_NOUT)
         if K_SIDE:
             kf, is_fp = _load_side(Ksink, Kring, Kpos, srow, hk, pos, mask_n, HKV, D, N_SINK, N_RING)
             if ROT:
-                s_fp = tl.dot(q, tl.trans(kf.to(tl.float16)))
-                s_q = tl.dot(qr, tl.trans(k.to(tl.float16)))
+                s_fp = tl.dot(q, tl.trans(kf))
+                s_q = tl.dot(qr, tl.trans(k))
                 s = tl.where(is_fp[None, :], s_fp, s_q)
             else:
                 k = tl.where(is_fp[:, None], kf, k)
-                s = tl.dot(q, tl.trans(k.to(tl.float16)))
+                s = tl.dot(q, tl.trans(k))
         else:
             if ROT:
-                s = tl.dot(qr, tl.trans(k.to(tl.float16)))
+                s = tl.dot(qr, tl.trans(k))
             else:
-                s = tl.dot(q, tl.trans(k.to(tl.float16)))
+                s = tl.dot(q, tl.trans(k))
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, mask_n, n_slots, v_sqh, v_sqs,
-                          DV, V_FMT, V_BITS, V_G, V_NOUT)
+                          BLOCK_N, DV, V_FMT, V_BITS, V_G, V_NOUT)
         if V_SIDE:
             vf, vis_fp = _load_side(Vsink, Vring, Vpos, srow, hk, pos, mask_n, HKV, DV, N_SINK, N_RING)
             v = tl.where(vis_fp[:, None], vf, v)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
 
     ok = l_i > 0
@@ -228,20 +254,43 @@ def _codec_args(codec, store):
 
 
 def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device) -> int:
-    """Splits per (sequence, kv head): about two programs per SM, at least 256 tokens each."""
+    """Splits per (sequence, kv head): at least two programs per SM, rounded so the program
+    count is a whole number of waves (one resident program per SM at these register counts),
+    with at least one ``block_n`` tile per split."""
+    pairs = max(1, batch * n_kv_heads)
+    cap = max(1, triton.cdiv(max_len, block_n))
     if device.type != "cuda":
-        return max(1, min(4, triton.cdiv(max_len, 2 * block_n)))
+        return max(1, min(4, cap))
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(2 * n_sm, batch * n_kv_heads)
-    return max(1, min(want, triton.cdiv(max_len, max(256, block_n)), 128))
+    s = triton.cdiv(2 * n_sm, pairs)
+    for cand in range(s, 2 * s + 1):  # prefer an exact multiple of the SM count
+        if (cand * pairs) % n_sm == 0:
+            s = cand
+            break
+    return max(1, min(s, cap, 256))
+
+
+def default_tile(k_codec, v_codec) -> tuple[int, int]:
+    """(block_n, num_warps) measured best on the H200 (benchmarks/results/attention_h200.json)."""
+    bits = [getattr(c, "bits", 16) if not getattr(c, "is_fp4", False) else 0
+            for c in (k_codec, v_codec)]
+    extras = any(getattr(c, "n_out", 0) or getattr(c, "n_sink", 0) or getattr(c, "window", 0)
+                 or getattr(c, "rotate", False) for c in (k_codec, v_codec))
+    if extras:
+        return 64, 4
+    if all(b >= 16 for b in bits):
+        return 128, 8
+    if any(b in (4, 8) for b in bits):
+        return 128, 8
+    return 256, 8
 
 
 def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: dict,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int,
                      sm_scale: float | None = None, seq_rows: torch.Tensor | None = None,
                      sliding_window: int = 0, max_len: int | None = None,
-                     num_splits: int | None = None, block_n: int = 32, num_warps: int = 4,
-                     num_stages: int = 2) -> torch.Tensor:
+                     num_splits: int | None = None, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -256,6 +305,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         sliding_window: attend only the last ``sliding_window`` positions (0 = all).
         max_len: max of ``seq_lens`` if known (avoids a device sync); used to size splits.
         num_splits: splits per sequence (default: :func:`choose_splits`).
+        block_n, num_warps, num_stages: tile size in tokens and launch options (default
+            :func:`default_tile`).
 
     Returns:
         float32 [B, n_heads, Dv].
@@ -274,6 +325,9 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         raise ValueError(f"page_size must be a power of two, got {page_size}")
     QPK = HQ // HKV
     dev = q.device
+    bn0, nw0 = default_tile(k_codec, v_codec) if dev.type == "cuda" else (16, 4)
+    block_n = block_n or bn0
+    num_warps = num_warps or nw0
     q = q.contiguous()
     qr = q
     rot = bool(getattr(k_codec, "rotate", False))
@@ -298,21 +352,30 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     n_slots = (kt[0].shape[1] if kf else kt[0].shape[0])
     if vf and vt[0].shape[1] != n_slots or (not vf and vt[0].shape[0] != n_slots):
         raise ValueError("K and V stores hold different slot counts")
+    idx64 = max(t.numel() for t in kt + vt) >= 2 ** 31
     mid_o = torch.empty(B, HQ, num_splits, DV, device=dev, dtype=torch.float32)
     mid_l = torch.empty(B, HQ, num_splits, device=dev, dtype=torch.float32)
     out = torch.empty(B, HQ, DV, device=dev, dtype=torch.float32)
     if B == 0:
         return out
     block_h = max(16, triton.next_power_of_2(QPK))
-    _decode_split_kernel[(B * HKV, num_splits)](
-        q, qr, *kt, *vt, block_table, seq_lens, seq_rows, mid_o, mid_l,
-        n_slots, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
-        sm_scale * LOG2E, int(sliding_window or 0), chunk, num_splits,
-        HKV=HKV, QPK=QPK, BLOCK_H=block_h, D=D, DV=DV, PAGE=page_size, BLOCK_N=block_n,
-        K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=kside,
-        V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=vside,
-        N_SINK=n_sink, N_RING=n_ring, ROT=rot, num_warps=num_warps, num_stages=num_stages,
-    )
+    while True:
+        try:
+            _decode_split_kernel[(B * HKV, num_splits)](
+                q, qr, *kt, *vt, block_table, seq_lens, seq_rows, mid_o, mid_l,
+                n_slots, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
+                sm_scale * LOG2E, int(sliding_window or 0), chunk, num_splits,
+                HKV=HKV, QPK=QPK, BLOCK_H=block_h, D=D, DV=DV, PAGE=page_size, BLOCK_N=block_n,
+                K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=kside,
+                V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=vside,
+                N_SINK=n_sink, N_RING=n_ring, ROT=rot, IDX64=idx64, num_warps=num_warps,
+                num_stages=num_stages,
+            )
+            break
+        except triton.runtime.errors.OutOfResources:
+            if block_n <= 16:
+                raise
+            block_n //= 2  # same chunk (a multiple of the smaller tile), smaller tiles
     _decode_reduce_kernel[(B * HQ,)](
         mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1),
         HQ=HQ, DV=DV, SPLITS_P=max(2, triton.next_power_of_2(num_splits)),

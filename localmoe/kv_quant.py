@@ -50,9 +50,10 @@ key            shape, dtype             meaning
 ``ring_pos``   [R, W] int32             position held by each ring entry (-1 = empty)
 =============  =======================  =====================================================
 
-Bit packing ("split planes"): with ``PACK = 8 / P`` codes per byte and ``RB = D / PACK`` bytes
-per row, channel ``d`` lives in byte ``d % RB`` at bit offset ``(d // RB) * P``. A kernel can
-load a row once and extract plane ``p`` (channels ``p*RB .. p*RB+RB-1``) with one shift.
+Bit packing (interleaved, little-end first): with ``PACK = 8 / P`` codes per byte, channel ``d``
+lives in byte ``d // PACK`` at bit offset ``(d % PACK) * P`` (int4: channel 2j in the low
+nibble of byte j, 2j+1 in the high nibble). A kernel loads a row's bytes contiguously and
+rebuilds the channel order with register joins (``tl.join`` + ``tl.reshape``).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def plane_bits(bits: int) -> int:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-bit codes (uint8 Tensor[..., D], values < 2**bits, bits in 1, 2, 4, 8)
-    into uint8 Tensor[..., D*bits/8] using the split-plane layout of the module docstring.
+    into uint8 Tensor[..., D*bits/8] using the interleaved layout of the module docstring.
 
     Raises:
         ValueError: D is not a multiple of 8/bits.
@@ -102,9 +103,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if d % pack:
         raise ValueError(f"head_dim {d} is not a multiple of {pack} for {bits}-bit packing")
     rb = d // pack
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], pack, rb)
-    shifts = (torch.arange(pack, device=codes.device, dtype=torch.int32) * bits).view(pack, 1)
-    return (c << shifts).sum(dim=-2).to(torch.uint8)
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], rb, pack)
+    shifts = torch.arange(pack, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(dim=-1).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -112,9 +113,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed.to(torch.uint8)
     pack = 8 // bits
-    p = packed.to(torch.int32).unsqueeze(-2)  # [..., 1, RB]
-    shifts = (torch.arange(pack, device=packed.device, dtype=torch.int32) * bits).view(pack, 1)
-    c = (p >> shifts) & ((1 << bits) - 1)     # [..., pack, RB]
+    p = packed.to(torch.int32).unsqueeze(-1)  # [..., RB, 1]
+    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
+    c = (p >> shifts) & ((1 << bits) - 1)     # [..., RB, pack]
     return c.reshape(*packed.shape[:-1], pack * packed.shape[-1]).to(torch.uint8)
 
 
