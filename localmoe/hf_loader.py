@@ -153,7 +153,8 @@ def spec_from_hf_config(cfg: dict, tensor_names: set[str] | None = None) -> Mode
         n_ctx_train=int(_cfg_get(cfg, "max_position_embeddings", default=2048)),
         norm_eps=float(_cfg_get(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
         rope_base=rope_base, rope_style="neox", rope_scaling=rope_scaling,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)) or ("output.weight" not in names and bool(names)),
+        # as in GGUF: tied means "no output.weight tensor" (a checkpoint may store a copy of a tied head)
+        tie_embeddings=("output.weight" not in names) if names else bool(cfg.get("tie_word_embeddings", False)),
         name=str(cfg.get("_name_or_path", "")),
     )
     rd = cfg.get("partial_rotary_factor")
