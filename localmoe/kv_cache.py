@@ -169,10 +169,14 @@ class KVCodec:
         raise KVCacheFormatError(f"KV format {self.fmt.name} has no storage implementation")
 
     def write(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
-              positions: torch.Tensor) -> None:
+              positions: torch.Tensor, seq_row: int | None = None) -> None:
+        """Store ``x`` at ``slots``; ``seq_row`` is the sequence's row in per-sequence buffers."""
         raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be written")
 
-    def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
+             positions: torch.Tensor | None = None, seq_row: int | None = None) -> torch.Tensor:
+        """float32 [L, n_kv_heads, head_dim] of ``slots``; ``positions``/``seq_row`` let a
+        codec serve sink/window tokens from its full-precision buffers."""
         raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be read")
 
     @classmethod
@@ -189,20 +193,31 @@ _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 class FloatCodec(KVCodec):
-    """Plain float storage: ``data`` Tensor[n_slots, n_kv_heads, head_dim] of f32/f16/bf16."""
+    """Plain float storage: ``data`` Tensor[n_slots, n_kv_heads, head_dim] of f32/f16/bf16.
+    Sinks and windows need nothing here (everything is full precision already)."""
 
     def alloc(self, n_slots, device):
         return {"data": torch.zeros(n_slots, self.n_kv_heads, self.head_dim,
                                     dtype=_DTYPES[self.fmt.name], device=device)}
 
-    def write(self, store, slots, x, positions):
+    def write(self, store, slots, x, positions, seq_row=None):
         store["data"][slots] = x.to(store["data"].dtype)
 
-    def read(self, store, slots):
+    def read(self, store, slots, positions=None, seq_row=None):
         return store["data"][slots].float()
 
 
 _CODECS: dict[str, type] = {name: FloatCodec for name in FLOAT_FORMATS}
+
+
+def _make_codec(cls: type, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spec: KVSpec,
+                role: str, max_seqs: int) -> KVCodec:
+    """Instantiate a codec, passing ``role``/``max_seqs`` to codecs that take them (the
+    quantized ones: key rotation and per-sequence sink/window buffers)."""
+    try:
+        return cls(fmt, n_kv_heads, head_dim, kv_spec, role=role, max_seqs=max_seqs)
+    except TypeError:
+        return cls(fmt, n_kv_heads, head_dim, kv_spec)
 
 
 def register_codec(name: str, cls: type) -> None:
@@ -255,13 +270,17 @@ class PagedKVCache:
         n_slots = self.n_blocks * self.block_size
         kcls = get_codec_class(kv_spec.k.name)
         vcls = get_codec_class(kv_spec.v.name)
-        self.k_codec = kcls(kv_spec.k, spec.n_kv_heads, spec.head_dim, kv_spec)
-        self.v_codec = vcls(kv_spec.v, spec.n_kv_heads, spec.v_head_dim, kv_spec)
+        self.k_codec = _make_codec(kcls, kv_spec.k, spec.n_kv_heads, spec.head_dim, kv_spec,
+                                   "k", self.max_seqs)
+        self.v_codec = _make_codec(vcls, kv_spec.v, spec.n_kv_heads, spec.v_head_dim, kv_spec,
+                                   "v", self.max_seqs)
         self.k_stores = [self.k_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self.v_stores = [self.v_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self._free_blocks = list(range(self.n_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        self._rows: dict[int, int] = {}          # seq id -> row of the per-sequence side buffers
+        self._free_rows = list(range(self.max_seqs - 1, -1, -1))
         self._next_id = 0
 
     # --- sequence bookkeeping -------------------------------------------------------------
@@ -279,7 +298,18 @@ class PagedKVCache:
         self._next_id += 1
         self._tables[sid] = []
         self._lens[sid] = 0
+        row = self._free_rows.pop()
+        self._rows[sid] = row
+        for codec, stores in ((self.k_codec, self.k_stores), (self.v_codec, self.v_stores)):
+            if hasattr(codec, "reset_row"):
+                for st in stores:
+                    codec.reset_row(st, row)
         return sid
+
+    def seq_row(self, seq_id: int) -> int:
+        """Row (0 .. max_seqs-1) of a live sequence in the per-sequence sink/window buffers."""
+        self._check(seq_id)
+        return self._rows[seq_id]
 
     def _check(self, seq_id: int) -> None:
         if seq_id not in self._tables:
@@ -289,6 +319,9 @@ class PagedKVCache:
         """Release a sequence's blocks (unknown ids are ignored)."""
         blocks = self._tables.pop(seq_id, None)
         self._lens.pop(seq_id, None)
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
         if blocks:
             self._free_blocks.extend(reversed(blocks))
 
@@ -353,20 +386,23 @@ class PagedKVCache:
         t = k.shape[0]
         slots = self.slots(seq_id, start, start + t)
         pos = torch.arange(start, start + t, device=self.device)
-        self.k_codec.write(self.k_stores[layer], slots, k, pos)
-        self.v_codec.write(self.v_stores[layer], slots, v, pos)
+        row = self._rows[seq_id]
+        self.k_codec.write(self.k_stores[layer], slots, k, pos, seq_row=row)
+        self.v_codec.write(self.v_stores[layer], slots, v, pos, seq_row=row)
 
     def read(self, layer: int, seq_id: int, end: int, start: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K[L, n_kv_heads, head_dim], V[L, n_kv_heads, v_head_dim] (float32) of
         positions [start, end) — the reference path; fused kernels read the stores directly."""
         slots = self.slots(seq_id, start, end)
-        return (self.k_codec.read(self.k_stores[layer], slots),
-                self.v_codec.read(self.v_stores[layer], slots))
+        pos = torch.arange(start, end, device=self.device)
+        row = self._rows[seq_id]
+        return (self.k_codec.read(self.k_stores[layer], slots, positions=pos, seq_row=row),
+                self.v_codec.read(self.v_stores[layer], slots, positions=pos, seq_row=row))
 
     # --- accounting -----------------------------------------------------------------------
     def footprint(self) -> int:
-        """Bytes allocated for K/V storage over all layers."""
+        """Bytes allocated for K/V storage over all layers (sink/window buffers included)."""
         total = 0
         for store in self.k_stores + self.v_stores:
             for t in store.values():
