@@ -111,51 +111,61 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "tekken": (_TEKKEN,),
     "deepseek3": _DEEPSEEK3,
     "chatglm4": (_LLAMA3,),
+    "deepseek-llm": (
+        r"[\r\n]",
+        # (escapes where NFC would change the character: U+1F7D, U+1FBE, U+1FD3, U+1FDB,
+        # U+2126, U+212A)
+        "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚ"
+        "Ḁ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ"
+        "\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ"
+        "\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+        "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+        r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+        r"\s+$",
+        r"[一-龥ࠀ-一가-퟿]+",
+        r"\p{N}+",
+    ),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
+    "poro": (r" ?[^(\s|.,!?…。，、।۔،)]+",),
+    "viking": (r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}"),
+    "seed-coder": (
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
+        r"\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "bailingmoe": (
+        r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    ),
 }
 
-# tokenizer.ggml.pre name -> (regex family, ignore_merges)
-_PRE_ALIASES: dict[str, tuple[str, bool]] = {
-    "default": ("default", False),
-    "llama3": ("llama3", True),
-    "llama-v3": ("llama3", True),
-    "llama-bpe": ("llama3", True),
-    "falcon3": ("llama3", True),
-    "falcon-h1": ("llama3", True),
-    "pixtral": ("llama3", True),
-    "midm-2.0": ("llama3", True),
-    "lfm2": ("llama3", True),
-    "dbrx": ("llama3", False),
-    "smaug-bpe": ("llama3", False),
-    "qwen2": ("qwen2", False),
-    "deepseek-r1-qwen": ("qwen2", False),
-    "megrez": ("qwen2", False),
-    "stablelm2": ("qwen2", False),
-    "hunyuan": ("qwen2", False),
-    "smollm": ("smollm", False),
-    "starcoder": ("smollm", False),
-    "refact": ("smollm", False),
-    "command-r": ("smollm", False),
-    "codeshell": ("smollm", False),
-    "exaone": ("smollm", False),
-    "minerva-7b": ("smollm", False),
-    "gpt2": ("gpt2", False),
-    "gpt-2": ("gpt2", False),
-    "phi-2": ("gpt2", False),
-    "jina-es": ("gpt2", False),
-    "jina-de": ("gpt2", False),
-    "mpt": ("gpt2", False),
-    "olmo": ("gpt2", False),
-    "jais": ("gpt2", False),
-    "trillion": ("gpt2", False),
-    "granite-docling": ("gpt2", False),
-    "falcon": ("falcon", False),
-    "gpt-4o": ("gpt4o", False),
-    "minimax-m2": ("gpt4o", False),
-    "tekken": ("tekken", True),
-    "deepseek-v3": ("deepseek3", False),
-    "hunyuan-dense": ("deepseek3", False),
-    "chatglm-bpe": ("chatglm4", False),
-}
+# tokenizer.ggml.pre name -> (regex family, ignore_merges, add_bos default), as llama.cpp's
+# llama_vocab::impl::load maps them (the file's add_bos_token key overrides the default).
+_PRE_ALIASES: dict[str, tuple[str, bool, bool]] = {"default": ("default", False, False)}
+for _names, _fam, _ign, _bos in (
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+     "llama3", True, True),
+    (("dbrx", "smaug-bpe"), "llama3", False, False),
+    (("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"),
+     "qwen2", False, False),
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+     "smollm", False, False),
+    (("gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+      "a.x-4.0", "mellum", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"),
+     "gpt2", False, False),
+    (("falcon",), "falcon", False, False),
+    (("gpt-4o", "llama4", "minimax-m2"), "gpt4o", False, False),
+    (("tekken",), "tekken", True, True),
+    (("deepseek-v3", "hunyuan-dense"), "deepseek3", False, False),
+    (("chatglm-bpe", "glm4"), "chatglm4", False, False),
+    (("deepseek-llm",), "deepseek-llm", False, False),
+    (("deepseek-coder",), "deepseek-coder", False, False),
+    (("poro-chat", "bloom", "gpt3-finnish"), "poro", False, False),
+    (("viking",), "viking", False, False),
+    (("seed-coder",), "seed-coder", False, False),
+    (("bailingmoe", "bailingmoe2", "llada-moe"), "bailingmoe", False, False),
+):
+    for _n in _names:
+        _PRE_ALIASES[_n] = (_fam, _ign, _bos)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -288,8 +298,7 @@ class Tokenizer:
                     f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; known: "
                     f"{', '.join(sorted(_PRE_ALIASES))}"
                 )
-            family, ignore_merges = _PRE_ALIASES[pre]
-            pre_default_add_bos = family == "llama3"
+            family, ignore_merges, pre_default_add_bos = _PRE_ALIASES[pre]
             merges = md.get("tokenizer.ggml.merges")
             if not merges:
                 raise ModelLoadError("byte-level BPE vocabulary without tokenizer.ggml.merges")
@@ -309,7 +318,8 @@ class Tokenizer:
                                  int(unk) if unk is not None and 0 <= int(unk) < n else None)
             self._missing_bytes = frozenset(
                 b for b in range(256) if self._tk.byte_ids[b] is None)
-            self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
+            asp = md.get("tokenizer.ggml.add_space_prefix")
+            self.add_space_prefix = True if asp is None else bool(asp)
             pre_default_add_bos = True
         else:
             raise UnsupportedModelError(
@@ -326,8 +336,10 @@ class Tokenizer:
 
         self.bos_id = tid("tokenizer.ggml.bos_token_id")
         self.eos_id = tid("tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(md.get("tokenizer.ggml.add_bos_token", pre_default_add_bos))
-        self.add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+        add_bos = md.get("tokenizer.ggml.add_bos_token")
+        add_eos = md.get("tokenizer.ggml.add_eos_token")
+        self.add_bos = pre_default_add_bos if add_bos is None else bool(add_bos)
+        self.add_eos = False if add_eos is None else bool(add_eos)
         if self.bos_id is None:
             self.add_bos = False
         if self.eos_id is None:

@@ -319,7 +319,9 @@ def test_hf_dir_missing_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2", "smollm", "gpt-2", "falcon",
-                                 "gpt-4o", "tekken", "deepseek-v3", "chatglm-bpe", "dbrx"])
+                                 "gpt-4o", "tekken", "deepseek-v3", "chatglm-bpe", "dbrx",
+                                 "deepseek-llm", "deepseek-coder", "poro-chat", "viking",
+                                 "seed-coder", "bailingmoe"])
 def test_every_pre_tokenizer_builds_and_round_trips(pre):
     """A byte-level vocabulary (256 byte symbols + a few merges) under each pre-tokenizer."""
     from localmoe.tokenizer import _BYTE_ENCODER
@@ -355,3 +357,51 @@ def test_random_text_matches_llamacpp(smollm, gemma, smollm2_path, gemma3_path, 
     for tk, path in ((smollm[1], smollm2_path), (gemma[1], gemma3_path)):
         want = llama_vocab(path).tokenize(s.encode("utf-8"), add_bos=True, special=special)
         assert tk.encode(s, add_special=True, parse_special=special) == want, (path.name, s)
+
+
+PRE_NAMES = ["llama-bpe", "qwen2", "gpt-2", "default", "smollm", "deepseek-v3", "gpt-4o", "tekken",
+             "falcon", "stablelm2", "dbrx", "starcoder", "olmo", "chatglm-bpe", "deepseek-llm",
+             "deepseek-coder", "poro-chat", "viking", "seed-coder", "bailingmoe", "llama4"]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("pre", PRE_NAMES)
+def test_pre_tokenizers_match_llamacpp(pre, smollm, tmp_path):
+    """SmolLM2's real 49k vocabulary and merges under each pre-tokenizer name, written to a
+    vocabulary-only GGUF that llama.cpp loads with vocab_only=True."""
+    import gguf
+    import llama_cpp
+
+    md = dict(smollm[0].metadata)
+    path = tmp_path / f"vocab-{pre}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_token_merges(md["tokenizer.ggml.merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    tk = Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.pre": pre,
+                                       "tokenizer.ggml.add_bos_token": None})
+    assert tk.add_bos == bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(ref.model)))
+    bad = []
+    for s in HARD_STRINGS + PARITY_ONLY:
+        for add_bos, special in ((True, False), (False, True)):
+            want = ref.tokenize(s.encode("utf-8"), add_bos=add_bos, special=special)
+            got = tk.encode(s, add_special=add_bos, parse_special=special)
+            if got != want:
+                bad.append((s, special, got[:20], want[:20]))
+    assert not bad, bad[:2]
