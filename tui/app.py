@@ -284,14 +284,14 @@ class ChatApp(App):
 
     # -- chats ---------------------------------------------------------------------------
 
-    async def open_chat(self, chat_id: int | None) -> None:
-        """Show chat ``chat_id`` (None: a fresh unsaved chat)."""
+    async def open_chat(self, chat_id: int | None, settings: ChatSettings | None = None) -> None:
+        """Show chat ``chat_id`` (None: a fresh unsaved chat, with ``settings`` if given)."""
         if self.generating:
             self.notify("Stop the answer being generated first (Esc).", severity="warning")
             return
         self._editing_id = None
         if chat_id is None:
-            self.chat_id, self.settings = None, ChatSettings()
+            self.chat_id, self.settings = None, settings or ChatSettings()
             messages: list[Message] = []
         else:
             chat = self.store.get_chat(chat_id)
@@ -362,8 +362,7 @@ class ChatApp(App):
             self._editing_id = None
         chat_id = self._ensure_saved_chat(text)
         msg = self.store.add_message(chat_id, "user", text)
-        self.store.set_model(chat_id, str(self.model) if self.model else
-                             getattr(self.engine, "model_name", None))
+        self.store.set_model(chat_id, str(self.model) if self.model else None)
         prompt = self._chat_screen().query_one(PromptInput)
         prompt.remember(text)
         prompt.clear()
@@ -557,9 +556,7 @@ class ChatApp(App):
     async def _continue_in_new_chat(self) -> None:
         msgs = self.store.messages(self.chat_id) if self.chat_id is not None else []
         last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
-        settings = self.settings
-        await self.open_chat(None)
-        self.settings = settings
+        await self.open_chat(None, settings=self.settings)
         if last_user is not None:
             await self.send_prompt(last_user.content)
 
