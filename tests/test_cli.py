@@ -208,3 +208,27 @@ def test_kv_cache_flags_on_llamacpp(smollm2_path):
            "--kv-cache-v", "int4", "--greedy", "-n", "3", "--json", "hi")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["kv_cache"] == "k=int8,v=int4"
+
+
+def test_info_moe_counts_active_params(tmp_path):
+    """Synthetic tiny Qwen3-MoE: experts reported, active = dense + top_k/n_experts of experts."""
+    from localmoe.cli import model_info
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    p = write_gguf(tmp_path / "tiny-qwen3moe.gguf", "tiny-qwen3moe", quant="mixed")
+    d = model_info(open_model(p))
+    assert d["architecture"] == "qwen3moe" and d["n_experts"] == 8 and d["top_k"] == 2
+    mf = open_model(p)
+    expert = 0
+    for n in mf.tensor_names():
+        if "_exps." in n:
+            e = 1
+            for s in mf.tensor_info(n).shape:
+                e *= s
+            expert += e
+    assert expert > 0
+    assert d["params_active"] == d["params_total"] - expert + expert * 2 // 8
+    assert d["chat_template"] is True
+    r = run(["info", str(p)])
+    assert r.exit_code == 0 and "8 experts, top-2" in r.output

@@ -174,3 +174,40 @@ def test_engine_greedy_matches_raw_llama_cpp(smollm2_path):
         assert n > 10 and r.text[:n] == ref_text[:n]
     finally:
         llm.close()
+
+
+@pytest.mark.llamacpp
+def test_moe_model_generates_like_llama_cpp(tmp_path):
+    """A synthetic Qwen3-MoE GGUF through our engine on llama.cpp: same greedy ids as
+    llama.cpp's own loop over the same file."""
+    import llama_cpp
+
+    from localmoe.engine import LLM
+    from localmoe.testing.synthetic import write_gguf
+
+    p = str(write_gguf(tmp_path / "tiny-qwen3moe.gguf", "tiny-qwen3moe", quant="mixed"))
+    llm = LLM(p, backend="llamacpp", n_ctx=64, n_threads=1)
+    try:
+        assert llm.spec.n_experts == 8
+        prompt = llm.tokenizer.encode("hello world", add_special=True)
+        r = llm.generate(prompt, temperature=0.0, max_tokens=8,
+                         logit_bias={i: -100.0 for i in llm.tokenizer.eog_ids})
+        ours = r.token_ids
+        LLM_EOG = set(llm.tokenizer.eog_ids)
+    finally:
+        llm.close()
+    eog = sorted(LLM_EOG)
+    raw = llama_cpp.Llama(p, n_ctx=64, n_threads=1, verbose=False, logits_all=True)
+    try:
+        ref = []
+        raw.eval(prompt)
+        for _ in range(8):
+            logits = raw.scores[raw.n_tokens - 1].copy()
+            logits[eog] -= 100.0
+            tok = int(logits.argmax())
+            ref.append(tok)
+            raw.eval([tok])
+    finally:
+        raw.close()
+    assert len(ours) == 8
+    assert ours == ref
