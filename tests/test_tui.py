@@ -694,3 +694,81 @@ def test_end_to_end_real_smollm2(db, smollm2_path):
         app.engine.close()
 
     run(body())
+
+
+# -- store and helpers (no app) ----------------------------------------------------------------
+
+
+def test_store_location_honours_localmoe_home(tmp_path, monkeypatch):
+    from localmoe.tui.store import data_dir, default_db_path
+
+    monkeypatch.setenv("LOCALMOE_HOME", str(tmp_path / "lm"))
+    assert data_dir() == tmp_path / "lm"
+    assert default_db_path() == tmp_path / "lm" / "chats.sqlite3"
+    store = ChatStore()
+    c = store.create_chat("via env")
+    store.add_message(c.id, "user", "hi")
+    store.close()
+    assert (tmp_path / "lm" / "chats.sqlite3").is_file()
+    assert "via env" in list_chats_text()  # `localmoe chat --list` reads the same file
+    monkeypatch.delenv("LOCALMOE_HOME")
+    assert data_dir() != tmp_path / "lm"
+
+
+def test_store_roundtrip_export_and_errors(tmp_path):
+    from localmoe.errors import StoreError
+    from localmoe.tui.store import slugify
+
+    store = ChatStore(tmp_path / "c.db")
+    s = ChatSettings(system_prompt="Be terse.", temperature=0.2, top_k=5, seed=3,
+                     kv_cache="int4", backend="torch")
+    c = store.create_chat("Hello, World!", model="/m/x.gguf", settings=s)
+    u = store.add_message(c.id, "user", "q1")
+    a = store.add_message(c.id, "assistant", "")
+    store.update_message(a.id, "partial")
+    store.update_message(a.id, "partial answer", finish_reason="cancelled",
+                         stats={"ttft_ms": 5.0, "completion_tokens": 2})
+    got = store.get_chat(c.id)
+    assert got.settings == s and got.model == "/m/x.gguf" and got.n_messages == 2
+    m = store.messages(c.id)
+    assert [(x.role, x.content, x.finish_reason) for x in m] == [
+        ("user", "q1", None), ("assistant", "partial answer", "cancelled")]
+    assert m[1].stats == {"ttft_ms": 5.0, "completion_tokens": 2}
+    md = store.export_markdown(c.id)
+    assert md == ("# Hello, World!\n\n*Model:* `/m/x.gguf`\n\n## System\n\nBe terse.\n\n"
+                  "## User\n\nq1\n\n## Assistant (stopped)\n\npartial answer\n")
+    assert slugify("Hello, World!") == "hello-world" and slugify("???") == "chat"
+    store.set_dropped([u.id])
+    assert store.messages(c.id)[0].dropped
+    store.delete_messages_from(c.id, a.id)
+    assert [x.id for x in store.messages(c.id)] == [u.id]
+    assert ChatSettings.from_json("not json") == ChatSettings()
+    assert ChatSettings.from_json('{"temperature": 1.5, "unknown": 1}').temperature == 1.5
+    store.close()
+    bad = tmp_path / "not_a_db.sqlite3"
+    bad.write_bytes(b"this is not a database at all" * 100)
+    with pytest.raises(StoreError, match="cannot open the chat database"):
+        ChatStore(bad)
+
+
+def test_sampling_defaults_and_expert_stats():
+    from localmoe.tui.engine_api import (build_sampling_params, expert_stats, format_bytes,
+                                         sampling_defaults)
+
+    meta = {"general.sampling.temp": 0.7, "general.sampling.top_p": "0.8",
+            "general.sampling.top_k": 30, "general.sampling.min_p": "junk", "other": 1}
+    d = sampling_defaults(meta)
+    assert d == {"temperature": 0.7, "top_p": 0.8, "top_k": 30}
+    assert sampling_defaults(None) == {}
+    p = build_sampling_params(ChatSettings(top_k=3, max_tokens=9), d)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.8, 3, 9)
+    from localmoe.errors import InvalidRequestError
+    with pytest.raises(InvalidRequestError):
+        build_sampling_params(ChatSettings(top_p=7.0), {})
+    assert expert_stats({"device": "cuda", "kv_bytes": 1}) == (None, None)
+    assert expert_stats({"expert_cache_hit_rate": 0.5, "h2d_gbps": 12.0}) == (0.5, 12.0)
+    assert expert_stats({"expert_hits": 3, "expert_misses": 1, "h2d_bytes": 2e9,
+                         "h2d_time_s": 1.0}) == (0.75, 2.0)
+    assert expert_stats({"expert_cache_hits": 0, "expert_cache_misses": 0}) == (None, None)
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**30) == "3.0 GiB"
