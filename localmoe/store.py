@@ -279,6 +279,12 @@ class ModelStore:
                     p.unlink()
             except OSError:
                 pass
+        for d in (self.root / "tmp").glob("pull-*"):
+            try:
+                if now - d.stat().st_mtime > 3600:
+                    shutil.rmtree(d, ignore_errors=True)
+            except OSError:
+                pass
 
     def _record(self, name: str, files: list[Path], sha: str, source: str,
                 linked: bool = False) -> StoredModel:

