@@ -694,8 +694,9 @@ class Tokenizer:
                 continue
             piece = self.token_bytes(i)
             if first and not special:
-                # llama.cpp's remove_space: the first word's prefix space is not text
-                if piece.startswith(b" "):
+                # llama.cpp's remove_space: the first word's prefix space is not text (only
+                # ordinary pieces carry it; a user-defined token is text as it stands)
+                if piece.startswith(b" ") and self._types[i] in (TT_NORMAL, TT_BYTE):
                     piece = piece[1:]
                 first = False
             out += piece

@@ -365,6 +365,7 @@ PRE_NAMES = ["llama-bpe", "qwen2", "gpt-2", "default", "smollm", "deepseek-v3", 
 
 
 @pytest.mark.llamacpp
+@pytest.mark.slow
 @pytest.mark.parametrize("pre", PRE_NAMES)
 def test_pre_tokenizers_match_llamacpp(pre, smollm, tmp_path):
     """SmolLM2's real 49k vocabulary and merges under each pre-tokenizer name, written to a
@@ -404,4 +405,51 @@ def test_pre_tokenizers_match_llamacpp(pre, smollm, tmp_path):
             got = tk.encode(s, add_special=add_bos, parse_special=special)
             if got != want:
                 bad.append((s, special, got[:20], want[:20]))
+    assert not bad, bad[:2]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.slow
+def test_spm_with_space_prefix_matches_llamacpp(gemma, tmp_path):
+    """Gemma's real SentencePiece vocabulary with add_space_prefix=True (Llama-2/Mistral style),
+    written to a vocabulary-only GGUF: ids match llama.cpp and text round-trips."""
+    import gguf
+    import llama_cpp
+
+    md = gemma[0].metadata
+    path = tmp_path / "spm-prefix.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(md["tokenizer.ggml.tokens"])
+    w.add_token_scores(md["tokenizer.ggml.scores"])
+    w.add_token_types(md["tokenizer.ggml.token_type"])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_add_space_prefix(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    tk = Tokenizer.from_gguf_metadata({**md, "tokenizer.ggml.add_space_prefix": True,
+                                       "tokenizer.ggml.add_bos_token": None})
+    assert tk.add_space_prefix and tk.add_bos
+    bad = []
+    for s in HARD_STRINGS:
+        for add_bos, special in ((True, False), (False, True)):
+            want = ref.tokenize(s.encode("utf-8"), add_bos=add_bos, special=special)
+            got = tk.encode(s, add_special=add_bos, parse_special=special)
+            if got != want:
+                bad.append((s, special, got[:20], want[:20]))
+        frags = tk._partition(s, False)
+        if len(frags) == 1 and isinstance(frags[0], str):  # user-defined tokens break the prefix
+            assert tk.decode(tk.encode(s)) == "<bos>" + s
+            assert tk.decode(tk.encode(s), skip_special=True) == s
     assert not bad, bad[:2]
