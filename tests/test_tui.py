@@ -360,6 +360,30 @@ def test_quit_mid_answer_keeps_partial_and_theme(db):
     run(second())
 
 
+def test_markup_like_text_is_shown_verbatim(db):
+    """Titles, prompts and error messages with [brackets] are text, not Textual markup."""
+    weird = "[/] [b]bold? [red]x"
+    eng = FakeEngine(["fine"])
+
+    async def body():
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, weird)
+            from localmoe.tui.widgets.sidebar import ChatItem
+            assert app.screen.query_one(ChatItem).title_text == weird
+            await pilot.press("f8")  # the confirm dialog quotes the title
+            await pilot.press("escape")
+            eng.raise_on_stream = TemplateError("template said: [/] {{ messages[0] }}")
+            await send(pilot, "again")
+            errs = [v for v in views(app) if v.role == "error"]
+            assert errs and "{{ messages[0] }}" in errs[-1].text
+            await pilot.pause()
+            assert app.is_running
+
+    run(body())
+
+
 def test_model_missing_is_shown_not_a_crash(db):
     err = ModelNotFoundError("no model named 'nope'; run `localmoe list` to see local models")
 

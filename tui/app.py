@@ -287,7 +287,7 @@ class ChatApp(App):
     async def open_chat(self, chat_id: int | None, settings: ChatSettings | None = None) -> None:
         """Show chat ``chat_id`` (None: a fresh unsaved chat, with ``settings`` if given)."""
         if self.generating:
-            self.notify("Stop the answer being generated first (Esc).", severity="warning")
+            self._notify("Stop the answer being generated first (Esc).", severity="warning")
             return
         self._editing_id = None
         if chat_id is None:
@@ -296,7 +296,7 @@ class ChatApp(App):
         else:
             chat = self.store.get_chat(chat_id)
             if chat is None:
-                self.notify("That chat no longer exists.", severity="warning")
+                self._notify("That chat no longer exists.", severity="warning")
                 return
             self.chat_id, self.settings = chat.id, chat.settings
             messages = self.store.messages(chat.id)
@@ -349,11 +349,11 @@ class ChatApp(App):
         if not text.strip():
             return False
         if self.generating:
-            self.notify("An answer is still being generated; Esc stops it.", severity="warning")
+            self._notify("An answer is still being generated; Esc stops it.", severity="warning")
             return False
         if self.engine is None:
             if self.loading:
-                self.notify("The model is still loading; your text is kept.", severity="warning")
+                self._notify("The model is still loading; your text is kept.", severity="warning")
             else:
                 self._show_error(self.load_error or NO_MODEL_HELP)
             return False
@@ -593,7 +593,7 @@ class ChatApp(App):
             return
         self.store.set_dropped(dropped)
         await self.open_chat(self.chat_id)
-        self.notify(f"Dropped {len(dropped)} old message(s) from the context.")
+        self._notify(f"Dropped {len(dropped)} old message(s) from the context.")
         await self.start_generation()
 
     async def _delete_from(self, message_id: int) -> None:
@@ -642,7 +642,12 @@ class ChatApp(App):
         if log is not None:
             log.mount(MessageView("error", message))
             log.scroll_end(animate=False)
-        self.notify(message, severity="error", timeout=8)
+        self._notify(message, severity="error", timeout=8)
+
+    def _notify(self, message: str, **kw) -> None:
+        """``notify`` with markup off: messages carry user and engine text (titles, paths,
+        template errors) that must be shown verbatim, never parsed as Textual markup."""
+        self.notify(message, markup=False, **kw)
 
     def _messages(self) -> list[MessageView]:
         return [v for v in self._log().query(MessageView) if v.message_id is not None]
@@ -658,7 +663,7 @@ class ChatApp(App):
             for v in self._log().query(MessageView):
                 v.remove_class("-editing")
             self._chat_screen().query_one(PromptInput).clear()
-            self.notify("Edit cancelled.", timeout=2)
+            self._notify("Edit cancelled.", timeout=2)
 
     async def action_new_chat(self) -> None:
         """Start a new (unsaved until the first message) chat."""
@@ -695,12 +700,12 @@ class ChatApp(App):
         prompt.load_text(last_user.content)
         prompt.move_cursor(prompt.document.end)
         prompt.focus()
-        self.notify("Editing your last message: Enter resends it, Esc cancels.", timeout=3)
+        self._notify("Editing your last message: Enter resends it, Esc cancels.", timeout=3)
 
     def action_rename_chat(self) -> None:
         """Rename the current chat."""
         if self.chat_id is None:
-            self.notify("Send a message first; new chats are saved then.", severity="warning")
+            self._notify("Send a message first; new chats are saved then.", severity="warning")
             return
         chat = self.store.get_chat(self.chat_id)
 
@@ -723,14 +728,14 @@ class ChatApp(App):
                 self.store.delete_chat(chat.id)
                 nxt = self.store.last_chat()
                 await self.open_chat(nxt.id if nxt else None)
-                self.notify(f"Deleted “{chat.title}”.", timeout=3)
+                self._notify(f"Deleted “{chat.title}”.", timeout=3)
 
         self.push_screen(ConfirmScreen(f"Delete the chat “{chat.title}”?", "Delete"), done)
 
     def action_export_chat(self) -> None:
         """Export the current chat to a Markdown file."""
         if self.chat_id is None:
-            self.notify("Nothing to export yet.", severity="warning")
+            self._notify("Nothing to export yet.", severity="warning")
             return
         chat = self.store.get_chat(self.chat_id)
         default = str(Path.cwd() / f"{slugify(chat.title)}.md")
@@ -744,7 +749,7 @@ class ChatApp(App):
             except OSError as e:
                 self._show_error(f"Could not write {path}: {e}")
                 return
-            self.notify(f"Exported to {p}", timeout=4)
+            self._notify(f"Exported to {p}", timeout=4)
 
         self.push_screen(TextPromptScreen("Export chat to Markdown file", default,
                                           ok_label="Export"), done)
@@ -761,7 +766,7 @@ class ChatApp(App):
             self.settings = settings
             if self.chat_id is not None:
                 self.store.set_settings(self.chat_id, settings)
-            self.notify("Settings saved.", timeout=2)
+            self._notify("Settings saved.", timeout=2)
             self._ensure_engine()
 
         self.push_screen(SettingsScreen(self.settings, defaults), done)
@@ -809,9 +814,9 @@ class ChatApp(App):
             blocks = code_blocks(v.text)
             if blocks:
                 self.copy_to_clipboard(blocks[-1])
-                self.notify("Copied the last code block.", timeout=2)
+                self._notify("Copied the last code block.", timeout=2)
                 return
-        self.notify("No code block in this chat.", severity="warning")
+        self._notify("No code block in this chat.", severity="warning")
 
     def get_system_commands(self, screen) -> Iterable[SystemCommand]:
         """Command palette (Ctrl+P): the chat actions plus Textual's own (theme, keys, quit)."""

@@ -49,7 +49,7 @@ class TextPromptScreen(_Dialog):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Label(self._title, classes="dialog-title")
+            yield Label(self._title, classes="dialog-title", markup=False)
             yield Input(self._value, id="dialog-input")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self._ok, variant="primary", id="ok")
@@ -77,7 +77,7 @@ class ConfirmScreen(_Dialog):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Label(self._q, classes="dialog-title")
+            yield Label(self._q, classes="dialog-title", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self._yes, variant="error", id="yes")
                 yield Button("Cancel", id="no")
@@ -106,7 +106,7 @@ class ContextFullScreen(_Dialog):
     def compose(self):
         with Vertical(classes="dialog"):
             yield Label("Context full", classes="dialog-title")
-            yield Label(self._message, classes="dialog-text")
+            yield Label(self._message, classes="dialog-text", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("New chat (n)", variant="primary", id="new")
                 yield Button("Drop oldest turns (d)", variant="warning", id="drop")

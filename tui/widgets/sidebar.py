@@ -14,7 +14,7 @@ class ChatItem(ListItem):
     """One chat in the sidebar."""
 
     def __init__(self, chat: Chat) -> None:
-        super().__init__(Label(chat.title, classes="chat-title"))
+        super().__init__(Label(chat.title, classes="chat-title", markup=False))
         self.chat_id = chat.id
         self.title_text = chat.title
 
