@@ -2,8 +2,9 @@
 (Qwen3-MoE, Qwen2-MoE with shared expert, OLMoE, Mixtral, Llama), written by
 ``localmoe.testing.synthetic.write_hf`` (the model is built and saved by transformers itself).
 
-Both sides compute in float32 on the same weights, so the bound is tight:
-max |log_softmax(ours) - log_softmax(hf)| <= 1e-4 at every position and identical argmax.
+Both sides compute in float32 on the same weights (HF on the CPU; ours on the CPU, and on CUDA
+when present), so the bound is tight: max |log_softmax(ours) - log_softmax(hf)| <= 1e-4 at
+every position and identical argmax (on CUDA, TF32 is off: torch's default for fp32 matmuls).
 """
 
 import pytest
@@ -15,8 +16,9 @@ PRESETS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-mixtral", "tiny
 MAX_LOGSOFTMAX_DIFF = 1e-4   # fp32 vs fp32, same weights
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_logits_match_transformers(tmp_path, preset):
+def test_logits_match_transformers(tmp_path, preset, device):
     from transformers import AutoModelForCausalLM
 
     from localmoe.loader import open_model
@@ -28,7 +30,7 @@ def test_logits_match_transformers(tmp_path, preset):
     d = write_hf(tmp_path / preset, preset, seed=1, max_shard_size=shard)
     mf = open_model(d)
     assert mf.format == "safetensors"
-    runner = get_backend("torch").load(mf, n_ctx=128, kv_spec="f32")
+    runner = get_backend("torch").load(mf, n_ctx=128, kv_spec="f32", device=device)
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(3, runner.spec.vocab_size, (48,), generator=g).tolist()
     ours = runner.forward([(runner.new_sequence(), toks)], all_logits=True)[0]
@@ -40,7 +42,7 @@ def test_logits_match_transformers(tmp_path, preset):
     assert ours.shape == ref.shape
     diff = (torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max().item()
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{preset}: max|dlogsoftmax|={diff:.2e} top1={agree:.3f}")
+    print(f"{preset} [{device}]: max|dlogsoftmax|={diff:.2e} top1={agree:.3f}")
     assert diff <= MAX_LOGSOFTMAX_DIFF
     assert agree == 1.0
     # decoding two more tokens through the cache stays on the HF logits too
