@@ -314,3 +314,18 @@ def test_leftovers_of_killed_pulls_are_cleaned(tmp_path, home):
     st.pull(str(src))
     assert not stale.exists() and not (home / "tmp" / "pull-old").exists()
     assert fresh.exists()  # may belong to a pull running right now
+
+
+def test_hf_folder_is_linked_not_copied(tmp_path, home):
+    d = tmp_path / "my-hf-model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"x" * 10)
+    st = ModelStore(progress=False)
+    m = st.pull(str(d))
+    assert m.linked and m.path == d and st.resolve("my-hf-model") == d
+    st.remove("my-hf-model")
+    assert (d / "model.safetensors").exists() and st.find("my-hf-model") is None
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        st.pull(str(tmp_path / "empty"))
