@@ -252,27 +252,35 @@ class ChatTemplate:
         bos_token / eos_token: texts exposed to the template as ``bos_token`` / ``eos_token``.
         control_tokens: texts of the vocabulary's control tokens (used by :meth:`encode` to keep
             control-token text in user content plain). ``from_model`` fills it.
+        tool_source: optional second template used when ``tools`` are given (HF/GGUF
+            ``tool_use`` variant, as transformers picks it).
     Raises:
         TemplateError: the template does not parse (message names the line).
     """
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
-                 control_tokens: Iterable[str] = ()):
-        import jinja2
-
+                 control_tokens: Iterable[str] = (), tool_source: str | None = None):
         if not isinstance(source, str) or not source.strip():
             raise TemplateError("the chat template is empty")
         self.source = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         self.control_tokens = sorted({t for t in control_tokens if t}, key=len, reverse=True)
+        self._tpl = self._compile(source)
+        self.tool_source = tool_source if isinstance(tool_source, str) and tool_source.strip() else None
+        self._tool_tpl = self._compile(self.tool_source) if self.tool_source else None
+        self._renders_bos: bool | None = None
+
+    @staticmethod
+    def _compile(source: str):
+        import jinja2
+
         try:
-            self._tpl = _env().from_string(source)
+            return _env().from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"the chat template has a syntax error at line {e.lineno}: {e.message}") from e
         except Exception as e:
             raise TemplateError(f"the chat template cannot be compiled: {e}") from e
-        self._renders_bos: bool | None = None
 
     @classmethod
     def from_model(cls, model_file: Any, tokenizer: Any) -> "ChatTemplate | None":
@@ -284,9 +292,9 @@ class ChatTemplate:
         Raises:
             TemplateError: the template does not parse.
         """
+        md = getattr(model_file, "metadata", None) or {}
         src = getattr(model_file, "chat_template", None)
         if src is None:
-            md = getattr(model_file, "metadata", None) or {}
             src = md.get("tokenizer.chat_template")
         if not src or not isinstance(src, str):
             return None
@@ -302,7 +310,7 @@ class ChatTemplate:
         except Exception:
             pass
         return cls(src, bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id),
-                   control_tokens=ctl)
+                   control_tokens=ctl, tool_source=md.get("tokenizer.chat_template.tool_use"))
 
     # ------------------------------------------------------------------ render
     def _render(self, messages: list[dict], tools, add_generation_prompt: bool, extra: dict) -> str:
@@ -311,8 +319,9 @@ class ChatTemplate:
 
         kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         kwargs.update(_to_plain(extra))
+        tpl = self._tool_tpl if (tools and self._tool_tpl is not None) else self._tpl
         try:
-            return self._tpl.render(messages=messages, tools=tools,
+            return tpl.render(messages=messages, tools=tools,
                                     add_generation_prompt=bool(add_generation_prompt), **kwargs)
         except SecurityError as e:
             raise TemplateError(f"the chat template tried an unsafe operation and was stopped: {e}") from e

@@ -275,3 +275,21 @@ def test_control_tokens_only_from_template_property(hf_tok, parts):
     ctl = tok.control_ids
     assert [i for i in ids if i in ctl] == [i for i in ref if i in ctl]
     assert tok.decode(ids) == tpl.render(msgs)
+
+
+def test_tool_use_variant_is_used_with_tools():
+    class MF:
+        chat_template = "plain:{{ messages[0].content }}"
+        metadata = {"tokenizer.chat_template.tool_use": "tools:{{ tools | length }}:{{ messages[0].content }}"}
+
+    class Tok:
+        bos_id = eos_id = None
+        control_ids = ()
+
+    tpl = ChatTemplate.from_model(MF(), Tok())
+    msgs = [{"role": "user", "content": "q"}]
+    assert tpl.render(msgs) == "plain:q"
+    assert tpl.render(msgs, tools=TOOLS) == "tools:2:q"
+    assert tpl.render(msgs, tools=[]) == "plain:q"
+    with pytest.raises(TemplateError, match="syntax error"):
+        ChatTemplate("ok", tool_source="{% if %}")
