@@ -522,8 +522,32 @@ def test_settings_defaults_from_metadata_and_reload(db):
     run(body())
 
 
+def test_backend_change_during_answer_reloads_after_it(db):
+    eng = FakeEngine(["one two three four"], hold_after=2)
+    factory = FakeFactory(eng)
+
+    async def body():
+        app = make_app(db, factory=factory)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "go", wait=False)
+            await wait_until(pilot, lambda: eng.tokens_streamed >= 2, "streaming")
+            await pilot.press("f3")
+            from textual.widgets import Select
+            app.screen.query_one("#kv_cache", Select).value = "int8"
+            await pilot.press("ctrl+s")
+            await pilot.pause(0.2)
+            assert len(factory.loads) == 1 and not eng.closed  # not under the running answer
+            eng.release.set()
+            await wait_until(pilot, lambda: len(factory.loads) == 2 and app.engine is not None,
+                             "reloaded after the answer")
+            assert factory.loads[-1]["kv_cache"] == "int8"
+            assert stored(app)[-1] == ("assistant", "one two three four")
+
+    run(body())
+
+
 def test_background_loading_with_progress(db):
-    gate = asyncio.Event  # placeholder to keep the name; real gate below
     import threading
 
     gate = threading.Event()

@@ -161,6 +161,7 @@ class ChatApp(App):
         self._wanted_key: tuple | None = None
         self._started = False
         self._feed_timer = None
+        self._reload_pending = False
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -203,6 +204,10 @@ class ChatApp(App):
         key = self._key_for(self.settings)
         if key == self.engine_key and (self.engine is not None or self.loading):
             return
+        if self.generating:  # never close the engine under a running answer
+            self._reload_pending = True
+            return
+        self._reload_pending = False
         self._wanted_key = key
         old, self.engine = self.engine, None
         self.engine_key = key
@@ -489,6 +494,8 @@ class ChatApp(App):
             timer.stop()
         self.generating = False
         view.remove_class("-streaming")
+        if self._reload_pending and not self._screen_gone():
+            self._ensure_engine()  # settings changed during the answer
 
     def _screen_gone(self) -> bool:
         """True while the app is shutting down (the chat screen is no longer there)."""
