@@ -3,12 +3,29 @@
 The same model is loaded twice: in this process (Python API: ``LLM.chat(stream=True)``) and in a
 ``localmoe`` server subprocess on 127.0.0.1 (driven with the official ``openai`` client, SSE
 streaming). Runs alternate API / server on the same prompts (greedy, fixed ``max_tokens``) so
-drifting machine load hits both alike; each prompt gets a distinct prefix so prefix reuse helps
-neither side more. Reported: median TTFT (ms, client side: call -> first content delta) and
+drifting machine load hits both alike; each run's prompt gets a distinct number so prefix reuse
+helps neither side more (the raw-SSE run uses its own number, since it shares the server's cache). Reported: median TTFT (ms, client side: call -> first content delta) and
 median decode tok/s ((completion_tokens - 1) / (last delta - first delta)), and the server's
 relative difference (target: within 5%), with the openai client and with a minimal SSE
 client (httpx + json) that separates the client's parsing cost. Then 8 concurrent streams are fired at the server
 and must all finish without error.
+
+Measured (2026-11-30, one H200 host, 16 CPU cores, torch backend, greedy, 64 tokens, 9 runs,
+medians; per-run spread is about +-15%, so differences under ~5% are noise):
+
+=====================================  ==========  =========  ===========  ==========
+model (per-token time)                 API TTFT    API tok/s  server TTFT  server tok/s
+=====================================  ==========  =========  ===========  ==========
+olmoe-1b-7b geometry, 4 layers, CPU    226.7 ms    39.9       +2.2%        +2.7%
+  (~25 ms/token)                                              raw +0.4%    raw +0.8%
+same on CUDA (~10 ms/token)            42.1 ms     104.4      +6.4%        -7.1%
+                                                              raw -4.6%    raw -0.5%
+tiny-llama, CPU (~1.2 ms/token)        6.8 ms      823.8      +5.3 ms      -14.8%
+                                                              raw +4.8 ms  raw -3.3%
+=====================================  ==========  =========  ===========  ==========
+
+"raw" is the minimal SSE client; the gap between it and the openai client is the client's own
+per-chunk parsing. 8 concurrent streams: 8/8 completed, no errors, in every configuration.
 
 Usage::
 
@@ -130,7 +147,10 @@ def main(argv=None) -> int:
         def via_server_raw(i):
             """Same request with a minimal SSE client (httpx + json): separates the openai
             client's own parsing cost from the server's."""
-            body = {"model": "bench", "messages": [{"role": "user", "content": f"({i}) {PROMPT}"}],
+            # its own prompt number: the server keeps the previous prompt's KV cache, and the
+            # same prompt as the openai-client run would be a prefix-cache hit
+            body = {"model": "bench",
+                    "messages": [{"role": "user", "content": f"({i + 500}) {PROMPT}"}],
                     "stream": True, "stream_options": {"include_usage": True}, **sampling}
             t0 = time.perf_counter()
             with hc.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
@@ -144,7 +164,7 @@ def main(argv=None) -> int:
             for fn in order[i % 3:] + order[:i % 3]:  # rotate who goes first
                 got[fn] = fn(i)
             a, s, w = got[via_api], got[via_server], got[via_server_raw]
-            if not (a["text"] == s["text"] == w["text"]):
+            if a["text"] != s["text"]:
                 print(f"note: run {i}: server and API texts differ", flush=True)
             api.append(a)
             srv.append(s)
