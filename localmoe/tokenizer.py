@@ -240,7 +240,7 @@ class Tokenizer:
         self._bytes: list[bytes] = []
         self._special_order: list[tuple[str, int, bool]] = []  # (text, id, always_parsed)
         self._special_by_first: dict[str, list[int]] = {}
-        self._special_texts: set[str] = set()
+        self._text_to_id: dict[str, int] | None = None
         self._missing_bytes: frozenset[int] = frozenset()  # bytes the vocabulary cannot spell
 
     # ------------------------------------------------------------------ constructors
@@ -504,11 +504,11 @@ class Tokenizer:
         return self._tokens[token_id]
 
     def token_to_id(self, text: str) -> int | None:
-        """Id of the vocabulary entry ``text`` (stored form), or None."""
-        try:
-            return self._tokens.index(text)
-        except ValueError:
-            return None
+        """Id of the vocabulary entry ``text`` (stored form; the last one if duplicated, as in
+        llama.cpp), or None."""
+        if self._text_to_id is None:
+            self._text_to_id = {t: i for i, t in enumerate(self._tokens)}
+        return self._text_to_id.get(text)
 
     def is_control(self, token_id: int) -> bool:
         """True for control tokens (GGUF token_type 3 / HF ``special`` added tokens)."""
