@@ -144,3 +144,29 @@ def test_tiny_synthetic_matches_llamacpp(tmp_path, preset):
 
     path = write_gguf(tmp_path / f"{preset}.gguf", preset)
     _check(preset, path, tmp_path, _text(1200), MAX_LSM_QUANT["tiny"])
+
+
+def test_ggml_numerics_mode_reproduces_llamacpp_rounding(tmp_path):
+    """numerics="ggml" rounds matmul inputs like llama.cpp's CPU backend (Q8_0/Q8_1/Q8_K
+    activations, f16 q and attention probabilities): most positions then match llama.cpp(quant)
+    to float noise (a few positions differ where a tiny float difference flips one 8-bit rounding
+    decision), while the exact mode differs visibly everywhere."""
+    from localmoe.loader import open_model
+    from localmoe.registry import get_backend
+    from localmoe.testing.synthetic import write_gguf
+
+    res = {}
+    for q in ("q4_1", "q8_0"):
+        path = write_gguf(tmp_path / f"tiny-llama-{q}.gguf", "tiny-llama", quant=q)
+        toks, ref = _llamacpp_logits(path, _text(1200))
+        toks, ref = toks[:16], ref[:16]
+        for num in ("exact", "ggml"):
+            r = get_backend("torch").load(open_model(path), n_ctx=64, numerics=num)
+            out = r.forward([(r.new_sequence(), toks)], all_logits=True)[0]
+            per_pos = (torch.log_softmax(out, -1) - torch.log_softmax(ref, -1)).abs().max(-1).values
+            res[(q, num)] = per_pos.median().item()
+    print("\nmedian over 16 positions of max|dlsm|:",
+          {f"{k[0]}/{k[1]}": round(v, 5) for k, v in res.items()})
+    for q in ("q4_1", "q8_0"):
+        assert res[(q, "ggml")] <= 1e-3
+        assert res[(q, "exact")] >= 20 * max(res[(q, "ggml")], 1e-4)
