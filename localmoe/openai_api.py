@@ -13,7 +13,8 @@ Request handling:
   generation starts. Unknown fields are ignored (clients send ``user``, ``metadata``, ...).
 * Sampling: ``temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty,
   repeat_penalty, repeat_last_n, seed, logit_bias, stop, max_tokens / max_completion_tokens``
-  map onto :class:`~localmoe.sampling.SamplingParams`; unspecified fields keep its defaults.
+  map onto :class:`~localmoe.sampling.SamplingParams`; unspecified fields keep the model's
+  defaults (``LLM.default_sampling()``: the file's ``general.sampling.*`` over the library's).
   ``n`` must be 1; ``logprobs``, ``echo``, ``suffix``, ``best_of > 1`` and non-text
   ``response_format`` are refused with a 400-style error rather than silently ignored.
 * Tools: the tool-call syntax is chosen from the chat template (:mod:`localmoe.tool_calls`).
@@ -134,11 +135,21 @@ def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
     return out
 
 
-def _make_params(kwargs: dict[str, Any]):
+def _make_params(kwargs: dict[str, Any], llm=None):
+    """SamplingParams: the model's defaults (``llm.default_sampling()``, from the file's
+    ``general.sampling.*``, else the library's) with the request's fields over them."""
     from .sampling import SamplingParams
 
+    base = None
+    fn = getattr(llm, "default_sampling", None)
+    if callable(fn):
+        try:
+            base = fn()
+        except Exception:  # noqa: BLE001 -- a broken default must not fail requests
+            base = None
     try:
-        params = SamplingParams(**kwargs)
+        params = (dataclasses.replace(base, **kwargs) if isinstance(base, SamplingParams)
+                  else SamplingParams(**kwargs))
     except TypeError as e:  # a field this SamplingParams does not know
         raise InvalidRequestError(f"unsupported sampling parameter: {e}") from None
     params.validate()
@@ -349,7 +360,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
 
 
-def parse_chat_request(req: dict, vocab_size: int | None = None) -> ChatRequest:
+def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body.
 
     Raises:
@@ -370,7 +381,7 @@ def parse_chat_request(req: dict, vocab_size: int | None = None) -> ChatRequest:
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise InvalidRequestError(
             "response_format other than {\"type\": \"text\"} is not supported", "response_format")
-    params = _make_params(sampling_kwargs(req, vocab_size))
+    params = _make_params(sampling_kwargs(req, vocab_size), llm)
     return ChatRequest(messages, tools, mode, name, params, stream, include_usage,
                        req.get("model"), ptc)
 
@@ -467,7 +478,10 @@ def _forced_prompt_ids(llm, messages: list[dict], tools, prefix: str) -> list[in
     """
     tok = llm.tokenizer
     tpl = getattr(llm, "template", None)
-    if tpl is not None and hasattr(tpl, "encode"):
+    chat_ids = getattr(llm, "_chat_ids", None)  # the engine's own chat encoding (one BOS)
+    if callable(chat_ids):
+        ids = list(chat_ids(messages, tools))
+    elif tpl is not None and hasattr(tpl, "encode"):
         ids = list(tpl.encode(tok, messages, tools=tools, add_generation_prompt=True))
     else:
         ids = list(tok.encode(llm.render_chat(messages, tools=tools), add_special=True,
@@ -689,7 +703,7 @@ def prepare_chat(llm, request: dict, *, cancel: threading.Event | None = None,
         InvalidRequestError: naming the offending parameter.
     """
     vocab = getattr(getattr(llm, "tokenizer", None), "vocab_size", None)
-    creq = parse_chat_request(request, vocab)
+    creq = parse_chat_request(request, vocab, llm)
     model = model_name or creq.model or getattr(llm, "model_name", "localmoe")
     return ChatJob(llm, creq, cancel, model)
 
@@ -828,7 +842,7 @@ def prepare_completion(llm, request: dict, *, cancel: threading.Event | None = N
     bo = request.get("best_of")
     if bo is not None and bo != 1:
         raise InvalidRequestError("best_of must be 1", "best_of")
-    params = _make_params(sampling_kwargs(request, vocab))
+    params = _make_params(sampling_kwargs(request, vocab), llm)
     model = model_name or request.get("model") or getattr(llm, "model_name", "localmoe")
     return CompletionJob(llm, prompt, params, stream, include_usage, cancel, model)
 
