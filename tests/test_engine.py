@@ -397,3 +397,51 @@ def test_incomplete_utf8_at_eos_is_flushed_like_decode():
         assert r.text == "Hel\ufffd" and r.finish_reason == "stop"
         evs = list(llm.generate("x", temperature=0, stop=stop, stream=True))
         assert "".join(e.delta for e in evs) == r.text
+
+
+class ScriptRunner(FakeRunner):
+    """Emits ``script[i]`` as the i-th generated token (position-based, prompt of 2 tokens)."""
+
+    def __init__(self, script, **kw):
+        super().__init__(**kw)
+        self.script = list(script)
+
+    def forward(self, batch, all_logits=False):
+        out = super().forward(batch, all_logits)
+        sid = batch[0][0]
+        i = len(self.seqs[sid]) - 2
+        logits = torch.zeros(len(PIECES) + 256)
+        logits[self.script[i] if i < len(self.script) else EOS] = 10.0
+        return [logits]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_TOKENS = st.sampled_from([2, 3, 4, 5, 6, 7, 8, 9, EOS] + [BYTE0 + b for b in b"abo \n"]
+                          + [BYTE0 + 0xE2, BYTE0 + 0x82, BYTE0 + 0xAC])  # split euro sign
+
+
+@settings(max_examples=60, deadline=None)
+@given(script=st.lists(_TOKENS, min_size=1, max_size=25),
+       stop=st.lists(st.text(alphabet="Helo wrdab!\n😀", min_size=1, max_size=4), max_size=3),
+       max_tokens=st.one_of(st.none(), st.integers(1, 30)))
+def test_stream_invariants_property(script, stop, max_tokens):
+    llm = LLM.from_parts(ScriptRunner(script, n_ctx=40), FakeTokenizer())
+    kw = dict(temperature=0, stop=tuple(stop), max_tokens=max_tokens)
+    r = llm.generate("x", **kw)
+    deltas, r2 = [], None
+    for ev in llm.generate("x", stream=True, **kw):
+        if ev.done:
+            r2 = ev.result
+        else:
+            assert ev.delta
+            deltas.append(ev.delta)
+            for s in stop:  # no stop string is ever shown, even split across deltas
+                assert s not in "".join(deltas)
+    assert "".join(deltas) == r2.text == r.text
+    assert r2.token_ids == r.token_ids and r.finish_reason == r2.finish_reason
+    # the text is a prefix of the plain decode of the generated tokens (EOS excluded)
+    gen = [t for t in r.token_ids if t != EOS]
+    assert FakeTokenizer().decode(gen).startswith(r.text)
+    assert r.completion_tokens <= (max_tokens or 40)
+    assert r.finish_reason in ("stop", "length")
