@@ -155,13 +155,31 @@ class ChatApp(App):
         self.model_defaults: dict[str, Any] = {}
         self.chat_id: int | None = None  # None: a new chat not saved yet
         self.settings = ChatSettings()
-        self.generating = False
+        self._generating = False
         self._cancel: threading.Event | None = None
         self._editing_id: int | None = None
         self._wanted_key: tuple | None = None
         self._started = False
         self._feed_timer = None
         self._reload_pending = False
+
+    @property
+    def generating(self) -> bool:
+        """True while an answer is being generated."""
+        return self._generating
+
+    @generating.setter
+    def generating(self, value: bool) -> None:
+        self._generating = bool(value)
+        self.refresh_bindings()  # the footer greys out Stop / Regenerate / Edit accordingly
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Grey out actions that do nothing right now (None = shown but disabled)."""
+        if action == "stop":
+            return True if (self._generating or self._editing_id is not None) else None
+        if action in ("regenerate", "edit_last"):
+            return None if (self._generating or self.chat_id is None) else True
+        return True
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -314,6 +332,7 @@ class ChatApp(App):
         await self._refresh_sidebar()
         self._update_titles()
         self._stats(ttft_ms=None, tok_s=None, ctx_used=None)
+        self.refresh_bindings()
         if self._started:
             self._ensure_engine()
 
@@ -667,6 +686,7 @@ class ChatApp(App):
             self._cancel.set()
         elif self._editing_id is not None:
             self._editing_id = None
+            self.refresh_bindings()
             for v in self._log().query(MessageView):
                 v.remove_class("-editing")
             self._chat_screen().query_one(PromptInput).clear()
@@ -701,6 +721,7 @@ class ChatApp(App):
         if last_user is None:
             return
         self._editing_id = last_user.id
+        self.refresh_bindings()
         for v in self._log().query(MessageView):
             v.set_class(v.message_id == last_user.id, "-editing")
         prompt = self._chat_screen().query_one(PromptInput)
