@@ -11,6 +11,17 @@ No inference happens here: the engine comes from ``engine_factory`` (by default
 ``localmoe.LLM``; tests inject a scripted fake).
 
 Entry points used by the CLI: :func:`run_chat` and :func:`list_chats_text`.
+
+Keys (also in the footer, under ``?`` / F1, and as Ctrl+P commands)::
+
+    Enter            send                    Ctrl+J / Shift+Enter  new line
+    Up / Down        prompt history          Esc                   stop the answer (keeps it)
+    Ctrl+R           regenerate last answer  Ctrl+G                edit and resend last message
+    Ctrl+N           new chat                F2 / F8               rename / delete chat
+    F3               chat settings           F4                    export chat to Markdown
+    Ctrl+Up / Down   focus a message, then   c: copy it   b: copy its code blocks
+    Ctrl+B           toggle the sidebar      Ctrl+P                command palette (themes too)
+    Ctrl+Q           quit
 """
 
 from __future__ import annotations
