@@ -212,6 +212,9 @@ class LLM:
         self._seq = runner.new_sequence()
         self._cached: list[int] = []  # token ids whose K/V the runner holds for self._seq
         self._closed = False
+        self._close_pending = False
+        self._runner_closed = False
+        self._abort = threading.Event()  # set by close(): ends a running generation
         self._control: set[int] | None = None
         from .sampling import SamplingParams
 
@@ -385,6 +388,8 @@ class LLM:
         from .tokenizer import IncrementalDetokenizer
 
         with self._lock:
+            if self._runner_closed:
+                raise LocalMoEError("this model was closed; create a new LLM")
             runner, tok, seq = self.runner, self.tokenizer, self._seq
             n_prompt = len(ids)
             budget = self.n_ctx - n_prompt
@@ -423,7 +428,7 @@ class LLM:
                     t_prefill_end = time.perf_counter()
                     history = list(ids)
                     while True:
-                        if cancel is not None and cancel.is_set():
+                        if (cancel is not None and cancel.is_set()) or self._abort.is_set():
                             finish = "cancelled"
                             break
                         t_id = int(sampler.sample(logits, history))
@@ -445,7 +450,7 @@ class LLM:
                         if len(generated) >= budget:
                             finish = "length"
                             break
-                        if cancel is not None and cancel.is_set():
+                        if (cancel is not None and cancel.is_set()) or self._abort.is_set():
                             finish = "cancelled"
                             break
                         logits = runner.forward([(seq, [t_id])])[0]
@@ -480,6 +485,9 @@ class LLM:
                     # the runner may hold a partial step; start from scratch next time
                     self._reset_cache()
                 raise
+            finally:
+                if self._close_pending:
+                    self._release_runner()
         # the final event is yielded after the lock is released, so a consumer that stops
         # iterating once it has the result does not block the next generation
         yield StreamEvent("", None, True, result)
@@ -516,16 +524,31 @@ class LLM:
         """Backend statistics (device, KV bytes, ...; see Runner.stats)."""
         return dict(self.runner.stats())
 
-    def close(self) -> None:
-        """Release the model (runner memory). The LLM cannot be used afterwards."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                try:
-                    self.runner.free_sequence(self._seq)
-                except Exception:
-                    pass
-                self.runner.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Release the model (runner memory). The LLM cannot be used afterwards.
+
+        A generation in progress is cancelled. If a stream holds the model (suspended between
+        tokens) for longer than ``timeout`` seconds, the runner is released when that stream
+        resumes or is closed instead; ``close`` itself never blocks longer than ``timeout``.
+        """
+        self._closed = True
+        self._close_pending = True
+        self._abort.set()
+        if self._lock.acquire(timeout=max(0.0, timeout)):
+            try:
+                self._release_runner()
+            finally:
+                self._lock.release()
+
+    def _release_runner(self) -> None:
+        # called with the lock held
+        if self._close_pending and not self._runner_closed:
+            self._runner_closed = True
+            try:
+                self.runner.free_sequence(self._seq)
+            except Exception:
+                pass
+            self.runner.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -445,3 +445,18 @@ def test_stream_invariants_property(script, stop, max_tokens):
     assert FakeTokenizer().decode(gen).startswith(r.text)
     assert r.completion_tokens <= (max_tokens or 40)
     assert r.finish_reason in ("stop", "length")
+
+
+def test_close_while_a_stream_is_suspended_does_not_deadlock():
+    llm = make_llm(chain={}, default_next=9)
+    it = llm.generate("x", temperature=0, stream=True, max_tokens=20)
+    next(it)  # the stream now holds the model
+    t = time.perf_counter()
+    llm.close(timeout=0.05)
+    assert time.perf_counter() - t < 2
+    assert not llm.runner.closed  # still in use by the suspended stream
+    rest = list(it)
+    assert rest[-1].done and rest[-1].result.finish_reason == "cancelled"
+    assert llm.runner.closed  # released when the stream let go
+    with pytest.raises(LocalMoEError):
+        llm.generate("x")
