@@ -35,9 +35,21 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-import torch
-
 from .errors import ModelLoadError, UnsupportedModelError
+
+
+class _LazyTorch:
+    """Stands in for the torch module until first use, so that importing this module (for
+    SUPPORTED_QTYPES, e.g. from the loader's header validation) does not import torch."""
+
+    def __getattr__(self, name):
+        import torch as _torch
+
+        globals()["torch"] = _torch
+        return getattr(_torch, name)
+
+
+torch = _LazyTorch()
 
 __all__ = ["dequantize", "SUPPORTED_QTYPES", "BLOCK_SIZES", "QTYPE_NAMES"]
 
