@@ -331,3 +331,17 @@ def test_spec_gemma3_pattern_flags():
 def test_spec_bad_metadata(kv, err, match):
     with pytest.raises(err, match=match):
         spec_from_gguf_metadata(_md(**kv))
+
+
+def test_open_does_not_import_torch(tiny_files):
+    """Header validation stays cheap for the CLI: torch is imported on the first load_tensor()."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from localmoe.loader import open_model; "
+        f"m = open_model({str(tiny_files['tiny-qwen3moe'])!r}); assert m.spec.n_experts == 8; "
+        "print('torch' in sys.modules); m.load_tensor('blk.0.attn_q.weight'); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
