@@ -419,14 +419,14 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
             except BaseException as e:  # noqa: BLE001 -- handed to the request task
                 put(e)
             finally:
-                put(_END)
                 ttft = tpot = None
                 if job.t_first is not None:
                     ttft = job.t_first - t_arrival
                     n = getattr(job.result, "completion_tokens", 0) or 0
                     if n > 1 and job.t_end is not None:
                         tpot = (job.t_end - job.t_first) / (n - 1)
-                m.observe_generation(job.result, ttft, tpot)
+                m.observe_generation(job.result, ttft, tpot)  # before the client sees the end
+                put(_END)
 
                 def done():
                     m.running -= 1

@@ -212,7 +212,8 @@ def client(live):
     return live.client()
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """Sum of the /metrics samples called ``name`` (labels included in the name match)."""
     text = httpx.get(url + "/metrics").text
     total = 0.0
     found = False
@@ -220,6 +221,8 @@ def metric(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             total += float(line.rsplit(" ", 1)[1])
             found = True
+    if not found and default is not None:
+        return default
     assert found, f"{name} missing from /metrics"
     return total
 
@@ -473,6 +476,31 @@ def test_api_key_required_when_set(scripted_llm):
         assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+def test_full_queue_answers_429(scripted_llm):
+    from localmoe.server import create_app
+
+    srv = LiveServer(create_app(scripted_llm, model_name="scripted", max_queue=0))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        srv.stop()
+
+
+def test_metrics_count_tokens_and_latencies(live, client):
+    gen0 = metric(live.url, "localmoe_generation_tokens_total")
+    ttft0 = metric(live.url, "localmoe_time_to_first_token_seconds_count")
+    tpot0 = metric(live.url, "localmoe_time_per_output_token_seconds_count")
+    ok0 = metric(live.url, 'localmoe_requests_total{endpoint="/v1/chat/completions",status="200"}', 0)
+    r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
+    assert metric(live.url, "localmoe_generation_tokens_total") == gen0 + r.usage.completion_tokens
+    assert metric(live.url, "localmoe_time_to_first_token_seconds_count") == ttft0 + 1
+    assert metric(live.url, "localmoe_time_per_output_token_seconds_count") == tpot0 + 1
+    assert metric(live.url, 'localmoe_requests_total{endpoint="/v1/chat/completions",status="200"}') == ok0 + 1
+    assert metric(live.url, "localmoe_queue_depth") == 0
 
 
 def test_health_reports_loading_then_ready(scripted_llm):
