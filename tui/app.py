@@ -880,6 +880,18 @@ class ChatApp(App):
         yield SystemCommand("Toggle sidebar", "Show or hide the chat list (Ctrl+B)",
                             self.action_toggle_sidebar)
 
+    async def action_quit(self) -> None:
+        """Ctrl+Q: stop a running answer (what was generated stays saved) and exit."""
+        if self._cancel is not None:
+            self._cancel.set()
+        timer, self._feed_timer = self._feed_timer, None
+        if timer is not None:
+            timer.stop()
+        if not self._screen_gone():
+            for view in self._chat_screen().query(MessageView):
+                await view.stop_stream()
+        self.exit()
+
     async def on_unmount(self) -> None:
         if self._cancel is not None:
             self._cancel.set()

@@ -102,6 +102,12 @@ class MessageView(Vertical, can_focus=True):
             self._stream = None
         await self.query_one(Markdown).update(self._text)
 
+    async def stop_stream(self) -> None:
+        """Stop streaming without re-rendering (used when the app quits mid-answer)."""
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
+
     async def set_text(self, text: str) -> None:
         """Replace the whole text."""
         self._text = text
