@@ -448,7 +448,8 @@ class Transformer:
     Args:
         spec: the configured spec (see :meth:`Family.configure`).
         weights: GGUF-named float tensors on one device (norm offsets already applied); the
-            constructor fuses q/k/v and gate/up into single matrices.
+            constructor fuses q/k/v and gate/up into single matrices and *consumes* the dict
+            (fused sources are popped from it so their memory is freed as it goes).
         experts: provider of routed expert weights (None for dense models).
 
     Raises:
@@ -468,7 +469,7 @@ class Transformer:
         at = act_types or {}
         self._aq: dict[tuple[int, str], list[tuple[int, str | None]] | None] = {}
         self._act = activation(spec.act)
-        w = dict(weights)
+        w = weights
 
         def need(name: str) -> torch.Tensor:
             if name not in w:
@@ -507,6 +508,7 @@ class Transformer:
             q, k, v = need(p + "attn_q.weight"), need(p + "attn_k.weight"), need(p + "attn_v.weight")
             L["wqkv"] = torch.cat([q, k, v], 0).contiguous()
             self._q_out, self._k_out = q.shape[0], k.shape[0]
+            del q, k, v
             if spec.attn_bias:
                 L["bqkv"] = torch.cat([need(p + "attn_q.bias"), need(p + "attn_k.bias"),
                                        need(p + "attn_v.bias")], 0)
@@ -529,6 +531,9 @@ class Transformer:
                 L["gate_up"] = torch.cat([need(p + "ffn_gate.weight"), need(p + "ffn_up.weight")],
                                          0).contiguous()
                 L["down"] = need(p + "ffn_down.weight")
+            for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_gate_shexp",
+                      "ffn_up_shexp"):
+                w.pop(p + n + ".weight", None)
             self.layers.append(L)
         if any("router" in L for L in self.layers) and experts is None:
             raise ModelLoadError("the model has MoE layers but no expert provider was given")
