@@ -226,10 +226,15 @@ class ModelStore:
         return out
 
     def get(self, name: str) -> StoredModel | None:
-        """The stored model called ``name`` (store name, catalog name or file name), or None."""
+        """The stored model called ``name`` (store name, catalog name, file name or the
+        ``hf:`` reference it was pulled from), or None."""
         name = name.strip()
-        for m in self.list():
+        items = self.list()
+        for m in items:
             if name in (m.name, m.path.name, m.path.stem):
+                return m
+        for m in items:  # an hf: reference already pulled
+            if name.startswith("hf:") and m.source == name:
                 return m
         return None
 

@@ -233,6 +233,9 @@ def test_hf_pull_honors_endpoint_and_checks_sha(server, home, monkeypatch):
     assert any("/org/repo/resolve/" in r for r in server.requests)
     assert st.resolve("model-Q4") == m.path
     assert no_partials(home)
+    n = len(server.requests)  # already stored: no new download
+    assert st.pull("hf:org/repo/model-Q4.gguf").path == m.path and len(server.requests) == n
+    assert st.resolve("hf:org/repo/model-Q4.gguf") == m.path
     # corrupted: the etag (sha256) does not match the bytes
     server.hf_files["org/repo/bad.gguf"] = (FAKE_GGUF + b"!", sha)
     with pytest.raises(StoreError, match="checksum mismatch"):
