@@ -242,7 +242,8 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         model_name: the model id served in ``/v1/models`` and accepted in requests (the LLM's
             own ``model_name`` is accepted too). Default: the LLM's ``model_name``.
-        max_queue: requests allowed to wait for the model before answering 429.
+        max_queue: requests allowed to wait while another generates; one more is answered
+            429 (``rate_limit_error``, the openai client retries those).
         max_body_bytes: request body limit in bytes (413 above).
         close_on_shutdown: close the LLM when the server stops (default: only when it was
             made by the factory).
@@ -317,7 +318,7 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise HTTPError(400, f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "request body must be a JSON object")
@@ -355,7 +356,7 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
             cancel = threading.Event()
             job = prepare(llm, body, cancel=cancel, model_name=state.model_name)
             m = state.metrics
-            if m.queue_depth >= state.max_queue:
+            if (m.running or m.queue_depth) and m.queue_depth >= state.max_queue:
                 raise HTTPError(429, f"server busy: {m.queue_depth} requests are waiting; retry later",
                                 type_="rate_limit_error", code="queue_full")
             resp = await _generate(request, job, cancel, t_arrival)

@@ -482,10 +482,19 @@ def test_full_queue_answers_429(scripted_llm):
     from localmoe.server import create_app
 
     srv = LiveServer(create_app(scripted_llm, model_name="scripted", max_queue=0))
+    hi = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
     try:
-        r = httpx.post(srv.url + "/v1/chat/completions",
-                       json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert httpx.post(srv.url + "/v1/chat/completions", json=hi).status_code == 200  # idle
+        slow = {"model": "scripted", "stream": True,
+                "messages": [{"role": "user", "content": "slow please"}]}
+        with httpx.Client(timeout=30) as hc, \
+                hc.stream("POST", srv.url + "/v1/chat/completions", json=slow) as busy:
+            assert busy.status_code == 200
+            lines = busy.iter_lines()
+            next(lines)  # it is generating now; nothing may wait (max_queue=0)
+            r = httpx.post(srv.url + "/v1/chat/completions", json=hi)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        _err(httpx.post(srv.url + "/v1/chat/completions", content=b"[" * 100000), 400)
     finally:
         srv.stop()
 
