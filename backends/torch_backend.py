@@ -215,9 +215,8 @@ class TorchRunner:
         (plus the expert provider's counters)."""
         m = self.model
         wbytes = sum(t.numel() * t.element_size() for L in m.layers for t in L.values())
-        wbytes += m.tok_embd.numel() * m.tok_embd.element_size()
-        if m.output is not m.tok_embd:
-            wbytes += m.output.numel() * m.output.element_size()
+        for t in {id(x): x for x in (m.tok_embd, m.output, m.output_t) if x is not None}.values():
+            wbytes += t.numel() * t.element_size()
         out = {"device": self.device, "dtype": str(self.dtype).replace("torch.", ""),
                "kv_bytes": self.cache.footprint(), "kv_format": str(self.kv_spec),
                "load_s": round(self.load_s, 3), "weights_bytes": int(wbytes),

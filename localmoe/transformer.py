@@ -440,6 +440,9 @@ def get_family(arch: str) -> Family:
 # --------------------------------------------------------------------------------------------
 
 _NORM_SUFFIXES = ("_norm.weight",)
+#: per-layer matmul weights, stored transposed ``[in, out]`` in :attr:`Transformer.layers`
+_LINEAR_KEYS = ("wqkv", "wo", "gate_up", "down", "sh_gate_up", "sh_down", "router")
+_MAX_TRANSPOSED_OUTPUT_BYTES = 256 << 20
 
 
 class Transformer:
@@ -479,6 +482,13 @@ class Transformer:
 
         self.tok_embd = need("token_embd.weight")
         self.output = w.get("output.weight", self.tok_embd)
+        # lm head transposed too, unless that duplicates a large tied embedding
+        tied = self.output is self.tok_embd
+        nb = self.output.numel() * self.output.element_size()
+        self.output_t = (self.output.t().contiguous()
+                         if not tied or nb <= _MAX_TRANSPOSED_OUTPUT_BYTES else None)
+        if not tied and self.output_t is not None:
+            self.output = None
         self.output_norm = need("output_norm.weight")
         self.layers: list[dict[str, torch.Tensor]] = []
         self._mins: dict[tuple[int, str], list[torch.Tensor | None]] = {}
@@ -532,8 +542,13 @@ class Transformer:
                                          0).contiguous()
                 L["down"] = need(p + "ffn_down.weight")
             for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_gate_shexp",
-                      "ffn_up_shexp"):
+                      "ffn_up_shexp", "attn_output", "ffn_down", "ffn_down_shexp", "ffn_gate_inp"):
                 w.pop(p + n + ".weight", None)
+            # matmul weights are kept transposed, [in, out] contiguous: x @ W_t reads memory
+            # ~1.5x faster than x @ W.t() on the CPU (GEMV is bandwidth bound)
+            for key in _LINEAR_KEYS:
+                if key in L:
+                    L[key] = L[key].t().contiguous()
             self.layers.append(L)
         if any("router" in L for L in self.layers) and experts is None:
             raise ModelLoadError("the model has MoE layers but no expert provider was given")
@@ -597,19 +612,19 @@ class Transformer:
                     mins[n] = torch.from_numpy(m.astype(np.float32)).to(device)
         return cls(spec, weights, experts, act_types, mins)
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, layer: int, key: str) -> torch.Tensor:
-        """``x @ w.T``; in ggml numerics each row block of a fused ``w`` sees ``x`` rounded to
-        its own weight type's ggml vec_dot type."""
+    def _mm(self, x: torch.Tensor, wt: torch.Tensor, layer: int, key: str) -> torch.Tensor:
+        """``x @ wt`` for a transposed weight ``wt [in, out]``; in ggml numerics each column
+        block of a fused ``wt`` sees ``x`` rounded to its own weight type's ggml vec_dot type."""
         parts = self._aq.get((layer, key)) if self._aq else None
         if not parts:
-            return x @ w.t()
+            return x @ wt
         mins = self._mins.get((layer, key))
         kinds = {k for _, k in parts}
         if len(kinds) == 1 and not mins:
-            return ggml_act_quant(x, parts[0][1]) @ w.t()
+            return ggml_act_quant(x, parts[0][1]) @ wt
         outs, r = [], 0
         for j, (n, k) in enumerate(parts):
-            o = ggml_act_quant(x, k) @ w[r:r + n].t()
+            o = ggml_act_quant(x, k) @ wt[:, r:r + n]
             if mins and mins[j] is not None:
                 o = o + ggml_q8_1_min_correction(x, mins[j])
             outs.append(o)
@@ -648,7 +663,7 @@ class Transformer:
             gu = self._mm(x, L["gate_up"], layer, "gate_up")
             g, u = gu.chunk(2, dim=-1)
             return self._mm(self._act(g) * u, L["down"], layer, "down")
-        logits = x @ L["router"].t()
+        logits = x @ L["router"]
         w, ids = route(logits, s.top_k, gating=s.gating, norm_topk_prob=s.norm_topk_prob,
                        expert_weights_scale=s.expert_weights_scale,
                        selection_bias=L.get("exp_bias"))
@@ -726,7 +741,10 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""
-        out = self._mm(hidden, self.output, -1, "output").float()
+        if self.output_t is not None:
+            out = self._mm(hidden, self.output_t, -1, "output").float()
+        else:
+            out = self._mm(hidden, self.output.t(), -1, "output").float()
         cap = self.spec.final_logit_softcap
         if cap:
             out = cap * torch.tanh(out / cap)
