@@ -577,8 +577,10 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                model_name: str | None = None, log_level: str = "info", **llm_options) -> None:
     """Serve ``model`` over the OpenAI API until interrupted (``localmoe serve``).
 
-    The port opens at once; the model loads in the background (``/health`` says when ready).
-    A load failure is logged and reported by ``/health`` and 503 answers.
+    The model file is resolved and its header checked, and the backend chosen, before the port
+    opens (a wrong path, a corrupt file or an unavailable backend is an error here, not a server
+    that cannot serve). Then the port opens and the weights load in the background (``/health``
+    says when ready); a failure at that stage is logged and reported by ``/health`` and 503s.
 
     Args:
         model: model path or store name (as ``localmoe.LLM``).
@@ -589,14 +591,22 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         model_name: model id to serve (default: the file name without ``.gguf``).
 
     Raises:
-        KVCacheFormatError: invalid kv cache format (checked before the server starts).
-        OSError: the port cannot be bound.
+        KVCacheFormatError: invalid kv cache format.
+        ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
+            be found or read.
+        BackendUnavailableError: the backend cannot run this model here.
     """
     import uvicorn
 
     from .kv_cache import KVSpec
+    from .loader import open_model
+    from .registry import select_backend
+    from .store import resolve_model
 
-    KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)  # fail before binding on a bad format
+    # fail before binding on a bad format, a missing or corrupt file or an unusable backend
+    kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
+    model_file = open_model(resolve_model(model))
+    select_backend(backend or "auto", model_file.format, kv_spec)
     if not is_loopback(host) and not api_key:
         msg = (f"WARNING: serving on {host}:{port} without an API key; anyone who can reach "
                f"this address can use the model. Pass --api-key KEY or bind 127.0.0.1.")
@@ -608,10 +618,11 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     def factory():
         from .engine import LLM
 
-        return LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
-                   kv_cache_v=kv_cache_v, **llm_options)
+        return LLM(model_file, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
+                   kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
 
-    app = create_app(factory, api_key=api_key, model_name=model_name or _default_model_name(model))
+    app = create_app(factory, api_key=api_key,
+                     model_name=model_name or _default_model_name(model_file.path))
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)

@@ -629,19 +629,31 @@ def test_client_disconnect_non_stream_cancels_generation(live):
     assert r.choices[0].message.content == "You said 7."
 
 
-def test_non_loopback_bind_without_key_warns(monkeypatch, capsys):
+def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, capsys,
+                                                                 smollm2_path, tmp_path):
     import uvicorn
 
     from localmoe import server
+    from localmoe.errors import LocalMoEError
 
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
-    server.run_server("/nonexistent/model.gguf", host="0.0.0.0", port=1)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    with pytest.raises(LocalMoEError):
+        server.run_server(str(tmp_path / "missing.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(LocalMoEError):
+        server.run_server(str(bad))
+    with pytest.raises(LocalMoEError):
+        server.run_server(str(smollm2_path), kv_cache="int17")
+    assert calls == []  # none of those bound a port
+    server.run_server(str(smollm2_path), host="0.0.0.0", port=1)
     assert "without an API key" in capsys.readouterr().err
-    server.run_server("/nonexistent/model.gguf", host="127.0.0.1", port=1)
-    server.run_server("/nonexistent/model.gguf", host="0.0.0.0", port=1, api_key="k")
+    server.run_server(str(smollm2_path), host="127.0.0.1", port=1)
+    server.run_server(str(smollm2_path), host="0.0.0.0", port=1, api_key="k")
     assert "without an API key" not in capsys.readouterr().err
-    assert [c["host"] for c in calls] == ["0.0.0.0", "127.0.0.1", "0.0.0.0"]
+    assert [kw["host"] for _, kw in calls] == ["0.0.0.0", "127.0.0.1", "0.0.0.0"]
+    assert calls[0][0].state.localmoe.model_name == "SmolLM2-135M-Instruct.Q4_1"
     assert server.is_loopback("::1") and server.is_loopback("localhost")
     assert not server.is_loopback("192.168.1.2")
 
