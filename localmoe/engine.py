@@ -302,7 +302,7 @@ class LLM:
         """
         t0 = time.perf_counter()
         p = _sampling_params(params if params is not None else self.default_sampling(), **sampling)
-        if not raw and isinstance(prompt, str):
+        if not raw and isinstance(prompt, str) and self.template is not None:
             ids = self._chat_ids([{"role": "user", "content": prompt}])
         else:
             ids = self._encode_prompt(prompt, templated=False)

@@ -460,3 +460,9 @@ def test_close_while_a_stream_is_suspended_does_not_deadlock():
     assert llm.runner.closed  # released when the stream let go
     with pytest.raises(LocalMoEError):
         llm.generate("x")
+
+
+def test_raw_false_without_template_is_plain_completion():
+    llm = make_llm()
+    r = llm.generate("x", raw=False, temperature=0)
+    assert llm.runner.calls[0][1] == [BOS, X] and r.text == "Hello world😀!"
