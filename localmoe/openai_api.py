@@ -25,6 +25,10 @@ Request handling:
   ``<tool_call>\\n{"name": "get_weather", "arguments": ``) and letting the model complete it.
 * Streaming and non-streaming go through the same incremental parser, so the concatenated
   stream equals the non-streamed message, tool calls included (ids aside).
+* Reasoning: with a template that knows ``<think>`` (Qwen3, DeepSeek-R1 style), a leading
+  ``<think>...</think>`` block goes to the message's ``reasoning_content`` (stream deltas
+  likewise), as llama.cpp's and vLLM's servers do; ``"reasoning_format": "none"`` keeps it in
+  ``content``.
 * ``finish_reason`` is ``"tool_calls"`` when calls were parsed, else the engine's ``"stop"`` or
   ``"length"`` (a cancelled generation reports ``"stop"``).
 * Responses carry a non-standard ``timings`` object (TTFT/TPOT in ms, tok/s) next to ``usage``.
@@ -44,7 +48,7 @@ import uuid
 from typing import Any, Iterator
 
 from .errors import InvalidRequestError
-from .tool_calls import StreamingToolParser, detect_format, new_call_id
+from .tool_calls import ReasoningSplitter, StreamingToolParser, detect_format, new_call_id
 
 __all__ = ["chat_completion", "completion", "chat", "prepare_chat", "prepare_completion",
            "parse_chat_request", "sampling_kwargs", "ChatRequest", "ChatJob", "CompletionJob"]
@@ -358,6 +362,7 @@ class ChatRequest:
     include_usage: bool
     model: str | None
     parallel_tool_calls: bool = True
+    reasoning_format: str = "auto"
 
 
 def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> ChatRequest:
@@ -381,9 +386,16 @@ def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> Ch
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise InvalidRequestError(
             "response_format other than {\"type\": \"text\"} is not supported", "response_format")
+    rfmt = req.get("reasoning_format", "auto")
+    if rfmt is None:
+        rfmt = "auto"
+    if rfmt not in ("auto", "none"):
+        raise InvalidRequestError("reasoning_format must be 'auto' (split <think> blocks into "
+                                  "reasoning_content) or 'none' (keep them in content)",
+                                  "reasoning_format")
     params = _make_params(sampling_kwargs(req, vocab_size), llm)
     return ChatRequest(messages, tools, mode, name, params, stream, include_usage,
-                       req.get("model"), ptc)
+                       req.get("model"), ptc, rfmt)
 
 
 # ------------------------------------------------------------------------ template adaption
@@ -548,6 +560,15 @@ class _Gen:
                        if use_tools and creq.tools else None)
         self.result = None
         self.n_calls = 0
+        self.splitter = None
+        if (src and "<think>" in src and creq.reasoning_format != "none"
+                and creq.tool_mode not in ("required", "named")):
+            try:  # a template whose generation prompt opens the block itself
+                prompt = self.llm.render_chat(self.messages, tools=self.tpl_tools)
+                opened = prompt.rstrip().endswith("<think>")
+            except Exception:  # noqa: BLE001 -- the engine reports template errors itself
+                opened = False
+            self.splitter = ReasoningSplitter(start_in_think=opened)
 
     def _engine_events(self):
         creq = self.creq
@@ -570,21 +591,37 @@ class _Gen:
                     started = True
                     yield ("start", None)
                 if ev.delta:
-                    if self.parser is None:
-                        yield ("content", ev.delta)
+                    if self.splitter is None:
+                        yield from self._content(ev.delta)
                     else:
-                        yield from self._filter(self.parser.push(ev.delta))
+                        for kind, text in self.splitter.push(ev.delta):
+                            if kind == "reasoning":
+                                yield ("reasoning", text)
+                            else:
+                                yield from self._content(text)
                 if ev.done:
                     self.result = ev.result
                     break
             if not started:
                 yield ("start", None)
+            if self.splitter is not None:
+                for kind, text in self.splitter.finish():
+                    if kind == "reasoning":
+                        yield ("reasoning", text)
+                    else:
+                        yield from self._content(text)
             if self.parser is not None:
                 yield from self._filter(self.parser.finish())
         finally:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
+
+    def _content(self, text: str):
+        if self.parser is None:
+            yield ("content", text)
+        else:
+            yield from self._filter(self.parser.push(text))
 
     def _filter(self, evs):
         for kind, val in evs:
@@ -633,16 +670,21 @@ class ChatJob:
     def response(self) -> dict:
         """Run to completion; the ChatCompletion dict."""
         content: list[str] = []
+        reasoning: list[str] = []
         calls: list[dict] = []
         for kind, val in self._events():
             if kind == "content":
                 content.append(val)
+            elif kind == "reasoning":
+                reasoning.append(val)
             elif kind == "call":
                 calls.append({"id": new_call_id(self.gen.fmt), "type": "function",
                               "function": {"name": val.name, "arguments": val.arguments}})
         text = "".join(content)
         msg: dict[str, Any] = {"role": "assistant",
                                "content": text if (text or not calls) else None}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
         if calls:
             msg["tool_calls"] = calls
         out = {"id": self.id, "object": "chat.completion", "created": self.created,
@@ -673,6 +715,8 @@ class ChatJob:
                     yield chunk({"role": "assistant", "content": ""})
                 elif kind == "content":
                     yield chunk({"content": val})
+                elif kind == "reasoning":
+                    yield chunk({"reasoning_content": val})
                 else:
                     yield chunk({"tool_calls": [{"index": n_calls, "id": new_call_id(self.gen.fmt),
                                                  "type": "function",

@@ -786,3 +786,33 @@ def test_validation_errors_name_the_parameter_without_a_model():
         with pytest.raises(InvalidRequestError) as ei:
             openai_api.chat_completion(llm, req)
         assert ei.value.param == param, (req, ei.value.param, str(ei.value))
+
+
+QWEN3_TPL = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{{ tools | tojson }}</tools>\n"
+             "Use <tool_call></tool_call> tags.<|im_end|>\n{%- endif %}"
+             "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+             "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+             "<think>\n\n</think>\n\n{%- endif %}")
+
+
+def test_reasoning_content_split_for_think_templates_stream_and_not():
+    from localmoe import openai_api
+
+    reply = ('<think>\nThe user asks for weather; call get_weather.\n</think>\n\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Kyiv"}}\n</tool_call>')
+    llm = TemplateLLM(QWEN3_TPL, reply)
+    req = {"messages": [{"role": "user", "content": "weather in Kyiv?"}], "tools": [WEATHER_TOOL]}
+    r = openai_api.chat_completion(llm, req)
+    msg = r["choices"][0]["message"]
+    assert msg["reasoning_content"] == "The user asks for weather; call get_weather."
+    assert msg["content"] is None
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Kyiv"}'
+    chunks = list(openai_api.chat_completion(llm, {**req, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls") or []
+            if t.get("function", {}).get("name")] == ["get_weather"]
+    r = openai_api.chat_completion(llm, {**req, "reasoning_format": "none", "tool_choice": "none"})
+    assert r["choices"][0]["message"]["content"] == reply
+    assert "reasoning_content" not in r["choices"][0]["message"]
