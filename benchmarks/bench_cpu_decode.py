@@ -108,12 +108,19 @@ def _child_llamacpp(path: str, toks: list[int], n: int, threads: int) -> dict:
                           n_threads_batch=threads, n_batch=512, verbose=False)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
+    n_vocab = llm.n_vocab()
+
+    def last_logits():
+        # only the last token has logits (logits_all=False); read llama.cpp's buffer directly
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
     llm.eval(toks)
     prefill_s = time.perf_counter() - t0
     out = []
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = int(np.argmax(last_logits()))
         out.append(nxt)
         llm.eval([nxt])
     dec_s, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
