@@ -210,6 +210,28 @@ class FloatCodec(KVCodec):
 _CODECS: dict[str, type] = {name: FloatCodec for name in FLOAT_FORMATS}
 
 
+def kv_format_table(spec: Any, formats: tuple[str, ...] = ("f16", "bf16", "int8", "int4", "int3",
+                                                            "int2", "fp4")) -> list[dict]:
+    """Bytes per token of every KV format for a model (for ``localmoe info``).
+
+    Returns:
+        ``[{"format": str, "bits_per_value": float, "bytes_per_token": float,
+        "ratio_vs_f16": float}, ...]``; formats whose group does not fit ``head_dim`` are
+        left out.
+    """
+    rows = []
+    f16 = KVSpec.parse("f16").bytes_per_token(spec)
+    for name in formats:
+        try:
+            kv = KVSpec.parse(name)
+            b = kv.bytes_per_token(spec)
+            rows.append({"format": name, "bits_per_value": kv.bits_per_value("k", spec.head_dim),
+                         "bytes_per_token": b, "ratio_vs_f16": b / f16})
+        except LocalMoEError:
+            continue
+    return rows
+
+
 def _make_codec(cls: type, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spec: KVSpec,
                 role: str, max_seqs: int) -> KVCodec:
     """Instantiate a codec, passing ``role``/``max_seqs`` to codecs that take them (the
