@@ -109,12 +109,41 @@ class KVSpec:
     def parse(cls, kv: "str | KVSpec | None" = "f16", k: str | None = None, v: str | None = None,
               outlier_frac: float = 0.0, sink_tokens: int = 0, window: int = 0) -> "KVSpec":
         """Build a spec from CLI/API strings: ``kv`` sets both, ``k``/``v`` override one side.
+        ``kv`` may also use the :meth:`__str__` syntax with options, e.g.
+        ``"int2,outliers=0.04,sinks=4,window=64"`` or ``"k=int4,v=int2,outliers=2%"``, so
+        ``KVSpec.parse(str(spec)) == spec``.
 
         Raises:
             KVCacheFormatError: unknown format or out-of-range option.
         """
         if isinstance(kv, KVSpec) and k is None and v is None:
             return kv
+        if isinstance(kv, str) and ("," in kv or "=" in kv):
+            # the str() syntax: "int2,outliers=0.04,sinks=4,window=64", "k=int4,v=int2"
+            base_fmt = None
+            for part in (p.strip() for p in kv.split(",") if p.strip()):
+                key, eq, val = part.partition("=")
+                key = key.strip().lower()
+                try:
+                    if not eq:
+                        base_fmt = key
+                    elif key == "k":
+                        k = k or val
+                    elif key == "v":
+                        v = v or val
+                    elif key in ("outliers", "outlier_frac"):
+                        outlier_frac = float(val[:-1]) / 100 if val.endswith("%") else float(val)
+                    elif key in ("sinks", "sink_tokens"):
+                        sink_tokens = int(val)
+                    elif key == "window":
+                        window = int(val)
+                    else:
+                        raise ValueError(key)
+                except ValueError:
+                    raise KVCacheFormatError(
+                        f"bad KV cache option {part!r} in {kv!r}; use e.g. "
+                        "'int2,outliers=0.04,sinks=4,window=64' or 'k=int4,v=int2'") from None
+            kv = base_fmt or ("f16" if not (k and v) else k)
         base = KVFormat.parse(kv or "f16") if not isinstance(kv, KVSpec) else None
         kf = KVFormat.parse(k) if k else (kv.k if isinstance(kv, KVSpec) else base)
         vf = KVFormat.parse(v) if v else (kv.v if isinstance(kv, KVSpec) else base)

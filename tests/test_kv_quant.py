@@ -242,3 +242,20 @@ def test_torch_backend_generates_with_every_format(smollm2_path, kv):
     text = tok.decode(out)
     assert text.strip(), out
     assert r.stats()["kv_format"] == str(spec)
+
+
+@pytest.mark.parametrize("text", ["int4", "k=int4,v=int2", "int2,outliers=0.04,sinks=4,window=64",
+                                  "k=int4:g64,v=int2,outliers=0.03", "int4:g64,sinks=2"])
+def test_spec_string_round_trips(text):
+    s = KVSpec.parse(text)
+    assert KVSpec.parse(str(s)) == s
+    assert str(s) == text
+
+
+def test_spec_string_options():
+    s = KVSpec.parse("int2,outliers=2%,sinks=4")
+    assert (s.k.name, s.outlier_frac, s.sink_tokens, s.window) == ("int2", 0.02, 4, 0)
+    assert KVSpec.parse("int2,window=8", v="int4").v.name == "int4"
+    for bad in ("int2,foo=1", "int2,sinks=x", "int2,outliers=0.7"):
+        with pytest.raises(KVCacheFormatError):
+            KVSpec.parse(bad)
