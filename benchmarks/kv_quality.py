@@ -21,7 +21,8 @@ Gemma-3-270M's local layers use a 512-token sliding window; the texts are longer
 attention over quantized keys past the boundary is exercised.
 
 Usage: ``python benchmarks/kv_quality.py --model /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
---out benchmarks/results/kv_quality_smollm2.json``
+--out benchmarks/results/kv_quality_smollm2.json``; ``python benchmarks/kv_quality.py --table
+results.json ...`` prints the markdown tables of docs/KV-QUALITY.md.
 """
 
 from __future__ import annotations
@@ -110,7 +111,27 @@ def needle_prompt(tok, text_ids, n_tokens, passkey):
     return body[:cut] + needle + body[cut:] + q, len(q)
 
 
+def markdown(path):
+    """Markdown table of a results JSON written by this script."""
+    d = json.loads(Path(path).read_text())
+    res = d["results"]
+    base = res["f16"]["ppl"]
+    lines = [f"{d['model']} ({d['file']}): perplexity over {d['ppl_tokens']} tokens, "
+             f"KL/top-1 over {d['gen']} greedy tokens after a {d['prompt_tokens']}-token prompt",
+             "", "| KV config | bits K/V | ppl | vs f16 | KL mean (max) | top-1 | needle |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        lines.append(f"| {name} | {r['bits_k']:.2f}/{r['bits_v']:.2f} | {r['ppl']:.3f} | "
+                     f"{(r['ppl'] / base - 1) * 100:+.1f}% | {r['kl_mean']:.4f} ({r['kl_max']:.3f}) "
+                     f"| {r['top1'] * 100:.1f}% | {'yes' if r['needle_found'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--table":
+        for p in sys.argv[2:]:
+            print(markdown(p) + "\n")
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
