@@ -666,6 +666,9 @@ def _req(md: dict[str, Any], key: str) -> Any:
     return md[key]
 
 
+_BLK_RE = re.compile(r"blk\.(\d+)\.")
+
+
 def _pos_int(md: dict[str, Any], key: str, required: bool = True, default: int = 0) -> int:
     v = _req(md, key) if required else md.get(key, default)
     if isinstance(v, list):  # per-layer arrays (e.g. head_count_kv): must be uniform here
@@ -729,6 +732,14 @@ def spec_from_gguf_metadata(md: dict[str, Any], model: GGUFModelFile | None = No
         vocab = len(tokens)
     if vocab is None:
         raise ModelLoadError(f"cannot tell the vocabulary size: no {a}vocab_size, token_embd.weight or tokenizer.ggml.tokens")
+    if model is not None:
+        # a corrupt block_count must not drive per-layer loops (or allocations) past the file
+        blocks = {int(m.group(1)) for m in map(_BLK_RE.match, model.tensor_names()) if m}
+        n_blocks = max(blocks) + 1 if blocks else 0
+        if n_layers > n_blocks:
+            raise ModelLoadError(
+                f"metadata {a}block_count = {n_layers} but the file has tensors for {n_blocks} "
+                f"blocks; the file is corrupt or incomplete (re-download it)")
     spec = ModelSpec(
         arch=arch,
         n_layers=n_layers,
