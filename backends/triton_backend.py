@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from localmoe.errors import BackendUnavailableError
-from localmoe.registry import Backend, register_backend
+from localmoe.registry import register_backend
 
-from .torch_backend import SeqSlice, TorchRunner
+from .torch_backend import SeqSlice, TorchBackend, TorchRunner
 
 
 class TritonRunner(TorchRunner):
@@ -101,7 +101,7 @@ class TritonRunner(TorchRunner):
 
 
 @register_backend("triton")
-class TritonBackend(Backend):
+class TritonBackend(TorchBackend):
     """Fused GPU path (Triton kernels over the paged, possibly quantized KV cache)."""
 
     description = "CUDA + Triton: fused sub-byte KV-cache decode attention (torch for the rest)"
@@ -113,20 +113,6 @@ class TritonBackend(Backend):
             return "triton not installed"
         if not torch.cuda.is_available():
             return "no CUDA device"
-        return None
-
-    def supports(self, model_format: str, kv_spec: Any = None) -> str | None:
-        if model_format not in ("gguf", "safetensors"):
-            return f"unknown model format {model_format!r}"
-        if kv_spec is not None:
-            from localmoe.errors import LocalMoEError
-            from localmoe.kv_cache import get_codec_class
-
-            try:
-                get_codec_class(kv_spec.k.name)
-                get_codec_class(kv_spec.v.name)
-            except LocalMoEError as e:
-                return str(e)
         return None
 
     def load(self, model, *, n_ctx: int | None = None, kv_spec: Any = None,
