@@ -406,17 +406,7 @@ class ModelStore:
                 expected = (meta.etag or "").strip('"').lower()
                 final = self.models_dir / Path(fname).name
                 with _AtomicWriter(final) as out:
-                    bar = _Progress(self.progress, os.path.getsize(got_path), f"verifying {final.name}")
-                    try:
-                        with open(got_path, "rb") as f:
-                            while True:
-                                b = f.read(_CHUNK)
-                                if not b:
-                                    break
-                                out.write(b)
-                                bar.update(len(b))
-                    finally:
-                        bar.close()
+                    self._copy_into(Path(got_path), out, f"verifying {final.name}")
                     got = out.hexdigest()
                     if re.fullmatch(r"[0-9a-f]{64}", expected) and got != expected:
                         raise StoreError(
@@ -435,6 +425,20 @@ class ModelStore:
         name = _store_name(Path(filename).name)
         return self._record(name, finals, first_sha, f"hf:{repo}/{filename}"
                             + (f"@{revision}" if revision else ""))
+
+    def _copy_into(self, src: Path, out: "_AtomicWriter", label: str) -> None:
+        """Stream ``src`` into ``out`` (hashing as it goes) with a progress bar."""
+        bar = _Progress(self.progress, src.stat().st_size, label)
+        try:
+            with open(src, "rb") as f:
+                while True:
+                    b = f.read(_CHUNK)
+                    if not b:
+                        break
+                    out.write(b)
+                    bar.update(len(b))
+        finally:
+            bar.close()
 
     def _pull_path(self, p: Path, link: bool = False) -> StoredModel:
         p = p.resolve()
@@ -462,17 +466,7 @@ class ModelStore:
                 if final.resolve() == s:
                     raise StoreError(f"{s} is already inside the store")
                 with _AtomicWriter(final) as out:
-                    bar = _Progress(self.progress, s.stat().st_size, f"copying {s.name}")
-                    try:
-                        with open(s, "rb") as f:
-                            while True:
-                                b = f.read(_CHUNK)
-                                if not b:
-                                    break
-                                out.write(b)
-                                bar.update(len(b))
-                    finally:
-                        bar.close()
+                    self._copy_into(s, out, f"copying {s.name}")
                     first_sha = first_sha or out.hexdigest()
                 finals.append(final)
         except BaseException:
