@@ -164,6 +164,11 @@ class LLM:
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")
         be, reason = select_backend(backend or "auto", model_file.format, kv_spec)
+        n_train = int(model_file.spec.n_ctx_train or 0)
+        if n_ctx and n_train and n_ctx > n_train:
+            raise InvalidRequestError(
+                f"context size {n_ctx} is larger than the model's training context of {n_train} "
+                f"tokens; use a context size of at most {n_train}", param="n_ctx")
         ctx = int(n_ctx) if n_ctx else min(int(model_file.spec.n_ctx_train or DEFAULT_N_CTX),
                                            DEFAULT_N_CTX)
         from .chat_template import ChatTemplate

@@ -206,6 +206,7 @@ class _State:
         self.slot: asyncio.Semaphore | None = None
         self.created = int(time.time())
         self.loader: threading.Thread | None = None
+        self.aliases: set[str] = set()  # other names users know the model by (-m, store name)
 
     def load(self) -> None:
         try:
@@ -224,7 +225,7 @@ class _State:
                  getattr(llm, "backend_reason", "?"))
 
     def accepted_names(self) -> set[str]:
-        names = {self.model_name}
+        names = {self.model_name} | set(self.aliases)
         if self.llm is not None:
             names.add(str(getattr(self.llm, "model_name", self.model_name)))
         return names
@@ -232,7 +233,7 @@ class _State:
 
 def create_app(llm_or_factory, api_key: str | None = None, model_name: str | None = None, *,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               close_on_shutdown: bool | None = None):
+               close_on_shutdown: bool | None = None, aliases: Any = ()):
     """Build the FastAPI application.
 
     Args:
@@ -252,6 +253,7 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
         a ``fastapi.FastAPI`` app; its state is at ``app.state.localmoe``.
     """
     state = _State(llm_or_factory, model_name, api_key, max_queue, max_body_bytes)
+    state.aliases.update(str(a) for a in aliases if a)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -622,7 +624,9 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                    kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
 
     app = create_app(factory, api_key=api_key,
-                     model_name=model_name or _default_model_name(model_file.path))
+                     model_name=model_name or _default_model_name(model_file.path),
+                     aliases={str(model) if model is not None else "", model_file.name,
+                              Path(str(model_file.path)).name})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)

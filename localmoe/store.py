@@ -456,6 +456,9 @@ class ModelStore:
         missing = [s for s in shards if not s.exists()]
         if missing:
             raise StoreError(f"split GGUF set is incomplete: missing {', '.join(map(str, missing))}")
+        from .loader import open_model
+
+        open_model(p).close()  # header, tensor bounds and types: refuse what could not load
         if link:
             return self._record(name, shards, sha256_file(shards[0]), f"file:{p}", linked=True)
         finals: list[Path] = []

@@ -466,3 +466,16 @@ def test_raw_false_without_template_is_plain_completion():
     llm = make_llm()
     r = llm.generate("x", raw=False, temperature=0)
     assert llm.runner.calls[0][1] == [BOS, X] and r.text == "Hello world😀!"
+
+
+def test_context_above_training_context_is_refused_before_loading(tmp_path):
+    from localmoe.engine import LLM
+    from localmoe.errors import InvalidRequestError
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    n_train = open_model(path).spec.n_ctx_train
+    with pytest.raises(InvalidRequestError, match=f"training context of {n_train}") as e:
+        LLM(path, backend="torch", n_ctx=n_train * 100)
+    assert e.value.param == "n_ctx"

@@ -332,3 +332,16 @@ def test_hf_folder_is_linked_not_copied(tmp_path, home):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="config.json"):
         st.pull(str(tmp_path / "empty"))
+
+
+def test_pull_refuses_a_truncated_gguf(home, tmp_path, smollm2_path):
+    """A local file that could not load is refused before anything lands in the store."""
+    from localmoe.errors import ModelLoadError
+    from localmoe.store import ModelStore
+
+    half = tmp_path / "half.gguf"
+    with open(smollm2_path, "rb") as f:
+        half.write_bytes(f.read(5_000_000))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        ModelStore().pull(str(half))
+    assert not any(home.rglob("half*"))
