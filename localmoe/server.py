@@ -573,6 +573,24 @@ def _default_model_name(model: Any) -> str:
     return s
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Raise LocalMoEError when ``host:port`` cannot be bound (in use, no permission, bad host)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise LocalMoEError(f"cannot listen on {host}:{port}: {e}") from None
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise LocalMoEError(f"cannot listen on {host}:{port}: {e.strerror or e}; "
+                                f"choose another --port") from None
+
+
 def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                backend: str = "auto", n_ctx: int | None = None, kv_cache: str = "f16",
                kv_cache_k: str | None = None, kv_cache_v: str | None = None, *,
@@ -609,6 +627,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
     model_file = open_model(resolve_model(model))
     select_backend(backend or "auto", model_file.format, kv_spec)
+    _check_port_free(host, port)
     if not is_loopback(host) and not api_key:
         msg = (f"WARNING: serving on {host}:{port} without an API key; anyone who can reach "
                f"this address can use the model. Pass --api-key KEY or bind 127.0.0.1.")

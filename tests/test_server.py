@@ -833,3 +833,18 @@ def test_model_known_by_its_cli_and_store_names(scripted_llm):
         assert r.status_code == 404
     finally:
         srv.stop()
+
+
+def test_port_in_use_is_a_clear_error():
+    import socket
+
+    from localmoe.errors import LocalMoEError
+    from localmoe.server import _check_port_free
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LocalMoEError, match=f"cannot listen on 127.0.0.1:{port}"):
+            _check_port_free("127.0.0.1", port)
+    _check_port_free("127.0.0.1", port)  # free again once released
