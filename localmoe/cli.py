@@ -169,6 +169,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         result = None
         out = sys.stdout
         wrote_nl = True
+        parts: list[str] = []
         try:
             for ev in events:
                 if ev.done:
@@ -177,6 +178,15 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
                     out.write(ev.delta)
                     out.flush()
                     wrote_nl = ev.delta.endswith("\n")
+                else:
+                    parts.append(ev.delta)
+        except KeyboardInterrupt:
+            if as_json:  # keep what was generated: one JSON object, then exit 130
+                click.echo(json.dumps({"model": llm.model_name, "backend": llm.backend_name,
+                                       "n_ctx": llm.n_ctx, "kv_cache": str(llm.kv_spec),
+                                       "text": "".join(parts), "finish_reason": "cancelled"},
+                                      ensure_ascii=False))
+            raise
         finally:
             close = getattr(events, "close", None)
             if close:
@@ -217,6 +227,11 @@ def chat(model, backend, n_ctx, kv_cache, continue_last, list_chats):
     from .kv_cache import KVSpec
 
     KVSpec.parse(kv_cache)  # a bad format is an error before the UI starts
+    if model is not None:  # a missing or corrupt file too (the default model may still be pulled)
+        from .loader import open_model
+        from .store import resolve_model
+
+        open_model(resolve_model(model)).close()
     tui_app.run_chat(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
                      continue_last=continue_last)
 
