@@ -89,8 +89,13 @@ def test_backends_lists_every_backend():
 
 
 def test_pull_models_rm_local_file(home, tmp_path):
-    src = tmp_path / "tiny.gguf"
-    src.write_bytes(b"GGUF" + b"\0" * 100)
+    from localmoe.testing.synthetic import write_gguf
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    r = run(["pull", str(bad)])
+    assert r.exit_code == 1 and "error:" in r.output  # a file that could not load stays out
+    src = write_gguf(tmp_path / "tiny.gguf", "tiny-llama")
     r = run(["pull", str(src)])
     assert r.exit_code == 0 and "tiny:" in r.output
     r = run(["models"])
@@ -102,7 +107,7 @@ def test_pull_models_rm_local_file(home, tmp_path):
     assert "tiny " not in run(["models"]).output
 
 
-def test_chat_and_serve_are_wired(monkeypatch):
+def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
     calls = {}
     fake_server = types.ModuleType("localmoe.server")
     fake_server.run_server = lambda model, **kw: calls.setdefault("serve", (model, kw))
@@ -126,10 +131,15 @@ def test_chat_and_serve_are_wired(monkeypatch):
     monkeypatch.setattr(tui_app, "run_chat", lambda model, **kw: calls.setdefault("chat", (model, kw)))
     r = run(["chat", "--list"])
     assert r.exit_code == 0 and "CHATS-TABLE" in r.output
-    r = run(["chat", "-m", "m.gguf", "--continue", "--kv-cache", "int4", "-c", "512"])
+    r = run(["chat", "-m", str(tmp_path / "missing.gguf")])
+    assert r.exit_code == 1 and "chat" not in calls  # checked before the UI opens
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    r = run(["chat", "-m", m, "--continue", "--kv-cache", "int4", "-c", "512"])
     assert r.exit_code == 0
-    assert calls["chat"] == ("m.gguf", dict(backend="auto", n_ctx=512, kv_cache="int4",
-                                            continue_last=True))
+    assert calls["chat"] == (m, dict(backend="auto", n_ctx=512, kv_cache="int4",
+                                     continue_last=True))
 
 
 @pytest.mark.slow
