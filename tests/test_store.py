@@ -263,11 +263,13 @@ def test_parse_hf_ref():
 
 
 def test_pull_local_path_and_resolve(tmp_path, home):
-    src = tmp_path / "my-model.gguf"
-    src.write_bytes(FAKE_GGUF)
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "my-model.gguf", "tiny-llama")
     st = ModelStore(progress=False)
     m = st.pull(str(src))
-    assert m.name == "my-model" and m.path.parent == home / "models" and m.path.read_bytes() == FAKE_GGUF
+    assert m.name == "my-model" and m.path.parent == home / "models"
+    assert m.path.read_bytes() == src.read_bytes()
     assert st.resolve("my-model") == m.path
     assert st.resolve(str(src)) == src
     bad = tmp_path / "x.gguf"
@@ -312,9 +314,9 @@ def test_leftovers_of_killed_pulls_are_cleaned(tmp_path, home):
     old = time.time() - 7200
     os.utime(stale, (old, old))
     os.utime(home / "tmp" / "pull-old", (old, old))
-    src = tmp_path / "m.gguf"
-    src.write_bytes(FAKE_GGUF)
-    st.pull(str(src))
+    from localmoe.testing.synthetic import write_gguf
+
+    st.pull(str(write_gguf(tmp_path / "m.gguf", "tiny-llama")))
     assert not stale.exists() and not (home / "tmp" / "pull-old").exists()
     assert fresh.exists()  # may belong to a pull running right now
 
