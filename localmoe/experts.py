@@ -14,6 +14,7 @@ d_ff_expert]`` -- GGUF ``blk.N.ffn_{gate,up,down}_exps.weight``.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -30,7 +31,7 @@ class ExpertWeights(NamedTuple):
     down: torch.Tensor
 
 
-class ExpertProvider:
+class ExpertProvider(ABC):
     """Interface: where a MoE layer gets expert weights from.
 
     Subclasses implement :meth:`expert` (and may override :meth:`get` / :meth:`prepare`).
@@ -39,9 +40,9 @@ class ExpertProvider:
 
     n_experts: int = 0
 
+    @abstractmethod
     def layers(self) -> list[int]:
         """Indices of the MoE layers this provider serves."""
-        raise NotImplementedError
 
     def prepare(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Announce the (unique, int64) expert ids a batch routes to in ``layer``.
@@ -50,13 +51,13 @@ class ExpertProvider:
         ignores it, an offloading one fetches the missing experts here.
         """
 
+    @abstractmethod
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Weights of expert ``e`` of ``layer``: ``(gate[F, D], up[F, D], down[D, F])``.
 
         Raises:
             KeyError: ``layer`` is not a MoE layer of this provider.
         """
-        raise NotImplementedError
 
     def get(self, layer: int) -> ExpertWeights:
         """All experts of ``layer`` stacked (see :class:`ExpertWeights`); may be expensive for an

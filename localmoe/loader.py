@@ -18,6 +18,7 @@ Tensor shapes are given in **torch order** (GGUF ``ne`` reversed): ``attn_q.weig
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import math
 import mmap
 import os
@@ -362,7 +363,7 @@ class _Header:
             self.tensors.append(_GGUFTensor(tname, qtype, ne, start, nbytes, 0))
 
 
-class ModelFile:
+class ModelFile(ABC):
     """A model opened from disk (base class; see :func:`open_model`).
 
     Attributes:
@@ -385,18 +386,21 @@ class ModelFile:
         t = self.metadata.get("tokenizer.chat_template")
         return t if isinstance(t, str) and t.strip() else None
 
-    def tensor_names(self) -> list[str]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def tensor_names(self) -> list[str]:
+        """Canonical (GGUF) names of every tensor, in file order."""
 
-    def tensor_info(self, name: str) -> TensorInfo:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Type, torch-order shape and byte size of tensor ``name`` (KeyError if absent)."""
 
     def has_tensor(self, name: str) -> bool:
         """True when the model has a tensor with this canonical name."""
         return name in set(self.tensor_names())
 
-    def load_tensor(self, name: str, dtype=None, device="cpu"):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def load_tensor(self, name: str, dtype=None, device="cpu"):
+        """Tensor ``name`` dequantized to ``dtype`` (default float32) on ``device``."""
 
     def raw_tensor(self, name: str) -> RawTensor:
         raise UnsupportedModelError(

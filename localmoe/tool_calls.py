@@ -33,6 +33,7 @@ Guarantees (tested in ``tests/test_tool_calls.py``):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import json
 import re
 import uuid
@@ -271,7 +272,7 @@ def _partial_prefix(s: str, i: int, lit: str) -> str:
     return "no"
 
 
-class _Format:
+class _Format(ABC):
     markers: tuple[str, ...] = ()
 
     def __init__(self, names: frozenset[str] | None):
@@ -296,8 +297,9 @@ class _Format:
                 return k
         return n
 
+    @abstractmethod
     def parse_block(self, buf: str, i: int, final: bool):
-        raise NotImplementedError
+        """Parse one call block starting at ``buf[i]`` (a marker); ``final``: no more text."""
 
 
 class _Hermes(_Format):
