@@ -40,7 +40,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from .errors import ModelNotFoundError, StoreError
 
@@ -105,17 +105,20 @@ def default_root() -> Path:
     return Path(platformdirs.user_data_dir("localmoe", appauthor=False))
 
 
+def _read_chunks(path: str | os.PathLike) -> Iterator[bytes]:
+    """The bytes of a file in 1 MiB chunks."""
+    with open(path, "rb") as f:
+        while b := f.read(_CHUNK):
+            yield b
+
+
 def sha256_file(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks (``progress(n_bytes)`` after each)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(_CHUNK)
-            if not b:
-                break
-            h.update(b)
-            if progress:
-                progress(len(b))
+    for b in _read_chunks(path):
+        h.update(b)
+        if progress:
+            progress(len(b))
     return h.hexdigest()
 
 
@@ -430,13 +433,9 @@ class ModelStore:
         """Stream ``src`` into ``out`` (hashing as it goes) with a progress bar."""
         bar = _Progress(self.progress, src.stat().st_size, label)
         try:
-            with open(src, "rb") as f:
-                while True:
-                    b = f.read(_CHUNK)
-                    if not b:
-                        break
-                    out.write(b)
-                    bar.update(len(b))
+            for b in _read_chunks(src):
+                out.write(b)
+                bar.update(len(b))
         finally:
             bar.close()
 

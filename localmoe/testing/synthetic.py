@@ -35,6 +35,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..tokenizer import _bytes_to_unicode  # GPT-2 byte -> unicode table
+
 __all__ = [
     "Preset",
     "PRESETS",
@@ -67,19 +69,6 @@ question in one short sentence, then stop.
 """
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 @dataclass(frozen=True)
