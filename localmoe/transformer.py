@@ -37,6 +37,8 @@ import torch
 
 from .errors import UnsupportedModelError
 from .experts import ExpertProvider, ResidentExpertProvider
+from .ggml_numerics import (GGML_VEC_DOT_TYPE, ggml_act_quant, ggml_attention,  # noqa: F401
+                            ggml_q8_1_min_correction, ggml_rope_angles, ggml_weight_numerics)
 from .routing import route, shared_expert_gate
 from .spec import ModelSpec
 
@@ -78,58 +80,6 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "gelu":
         return torch.nn.functional.gelu
     raise UnsupportedModelError(f"unknown FFN activation {name!r}; supported: silu, gelu_tanh, gelu")
-
-
-# llama.cpp's CPU backend multiplies a quantized weight by activations quantized to the weight
-# type's "vec_dot_type" (ggml-cpu type_traits): Q8_0 blocks of 32 with an fp16 scale for
-# Q4_0/Q5_0/Q8_0, Q8_1 (same values) for Q4_1/Q5_1, Q8_K blocks of 256 with an fp32 scale for the
-# K-quants, f16/bf16 for f16/bf16 weights.
-GGML_VEC_DOT_TYPE = {
-    "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
-    "Q2_K": "q8_K", "Q3_K": "q8_K", "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K",
-    "IQ4_XS": "q8_K", "IQ4_NL": "q8_0", "F16": "f16", "BF16": "bf16",
-}
-
-
-def _ggml_q8(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dequantized x, fp32 block scale d [..., nb, 1], block sum of q [..., nb, 1])."""
-    B = 256 if kind == "q8_K" else 32
-    K = x.shape[-1]
-    xb = x.float().reshape(*x.shape[:-1], K // B, B)
-    amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # ggml-cpu x86: 127/max
-    q = torch.round(xb * inv)
-    ds = d if kind == "q8_K" else d.half().float()
-    return (q * ds).reshape(x.shape).to(x.dtype), d, q.sum(-1, keepdim=True)
-
-
-def ggml_act_quant(x: torch.Tensor, kind: str | None) -> torch.Tensor:
-    """Round activations the way llama.cpp's CPU backend does before a quantized dot product.
-
-    ``q8_0``/``q8_1``: per 32 values ``d = amax/127`` (stored fp16), ``q = round(x * 127/amax)``;
-    ``q8_K``: per 256 values, fp32 scale (ggml-quants.c / ggml-cpu ``quantize_row_q8_*``);
-    ``f16``/``bf16``: a cast. Returns ``q * d`` (shape and dtype of ``x [..., K]``); ``None``
-    returns ``x``. Used only by the opt-in ``numerics="ggml"`` mode (parity checks).
-    """
-    if kind is None:
-        return x
-    if kind == "f16":
-        return x.half().to(x.dtype)
-    if kind == "bf16":
-        return x.bfloat16().to(x.dtype)
-    if x.shape[-1] % (256 if kind == "q8_K" else 32):
-        return x
-    return _ggml_q8(x, kind)[0]
-
-
-def ggml_q8_1_min_correction(x: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """Correction for Q4_1/Q5_1 weights (``w = d q + m`` per block of 32): ggml adds
-    ``m * s`` with ``s = fp16(d_x * sum(q_x))`` (block_q8_1.s) where ``x_deq @ W`` has
-    ``m * fp16(d_x) * sum(q_x)``. ``x [N, K]``, ``mins [out, K/32]`` -> ``[N, out]``."""
-    _, d, qs = _ggml_q8(x, "q8_1")
-    c = ((d * qs).half().float() - d.half().float() * qs).squeeze(-1)   # [N, K/32]
-    return c @ mins.t()
 
 
 def rope_inv_freq(rope_dim: int, base: float, scaling: dict | None = None,
@@ -193,15 +143,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float 
     powf(base, -2/R)`` in float32 -- whose rounding grows with the position (``numerics="ggml"``).
     """
     if ggml_base is not None:
-        half = inv_freq.shape[0]
-        step = torch.tensor(float(ggml_base), dtype=torch.float64).pow(-1.0 / half).float()
-        step = step.to(positions.device)
-        th = positions.to(torch.float32)
-        cols = []
-        for _ in range(half):
-            cols.append(th)
-            th = th * step
-        ang = torch.stack(cols, -1)
+        ang = ggml_rope_angles(positions, inv_freq.shape[0], ggml_base)
     else:
         ang = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     return torch.cos(ang) * mscale, torch.sin(ang) * mscale
@@ -298,9 +240,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
             q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
             v.float().transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
         return o[0].transpose(0, 1)
-    g = H // Hkv
     if ggml_f16:
-        q = q.half()
+        return ggml_attention(q, k, v, mask, scale, softcap)
+    g = H // Hkv
     qf = q.float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)        # [Hkv, g, T, D]
     kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
     vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
@@ -310,8 +252,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    if ggml_f16:
-        p = p.half().float()
     o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
     return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
 
@@ -600,16 +540,7 @@ class Transformer:
             experts = ResidentExpertProvider.from_loader(moe_layers, load)
         act_types, mins = None, None
         if numerics == "ggml" and model_file.format == "gguf":
-            act_types, mins = {}, {}
-            for n in names:
-                qt = model_file.tensor_info(n).qtype
-                act_types[n] = GGML_VEC_DOT_TYPE.get(qt)
-                if qt in ("Q4_1", "Q5_1") and "_exps." not in n:
-                    raw = model_file.raw_tensor(n)
-                    bb = 20 if qt == "Q4_1" else 24
-                    blocks = np.ascontiguousarray(raw.data).reshape(*raw.data.shape[:-1], -1, bb)
-                    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-                    mins[n] = torch.from_numpy(m.astype(np.float32)).to(device)
+            act_types, mins = ggml_weight_numerics(model_file, names, device)
         return cls(spec, weights, experts, act_types, mins)
 
     def _mm(self, x: torch.Tensor, wt: torch.Tensor, layer: int, key: str) -> torch.Tensor:

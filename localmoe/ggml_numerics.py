@@ -1,0 +1,120 @@
+"""llama.cpp CPU-backend numerics, for the opt-in ``numerics="ggml"`` parity mode.
+
+The reference engine (``numerics="exact"``) computes the exact float function of the dequantized
+weights. llama.cpp's CPU backend deviates from that function in a few deterministic ways; this
+module reproduces them so that parity tests against llama.cpp on a *quantized* file can be tight:
+
+* quantized matmuls: the activations are first quantized to the weight type's ``vec_dot_type``
+  (ggml-cpu ``type_traits_cpu``): Q8_0 (blocks of 32, fp16 scale) for Q4_0/Q5_0/Q8_0, Q8_1 (same
+  values plus an fp16 ``d * sum(q)``) for Q4_1/Q5_1, Q8_K (blocks of 256, fp32 scale) for the
+  K-quants, a cast for F16/BF16 weights;
+* RoPE angles built by the float32 recurrence ``theta_{i+1} = theta_i * base^(-2/R)``;
+* attention with an F16 K/V cache: q and the softmax probabilities rounded to fp16.
+
+Nothing here is used by the default ``numerics="exact"`` path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# ggml-cpu type_traits_cpu[type].vec_dot_type, by weight type name
+GGML_VEC_DOT_TYPE = {
+    "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1",
+    "Q2_K": "q8_K", "Q3_K": "q8_K", "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K",
+    "IQ4_XS": "q8_K", "IQ4_NL": "q8_0", "F16": "f16", "BF16": "bf16",
+}
+
+
+def _ggml_q8(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dequantized x, fp32 block scale d [..., nb, 1], block sum of q [..., nb, 1])."""
+    B = 256 if kind == "q8_K" else 32
+    K = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], K // B, B)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # ggml-cpu x86: 127/max
+    q = torch.round(xb * inv)
+    ds = d if kind == "q8_K" else d.half().float()
+    return (q * ds).reshape(x.shape).to(x.dtype), d, q.sum(-1, keepdim=True)
+
+
+def ggml_act_quant(x: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """Round activations the way llama.cpp's CPU backend does before a quantized dot product.
+
+    ``q8_0``/``q8_1``: per 32 values ``d = amax/127`` (stored fp16), ``q = round(x * 127/amax)``;
+    ``q8_K``: per 256 values, fp32 scale (ggml-quants.c / ggml-cpu ``quantize_row_q8_*``);
+    ``f16``/``bf16``: a cast. Returns ``q * d`` (shape and dtype of ``x [..., K]``); ``None``
+    returns ``x``.
+    """
+    if kind is None:
+        return x
+    if kind == "f16":
+        return x.half().to(x.dtype)
+    if kind == "bf16":
+        return x.bfloat16().to(x.dtype)
+    if x.shape[-1] % (256 if kind == "q8_K" else 32):
+        return x
+    return _ggml_q8(x, kind)[0]
+
+
+def ggml_q8_1_min_correction(x: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Correction for Q4_1/Q5_1 weights (``w = d q + m`` per block of 32): ggml adds
+    ``m * s`` with ``s = fp16(d_x * sum(q_x))`` (block_q8_1.s) where ``x_deq @ W`` has
+    ``m * fp16(d_x) * sum(q_x)``. ``x [N, K]``, ``mins [out, K/32]`` -> ``[N, out]``."""
+    _, d, qs = _ggml_q8(x, "q8_1")
+    c = ((d * qs).half().float() - d.half().float() * qs).squeeze(-1)   # [N, K/32]
+    return c @ mins.t()
+
+
+def ggml_weight_numerics(model_file, names, device) -> tuple[dict, dict]:
+    """Per-tensor ggml data for a GGUF ``model_file``: ``(act_types, block_mins)`` where
+    ``act_types[name]`` is the vec_dot type of the tensor's weight type (None for F32) and
+    ``block_mins[name]`` the ``[out, K/32]`` fp32 block minimums of Q4_1/Q5_1 tensors (non-expert)."""
+    act_types, mins = {}, {}
+    for n in names:
+        qt = model_file.tensor_info(n).qtype
+        act_types[n] = GGML_VEC_DOT_TYPE.get(qt)
+        if qt in ("Q4_1", "Q5_1") and "_exps." not in n:
+            raw = model_file.raw_tensor(n)
+            bb = 20 if qt == "Q4_1" else 24
+            blocks = np.ascontiguousarray(raw.data).reshape(*raw.data.shape[:-1], -1, bb)
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+            mins[n] = torch.from_numpy(m.astype(np.float32)).to(device)
+    return act_types, mins
+
+
+def ggml_rope_angles(positions: torch.Tensor, half: int, base: float) -> torch.Tensor:
+    """RoPE angles ``[T, half]`` the way llama.cpp's ``rope_cache_init`` builds them (unscaled
+    RoPE): ``theta_0 = p``, ``theta_{i+1} = theta_i * powf(base, -2/R)`` in float32, whose
+    rounding grows with the position."""
+    step = torch.tensor(float(base), dtype=torch.float64).pow(-1.0 / half).float()
+    step = step.to(positions.device)
+    th = positions.to(torch.float32)
+    cols = []
+    for _ in range(half):
+        cols.append(th)
+        th = th * step
+    return torch.stack(cols, -1)
+
+
+def ggml_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention as llama.cpp's CPU graph computes it with an F16 K/V cache: q and the softmax
+    probabilities rounded to fp16 before their matmuls. ``q [T, H, D]``, ``k [L, Hkv, D]``,
+    ``v [L, Hkv, Dv]``, ``mask [T, L]`` bool (True = visible) or None -> ``[T, H, Dv]`` fp32."""
+    T, H, D = q.shape
+    L, Hkv, _ = k.shape
+    g = H // Hkv
+    qf = q.half().float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)   # [Hkv, g, T, D]
+    kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
+    vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
+    s = torch.matmul(qf, kf.unsqueeze(1)) * scale                     # [Hkv, g, T, L]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).half().float()
+    o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
+    return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
