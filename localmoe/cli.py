@@ -151,7 +151,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
             raise click.UsageError("give a PROMPT argument or pipe the prompt on stdin")
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.read().rstrip("\r\n")  # `echo hi |` adds a newline
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose)

@@ -24,6 +24,8 @@ takes the lock when iteration starts and releases it when the iterator finishes,
 
 from __future__ import annotations
 
+import os
+
 import threading
 import time
 from dataclasses import dataclass, field
@@ -179,8 +181,12 @@ class LLM:
         prog(0.2, f"loading weights ({be.name} backend)")
         runner = be.load(model_file, n_ctx=ctx, kv_spec=kv_spec, device=device, **backend_options)
         prog(1.0, "ready")
+        from .store import display_name
+
+        name = display_name(model) if model is None or isinstance(model, (str, os.PathLike)) \
+            else display_name(getattr(model_file, "path", None) or model_file.name)
         self._setup(runner, tokenizer, template, model_file=model_file,
-                    backend_reason=reason)
+                    backend_reason=reason, model_name=name)
 
     # -- construction ---------------------------------------------------------------------------
     @staticmethod

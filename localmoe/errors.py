@@ -47,7 +47,8 @@ class ContextOverflowError(LocalMoEError):
         super().__init__(
             message
             or f"prompt is {self.n_prompt} tokens but the context holds {self.n_ctx}; "
-            f"shorten the prompt or raise the context size (--ctx-size)"
+            f"shorten the prompt or raise the context size (--ctx-size on the command line, "
+            f"n_ctx in the Python API)"
         )
 
 

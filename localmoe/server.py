@@ -44,6 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .store import display_name
 from .errors import (ContextOverflowError, InvalidRequestError, LocalMoEError,
                      ModelNotFoundError, TemplateError)
 
@@ -561,18 +562,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _default_model_name(model: Any) -> str:
-    if model is None:
-        return "default"
-    s = str(model)
-    p = Path(s)
-    if p.suffix.lower() == ".gguf":
-        return p.stem
-    if p.is_dir():
-        return p.name
-    return s
-
-
 def _check_port_free(host: str, port: int) -> None:
     """Raise LocalMoEError when ``host:port`` cannot be bound (in use, no permission, bad host)."""
     import socket
@@ -643,7 +632,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                    kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
 
     app = create_app(factory, api_key=api_key,
-                     model_name=model_name or _default_model_name(model_file.path),
+                     model_name=model_name or display_name(model),
                      aliases={str(model) if model is not None else "", model_file.name,
                               Path(str(model_file.path)).name})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),

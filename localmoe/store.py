@@ -530,6 +530,21 @@ class ModelStore:
             f"of the pullable names {', '.join(self.catalog)}; give a path or `localmoe pull` it")
 
 
+def display_name(model: str | os.PathLike | None) -> str:
+    """Short name a user knows a model by, as Ollama shows it: the store or catalog name as
+    given (``"smollm2"``), a ``.gguf`` file's name without the suffix, a safetensors folder's
+    name, or :data:`DEFAULT_MODEL` for None."""
+    if model is None or str(model).strip() == "":
+        return DEFAULT_MODEL
+    s = str(model).strip()
+    p = Path(s)
+    if p.suffix.lower() == ".gguf":
+        return p.stem
+    if p.is_dir():
+        return p.name
+    return s
+
+
 def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
     """Path of a model given by path, store name, catalog name, ``hf:`` reference or None
     (the default model, pulled on first use). See :meth:`ModelStore.resolve`."""

@@ -242,3 +242,27 @@ def test_info_moe_counts_active_params(tmp_path):
     assert d["chat_template"] is True
     r = run(["info", str(p)])
     assert r.exit_code == 0 and "8 experts, top-2" in r.output
+
+
+def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
+    import localmoe.cli as cli_mod
+
+    seen = {}
+
+    class StopHere(Exception):
+        pass
+
+    class FakeLLM:
+        template = None
+
+        def generate(self, prompt, **kw):
+            seen["prompt"] = prompt
+            raise StopHere
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: FakeLLM())
+    r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--raw"], input="Hello there\n\n")
+    assert isinstance(r.exception, StopHere)
+    assert seen["prompt"] == "Hello there"

@@ -479,3 +479,23 @@ def test_context_above_training_context_is_refused_before_loading(tmp_path):
     with pytest.raises(InvalidRequestError, match=f"training context of {n_train}") as e:
         LLM(path, backend="torch", n_ctx=n_train * 100)
     assert e.value.param == "n_ctx"
+
+
+def test_model_name_is_the_name_the_user_gave(tmp_path):
+    from localmoe.engine import LLM
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "my-model.Q8_0.gguf", "tiny-llama")
+    assert LLM(path, backend="torch", n_ctx=32).model_name == "my-model.Q8_0"
+    assert LLM(str(path), backend="torch", n_ctx=32).model_name == "my-model.Q8_0"
+    # an already opened ModelFile is named by its file too, not by general.name
+    mf = open_model(path)
+    assert LLM(mf, backend="torch", n_ctx=32).model_name == "my-model.Q8_0" != mf.name
+
+
+def test_context_overflow_message_names_both_surfaces():
+    from localmoe.errors import ContextOverflowError
+
+    msg = str(ContextOverflowError(10, 8))
+    assert "10 tokens" in msg and "holds 8" in msg and "n_ctx" in msg and "--ctx-size" in msg

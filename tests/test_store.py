@@ -347,3 +347,14 @@ def test_pull_refuses_a_truncated_gguf(home, tmp_path, smollm2_path):
     with pytest.raises(ModelLoadError, match="truncated"):
         ModelStore().pull(str(half))
     assert not any(home.rglob("half*"))
+
+
+def test_display_name(tmp_path):
+    from localmoe.store import DEFAULT_MODEL, display_name
+
+    assert display_name(None) == DEFAULT_MODEL and display_name("  ") == DEFAULT_MODEL
+    assert display_name("smollm2") == "smollm2"
+    assert display_name(tmp_path / "Qwen3-30B-A3B.Q4_K_M.gguf") == "Qwen3-30B-A3B.Q4_K_M"
+    (tmp_path / "hf-folder").mkdir()
+    assert display_name(tmp_path / "hf-folder") == "hf-folder"
+    assert display_name("hf:org/repo") == "hf:org/repo"

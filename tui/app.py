@@ -40,6 +40,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar
 
 from localmoe.errors import ContextOverflowError, LocalMoEError
+from localmoe.store import DEFAULT_MODEL
 
 from .engine_api import (
     EngineFactory,
@@ -369,7 +370,7 @@ class ChatApp(App):
     def _ensure_saved_chat(self, first_prompt: str) -> int:
         if self.chat_id is None:
             title = first_prompt.strip().splitlines()[0][:48] if first_prompt.strip() else "New chat"
-            chat = self.store.create_chat(title, model=self.model, settings=self.settings)
+            chat = self.store.create_chat(title, model=self.model or DEFAULT_MODEL, settings=self.settings)
             self.chat_id = chat.id
         return self.chat_id
 
