@@ -5,7 +5,9 @@ Everything except attention and the KV write is inherited from the reference
 Overrides:
 
 * K/V write: quantized formats are packed straight into the paged store by
-  :func:`localmoe.kernels.kv_quant_append.kv_quant_append` (float formats are a plain copy).
+  :func:`localmoe.kernels.kv_quant_append.kv_quant_append` (float formats are a plain copy;
+  per-channel keys go through the codec's ``write``, torch ops on the GPU: a page is
+  quantized once per ``block_size`` tokens).
 * Decode (every sequence of the batch adds one token): one launch of
   :func:`localmoe.kernels.decode_attention.decode_attention` for the whole batch, reading the
   packed blocks and dequantizing in registers (split-K over the sequence).
@@ -13,7 +15,8 @@ Overrides:
   dequantized by the codec (torch ops on the GPU) and fed to SDPA.
 
 Unsupported cases fall back to the reference path per call (non power-of-two head sizes,
-attention logit softcapping, the ``ggml`` numerics mode).
+attention logit softcapping, the ``ggml`` numerics mode, per-channel keys while
+``kernels.decode_attention.SUPPORTS_CHANNEL_KEYS`` is not set).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class TritonRunner(TorchRunner):
         pos = torch.arange(seq.start, seq.start + k.shape[0], device=c.device)
         row = c.seq_row(seq.seq_id)
         for codec, store, x in ((c.k_codec, c.k_stores[layer], k), (c.v_codec, c.v_stores[layer], v)):
-            if hasattr(codec, "quantize_rows"):
+            if hasattr(codec, "quantize_rows") and not getattr(codec, "channel", False):
                 kv_quant_append(codec, store, slots, x, pos, row)
             else:
                 codec.write(store, slots, x, pos, seq_row=row)
@@ -72,7 +75,13 @@ class TritonRunner(TorchRunner):
         single token; otherwise the reference per-sequence path."""
         if not self._fused or any(s.n != 1 for s in seqs):
             return super().attention_layer(layer, q, k, v, seqs)
+        import localmoe.kernels.decode_attention as _da
         from localmoe.kernels.decode_attention import decode_attention
+
+        if getattr(self.cache.k_codec, "channel", False) and not getattr(
+                _da, "SUPPORTS_CHANNEL_KEYS", False):
+            # per-channel keys (cscale/czero per page) until the kernel reads them
+            return super().attention_layer(layer, q, k, v, seqs)
 
         for s in seqs:
             self.write_kv(layer, s, k[s.lo:s.hi], v[s.lo:s.hi])

@@ -38,6 +38,10 @@ _ALIASES = {
     "q3": "int3", "q2": "int2", "e2m1": "fp4", "nvfp4": "fp4",
 }
 FLOAT_FORMATS = ("f32", "f16", "bf16")
+# Key grouping of the int formats: "token" = groups of G consecutive channels of one token
+# (per-token scales), "channel" = per channel over the tokens of one cache page (KIVI).
+KEY_GROUPINGS = ("token", "channel")
+_GROUPING_ALIASES = {"c": "channel", "channel": "channel", "t": "token", "token": "token"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class KVFormat:
     name: str
     bits: int
     group_size: int = 0
+    grouping: str = ""
 
     @property
     def is_float(self) -> bool:
@@ -60,32 +65,48 @@ class KVFormat:
 
     @classmethod
     def parse(cls, text: str) -> "KVFormat":
-        """Parse ``"int4"``, ``"q4_0"``, ``"int4:g64"`` (group size 64), ...
+        """Parse ``"int4"``, ``"q4_0"``, ``"int4:g64"`` (group size 64), ``"int4:c"`` (keys
+        per channel, KIVI), ``"int4:t:g16"`` (per-token groups of 16 channels), ...
+
+        Options after ``:`` (any order): ``gN`` group size along head_dim (power of two),
+        ``c``/``channel`` or ``t``/``token`` key grouping (int formats only; see
+        :data:`KEY_GROUPINGS`). Without a grouping option the codec's default applies.
 
         Raises:
-            KVCacheFormatError: unknown name or bad group size.
+            KVCacheFormatError: unknown name or option, bad group size, grouping on a float or
+                fp4 format.
         """
         if isinstance(text, KVFormat):
             return text
         raw = str(text).strip().lower()
-        name, _, opt = raw.partition(":")
+        name, _, opts = raw.partition(":")
         name = _ALIASES.get(name, name)
         if name not in KV_FORMAT_TABLE:
             raise KVCacheFormatError(
                 f"unknown KV cache format {text!r}; choose one of: {', '.join(KV_FORMAT_TABLE)}")
         bits, group = KV_FORMAT_TABLE[name]
-        if opt:
+        grouping = ""
+        for opt in (o for o in opts.split(":") if o) if opts else ():
+            if opt in _GROUPING_ALIASES and name not in FLOAT_FORMATS and name != "fp4":
+                grouping = _GROUPING_ALIASES[opt]
+                continue
             if name in FLOAT_FORMATS or not opt.startswith("g") or not opt[1:].isdigit():
+                extra = (" (fp4 and float formats have no key grouping option)"
+                         if opt in _GROUPING_ALIASES else "")
                 raise KVCacheFormatError(
-                    f"bad KV format option {opt!r} in {text!r}; use e.g. 'int4:g64' (group size)")
+                    f"bad KV format option {opt!r} in {text!r}{extra}; use e.g. 'int4:g64' "
+                    "(group size) or 'int4:c' (keys per channel)")
             group = int(opt[1:])
             if group <= 0 or group & (group - 1):
                 raise KVCacheFormatError(f"KV group size must be a power of two, got {group}")
-        return cls(name, bits, group)
+        return cls(name, bits, group, grouping)
 
     def __str__(self) -> str:
         default = KV_FORMAT_TABLE[self.name][1]
-        return self.name if self.group_size == default else f"{self.name}:g{self.group_size}"
+        out = self.name
+        if self.grouping:
+            out += ":c" if self.grouping == "channel" else ":t"
+        return out if self.group_size == default else f"{out}:g{self.group_size}"
 
 
 @dataclass(frozen=True)
@@ -107,16 +128,23 @@ class KVSpec:
 
     @classmethod
     def parse(cls, kv: "str | KVSpec | None" = "f16", k: str | None = None, v: str | None = None,
-              outlier_frac: float = 0.0, sink_tokens: int = 0, window: int = 0) -> "KVSpec":
+              outlier_frac: float = 0.0, sink_tokens: int = 0, window: int = 0,
+              kgroup: str | None = None) -> "KVSpec":
         """Build a spec from CLI/API strings: ``kv`` sets both, ``k``/``v`` override one side.
         ``kv`` may also use the :meth:`__str__` syntax with options, e.g.
         ``"int2,outliers=0.04,sinks=4,window=64"`` or ``"k=int4,v=int2,outliers=2%"``, so
         ``KVSpec.parse(str(spec)) == spec``.
 
+        Key grouping: ``"int4:c"`` (or ``kgroup="channel"``, ``"int4,kgroup=channel"``) stores
+        keys per channel over each cache page (KIVI); ``":t"`` / ``kgroup="token"`` per token.
+        A grouping given through ``kv`` (both sides) applies to the keys only; values are always
+        grouped per token.
+
         Raises:
-            KVCacheFormatError: unknown format or out-of-range option.
+            KVCacheFormatError: unknown format or out-of-range option, a grouping on values
+                (``v="int4:c"``), on fp4 or on a float format.
         """
-        if isinstance(kv, KVSpec) and k is None and v is None:
+        if isinstance(kv, KVSpec) and k is None and v is None and kgroup is None:
             return kv
         if isinstance(kv, str) and ("," in kv or "=" in kv):
             # the str() syntax: "int2,outliers=0.04,sinks=4,window=64", "k=int4,v=int2"
@@ -137,6 +165,8 @@ class KVSpec:
                         sink_tokens = int(val)
                     elif key == "window":
                         window = int(val)
+                    elif key in ("kgroup", "key_grouping"):
+                        kgroup = kgroup or val
                     else:
                         raise ValueError(key)
                 except ValueError:
@@ -147,6 +177,22 @@ class KVSpec:
         base = KVFormat.parse(kv or "f16") if not isinstance(kv, KVSpec) else None
         kf = KVFormat.parse(k) if k else (kv.k if isinstance(kv, KVSpec) else base)
         vf = KVFormat.parse(v) if v else (kv.v if isinstance(kv, KVSpec) else base)
+        if v and vf.grouping == "channel":
+            raise KVCacheFormatError(
+                f"per-channel grouping applies to keys only, not to values ({v!r}); values are "
+                "grouped per token")
+        if vf.grouping:  # a grouping given for both sides is the keys' grouping
+            vf = KVFormat(vf.name, vf.bits, vf.group_size)
+        if kgroup is not None:
+            g = _GROUPING_ALIASES.get(str(kgroup).strip().lower())
+            if g is None:
+                raise KVCacheFormatError(
+                    f"unknown key grouping {kgroup!r}; use 'channel' (KIVI) or 'token'")
+            if kf.is_float or kf.name == "fp4":
+                raise KVCacheFormatError(
+                    f"key grouping {g!r} needs an int key format (int8/int4/int3/int2), "
+                    f"not {kf.name}")
+            kf = KVFormat(kf.name, kf.bits, kf.group_size, g)
         if not (0.0 <= float(outlier_frac) < 0.5):
             raise KVCacheFormatError(f"outlier fraction must be in [0, 0.5), got {outlier_frac}")
         if sink_tokens < 0 or window < 0:
@@ -165,18 +211,24 @@ class KVSpec:
             extra.append(f"sinks={self.sink_tokens}")
         if self.window:
             extra.append(f"window={self.window}")
-        base = str(self.k) if self.k == self.v else f"k={self.k},v={self.v}"
+        same = self.k == self.v or (not self.v.grouping
+                                    and KVFormat(self.k.name, self.k.bits, self.k.group_size) == self.v)
+        base = str(self.k) if same else f"k={self.k},v={self.v}"
         return ",".join([base] + extra)
 
-    def bits_per_value(self, which: str, head_dim: int) -> float:
-        """Average stored bits per K (``which="k"``) or V value, scales and outliers included."""
+    def bits_per_value(self, which: str, head_dim: int, block_size: int = 16) -> float:
+        """Average stored bits per K (``which="k"``) or V value, scales, zero points and
+        outliers included; ``block_size`` (tokens per cache page) matters for per-channel
+        keys, whose fp16 scale and zero per channel per page cost ``32 / block_size`` bits."""
         fmt = self.k if which == "k" else self.v
-        return get_codec_class(fmt.name).bits_per_value(fmt, head_dim, self)
+        return get_codec_class(fmt.name).bits_per_value(fmt, head_dim, self, role=which,
+                                                        block_size=block_size)
 
-    def bytes_per_token(self, spec: Any) -> float:
-        """KV bytes stored per token over all layers of ``spec`` (a ModelSpec)."""
-        k = self.bits_per_value("k", spec.head_dim) * spec.head_dim
-        v = self.bits_per_value("v", spec.v_head_dim) * spec.v_head_dim
+    def bytes_per_token(self, spec: Any, block_size: int = 16) -> float:
+        """KV bytes stored per token over all layers of ``spec`` (a ModelSpec) with pages of
+        ``block_size`` tokens."""
+        k = self.bits_per_value("k", spec.head_dim, block_size) * spec.head_dim
+        v = self.bits_per_value("v", spec.v_head_dim, block_size) * spec.v_head_dim
         return spec.n_layers * spec.n_kv_heads * (k + v) / 8.0
 
 
@@ -209,12 +261,17 @@ class KVCodec:
         raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be read")
 
     @classmethod
-    def bits_per_value(cls, fmt: KVFormat, head_dim: int, kv_spec: KVSpec) -> float:
+    def bits_per_value(cls, fmt: KVFormat, head_dim: int, kv_spec: KVSpec, *, role: str = "k",
+                       block_size: int = 16) -> float:
+        """Stored bits per value of ``fmt`` for ``role`` ("k"/"v") with ``block_size``-token
+        pages."""
         return float(fmt.bits)
 
     def bytes_per_token(self) -> float:
         """Bytes per token for this layer and tensor kind (all kv heads)."""
-        return self.bits_per_value(self.fmt, self.head_dim, self.kv_spec) * self.head_dim \
+        return self.bits_per_value(self.fmt, self.head_dim, self.kv_spec,
+                                   role=getattr(self, "role", "k"),
+                                   block_size=getattr(self, "block_size", 16)) * self.head_dim \
             * self.n_kv_heads / 8.0
 
 
@@ -244,9 +301,10 @@ def kv_format_table(spec: Any, formats: tuple[str, ...] = ("f16", "bf16", "int8"
     """Bytes per token of every KV format for a model (for ``localmoe info``).
 
     Returns:
-        ``[{"format": str, "bits_per_value": float, "bytes_per_token": float,
-        "ratio_vs_f16": float}, ...]``; formats whose group does not fit ``head_dim`` are
-        left out.
+        ``[{"format": str, "bits_per_value": float (keys), "bits_k": float, "bits_v": float,
+        "bytes_per_token": float, "ratio_vs_f16": float}, ...]`` (16-token pages: per-channel
+        keys include their per-page scale and zero); formats whose group does not fit
+        ``head_dim`` are left out.
     """
     rows = []
     f16 = KVSpec.parse("f16").bytes_per_token(spec)
@@ -254,7 +312,9 @@ def kv_format_table(spec: Any, formats: tuple[str, ...] = ("f16", "bf16", "int8"
         try:
             kv = KVSpec.parse(name)
             b = kv.bytes_per_token(spec)
-            rows.append({"format": name, "bits_per_value": kv.bits_per_value("k", spec.head_dim),
+            bk = kv.bits_per_value("k", spec.head_dim)
+            rows.append({"format": name, "bits_per_value": bk, "bits_k": bk,
+                         "bits_v": kv.bits_per_value("v", spec.v_head_dim),
                          "bytes_per_token": b, "ratio_vs_f16": b / f16})
         except LocalMoEError:
             continue
@@ -262,11 +322,13 @@ def kv_format_table(spec: Any, formats: tuple[str, ...] = ("f16", "bf16", "int8"
 
 
 def _make_codec(cls: type, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spec: KVSpec,
-                role: str, max_seqs: int) -> KVCodec:
-    """Instantiate a codec, passing ``role``/``max_seqs`` to codecs that take them (the
-    quantized ones: key rotation and per-sequence sink/window buffers)."""
+                role: str, max_seqs: int, block_size: int = 16) -> KVCodec:
+    """Instantiate a codec, passing ``role``/``max_seqs``/``block_size`` to codecs that take
+    them (the quantized ones: key grouping and rotation, per-sequence sink/window buffers,
+    per-page channel scales)."""
     try:
-        return cls(fmt, n_kv_heads, head_dim, kv_spec, role=role, max_seqs=max_seqs)
+        return cls(fmt, n_kv_heads, head_dim, kv_spec, role=role, max_seqs=max_seqs,
+                   block_size=block_size)
     except TypeError:
         return cls(fmt, n_kv_heads, head_dim, kv_spec)
 
@@ -322,9 +384,9 @@ class PagedKVCache:
         kcls = get_codec_class(kv_spec.k.name)
         vcls = get_codec_class(kv_spec.v.name)
         self.k_codec = _make_codec(kcls, kv_spec.k, spec.n_kv_heads, spec.head_dim, kv_spec,
-                                   "k", self.max_seqs)
+                                   "k", self.max_seqs, self.block_size)
         self.v_codec = _make_codec(vcls, kv_spec.v, spec.n_kv_heads, spec.v_head_dim, kv_spec,
-                                   "v", self.max_seqs)
+                                   "v", self.max_seqs, self.block_size)
         self.k_stores = [self.k_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self.v_stores = [self.v_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self._free_blocks = list(range(self.n_blocks - 1, -1, -1))
@@ -382,7 +444,12 @@ class PagedKVCache:
         return self._lens[seq_id]
 
     def truncate(self, seq_id: int, n: int) -> None:
-        """Keep the first ``n`` committed tokens; blocks past them go back to the pool."""
+        """Keep the first ``n`` committed tokens; blocks past them go back to the pool.
+
+        Codecs need no notice: side-buffer entries are tagged with their positions, and a
+        per-channel key page cut in the middle keeps its codes and scales until a later write
+        completes it again (its tokens before ``n`` are then re-quantized from the ring or from
+        those codes)."""
         self._check(seq_id)
         n = max(0, min(int(n), self._lens[seq_id]))
         self._lens[seq_id] = n
@@ -462,5 +529,5 @@ class PagedKVCache:
 
     def used_bytes(self) -> int:
         """Bytes of K/V data held by live sequences' committed tokens (format-exact)."""
-        per_tok = self.kv_spec.bytes_per_token(self.spec)
+        per_tok = self.kv_spec.bytes_per_token(self.spec, self.block_size)
         return int(per_tok * sum(self._lens.values()))
