@@ -17,6 +17,15 @@ Quantization (per token, per kv head, groups of ``G`` consecutive channels of ``
   ``s = e4m3(absmax / 6)``, ``x_hat = s * e2m1(round_nearest(x / s))``. Error bound: half the
   E2M1 spacing at the value's magnitude times ``s`` (<= ``s``), see :func:`fp4_error_bound`.
 
+**Per-channel keys** (KIVI, Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit
+Quantization for KV Cache"; format option ``int4:c``, ``codec.channel``): for keys of the int
+formats, one fp16 scale and zero per (page, head, channel) from the min/max of that channel over
+the ``PAGE = block_size`` tokens of a cache page, codes as above. A page is quantized when its
+last token is written; until then its tokens live only in the fp16 ring (ring size
+``max(window, PAGE)``), which every read consults first. No outliers and no rotation in this
+mode (``outlier_frac`` then applies to values only). Error bound per value: half a step of the
+channel's range over the page, see :func:`channel_error_bound`.
+
 Optional extras, all per :class:`~localmoe.kv_cache.KVSpec`:
 
 * **Outliers** (dense-and-sparse, KVQuant, Hooper et al., 2024): per token and head the
@@ -41,8 +50,11 @@ key            shape, dtype             meaning
 =============  =======================  =====================================================
 ``q``          [H, S, D*P/8] uint8      codes, P = plane bits (B, or 2 for int3)
 ``q_hi``       [H, S, D/8] uint8        int3 only: the third (high) bit of every code
-``scale``      [H, S, NG] fp16 | uint8  int: fp16 scale; fp4: E4M3 scale byte
-``zero``       [H, S, NG] fp16          int only: group minimum
+``scale``      [H, S, NG] fp16 | uint8  int: fp16 scale; fp4: E4M3 scale byte (not per-channel)
+``zero``       [H, S, NG] fp16          int only: group minimum (not per-channel)
+``cscale``     [H, NB, D] fp16          per-channel keys: scale of (head, page, channel),
+                                        NB = S // PAGE, page of a slot = ``slot // PAGE``
+``czero``      [H, NB, D] fp16          per-channel keys: zero; ``x = code * cscale + czero``
 ``oidx``       [H, S, n_out] uint8      outlier channel indices (if outlier_frac > 0)
 ``oval``       [H, S, n_out] fp16       outlier values
 ``sink``       [R, H, n_sink, D] fp16   sink tokens of each sequence row (R = max_seqs)
@@ -75,9 +87,16 @@ E4M3_MAX = 448.0
 E4M3_MIN_SUB = 2.0 ** -9
 FP16_MAX = 65504.0
 
-# Default key grouping: per-token groups along head_dim without rotation (measured, see
-# docs/KV-QUALITY.md). Set per codec with ``rotate=True``.
+# Default key rotation in per-token mode: none (measured, see docs/KV-QUALITY.md). Set per
+# codec with ``rotate=True``.
 DEFAULT_KEY_ROTATE = False
+# Default grouping of int keys whose format names none (``int4`` rather than ``int4:c`` /
+# ``int4:t``): "channel" (KIVI, per channel over each cache page) or "token". Measured in
+# docs/KV-QUALITY.md. Formats listed in CHANNEL_KEY_FORMATS take the default; the others
+# (int8) stay per token unless asked.
+DEFAULT_KEY_GROUPING = "token"
+CHANNEL_KEY_FORMATS = ("int4", "int3", "int2")
+MIN_CHANNEL_PAGE = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,6 +316,61 @@ def int_error_bound(x: torch.Tensor, bits: int, group: int,
     return b.unsqueeze(-1).expand_as(xg).reshape(x.shape)
 
 
+def quantize_channel(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel asymmetric quantization of whole pages (KIVI keys, Liu et al., 2024): every
+    (page, head, channel) gets its own fp16 scale and zero from the min/max over the page's
+    tokens, with the same rounding rule as :func:`quantize_int`.
+
+    Args:
+        x: float Tensor[NP, PAGE, H, D] (NP pages of PAGE tokens; finite, already fp16-rounded
+            by the caller if bit-exact agreement with fp16 inputs matters).
+        bits: 2..8.
+
+    Returns:
+        codes uint8 [NP, PAGE, H, D], cscale fp16 [NP, H, D], czero fp16 [NP, H, D].
+    """
+    page = x.shape[1]
+    xt = x.float().permute(0, 2, 3, 1)                       # [NP, H, D, PAGE]
+    codes, scale, zero = quantize_int(xt, bits, page)        # one group = the page's tokens
+    return codes.permute(0, 3, 1, 2), scale[..., 0], zero[..., 0]
+
+
+def dequantize_channel(codes: torch.Tensor, cscale: torch.Tensor, czero: torch.Tensor
+                       ) -> torch.Tensor:
+    """``codes * cscale + czero`` element-wise: uint8 [..., D] with the scale and zero of each
+    value's page and channel fp16 [..., D] (gathered by the caller) -> float32 [..., D]."""
+    return codes.float() * cscale.float() + czero.float()
+
+
+def channel_error_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Analytic per-value bound of the per-channel round trip for float32 pages
+    ``x`` [NP, PAGE, H, D]: :func:`int_error_bound` with the page's tokens of one channel as the
+    group -> float32 [NP, PAGE, H, D]."""
+    xt = x.float().permute(0, 2, 3, 1)
+    return int_error_bound(xt, bits, x.shape[1]).permute(0, 3, 1, 2)
+
+
+def key_grouping(fmt: KVFormat, role: str) -> str:
+    """Effective grouping (``"channel"`` or ``"token"``) of a codec of ``fmt`` in ``role``
+    ("k"/"v"): the format's explicit ``:c``/``:t`` option, else :data:`DEFAULT_KEY_GROUPING`
+    for keys of :data:`CHANNEL_KEY_FORMATS`; values, fp4 and float formats are per token.
+
+    Raises:
+        KVCacheFormatError: per-channel grouping asked for values or for fp4.
+    """
+    g = getattr(fmt, "grouping", "") or ""
+    if g == "channel":
+        if fmt.name not in QUANT_FORMATS or fmt.name == "fp4":
+            raise KVCacheFormatError(f"per-channel grouping needs an int format, not {fmt.name}")
+        if role != "k":
+            raise KVCacheFormatError("per-channel grouping applies to keys only (values are "
+                                     "grouped per token)")
+        return "channel"
+    if g == "token" or role != "k" or fmt.name not in CHANNEL_KEY_FORMATS:
+        return "token"
+    return DEFAULT_KEY_GROUPING
+
+
 def fp4_error_bound(x: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
     """Analytic per-value bound of ``|x - dequant(quant(x))|`` for ``fp4``: with the decoded
     E4M3 scale ``s`` (which may be up to 1/16 below absmax/6, so values may clip by that much),
@@ -325,28 +399,52 @@ class QuantCodec(KVCodec):
         fmt: KVFormat with name in :data:`QUANT_FORMATS`.
         n_kv_heads, head_dim: per-token shape ``[n_kv_heads, head_dim]``.
         kv_spec: the cache's KVSpec (outlier_frac, sink_tokens, window).
-        role: ``"k"`` or ``"v"`` (only keys may be rotated).
+        role: ``"k"`` or ``"v"`` (only keys may be rotated or grouped per channel).
         max_seqs: sequence rows of the sink/window side buffers.
         rotate: Hadamard-rotate keys before quantization (default :data:`DEFAULT_KEY_ROTATE`
-            for keys with a power-of-two head_dim, never for values).
+            for per-token keys with a power-of-two head_dim, never for values).
+        block_size: tokens per cache page; per-channel keys keep one scale and zero per
+            (page, head, channel).
+
+    Attributes (besides the format's): ``channel`` (bool) keys are grouped per channel over
+    each page (then ``block_size`` is the page, ``group == block_size`` tokens share a scale,
+    ``n_out == 0``, ``rotate`` is False and ``window`` is the ring size
+    ``max(kv_spec.window, block_size)``).
 
     Raises:
-        KVCacheFormatError: group size does not divide head_dim, or head_dim is not packable.
+        KVCacheFormatError: group size does not divide head_dim, head_dim is not packable,
+            per-channel grouping for values/fp4, with a Hadamard rotation, or with a block
+            size below :data:`MIN_CHANNEL_PAGE`.
     """
 
     def __init__(self, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spec: KVSpec, *,
-                 role: str = "k", max_seqs: int = 1, rotate: bool | None = None):
+                 role: str = "k", max_seqs: int = 1, rotate: bool | None = None,
+                 block_size: int = 16):
         super().__init__(fmt, n_kv_heads, head_dim, kv_spec)
         if fmt.name not in QUANT_FORMATS:
             raise KVCacheFormatError(f"{fmt.name} is not a quantized KV format")
         self.bits = fmt.bits
         self.is_fp4 = fmt.name == "fp4"
+        self.role = role
+        self.block_size = int(block_size)
+        self.channel = key_grouping(fmt, role) == "channel"
         self.group = FP4_GROUP if self.is_fp4 else min(fmt.group_size or 32, head_dim)
-        if head_dim % self.group or head_dim % 8:
+        if self.channel:
+            if self.block_size < MIN_CHANNEL_PAGE:
+                raise KVCacheFormatError(
+                    f"per-channel keys ({fmt}) need a KV block size of at least "
+                    f"{MIN_CHANNEL_PAGE} tokens, got {self.block_size}; use a larger block size "
+                    f"or per-token keys ('{fmt.name}:t')")
+            if rotate:
+                raise KVCacheFormatError(
+                    "per-channel keys are not Hadamard-rotated; use per-token keys "
+                    f"('{fmt.name}:t') with rotate=True")
+            rotate = False
+            self.group = self.block_size
+        if head_dim % 8 or (not self.channel and head_dim % self.group):
             raise KVCacheFormatError(
                 f"KV format {fmt} needs head_dim ({head_dim}) to be a multiple of its group size "
                 f"{self.group} and of 8; pick another group size (e.g. '{fmt.name}:g16')")
-        self.role = role
         self.max_seqs = max(1, int(max_seqs))
         pow2 = head_dim & (head_dim - 1) == 0
         if rotate is None:
@@ -354,19 +452,26 @@ class QuantCodec(KVCodec):
         if rotate and (role != "k" or not pow2):
             raise KVCacheFormatError("Hadamard rotation applies to keys with a power-of-two head_dim")
         self.rotate = bool(rotate)
-        self.n_out = outlier_count(kv_spec.outlier_frac, head_dim)
+        # per-channel keys have no outlier channels (the per-channel scales absorb them)
+        self.n_out = 0 if self.channel else outlier_count(kv_spec.outlier_frac, head_dim)
         self.n_sink = int(kv_spec.sink_tokens)
         self.window = int(kv_spec.window)
+        if self.channel:  # the ring must hold every token of a page that is not complete yet
+            self.window = max(self.window, self.block_size)
         self.pbits = plane_bits(self.bits)
         self._had: dict[str, torch.Tensor] = {}
 
     # --- sizes ----------------------------------------------------------------------------
     @classmethod
-    def bits_per_value(cls, fmt: KVFormat, head_dim: int, kv_spec: KVSpec) -> float:
-        """Stored bits per value with scales and outliers (sinks/window are per sequence and
-        not counted here; see :meth:`side_bytes`)."""
+    def bits_per_value(cls, fmt: KVFormat, head_dim: int, kv_spec: KVSpec, *, role: str = "k",
+                       block_size: int = 16) -> float:
+        """Stored bits per value with scales, zero points and outliers (sinks/window are per
+        sequence and not counted here; see :meth:`side_bytes`). Per-token int: ``B + 32/G``;
+        per-channel keys: ``B + 32/block_size`` (fp16 scale + zero per channel per page)."""
         if fmt.name == "fp4":
             per = 4 + 8 / FP4_GROUP
+        elif key_grouping(fmt, role) == "channel":
+            return fmt.bits + 32 / max(1, int(block_size))
         else:
             g = min(fmt.group_size or 32, head_dim)
             per = fmt.bits + 32 / g
@@ -388,14 +493,26 @@ class QuantCodec(KVCodec):
 
     # --- storage --------------------------------------------------------------------------
     def alloc(self, n_slots: int, device: Any) -> dict[str, torch.Tensor]:
-        """Zeroed packed storage for ``n_slots`` slots (see the layout table)."""
+        """Zeroed packed storage for ``n_slots`` slots (see the layout table).
+
+        Raises:
+            KVCacheFormatError: per-channel keys and ``n_slots`` not a multiple of the page.
+        """
         h, d = self.n_kv_heads, self.head_dim
         ng = d // self.group
         dev = torch.device(device)
         st = {"q": torch.zeros(h, n_slots, d * self.pbits // 8, dtype=torch.uint8, device=dev)}
         if self.bits == 3:
             st["q_hi"] = torch.zeros(h, n_slots, d // 8, dtype=torch.uint8, device=dev)
-        if self.is_fp4:
+        if self.channel:
+            if n_slots % self.block_size:
+                raise KVCacheFormatError(
+                    f"per-channel key storage needs whole pages: {n_slots} slots is not a "
+                    f"multiple of the block size {self.block_size}")
+            nb = n_slots // self.block_size
+            st["cscale"] = torch.zeros(h, nb, d, dtype=torch.float16, device=dev)
+            st["czero"] = torch.zeros(h, nb, d, dtype=torch.float16, device=dev)
+        elif self.is_fp4:
             st["scale"] = torch.zeros(h, n_slots, ng, dtype=torch.uint8, device=dev)
         else:
             st["scale"] = torch.zeros(h, n_slots, ng, dtype=torch.float16, device=dev)
@@ -463,7 +580,14 @@ class QuantCodec(KVCodec):
               positions: torch.Tensor, seq_row: int | None = None) -> None:
         """Quantize and store ``x`` float [T, H, D] at ``slots`` LongTensor[T]; positions
         LongTensor[T] select sink/window tokens, whose fp16 copies go to row ``seq_row``
-        (default 0) of the side buffers."""
+        (default 0) of the side buffers.
+
+        Per-channel keys (``self.channel``): ``positions`` must be consecutive
+        (``p0 .. p0+T-1``, one sequence) and ``slots`` their paged slots; see
+        :meth:`write_channel`.
+        """
+        if self.channel:
+            return self.write_channel(store, slots, x, positions, seq_row)
         packed = self.quantize_rows(self.prepare(x))
         for k, v in packed.items():
             store[k][:, slots] = v.transpose(0, 1)
@@ -488,12 +612,101 @@ class QuantCodec(KVCodec):
             store["ring"][row][:, r] = xh[keep].transpose(0, 1)
             store["ring_pos"][row][r] = p.to(torch.int32)
 
+    def write_channel(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
+                      positions: torch.Tensor, seq_row: int | None = None) -> None:
+        """Per-channel key write (KIVI, Liu et al., 2024, grouped per cache page).
+
+        Every new token goes to the fp16 ring (and sinks to the sink buffer). Each page that
+        this call completes (a position ``p`` with ``(p + 1) % block_size == 0``) is quantized
+        as a whole: for every (head, channel) an fp16 scale and zero from the min/max over the
+        page's ``block_size`` tokens (:func:`quantize_channel`), codes packed into ``q``
+        (``q_hi``) at the page's slots and ``cscale``/``czero`` at block ``slot // block_size``.
+        Page tokens written by earlier calls are taken from the ring (or the sink buffer), or,
+        when a truncation let the ring forget them, from the page's current codes (the page was
+        complete before). Inputs are rounded to fp16 first, so one prefill and token-by-token
+        decoding store the same bytes. Vectorized over pages (no loop over tokens).
+
+        Args:
+            store: this codec's storage (:meth:`alloc`).
+            slots: LongTensor[T] slots of ``positions`` (page-aligned: position ``p`` at
+                ``block * block_size + p % block_size``).
+            x: float Tensor[T, H, D] new keys.
+            positions: LongTensor[T], consecutive ``p0 .. p0+T-1``.
+            seq_row: row of the sequence in the side buffers (default 0).
+
+        Raises:
+            ValueError: positions are not consecutive, or a slot does not sit at its position's
+                offset in the page.
+        """
+        t = x.shape[0]
+        if t == 0:
+            return
+        page = self.block_size
+        pos = positions.detach().to("cpu", torch.long)
+        p0 = int(pos[0])
+        if not torch.equal(pos, torch.arange(p0, p0 + t)):
+            raise ValueError("per-channel keys need consecutive positions in one write")
+        first_end = (p0 // page + 1) * page - 1
+        ends = torch.arange(first_end, max(first_end, p0 + t), page)  # positions completing a page
+        dev = x.device
+        prior = None
+        if ends.numel() and first_end - page + 1 < p0:
+            # tokens of the first completed page written by earlier calls: read them before
+            # this call's ring writes can overwrite their ring entries
+            pp = torch.arange(first_end - page + 1, p0)
+            blk0 = slots[int(first_end - p0)].to(torch.long) // page
+            ps = (blk0 * page + pp.to(dev) % page)
+            prior = self.read(store, ps, positions=pp.to(dev), seq_row=seq_row)
+        self.write_side(store, x, positions, seq_row)
+        if not ends.numel():
+            return
+        xh = x.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
+        idx = (ends - p0).to(dev)                                # in-call index of page ends
+        end_slots = slots.to(dev).long()[idx]
+        if bool(((end_slots % page) != page - 1).any()):
+            raise ValueError("slots are not page-aligned with their positions")
+        blocks = end_slots // page                               # [NP]
+        off = torch.arange(page, device=dev)
+        tok = idx[:, None] - (page - 1) + off                    # [NP, PAGE] in-call index
+        vals = xh[tok.clamp(min=0)]                              # [NP, PAGE, H, D]
+        if prior is not None:
+            n_prior = prior.shape[0]
+            vals[0, :n_prior] = prior.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
+        codes, cscale, czero = quantize_channel(vals, self.bits)
+        ss = (blocks[:, None] * page + off).reshape(-1)          # [NP * PAGE]
+        codes = codes.reshape(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [H, n, D]
+        if self.bits == 3:
+            store["q"][:, ss] = pack_codes(codes & 3, 2)
+            store["q_hi"][:, ss] = pack_codes(codes >> 2, 1)
+        else:
+            store["q"][:, ss] = pack_codes(codes, self.pbits)
+        store["cscale"][:, blocks] = cscale.transpose(0, 1)
+        store["czero"][:, blocks] = czero.transpose(0, 1)
+
+    def dequantize_channel_slots(self, store: dict[str, torch.Tensor], slots: torch.Tensor
+                                 ) -> torch.Tensor:
+        """Per-channel keys: ``code * cscale[h, slot // block_size, d] + czero[...]`` of the
+        packed page codes at ``slots`` LongTensor[L] -> float32 [L, H, D] (side buffers not
+        applied; slots of incomplete pages hold stale values)."""
+        codes = unpack_codes(store["q"][:, slots], self.pbits)            # [H, L, D]
+        if self.bits == 3:
+            codes = codes | (unpack_codes(store["q_hi"][:, slots], 1) << 2)
+        b = slots.long() // self.block_size
+        x = dequantize_channel(codes, store["cscale"][:, b], store["czero"][:, b])
+        return x.transpose(0, 1)
+
     def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
              positions: torch.Tensor | None = None, seq_row: int | None = None) -> torch.Tensor:
         """Dequantized float32 [L, H, D] of ``slots`` LongTensor[L]. With ``positions`` (and
-        ``seq_row``, default 0) sink and window tokens come from the fp16 side buffers."""
-        p = {k: store[k][:, slots].transpose(0, 1) for k in self._PACKED_KEYS if k in store}
-        x = self.dequantize_rows(p)
+        ``seq_row``, default 0) sink and window tokens come from the fp16 side buffers: a
+        sink position from ``sink``, a position whose ring tag matches from ``ring``,
+        everything else from the packed store. Per-channel keys need ``positions``: the tokens
+        of a page that is not complete yet exist only in the ring."""
+        if self.channel:
+            x = self.dequantize_channel_slots(store, slots).contiguous()
+        else:
+            p = {k: store[k][:, slots].transpose(0, 1) for k in self._PACKED_KEYS if k in store}
+            x = self.dequantize_rows(p)
         if self.rotate:
             x = x @ self.hadamard(x.device)  # H is symmetric and orthogonal: H^-1 = H
         if positions is not None and (self.n_sink or self.window):
