@@ -33,10 +33,20 @@ def _ggml_q8(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, to
     K = x.shape[-1]
     xb = x.float().reshape(*x.shape[:-1], K // B, B)
     amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # ggml-cpu x86: 127/max
-    q = torch.round(xb * inv)
-    ds = d if kind == "q8_K" else d.half().float()
+    # ggml: id = 127.f / amax (a correctly rounded fp32 division). Not ``127.0 / amax``: torch
+    # evaluates scalar / tensor as reciprocal(amax) * 127, off by one ulp in ~25% of blocks,
+    # which flips the rounding of values that land on (or within an ulp of) a .5 tie -- common
+    # when the activations come straight from a Q8_0 embedding row.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)           # _mm256_round_ps / nearest_int: round half to even
+    if kind == "q8_K":
+        # quantize_row_q8_K_ref: iscale = -127/max (max = signed value of largest |x|),
+        # q = nearest_int(iscale * x), fp32 d = 1/iscale; the sign cancels in q * d
+        d = torch.where(amax > 0, 1.0 / inv, torch.zeros_like(amax))
+        ds = d
+    else:
+        d = amax / 127.0                # fp32, stored as fp16
+        ds = d.half().float()
     return (q * ds).reshape(x.shape).to(x.dtype), d, q.sum(-1, keepdim=True)
 
 
