@@ -128,3 +128,53 @@ def ggml_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     p = torch.softmax(s, dim=-1).half().float()
     o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
     return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
+
+
+def ggml_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm as ggml-cpu computes it (``ggml_compute_forward_rms_norm_f32`` then ``MUL``):
+    fp32 squares summed in double, ``mean = (float)(sum / n)``, ``scale = 1.0f / sqrtf(mean +
+    eps)`` in fp32, ``y = (x * scale) * w``. Bit-identical to llama.cpp on the same fp32 input;
+    the exact path's ``rsqrt(mean(x^2) + eps)`` differs by an ulp, enough to flip the 8-bit
+    rounding of activations that sit on a .5 tie (layer 0 of a Q8_0-embedding model)."""
+    xf = x.float()
+    ss = (xf * xf).double().sum(-1, keepdim=True)
+    mean = (ss / x.shape[-1]).float()
+    # sqrtf via float64 (exact after rounding back); torch's fp32 CPU sqrt is not correctly
+    # rounded (~15% of inputs off by an ulp on AVX2)
+    var = mean + torch.tensor(eps, dtype=torch.float32, device=x.device)
+    scale = 1.0 / torch.sqrt(var.double()).float()
+    y = xf * scale
+    if w is not None:
+        y = y * w.float()
+    return y.to(x.dtype)
+
+
+def _gelu_tanh_f32(x: torch.Tensor) -> torch.Tensor:
+    """ggml_gelu_f32 in fp32 steps: ``0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))``
+    (tanh evaluated in float64 and rounded, i.e. a correctly rounded tanhf)."""
+    c = torch.tensor(0.79788456080286535587989211986876, dtype=torch.float32)
+    a = torch.tensor(0.044715, dtype=torch.float32)
+    inner = c * x * (1.0 + a * x * x)
+    return 0.5 * x * (1.0 + torch.tanh(inner.double()).float())
+
+
+def ggml_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU as ggml-cpu's GEGLU evaluates it (``GGML_GELU_FP16``, the default): for
+    ``-10 < x < 10`` the input is rounded to fp16 and the result read from a 65536-entry table
+    of fp16 GELU values (0 below -10, ``x`` above 10). That is a relative error of up to ~5e-4
+    against the exact function on every FFN activation of a GeGLU model (Gemma)."""
+    xf = x.float()
+    table = _gelu_tanh_f32(xf.half().float()).half().float()
+    y = torch.where(xf <= -10.0, torch.zeros_like(xf), torch.where(xf >= 10.0, xf, table))
+    return y.to(x.dtype)
+
+
+def ggml_activation(name: str):
+    """The FFN gate activation of the ggml numerics mode: fp16-table GELU for ``gelu_tanh``
+    (see :func:`ggml_gelu_tanh`); otherwise the exact activation (SiLU in ggml is a fp32 SIMD
+    polynomial within ~1 ulp of the exact one)."""
+    from .transformer import activation
+
+    if name in ("gelu_tanh", "gelu_pytorch_tanh"):
+        return ggml_gelu_tanh
+    return activation(name)

@@ -37,8 +37,9 @@ import torch
 
 from .errors import UnsupportedModelError
 from .experts import ExpertProvider, ResidentExpertProvider
-from .ggml_numerics import (GGML_VEC_DOT_TYPE, ggml_act_quant, ggml_attention,  # noqa: F401
-                            ggml_q8_1_min_correction, ggml_rope_angles, ggml_weight_numerics)
+from .ggml_numerics import (GGML_VEC_DOT_TYPE, ggml_act_quant, ggml_activation,  # noqa: F401
+                            ggml_attention, ggml_q8_1_min_correction, ggml_rms_norm,
+                            ggml_rope_angles, ggml_weight_numerics)
 from .routing import route, shared_expert_gate
 from .spec import ModelSpec
 
@@ -411,7 +412,8 @@ class Transformer:
         self.numerics = "ggml" if act_types is not None else "exact"
         at = act_types or {}
         self._aq: dict[tuple[int, str], list[tuple[int, str | None]] | None] = {}
-        self._act = activation(spec.act)
+        self._act = activation(spec.act) if act_types is None else ggml_activation(spec.act)
+        self._norm = rms_norm if act_types is None else ggml_rms_norm
         w = weights
 
         def need(name: str) -> torch.Tensor:
@@ -621,31 +623,31 @@ class Transformer:
         L = self.layers[layer]
         N = x.shape[0]
         eps = s.norm_eps
-        h = rms_norm(x, L["attn_norm"], eps)
+        h = self._norm(x, L["attn_norm"], eps)
         qkv = self._mm(h, L["wqkv"], layer, "wqkv")
         if "bqkv" in L:
             qkv = qkv + L["bqkv"]
         q, k, v = qkv.split([self._q_out, self._k_out, qkv.shape[1] - self._q_out - self._k_out], -1)
         if s.qk_norm and s.qk_norm_full:
-            q = rms_norm(q, L["attn_q_norm"], eps)
-            k = rms_norm(k, L["attn_k_norm"], eps)
+            q = self._norm(q, L["attn_q_norm"], eps)
+            k = self._norm(k, L["attn_k_norm"], eps)
         q = q.reshape(N, s.n_heads, s.head_dim)
         k = k.reshape(N, s.n_kv_heads, s.head_dim)
         v = v.reshape(N, s.n_kv_heads, s.v_head_dim)
         if s.qk_norm and not s.qk_norm_full:
-            q = rms_norm(q, L["attn_q_norm"], eps)
-            k = rms_norm(k, L["attn_k_norm"], eps)
+            q = self._norm(q, L["attn_q_norm"], eps)
+            k = self._norm(k, L["attn_k_norm"], eps)
         cos2, sin2 = rope
         q = apply_rope_tables(q, cos2, sin2, s.rope_style)
         k = apply_rope_tables(k, cos2, sin2, s.rope_style)
         o = attn(layer, q, k, v).reshape(N, -1).to(x.dtype)
         o = self._mm(o, L["wo"], layer, "wo")
         if "post_attention_norm" in L:
-            o = rms_norm(o, L["post_attention_norm"], eps)
+            o = self._norm(o, L["post_attention_norm"], eps)
         x = x + o
-        f = self.ffn(layer, rms_norm(x, L["ffn_norm"], eps))
+        f = self.ffn(layer, self._norm(x, L["ffn_norm"], eps))
         if "post_ffw_norm" in L:
-            f = rms_norm(f, L["post_ffw_norm"], eps)
+            f = self._norm(f, L["post_ffw_norm"], eps)
         return x + f
 
     def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttnFn
@@ -668,7 +670,7 @@ class Transformer:
                 tables[key] = rope_tables(*rope_cos_sin(positions, inv, ms, ggml_base=gb),
                                           self.spec.rope_style)
             x = self.block(i, x, tables[key], attn)
-        return rms_norm(x, self.output_norm, self.spec.norm_eps)
+        return self._norm(x, self.output_norm, self.spec.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""
