@@ -36,101 +36,166 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
+# The kernel reads per-channel keys (``codec.channel``: ``cscale``/``czero`` [H, NB, D] per page,
+# KIVI-style); the triton backend routes such caches here instead of the reference path.
+SUPPORTS_CHANNEL_KEYS = True
+
 
 @triton.jit
-def _unpack(b, BN: tl.constexpr, RB: tl.constexpr, P: tl.constexpr):
-    """uint8-in-int32 bytes [BN, RB] -> int32 codes [BN, RB * 8/P] (interleaved layout:
-    channel d in byte d // (8/P) at bit (d % (8/P)) * P), rebuilt with register joins."""
-    M: tl.constexpr = (1 << P) - 1
+def _plane_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr,
+                 RB1: tl.constexpr):
+    """int32 codes [BN, RB] of plane ``i`` (channels ``cols``) from the row bytes ``b``
+    (split-plane layout: plane i = bits i*P .. i*P+P-1 of every byte); int3 adds its third bit
+    from ``bh`` (the q_hi bytes at ``cols % RB1``, bit ``cols // RB1``)."""
     if P == 8:
         c = b
-    elif P == 4:
-        c = tl.reshape(tl.join(b & M, (b >> 4) & M), [BN, RB * 2])
-    elif P == 2:
-        c = tl.reshape(tl.join(tl.join(b & M, (b >> 4) & M), tl.join((b >> 2) & M, (b >> 6) & M)),
-                       [BN, RB * 4])
     else:
-        c = tl.reshape(tl.join(tl.join(tl.join(b & 1, (b >> 4) & 1), tl.join((b >> 2) & 1, (b >> 6) & 1)),
-                               tl.join(tl.join((b >> 1) & 1, (b >> 5) & 1), tl.join((b >> 3) & 1, (b >> 7) & 1))),
-                       [BN, RB * 8])
+        c = (b >> (i * P)) & ((1 << P) - 1)
+    if BITS == 3:
+        c = c | (((bh >> (cols // RB1)[None, :]) & 1) << 2)
     return c
 
 
 @triton.jit
-def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, mask_n, n_slots, sqh, sqs,
-                  BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr,
-                  G: tl.constexpr, N_OUT: tl.constexpr):
-    """Dequantized fp16 [BN, D] tile of kv head ``h`` at ``slots`` (int64 [BN])."""
-    d = tl.arange(0, D)
+def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
+                   i: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
+                   FMT: tl.constexpr, G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr):
+    """fp16 [BN, RB] values of plane ``i`` from its int32 codes ``c``."""
     m2 = mask_n[:, None]
-    if FMT == 0:
-        x = tl.load(Qp + h * sqh + slots[:, None] * sqs + d[None, :], mask=m2, other=0.0)
-        x = x.to(tl.float16)
-    else:
-        row = h * n_slots + slots
-        P: tl.constexpr = 2 if BITS == 3 else BITS
-        RB: tl.constexpr = D * P // 8
-        b = tl.load(Qp + row[:, None] * RB + tl.arange(0, RB)[None, :], mask=m2, other=0)
-        c = _unpack(b.to(tl.int32), BN, RB, P)
-        if BITS == 3:
-            RB2: tl.constexpr = D // 8
-            b2 = tl.load(QHp + row[:, None] * RB2 + tl.arange(0, RB2)[None, :], mask=m2, other=0)
-            c = c | (_unpack(b2.to(tl.int32), BN, RB2, 1) << 2)
+    if FMT == 2:
+        # E2M1 -> fp16 bits without conversions: (e1 e0 m) with e > 0 is exponent e + 14,
+        # mantissa m, i.e. bits (mag + 28) << 9; mag 1 is 0.5 (0x3800); sign to bit 15
+        mag = c & 7
+        hb = tl.where(mag >= 2, (mag + 28) << 9, tl.where(mag == 1, 0x3800, 0)) | ((c & 8) << 12)
+        val = hb.to(tl.int16).to(tl.float16, bitcast=True)
         NG: tl.constexpr = D // G
-        g = tl.arange(0, NG)
-        if FMT == 2:
-            # E4M3 scale (small [BN, NG] tensor), broadcast over its group
-            sc = tl.load(Sp + row[:, None] * NG + g[None, :], mask=m2, other=0).to(tl.int32)
-            se = (sc >> 3) & 15
-            sm = (sc & 7).to(tl.float32)
-            s = tl.where(se == 0, sm * 0.001953125, (8.0 + sm) * tl.exp2(se.to(tl.float32) - 10.0))
-            s = tl.reshape(tl.broadcast_to(s.to(tl.float16)[:, :, None], [BN, NG, G]), [BN, D])
-            # E2M1 -> fp16 bits without conversions: (e1 e0 m) with e > 0 is exponent e + 14,
-            # mantissa m, i.e. bits (mag + 28) << 9; mag 1 is 0.5 (0x3800); sign to bit 15
-            mag = c & 7
-            hb = tl.where(mag >= 2, (mag + 28) << 9, tl.where(mag == 1, 0x3800, 0))
-            hb = hb | ((c & 8) << 12)
-            val = hb.to(tl.int16).to(tl.float16, bitcast=True)
+        NGP: tl.constexpr = RB // G
+        sc = tl.load(Sp + row[:, None] * NG + (i * NGP + tl.arange(0, NGP))[None, :], mask=m2,
+                     other=0).to(tl.int32)
+        se = (sc >> 3) & 15
+        sm = (sc & 7).to(tl.float32)
+        s = tl.where(se == 0, sm * 0.001953125, (8.0 + sm) * tl.exp2(se.to(tl.float32) - 10.0))
+        s = s.to(tl.float16)
+        if NGP == 1:
             x = val * s
         else:
-            s = tl.load(Sp + row[:, None] * NG + g[None, :], mask=m2, other=0.0)
-            z = tl.load(Zp + row[:, None] * NG + g[None, :], mask=m2, other=0.0)
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NG, G]), [BN, D])
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], [BN, NG, G]), [BN, D])
-            # int -> fp16 without I2F: 0x6400 | c is the fp16 number 1024 + c (c < 1024)
-            cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+            x = val * tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NGP, G]), [BN, RB])
+    else:
+        # int -> fp16 without I2F: 0x6400 | c is the fp16 number 1024 + c (c < 1024)
+        cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        if CHAN:
+            # per-channel keys: scale and zero of (head, page, channel); page = block ``blk``
+            pr = (h * n_blocks + blk)[:, None] * D + cols[None, :]
+            s = tl.load(Sp + pr, mask=m2, other=0.0)
+            z = tl.load(Zp + pr, mask=m2, other=0.0)
             x = cf * s + z
-        for j in tl.static_range(N_OUT):
-            oi = tl.load(OIp + row * N_OUT + j, mask=mask_n, other=0).to(tl.int32)
-            ov = tl.load(OVp + row * N_OUT + j, mask=mask_n, other=0.0).to(tl.float16)
-            x = tl.where(d[None, :] == oi[:, None], ov[:, None], x)
+        else:
+            NG: tl.constexpr = D // G
+            if G >= RB:
+                gi: tl.constexpr = (i * RB) // G
+                s = tl.load(Sp + row * NG + gi, mask=mask_n, other=0.0)
+                z = tl.load(Zp + row * NG + gi, mask=mask_n, other=0.0)
+                x = cf * s[:, None] + z[:, None]
+            else:
+                NGP: tl.constexpr = RB // G
+                gg = (i * NGP + tl.arange(0, NGP))[None, :]
+                s = tl.load(Sp + row[:, None] * NG + gg, mask=m2, other=0.0)
+                z = tl.load(Zp + row[:, None] * NG + gg, mask=m2, other=0.0)
+                s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NGP, G]), [BN, RB])
+                z = tl.reshape(tl.broadcast_to(z[:, :, None], [BN, NGP, G]), [BN, RB])
+                x = cf * s + z
+    for j in tl.static_range(N_OUT):
+        oi = tl.load(OIp + row * N_OUT + j, mask=mask_n, other=0).to(tl.int32)
+        ov = tl.load(OVp + row * N_OUT + j, mask=mask_n, other=0.0).to(tl.float16)
+        x = tl.where(cols[None, :] == oi[:, None], ov[:, None], x)
     return x
 
 
 @triton.jit
-def _load_side(Sink, Ring, RingPos, srow, h, pos, mask_n,
-               H: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_RING: tl.constexpr):
-    """Full-precision tile (fp16 [BLOCK_N, D]) and bool mask [BLOCK_N] of the tokens held
-    in the sink/ring side buffers of sequence row ``srow``."""
-    d = tl.arange(0, D)
-    is_fp = pos < 0
-    xf = tl.zeros([pos.shape[0], D], dtype=tl.float16)
-    if N_SINK > 0:
-        is_s = mask_n & (pos < N_SINK)
-        ps = tl.where(is_s, pos, 0)
-        xs = tl.load(Sink + ((srow * H + h) * N_SINK + ps)[:, None] * D + d[None, :],
-                     mask=is_s[:, None], other=0.0)
-        xf = tl.where(is_s[:, None], xs.to(tl.float16), xf)
-        is_fp = is_fp | is_s
+def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_blocks, sqh, sqs,
+                  BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr,
+                  G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr):
+    """Dequantized fp16 planes (up to 4 tensors [BN, D/NPL]; NPL = number of planes: 1 for
+    float and int8, 2 for int4/fp4, 4 for int3/int2; unused outputs repeat plane 0) of kv head
+    ``h`` at ``slots`` (int [BN]); ``blk`` = slots // PAGE (the page, for per-channel keys)."""
+    m2 = mask_n[:, None]
+    if FMT == 0:
+        d = tl.arange(0, D)
+        x0 = tl.load(Qp + h * sqh + slots[:, None] * sqs + d[None, :], mask=m2, other=0.0)
+        x0 = x0.to(tl.float16)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+    else:
+        row = h * n_slots + slots
+        P: tl.constexpr = 2 if BITS == 3 else BITS
+        NPL: tl.constexpr = 8 // P
+        RB: tl.constexpr = D // NPL
+        RB1: tl.constexpr = D // 8
+        cb = tl.arange(0, RB)
+        b = tl.load(Qp + row[:, None] * RB + cb[None, :], mask=m2, other=0).to(tl.int32)
+        if BITS == 3:
+            bh = tl.load(QHp + row[:, None] * RB1 + (cb % RB1)[None, :], mask=m2,
+                         other=0).to(tl.int32)
+        else:
+            bh = b
+        c0 = _plane_codes(b, bh, cb, 0, P, BITS, RB1)
+        x0 = _dequant_plane(c0, row, blk, h, n_blocks, cb, mask_n, Sp, Zp, OIp, OVp, 0, BN, RB, D,
+                            FMT, G, CHAN, N_OUT)
+        x1 = x0
+        x2 = x0
+        x3 = x0
+        if NPL >= 2:
+            c1 = _plane_codes(b, bh, cb + RB, 1, P, BITS, RB1)
+            x1 = _dequant_plane(c1, row, blk, h, n_blocks, cb + RB, mask_n, Sp, Zp, OIp, OVp, 1,
+                                BN, RB, D, FMT, G, CHAN, N_OUT)
+        if NPL >= 4:
+            c2 = _plane_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1)
+            x2 = _dequant_plane(c2, row, blk, h, n_blocks, cb + 2 * RB, mask_n, Sp, Zp, OIp, OVp,
+                                2, BN, RB, D, FMT, G, CHAN, N_OUT)
+            c3 = _plane_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1)
+            x3 = _dequant_plane(c3, row, blk, h, n_blocks, cb + 3 * RB, mask_n, Sp, Zp, OIp, OVp,
+                                3, BN, RB, D, FMT, G, CHAN, N_OUT)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _side_mask(Ring, RingPos, srow, pos, mask_n, N_SINK: tl.constexpr, N_RING: tl.constexpr):
+    """Which tokens of a tile come from the fp16 side buffers: (is_sink, is_ring, ring index)."""
+    is_s = mask_n & (pos < N_SINK)
     if N_RING > 0:
         r = pos % N_RING
         tag = tl.load(RingPos + srow * N_RING + r, mask=mask_n, other=-1)
-        is_r = mask_n & (tag == pos) & (~is_fp)
-        xr = tl.load(Ring + ((srow * H + h) * N_RING + r)[:, None] * D + d[None, :],
+        is_r = mask_n & (tag == pos) & (~is_s)
+    else:
+        r = pos
+        is_r = pos < 0
+    return is_s, is_r, r
+
+
+@triton.jit
+def _side_plane(x, Sink, Ring, srow, h, pos, is_s, is_r, r, cols,
+                H: tl.constexpr, D: tl.constexpr, N_SINK: tl.constexpr, N_RING: tl.constexpr):
+    """Plane ``x`` [BN, len(cols)] with sink/ring tokens replaced by their fp16 copies."""
+    if N_SINK > 0:
+        ps = tl.where(is_s, pos, 0)
+        xs = tl.load(Sink + ((srow * H + h) * N_SINK + ps)[:, None] * D + cols[None, :],
+                     mask=is_s[:, None], other=0.0)
+        x = tl.where(is_s[:, None], xs.to(tl.float16), x)
+    if N_RING > 0:
+        xr = tl.load(Ring + ((srow * H + h) * N_RING + r)[:, None] * D + cols[None, :],
                      mask=is_r[:, None], other=0.0)
-        xf = tl.where(is_r[:, None], xr.to(tl.float16), xf)
-        is_fp = is_fp | is_r
-    return xf, is_fp
+        x = tl.where(is_r[:, None], xr.to(tl.float16), x)
+    return x
+
+
+@triton.jit
+def _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, i: tl.constexpr, RB: tl.constexpr):
+    """Query plane i (channels i*RB .. i*RB+RB-1), scaled, fp16 [BLOCK_H, RB]."""
+    c = i * RB + tl.arange(0, RB)
+    q = tl.load(Qry + b * stride_qb + qh[:, None] * stride_qh + c[None, :], mask=hmask[:, None],
+                other=0.0).to(tl.float32)
+    return (q * qk_scale).to(tl.float16)
 
 
 @triton.jit
@@ -138,44 +203,71 @@ def _decode_split_kernel(
     Qry, QryR,
     Kq, Kqh, Ks, Kz, Koi, Kov, Ksink, Kring, Kpos,
     Vq, Vqh, Vs, Vz, Voi, Vov, Vsink, Vring, Vpos,
-    BlockTable, SeqLens, SeqRows, MidO, MidL,
-    n_slots, k_sqh, k_sqs, v_sqh, v_sqs, stride_qb, stride_qh, stride_bt,
+    BlockTable, SeqLens, SeqRows, MidO, MidL, Out, Locks,
+    n_slots, n_blocks, k_sqh, k_sqs, v_sqh, v_sqs, stride_qb, stride_qh, stride_bt,
+    stride_ob, stride_oh,
     qk_scale, sliding_window, chunk, n_splits,
     HKV: tl.constexpr, QPK: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     DV: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_NOUT: tl.constexpr,
-    K_SIDE: tl.constexpr,
+    K_SIDE: tl.constexpr, K_CHAN: tl.constexpr, K_NSINK: tl.constexpr, K_NRING: tl.constexpr,
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NOUT: tl.constexpr,
-    V_SIDE: tl.constexpr,
-    N_SINK: tl.constexpr, N_RING: tl.constexpr, ROT: tl.constexpr, IDX64: tl.constexpr,
+    V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
+    ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
+    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
     hk = pid % HKV
     L = tl.load(SeqLens + b)
-    srow = tl.load(SeqRows + b).to(tl.int64)
+    if HAS_ROWS:
+        srow = tl.load(SeqRows + b).to(tl.int64)
+    else:
+        srow = b.to(tl.int64)
     start = split * chunk
     end = tl.minimum(start + chunk, L)
     if sliding_window > 0:
         start = tl.maximum(start, L - sliding_window)
 
+    # planes: keys/values of sub-byte formats are split along head_dim into NPL planes of
+    # RB channels (split-plane packing); float and int8 are one plane
+    K_NPL: tl.constexpr = 1 if (K_FMT == 0 or K_BITS == 8) else (2 if K_BITS == 4 else 4)
+    V_NPL: tl.constexpr = 1 if (V_FMT == 0 or V_BITS == 8) else (2 if V_BITS == 4 else 4)
+    KRB: tl.constexpr = D // K_NPL
+    VRB: tl.constexpr = DV // V_NPL
     hi = tl.arange(0, BLOCK_H)
     hmask = hi < QPK
     qh = hk * QPK + hi
-    d = tl.arange(0, D)
-    dv = tl.arange(0, DV)
-    q = tl.load(Qry + b * stride_qb + qh[:, None] * stride_qh + d[None, :], mask=hmask[:, None],
-                other=0.0).to(tl.float32)
-    q = (q * qk_scale).to(tl.float16)
+    kc = tl.arange(0, KRB)
+    vc = tl.arange(0, VRB)
+    q0 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 0, KRB)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if K_NPL >= 2:
+        q1 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 1, KRB)
+    if K_NPL >= 4:
+        q2 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 2, KRB)
+        q3 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 3, KRB)
+    r0 = q0
+    r1 = q1
+    r2 = q2
+    r3 = q3
     if ROT:
-        qr = tl.load(QryR + b * stride_qb + qh[:, None] * stride_qh + d[None, :],
-                     mask=hmask[:, None], other=0.0).to(tl.float32)
-        qr = (qr * qk_scale).to(tl.float16)
+        r0 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 0, KRB)
+        if K_NPL >= 2:
+            r1 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 1, KRB)
+        if K_NPL >= 4:
+            r2 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 2, KRB)
+            r3 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 3, KRB)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = pos < end
@@ -183,42 +275,130 @@ def _decode_split_kernel(
         slots = blk * PAGE + pos % PAGE
         if IDX64:
             slots = slots.to(tl.int64)
-        k = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, mask_n, n_slots, k_sqh, k_sqs,
-                          BLOCK_N, D, K_FMT, K_BITS, K_G, K_NOUT)
-        if K_SIDE:
-            kf, is_fp = _load_side(Ksink, Kring, Kpos, srow, hk, pos, mask_n, HKV, D, N_SINK, N_RING)
-            if ROT:
-                s_fp = tl.dot(q, tl.trans(kf))
-                s_q = tl.dot(qr, tl.trans(k))
-                s = tl.where(is_fp[None, :], s_fp, s_q)
-            else:
-                k = tl.where(is_fp[:, None], kf, k)
-                s = tl.dot(q, tl.trans(k))
+            blk = blk.to(tl.int64)
+        k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, blk, mask_n, n_slots,
+                                       n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT, K_BITS, K_G,
+                                       K_CHAN, K_NOUT)
+        if ROT:
+            # rotated quantized keys score against the rotated query
+            s = tl.dot(r0, tl.trans(k0))
+            if K_NPL >= 2:
+                s += tl.dot(r1, tl.trans(k1))
+            if K_NPL >= 4:
+                s += tl.dot(r2, tl.trans(k2))
+                s += tl.dot(r3, tl.trans(k3))
+            if K_SIDE:
+                if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
+                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
+                    f0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV, D,
+                                     K_NSINK, K_NRING)
+                    s_fp = tl.dot(q0, tl.trans(f0))
+                    if K_NPL >= 2:
+                        f1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + KRB, HKV, D, K_NSINK, K_NRING)
+                        s_fp += tl.dot(q1, tl.trans(f1))
+                    if K_NPL >= 4:
+                        f2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
+                        f3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
+                        s_fp += tl.dot(q2, tl.trans(f2))
+                        s_fp += tl.dot(q3, tl.trans(f3))
+                    s = tl.where((is_s | is_r)[None, :], s_fp, s)
         else:
-            if ROT:
-                s = tl.dot(qr, tl.trans(k))
-            else:
-                s = tl.dot(q, tl.trans(k))
+            if K_SIDE:
+                if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
+                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
+                    k0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV, D,
+                                     K_NSINK, K_NRING)
+                    if K_NPL >= 2:
+                        k1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + KRB, HKV, D, K_NSINK, K_NRING)
+                    if K_NPL >= 4:
+                        k2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
+                        k3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
+            s = tl.dot(q0, tl.trans(k0))
+            if K_NPL >= 2:
+                s += tl.dot(q1, tl.trans(k1))
+            if K_NPL >= 4:
+                s += tl.dot(q2, tl.trans(k2))
+                s += tl.dot(q3, tl.trans(k3))
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, mask_n, n_slots, v_sqh, v_sqs,
-                          BLOCK_N, DV, V_FMT, V_BITS, V_G, V_NOUT)
+        v0, v1, v2, v3 = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, blk, mask_n, n_slots,
+                                       n_blocks, v_sqh, v_sqs, BLOCK_N, DV, V_FMT, V_BITS, V_G,
+                                       False, V_NOUT)
         if V_SIDE:
-            vf, vis_fp = _load_side(Vsink, Vring, Vpos, srow, hk, pos, mask_n, HKV, DV, N_SINK, N_RING)
-            v = tl.where(vis_fp[:, None], vf, v)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+            if (n0 < V_NSINK) | (n0 + BLOCK_N > L - V_NRING):
+                is_s, is_r, rr = _side_mask(Vring, Vpos, srow, pos, mask_n, V_NSINK, V_NRING)
+                v0 = _side_plane(v0, Vsink, Vring, srow, hk, pos, is_s, is_r, rr, vc, HKV, DV,
+                                 V_NSINK, V_NRING)
+                if V_NPL >= 2:
+                    v1 = _side_plane(v1, Vsink, Vring, srow, hk, pos, is_s, is_r, rr, vc + VRB,
+                                     HKV, DV, V_NSINK, V_NRING)
+                if V_NPL >= 4:
+                    v2 = _side_plane(v2, Vsink, Vring, srow, hk, pos, is_s, is_r, rr,
+                                     vc + 2 * VRB, HKV, DV, V_NSINK, V_NRING)
+                    v3 = _side_plane(v3, Vsink, Vring, srow, hk, pos, is_s, is_r, rr,
+                                     vc + 3 * VRB, HKV, DV, V_NSINK, V_NRING)
+        pf = p.to(tl.float16)
+        acc0 = acc0 * alpha[:, None] + tl.dot(pf, v0)
+        if V_NPL >= 2:
+            acc1 = acc1 * alpha[:, None] + tl.dot(pf, v1)
+        if V_NPL >= 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(pf, v2)
+            acc3 = acc3 * alpha[:, None] + tl.dot(pf, v3)
         m_i = m_new
 
     ok = l_i > 0
-    out = acc / tl.where(ok, l_i, 1.0)[:, None]
+    inv = 1.0 / tl.where(ok, l_i, 1.0)
     lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
     hq_total = HKV * QPK
     base = (b * hq_total + qh) * n_splits + split
-    tl.store(MidO + base[:, None] * DV + dv[None, :], out, mask=hmask[:, None])
+    mrow = base[:, None] * DV
+    tl.store(MidO + mrow + vc[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+    if V_NPL >= 2:
+        tl.store(MidO + mrow + VRB + vc[None, :], acc1 * inv[:, None], mask=hmask[:, None])
+    if V_NPL >= 4:
+        tl.store(MidO + mrow + 2 * VRB + vc[None, :], acc2 * inv[:, None], mask=hmask[:, None])
+        tl.store(MidO + mrow + 3 * VRB + vc[None, :], acc3 * inv[:, None], mask=hmask[:, None])
     tl.store(MidL + base, lse, mask=hmask)
+    if FUSE:
+        # split-K merge in the same launch: the last split of (sequence, kv head) to finish
+        # (an acq_rel counter orders the other splits' partial stores before it) merges all
+        # partials of the kv head's QPK query heads and resets the counter for the next call
+        cnt = tl.atomic_add(Locks + pid, 1, sem="acq_rel")
+        if cnt == n_splits - 1:
+            hrow = (b * hq_total + qh) * n_splits
+            sp = tl.arange(0, SPLITS_P)
+            lse_all = tl.load(MidL + hrow[:, None] + sp[None, :],
+                              mask=hmask[:, None] & (sp < n_splits)[None, :],
+                              other=float("-inf"), cache_modifier=".cg")
+            mx = tl.max(lse_all, axis=1)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            tot = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
+            dv = tl.arange(0, DV)
+            mc = tl.arange(0, MERGE_C)
+            o = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+            for s0 in range(0, n_splits, MERGE_C):
+                sm = (s0 + mc) < n_splits
+                m3 = hmask[:, None, None] & sm[None, :, None]
+                lw = tl.load(MidL + hrow[:, None] + s0 + mc[None, :],
+                             mask=hmask[:, None] & sm[None, :], other=float("-inf"),
+                             cache_modifier=".cg")
+                w = tl.exp2(lw - mx[:, None])
+                po = tl.load(MidO + ((hrow[:, None] + s0 + mc[None, :]) * DV)[:, :, None]
+                             + dv[None, None, :], mask=m3, other=0.0, cache_modifier=".cg")
+                o += tl.sum(w[:, :, None] * po, axis=1)
+            o = o / tl.where(tot > 0, tot, 1.0)[:, None]
+            tl.store(Out + b * stride_ob + qh[:, None] * stride_oh + dv[None, :], o,
+                     mask=hmask[:, None])
+            tl.atomic_xchg(Locks + pid, 0)
 
 
 @triton.jit
@@ -241,28 +421,47 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
 
 
 def _codec_args(codec, store):
-    """(FMT, BITS, G, N_OUT, SIDE, tensors(9), stride_h, stride_s) of one codec's store."""
+    """(FMT, BITS, G, N_OUT, CHAN, n_sink, n_ring, tensors(9), stride_h, stride_s, n_blocks) of
+    one codec's store. Per-channel keys pass ``cscale``/``czero`` [H, NB, D] as scale/zero."""
     if "data" in store:  # float codec: [S, H, D]
         t = store["data"]
-        return 0, 16, 1, 0, False, (t,) * 9, t.stride(1), t.stride(0)
+        return 0, 16, 1, 0, False, 0, 0, (t,) * 9, t.stride(1), t.stride(0), 1
     q = store["q"]
     fmt = 2 if codec.is_fp4 else 1
-    side = bool(codec.n_sink or codec.window)
-    ts = tuple(store.get(k, q) for k in ("q", "q_hi", "scale", "zero", "oidx", "oval", "sink",
-                                         "ring", "ring_pos"))
-    return fmt, codec.bits, codec.group, codec.n_out, side, ts, 0, 0
+    chan = bool(getattr(codec, "channel", False))
+    names = ("q", "q_hi", "cscale" if chan else "scale", "czero" if chan else "zero", "oidx",
+             "oval", "sink", "ring", "ring_pos")
+    ts = tuple(store.get(k, q) for k in names)
+    n_blocks = store["cscale"].shape[1] if chan else 1
+    return (fmt, codec.bits, codec.group, codec.n_out, chan, int(codec.n_sink),
+            int(codec.window), ts, 0, 0, n_blocks)
 
 
-def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device) -> int:
-    """Splits per (sequence, kv head): at least two programs per SM, rounded so the program
-    count is a whole number of waves (one resident program per SM at these register counts),
-    with at least one ``block_n`` tile per split."""
+_LOCKS: dict = {}
+
+
+def _locks(n: int, device) -> torch.Tensor:
+    """Zeroed int32 split counters (at least ``n``), one buffer per device, reused across calls
+    (every fused launch leaves them at zero again). Calls must not overlap on two streams."""
+    key = str(device)
+    t = _LOCKS.get(key)
+    if t is None or t.numel() < n:
+        t = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _LOCKS[key] = t
+    return t
+
+
+def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, device,
+                  waves: float = 2.0) -> int:
+    """Splits per (sequence, kv head): about ``waves`` programs per SM, rounded so the program
+    count is a whole number of waves where possible, with at least one ``block_n`` tile per
+    split."""
     pairs = max(1, batch * n_kv_heads)
     cap = max(1, triton.cdiv(max_len, block_n))
     if device.type != "cuda":
         return max(1, min(4, cap))
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    s = triton.cdiv(2 * n_sm, pairs)
+    s = max(1, triton.cdiv(int(waves * n_sm), pairs))
     for cand in range(s, 2 * s + 1):  # prefer an exact multiple of the SM count
         if (cand * pairs) % n_sm == 0:
             s = cand
@@ -274,7 +473,8 @@ def default_tile(k_codec, v_codec) -> tuple[int, int]:
     """(block_n, num_warps) measured best on the H200 (benchmarks/results/attention_h200.json)."""
     bits = [getattr(c, "bits", 16) if not getattr(c, "is_fp4", False) else 0
             for c in (k_codec, v_codec)]
-    extras = any(getattr(c, "n_out", 0) or getattr(c, "n_sink", 0) or getattr(c, "window", 0)
+    extras = any(getattr(c, "n_out", 0) or getattr(c, "n_sink", 0) or
+                 (getattr(c, "window", 0) and not getattr(c, "channel", False))
                  or getattr(c, "rotate", False) for c in (k_codec, v_codec))
     if extras:
         return 64, 4
@@ -290,29 +490,33 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      sm_scale: float | None = None, seq_rows: torch.Tensor | None = None,
                      sliding_window: int = 0, max_len: int | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int = 2,
+                     fused_reduce: bool = True, waves: float = 2.0) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
         q: [B, n_heads, D] float (fp16/bf16/fp32) queries (RoPE applied, not scaled).
         k_codec, k_store, v_codec, v_store: codecs and stores of one layer (any registered
-            format: float ``data`` or the packed quantized layout).
+            format: float ``data``, the packed quantized layout, per-channel keys).
         block_table: int32 [B, max_blocks] physical block of each logical block.
         seq_lens: int32 [B] cached tokens per sequence (the new token's K/V included).
-        page_size: tokens per block (a power of two).
+        page_size: tokens per block (a power of two; per-channel keys: the codec's block size).
         sm_scale: score scale (default 1/sqrt(D)).
         seq_rows: int32 [B] sequence rows of the sink/window side buffers (default 0..B-1).
         sliding_window: attend only the last ``sliding_window`` positions (0 = all).
         max_len: max of ``seq_lens`` if known (avoids a device sync); used to size splits.
-        num_splits: splits per sequence (default: :func:`choose_splits`).
+        num_splits: splits per sequence (default: :func:`choose_splits` with ``waves``).
         block_n, num_warps, num_stages: tile size in tokens and launch options (default
             :func:`default_tile`).
+        fused_reduce: merge the splits inside the same launch (the last split of each
+            sequence and kv head does it, ordered by an atomic counter); False launches the
+            separate reduction kernel.
 
     Returns:
         float32 [B, n_heads, Dv].
 
     Raises:
-        ValueError: head counts, head sizes or devices do not fit.
+        ValueError: head counts, head sizes, page size or devices do not fit.
     """
     B, HQ, D = q.shape
     HKV = k_codec.n_kv_heads
@@ -323,6 +527,9 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         raise ValueError(f"decode_attention needs power-of-two head sizes >= 16 (got {D}, {DV})")
     if page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if getattr(k_codec, "channel", False) and k_codec.block_size != page_size:
+        raise ValueError(f"per-channel keys are grouped per {k_codec.block_size}-token page, "
+                         f"but page_size is {page_size}")
     QPK = HQ // HKV
     dev = q.device
     bn0, nw0 = default_tile(k_codec, v_codec) if dev.type == "cuda" else (16, 4)
@@ -337,18 +544,16 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         sm_scale = 1.0 / math.sqrt(D)
     block_table = block_table.to(device=dev, dtype=torch.int32).contiguous()
     seq_lens = seq_lens.to(device=dev, dtype=torch.int32).contiguous()
-    if seq_rows is None:
-        seq_rows = torch.arange(B, device=dev, dtype=torch.int32)
-    seq_rows = seq_rows.to(device=dev, dtype=torch.int32).contiguous()
+    has_rows = seq_rows is not None
+    seq_rows = (seq_rows.to(device=dev, dtype=torch.int32).contiguous() if has_rows
+                else seq_lens)
     if max_len is None:
         max_len = int(seq_lens.max().item()) if B else 0
     if num_splits is None:
-        num_splits = choose_splits(B, HKV, max_len, block_n, dev)
+        num_splits = choose_splits(B, HKV, max_len, block_n, dev, waves)
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
-    kf, kb, kg, kno, kside, kt, ksh, kss = _codec_args(k_codec, k_store)
-    vf, vb, vg, vno, vside, vt, vsh, vss = _codec_args(v_codec, v_store)
-    n_sink = getattr(k_codec if kside else v_codec, "n_sink", 0) if (kside or vside) else 0
-    n_ring = getattr(k_codec if kside else v_codec, "window", 0) if (kside or vside) else 0
+    kf, kb, kg, kno, kchan, kns, knr, kt, ksh, kss, knb = _codec_args(k_codec, k_store)
+    vf, vb, vg, vno, _, vns, vnr, vt, vsh, vss, _ = _codec_args(v_codec, v_store)
     n_slots = (kt[0].shape[1] if kf else kt[0].shape[0])
     if vf and vt[0].shape[1] != n_slots or (not vf and vt[0].shape[0] != n_slots):
         raise ValueError("K and V stores hold different slot counts")
@@ -358,28 +563,35 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     out = torch.empty(B, HQ, DV, device=dev, dtype=torch.float32)
     if B == 0:
         return out
+    fuse = bool(fused_reduce)
+    locks = _locks(B * HKV, dev) if fuse else mid_l
     block_h = max(16, triton.next_power_of_2(QPK))
+    splits_p = max(2, triton.next_power_of_2(num_splits))
     while True:
         try:
             _decode_split_kernel[(B * HKV, num_splits)](
-                q, qr, *kt, *vt, block_table, seq_lens, seq_rows, mid_o, mid_l,
-                n_slots, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
+                q, qr, *kt, *vt, block_table, seq_lens, seq_rows, mid_o, mid_l, out, locks,
+                n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
+                out.stride(0), out.stride(1),
                 sm_scale * LOG2E, int(sliding_window or 0), chunk, num_splits,
                 HKV=HKV, QPK=QPK, BLOCK_H=block_h, D=D, DV=DV, PAGE=page_size, BLOCK_N=block_n,
-                K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=kside,
-                V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=vside,
-                N_SINK=n_sink, N_RING=n_ring, ROT=rot, IDX64=idx64, num_warps=num_warps,
-                num_stages=num_stages,
+                K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=bool(kns or knr), K_CHAN=kchan,
+                K_NSINK=kns, K_NRING=knr,
+                V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
+                V_NSINK=vns, V_NRING=vnr,
+                ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
+                MERGE_C=min(8, splits_p), num_warps=num_warps, num_stages=num_stages,
             )
             break
         except triton.runtime.errors.OutOfResources:
             if block_n <= 16:
                 raise
             block_n //= 2  # same chunk (a multiple of the smaller tile), smaller tiles
-    _decode_reduce_kernel[(B * HQ,)](
-        mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1),
-        HQ=HQ, DV=DV, SPLITS_P=max(2, triton.next_power_of_2(num_splits)),
-    )
+    if not fuse:
+        _decode_reduce_kernel[(B * HQ,)](
+            mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1),
+            HQ=HQ, DV=DV, SPLITS_P=splits_p,
+        )
     return out
 
 

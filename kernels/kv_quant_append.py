@@ -4,13 +4,13 @@ Algorithm (one program per (token, kv head)): load the token's ``D`` channels in
 the ``N_OUT`` largest-|x| channels as outliers by repeated argmax (ties to the lower index),
 compute per-group statistics over the remaining channels (int: min and max -> fp16 scale and
 zero; fp4: absmax -> E4M3 scale), round every channel to its code, and pack codes into bytes
-with the interleaved layout. Everything is written straight into the store at the token's slot.
+with the split-plane layout. Everything is written straight into the store at the token's slot.
 
 Packed layout (see :mod:`localmoe.kv_quant`, whose functions are the twin): head-major tensors
 ``q`` uint8 [H, S, D*P/8] (P = 2 for int3, else bits), ``q_hi`` uint8 [H, S, D/8] (int3 high
 bit), ``scale`` fp16 [H, S, D/G] (E4M3 uint8 for fp4), ``zero`` fp16 [H, S, D/G], ``oidx``
 uint8 [H, S, N_OUT], ``oval`` fp16 [H, S, N_OUT]. Channel ``d`` of a row of ``RB = D*P/8``
-bytes sits in byte ``d // (8/P)`` at bit ``(d % (8/P)) * P``.
+bytes sits in byte ``d % RB`` at bit ``(d // RB) * P`` (split planes).
 
 Sources: KIVI (Liu et al., 2024) for asymmetric grouped integer KV quantization; KVQuant
 (Hooper et al., 2024) for dense-and-sparse outliers; OCP Microscaling spec / NVFP4 for E2M1
@@ -93,19 +93,19 @@ def _kv_quant_append_kernel(
         c = tl.minimum(tl.maximum(c, 0.0), QMAX)
         codes = tl.reshape(c.to(tl.int32), [D])
 
-    # --- pack (interleaved) -----------------------------------------------------------------
+    # --- pack (split planes: channel d -> byte d % RB, bit (d // RB) * P) -----------------
     P: tl.constexpr = 2 if BITS == 3 else BITS
     PACK: tl.constexpr = 8 // P
     RB: tl.constexpr = D // PACK
     lo = codes & ((1 << P) - 1)
-    sh = (tl.arange(0, PACK) * P)[None, :]
-    byte = tl.sum(tl.reshape(lo, [RB, PACK]) << sh, axis=1)
+    sh = (tl.arange(0, PACK) * P)[:, None]
+    byte = tl.sum(tl.reshape(lo, [PACK, RB]) << sh, axis=0)
     tl.store(Q + row * RB + tl.arange(0, RB), byte.to(tl.uint8))
     if BITS == 3:
         RB2: tl.constexpr = D // 8
         hi = (codes >> 2) & 1
-        sh2 = tl.arange(0, 8)[None, :]
-        byte2 = tl.sum(tl.reshape(hi, [RB2, 8]) << sh2, axis=1)
+        sh2 = tl.arange(0, 8)[:, None]
+        byte2 = tl.sum(tl.reshape(hi, [8, RB2]) << sh2, axis=0)
         tl.store(QH + row * RB2 + tl.arange(0, RB2), byte2.to(tl.uint8))
 
 

@@ -62,10 +62,13 @@ key            shape, dtype             meaning
 ``ring_pos``   [R, W] int32             position held by each ring entry (-1 = empty)
 =============  =======================  =====================================================
 
-Bit packing (interleaved, little-end first): with ``PACK = 8 / P`` codes per byte, channel ``d``
-lives in byte ``d // PACK`` at bit offset ``(d % PACK) * P`` (int4: channel 2j in the low
-nibble of byte j, 2j+1 in the high nibble). A kernel loads a row's bytes contiguously and
-rebuilds the channel order with register joins (``tl.join`` + ``tl.reshape``).
+Bit packing (split planes): with ``PACK = 8 / P`` codes per byte and ``RB = D / PACK`` bytes
+per row, channel ``d`` lives in byte ``d % RB`` at bit offset ``(d // RB) * P`` (int4: byte j
+holds channel j in the low nibble and channel j + D/2 in the high nibble; int2: channels j,
+j + D/4, j + D/2, j + 3D/4 from the low bits up; the int3 ``q_hi`` plane is packed the same way
+with P = 1). Plane ``i`` (``(byte >> i*P) & (2^P - 1)``) is channels ``i*RB .. (i+1)*RB - 1`` in
+order, so a kernel unpacks with one shift and mask per plane, no register shuffles, and feeds
+each plane to its own dot over that slice of head_dim.
 """
 
 from __future__ import annotations
@@ -110,7 +113,10 @@ def plane_bits(bits: int) -> int:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-bit codes (uint8 Tensor[..., D], values < 2**bits, bits in 1, 2, 4, 8)
-    into uint8 Tensor[..., D*bits/8] using the interleaved layout of the module docstring.
+    into uint8 Tensor[..., D*bits/8] using the split-plane layout of the module docstring:
+    with ``RB = D*bits/8`` bytes per row, channel ``d`` lives in byte ``d % RB`` at bit
+    ``(d // RB) * bits`` (int4: byte j holds channel j in the low nibble and channel j + D/2 in
+    the high nibble).
 
     Raises:
         ValueError: D is not a multiple of 8/bits.
@@ -122,9 +128,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if d % pack:
         raise ValueError(f"head_dim {d} is not a multiple of {pack} for {bits}-bit packing")
     rb = d // pack
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], rb, pack)
-    shifts = torch.arange(pack, device=codes.device, dtype=torch.int32) * bits
-    return (c << shifts).sum(dim=-1).to(torch.uint8)
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], pack, rb)
+    shifts = (torch.arange(pack, device=codes.device, dtype=torch.int32) * bits).unsqueeze(-1)
+    return (c << shifts).sum(dim=-2).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -132,9 +138,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed.to(torch.uint8)
     pack = 8 // bits
-    p = packed.to(torch.int32).unsqueeze(-1)  # [..., RB, 1]
-    shifts = torch.arange(pack, device=packed.device, dtype=torch.int32) * bits
-    c = (p >> shifts) & ((1 << bits) - 1)     # [..., RB, pack]
+    p = packed.to(torch.int32).unsqueeze(-2)  # [..., 1, RB]
+    shifts = (torch.arange(pack, device=packed.device, dtype=torch.int32) * bits).unsqueeze(-1)
+    c = (p >> shifts) & ((1 << bits) - 1)     # [..., pack, RB]: plane i = channels i*RB..
     return c.reshape(*packed.shape[:-1], pack * packed.shape[-1]).to(torch.uint8)
 
 

@@ -28,7 +28,7 @@ TOL = 1e-2
 
 
 def _build(kname, vname, lens, hkv, d, page, *, outlier_frac=0.0, sink=0, window=0, rotate=False,
-           seed=0):
+           seed=0, chunks=None):
     spec = KVSpec.parse(k=kname, v=vname, outlier_frac=outlier_frac, sink_tokens=sink,
                         window=window)
     B = len(lens)
@@ -37,7 +37,8 @@ def _build(kname, vname, lens, hkv, d, page, *, outlier_frac=0.0, sink=0, window
         f = KVFormat.parse(name)
         if f.is_float:
             return FloatCodec(f, hkv, d, spec)
-        return QuantCodec(f, hkv, d, spec, role=role, max_seqs=B, rotate=rotate and role == "k")
+        return QuantCodec(f, hkv, d, spec, role=role, max_seqs=B, rotate=rotate and role == "k",
+                          block_size=page)
 
     kc, vc = mk(kname, "k"), mk(vname, "v")
     nblk = sum(math.ceil(L / page) for L in lens) + 3
@@ -56,8 +57,11 @@ def _build(kname, vname, lens, hkv, d, page, *, outlier_frac=0.0, sink=0, window
         k = torch.randn(L, hkv, d, generator=g) * 2
         k[:, :, 1] += 12.0                     # an outlier channel, like real keys
         v = torch.randn(L, hkv, d, generator=g)
-        for c, st, x in ((kc, ks, k), (vc, vs, v)):
-            c.write(st, slots, x.to(DEV), pos.to(DEV), seq_row=b)
+        step = chunks or L
+        for p0 in range(0, L, step):  # in pieces: per-channel keys complete pages over calls
+            sl = slice(p0, min(L, p0 + step))
+            for c, st, x in ((kc, ks, k), (vc, vs, v)):
+                c.write(st, slots[sl], x[sl].to(DEV), pos[sl].to(DEV), seq_row=b)
     return kc, ks, vc, vs, bt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
@@ -151,6 +155,53 @@ def test_quantized_attention_is_close_to_float():
     assert rel["int8"] < 0.01 < rel["int2"]
     assert rel["int8"] < rel["int4"] < rel["int2"]
     assert rel["int4"] < 0.3, rel
+
+
+CHANNEL_PAIRS = [("int4:c", "int4"), ("int2:c", "int2"), ("int3:c", "int3"), ("int8:c", "int8"),
+                 ("int4:c", "int2")]
+
+
+@pytest.mark.parametrize("kname,vname", CHANNEL_PAIRS)
+@pytest.mark.parametrize("qpk", [4, 8])
+def test_channel_keys_match_twin(kname, vname, qpk):
+    """Per-channel keys (KIVI; cscale/czero per page, incomplete pages in the ring)."""
+    import localmoe.kernels.decode_attention as da
+    assert da.SUPPORTS_CHANNEL_KEYS
+    kc, ks, vc, vs, bt, lens = _build(kname, vname, [1, 7, 33, 257], 2 if qpk < 8 else 1, 32, 16,
+                                      seed=qpk)
+    assert kc.channel and not vc.channel
+    _run(kc, ks, vc, vs, bt, lens, qpk, 16, num_splits=3, block_n=16)
+
+
+@pytest.mark.parametrize("page", [4, 32])
+def test_channel_keys_pages_written_in_pieces(page):
+    """Pages completed over several writes (prefill chunks of 5 tokens), tiles spanning pages."""
+    lens = [page - 1, 2 * page + 3, 3 * page]
+    kc, ks, vc, vs, bt, lens = _build("int4:c", "int4", lens, 2, 32, page, seed=page, chunks=5)
+    _run(kc, ks, vc, vs, bt, lens, 4, page, num_splits=2, block_n=32)
+
+
+def test_channel_keys_with_sinks_window_and_value_outliers():
+    kc, ks, vc, vs, bt, lens = _build("int2:c", "int2", [1100, 40], 1, 32, 16, outlier_frac=0.05,
+                                      sink=4, window=24)
+    assert kc.window == 24 and kc.n_out == 0 and vc.n_out > 0
+    _run(kc, ks, vc, vs, bt, lens, 4, 16, num_splits=4, block_n=32)
+    _run(kc, ks, vc, vs, bt, lens, 4, 16, num_splits=2, block_n=32, sliding_window=300)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_and_separate_reduction_agree(fused):
+    kc, ks, vc, vs, bt, lens = _build("int4", "int2", [150, 9, 64], 2, 32, 16)
+    q = torch.randn(3, 8, 32, device=DEV)
+    ref = decode_attention_ref(q, kc, ks, vc, vs, bt, lens, page_size=16)
+    for n in (1, 5):
+        o = decode_attention(q, kc, ks, vc, vs, bt, lens, page_size=16, num_splits=n, block_n=16,
+                             fused_reduce=fused)
+        assert ((o - ref).norm() / ref.norm()).item() < TOL
+    # the split counters are back at zero, so a second call (e.g. a graph replay) merges again
+    o2 = decode_attention(q, kc, ks, vc, vs, bt, lens, page_size=16, num_splits=5, block_n=16,
+                          fused_reduce=fused)
+    assert torch.allclose(o, o2)
 
 
 def test_rejects_bad_shapes():

@@ -33,10 +33,18 @@ def test_pack_unpack_round_trip(bits, d):
     assert torch.equal(unpack_codes(p, bits), c)
 
 
-def test_pack_layout_is_interleaved():
+def test_pack_layout_is_split_planes():
+    # int4: byte j = channel j (low nibble) | channel j + D/2 (high nibble)
     c = torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)
-    assert pack_codes(c, 4).tolist() == [[0x21, 0x43]]
-    assert pack_codes(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[0b00111001]]
+    assert pack_codes(c, 4).tolist() == [[0x31, 0x42]]
+    # int2, D = 8: byte j holds channels j, j+2, j+4, j+6 from the low bits up
+    c = torch.tensor([[1, 2, 3, 0, 2, 1, 0, 3]], dtype=torch.uint8)
+    assert pack_codes(c, 2).tolist() == [[0b00101101, 0b11010010]]
+    # int3's high-bit plane (P = 1), D = 16: byte j holds channels j, j+2, ..., j+14
+    c = torch.zeros(1, 16, dtype=torch.uint8)
+    c[0, 3] = 1
+    c[0, 14] = 1
+    assert pack_codes(c, 1).tolist() == [[0b10000000, 0b00000010]]
 
 
 def test_e4m3_matches_torch_float8():
