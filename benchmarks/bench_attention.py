@@ -8,7 +8,8 @@ cycle through enough cache copies to defeat the 60 MB L2), the K+V bytes the cal
 the H200, read+write counted). SDPA runs in the same process on contiguous fp16 K/V
 ([B, 4, L, 128], ``enable_gqa=True``).
 
-Before timing, ``--check`` compares the kernels with their PyTorch twins on the GPU (every
+Key formats with ``:c`` (``int4:c/int4``) are per-channel keys (KIVI, one scale and zero per
+channel per 16-token page). Before timing, ``--check`` compares the kernels with their PyTorch twins on the GPU (every
 format, outliers, sinks/window, rotation, GQA 8:1 and 4:1) and fails loudly on a mismatch.
 
 Usage: ``python benchmarks/bench_attention.py [--check] [--out results.json] [--contexts ...]``
@@ -36,10 +37,21 @@ DEV = "cuda"
 
 
 def make_codec(name, spec, role, max_seqs, rotate=False):
+    """Codec of one side; ``int4:c`` keys are per-channel (KIVI, one scale/zero per page)."""
     fmt = KVFormat.parse(name)
     if fmt.is_float:
         return FloatCodec(fmt, HKV, D, spec)
-    return QuantCodec(fmt, HKV, D, spec, role=role, max_seqs=max_seqs, rotate=rotate)
+    return QuantCodec(fmt, HKV, D, spec, role=role, max_seqs=max_seqs, rotate=rotate,
+                      block_size=PAGE)
+
+
+def write(codec, store, slots, x, pos, row):
+    """Quantize-and-append kernel for per-token codecs; the codec's page writer (torch ops) for
+    per-channel keys, which quantize whole pages."""
+    if isinstance(codec, QuantCodec) and not codec.channel:
+        kv_quant_append(codec, store, slots, x, pos, row)
+    else:
+        codec.write(store, slots, x, pos, row)
 
 
 def fill(codec, store, slots, chunk=1 << 16, seed=0):
@@ -51,10 +63,7 @@ def fill(codec, store, slots, chunk=1 << 16, seed=0):
         x = torch.randn(s.numel(), HKV, D, device=DEV, generator=g)
         x[:, :, :4] *= 8.0
         pos = torch.arange(i, i + s.numel(), device=DEV)
-        if isinstance(codec, QuantCodec):
-            kv_quant_append(codec, store, s, x.half(), pos, 0)
-        else:
-            codec.write(store, s, x, pos)
+        write(codec, store, s, x.half(), pos, 0)
 
 
 def store_bytes(codec, n_tok):
@@ -89,15 +98,20 @@ def time_graph(fns, reps=5, iters=20):
     return statistics.median(out)
 
 
-def check(verbose=True, lens=(1, 1000, 4133)) -> int:
-    """GPU correctness: kernels vs twins. Returns the number of failures."""
+def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4)) -> int:
+    """GPU correctness: kernels vs twins (``only``: keep cases whose key format contains this
+    string). Returns the number of failures."""
     fails = 0
     torch.manual_seed(0)
     cases = [("f16", "f16", 0, 0, 0, False), ("int8", "int8", 0, 0, 0, False),
              ("int4", "int4", 0, 0, 0, False), ("int3", "int3", 0.02, 4, 64, False),
              ("int2", "int2", 0.02, 4, 128, False), ("fp4", "fp4", 0, 0, 0, False),
-             ("int4", "int2", 0, 4, 0, True), ("int4:g64", "int4:g128", 0.05, 0, 32, True)]
-    for qpk in (8, 4):
+             ("int4", "int2", 0, 4, 0, True), ("int4:g64", "int4:g128", 0.05, 0, 32, True),
+             ("int4:c", "int4", 0, 0, 0, False), ("int2:c", "int2", 0.02, 4, 32, False),
+             ("int3:c", "int3", 0, 0, 0, False), ("int8:c", "int4", 0, 0, 0, False),
+             ("int4:c", "int2", 0, 0, 0, False)]
+    cases = [c for c in cases if only is None or only in c[0]]
+    for qpk in qpks:
         for kn, vn, of, sink, win, rot in cases:
             spec = KVSpec.parse(k=kn, v=vn, outlier_frac=of, sink_tokens=sink, window=win)
             B = 3
@@ -120,12 +134,8 @@ def check(verbose=True, lens=(1, 1000, 4133)) -> int:
                 k[:, :, 3] += 15
                 v = torch.randn(L, HKV, D, device=DEV)
                 for c, st, st2, x in ((kc, ks, ks2, k), (vc, vs, vs2, v)):
-                    if isinstance(c, QuantCodec):
-                        kv_quant_append(c, st, slots, x, pos, b)
-                        c.write(st2, slots, x, pos, b)
-                    else:
-                        c.write(st, slots, x, pos)
-                        c.write(st2, slots, x, pos)
+                    write(c, st, slots, x, pos, b)
+                    c.write(st2, slots, x, pos, b)
             # append kernel vs twin: codes may differ by one step where GPU division rounds
             for name, st, st2, c in (("K", ks, ks2, kc), ("V", vs, vs2, vc)):
                 if not isinstance(c, QuantCodec):
@@ -142,9 +152,10 @@ def check(verbose=True, lens=(1, 1000, 4133)) -> int:
                             fails += 1
                             print(f"FAIL append {kn}/{vn} {name}.{key} differs")
             q = torch.randn(B, HKV * qpk, D, device=DEV, dtype=torch.float16)
-            for sw in (0, 512):
+            for sw, fused in ((0, True), (512, True), (0, False)):
                 o = decode_attention(q, kc, ks, vc, vs, bt, lens, page_size=PAGE,
-                                     sliding_window=sw, seq_rows=torch.arange(B))
+                                     sliding_window=sw, seq_rows=torch.arange(B),
+                                     fused_reduce=fused)
                 r = decode_attention_ref(q, kc, ks, vc, vs, bt, lens, page_size=PAGE,
                                          sliding_window=sw, seq_rows=torch.arange(B))
                 err = ((o - r).norm() / r.norm()).item()
@@ -152,7 +163,7 @@ def check(verbose=True, lens=(1, 1000, 4133)) -> int:
                 fails += not ok
                 if verbose or not ok:
                     print(f"{'ok  ' if ok else 'FAIL'} decode qpk={qpk} k={kn} v={vn} out={of} "
-                          f"sink={sink} win={win} rot={rot} sw={sw}: rel err {err:.2e}")
+                          f"sink={sink} win={win} rot={rot} sw={sw} fused={fused}: rel err {err:.2e}")
     return fails
 
 
@@ -212,9 +223,26 @@ def bench(contexts, batches, formats, variants, out):
                           f"ceiling) {t_sdpa/t:5.2f}x sdpa", flush=True)
                 del caches
                 torch.cuda.empty_cache()
+    best = {}
+    for r in rows:
+        k = (r["batch"], r["ctx"], r["fmt"])
+        if k not in best or r["us"] < best[k]["us"]:
+            best[k] = r
+    print("best per config:")
+    for (b, c, f), r in best.items():
+        print(f"  B={b} ctx={c:6d} {f:12s} {r['us']:8.1f} us {r['gbs']/1e3:5.2f} TB/s "
+              f"({r['gbs']/1e3/CEILING_TBS*100:5.1f}%) {r.get('vs_sdpa', 1.0):5.2f}x sdpa "
+              f"{r.get('variant', '')}")
     if out:
+        import subprocess
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
+        except OSError:
+            commit = ""
         with open(out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=__import__("triton").__version__, argv=sys.argv, commit=commit,
                            shape=dict(n_heads=HQ, n_kv_heads=HKV, head_dim=D, page=PAGE),
                            ceiling_tbs=CEILING_TBS, rows=rows), f, indent=1)
     return rows
@@ -226,7 +254,8 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--formats", nargs="*",
-                    default=["f16", "int8", "int4", "int3", "int2", "fp4", "int4/int2"])
+                    default=["f16", "int8", "int4", "int3", "int2", "fp4", "int4/int2",
+                             "int4:c/int4", "int2:c/int2", "int4:c/int2"])
     ap.add_argument("--variants", default='[{}]', help="JSON list of kwargs for decode_attention")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
