@@ -53,6 +53,10 @@ class TorchRunner:
         numerics: ``"exact"`` (default: float matmuls on dequantized weights) or ``"ggml"``
             (GGUF: round matmul inputs as llama.cpp's CPU backend does; see
             :meth:`localmoe.transformer.Transformer.from_model_file`).
+        packed_weights: keep GGUF block-quantized matmul weights packed and use the exact CPU
+            kernel (:mod:`localmoe.cpu_qmatmul`): ``None`` (default) = automatically on the CPU
+            in float32 with ``numerics="exact"``, ``False`` = always dequantize to float32,
+            ``True`` = require it (ValueError when unavailable).
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
@@ -63,7 +67,8 @@ class TorchRunner:
 
     def __init__(self, model_file, *, n_ctx: int | None = None, kv_spec: Any = None,
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 4,
-                 block_size: int = 16, experts: Any = None, numerics: str = "exact"):
+                 block_size: int = 16, experts: Any = None, numerics: str = "exact",
+                 packed_weights: bool | None = None):
         from localmoe.kv_cache import KVSpec, PagedKVCache
         from localmoe.transformer import Transformer
 
@@ -75,13 +80,20 @@ class TorchRunner:
         if dev.type == "cpu":
             self.dtype = torch.float32   # the CPU reference computes in fp32
         self.model = Transformer.from_model_file(model_file, device=dev, dtype=self.dtype,
-                                                 experts=experts, numerics=numerics)
+                                                 experts=experts, numerics=numerics,
+                                                 packed=packed_weights)
         self.spec = self.model.spec
         self.n_ctx = int(n_ctx or min(self.spec.n_ctx_train or 4096, 4096))
         self.kv_spec = KVSpec.parse(kv_spec if kv_spec is not None else "f16")
         self.max_seqs = int(max_seqs)
         self.cache = PagedKVCache(self.spec, self.kv_spec, self.n_ctx, self.max_seqs,
                                   block_size=block_size, device=dev)
+        from localmoe.kv_cache import FloatCodec
+
+        # plain float K/V on the CPU: read/write slices of the store when slots are consecutive
+        self._float_kv = (dev.type == "cpu" and type(self.cache.k_codec) is FloatCodec
+                          and type(self.cache.v_codec) is FloatCodec)
+        self._kv_range_memo: dict = {}
         self.load_s = time.perf_counter() - t0
         self._n_forward_tokens = 0
 
@@ -103,8 +115,33 @@ class TorchRunner:
         self.cache.truncate(seq_id, n_tokens)
 
     # ---- attention seam (overridable) ------------------------------------------------------
+    def _float_kv_range(self, seq_id: int, start: int, end: int) -> int | None:
+        """First slot of positions ``[start, end)`` when they sit in consecutive slots of a
+        plain float K/V store on the CPU (a single sequence's blocks usually do), else None.
+        Then K/V are read and written as slices of the store (same values as through the
+        codec, without the per-layer slot gathers). Memoized per slot tensor (one per step)."""
+        if not self._float_kv:
+            return None
+        slots = self.cache.slots(seq_id, start, end)
+        hit = self._kv_range_memo.get((seq_id, start, end))
+        if hit is not None and hit[0] is slots:
+            return hit[1]
+        n = end - start
+        a = int(slots[0]) if n else 0
+        ok = n > 0 and int(slots[-1]) - a == n - 1 and (n == 1 or bool((slots.diff() == 1).all()))
+        if len(self._kv_range_memo) > 64:
+            self._kv_range_memo.clear()
+        self._kv_range_memo[(seq_id, start, end)] = (slots, a if ok else None)
+        return a if ok else None
+
     def write_kv(self, layer: int, seq: SeqSlice, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one sequence's new K ``[T, Hkv, D]`` / V ``[T, Hkv, Dv]`` at its positions."""
+        a = self._float_kv_range(seq.seq_id, seq.start, seq.start + k.shape[0])
+        if a is not None:
+            t = k.shape[0]
+            self.cache.k_stores[layer]["data"][a:a + t].copy_(k)
+            self.cache.v_stores[layer]["data"][a:a + t].copy_(v)
+            return
         self.cache.write(layer, seq.seq_id, seq.start, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, seq_id: int, start: int) -> torch.Tensor:
@@ -124,7 +161,20 @@ class TorchRunner:
         end = start + q.shape[0]
         window = self.model.layer_window(layer)
         k_start = max(0, start - window + 1) if window else 0
-        K, V = self.cache.read(layer, seq_id, end, start=k_start)
+        a = self._float_kv_range(seq_id, k_start, end)
+        if a is not None:
+            n = end - k_start
+            K = self.cache.k_stores[layer]["data"][a:a + n]
+            V = self.cache.v_stores[layer]["data"][a:a + n]
+            if (q.shape[0] == 1 and self.model.packed and not self.spec.attn_logit_softcap
+                    and q.dtype == torch.float32 and q.is_contiguous()):
+                # decode with the packed-weights CPU kernels: one C call over exactly the keys
+                # the query sees ([k_start, end) is the window), same function as below
+                from localmoe.cpu_qmatmul import attention_decode
+
+                return attention_decode(q, K, V, self.model.scale)
+        else:
+            K, V = self.cache.read(layer, seq_id, end, start=k_start)
         return attention(q, K.to(q.dtype), V.to(q.dtype), q_start=start - k_start,
                          scale=self.model.scale, window=window,
                          softcap=self.spec.attn_logit_softcap,
@@ -214,9 +264,9 @@ class TorchRunner:
         """``{"device", "dtype", "kv_bytes", "kv_format", "load_s", "weights_bytes", ...}``
         (plus the expert provider's counters)."""
         m = self.model
-        wbytes = sum(t.numel() * t.element_size() for L in m.layers for t in L.values())
+        wbytes = sum(t.nbytes for L in m.layers for t in L.values())  # packed layers too
         for t in {id(x): x for x in (m.tok_embd, m.output, m.output_t) if x is not None}.values():
-            wbytes += t.numel() * t.element_size()
+            wbytes += t.nbytes
         out = {"device": self.device, "dtype": str(self.dtype).replace("torch.", ""),
                "kv_bytes": self.cache.footprint(), "kv_format": str(self.kv_spec),
                "load_s": round(self.load_s, 3), "weights_bytes": int(wbytes),
@@ -262,7 +312,7 @@ class TorchBackend(Backend):
     def load(self, model, *, n_ctx: int | None = None, kv_spec: Any = None,
              device: str | None = None, **options: Any) -> TorchRunner:
         """Build a :class:`TorchRunner`; ``options``: dtype, max_seqs, block_size, experts,
-        numerics.
+        numerics, packed_weights.
 
         Raises:
             BackendUnavailableError: CUDA requested but absent.

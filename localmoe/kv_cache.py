@@ -483,20 +483,49 @@ class PagedKVCache:
         self._lens[seq_id] += int(n_new)
 
     # --- data -----------------------------------------------------------------------------
+    def _memo(self) -> dict:
+        """Small cache of index tensors built from the block tables (every layer of a forward
+        step asks for the same ones); entries are checked against the table before reuse."""
+        m = self.__dict__.get("_index_memo")
+        if m is None or len(m) > 256:
+            m = self.__dict__["_index_memo"] = {}
+        return m
+
     def block_table(self, seq_id: int) -> torch.Tensor:
-        """Physical block ids of a sequence, IntTensor[n_blocks_used] on the cache device."""
+        """Physical block ids of a sequence, IntTensor[n_blocks_used] on the cache device
+        (shared between calls while the table is unchanged: do not modify it)."""
         self._check(seq_id)
-        return torch.tensor(self._tables[seq_id], dtype=torch.int32, device=self.device)
+        table = tuple(self._tables[seq_id])
+        memo = self._memo()
+        hit = memo.get(("bt", seq_id))
+        if hit is not None and hit[0] == table:
+            return hit[1]
+        out = torch.tensor(table, dtype=torch.int32, device=self.device)
+        memo[("bt", seq_id)] = (table, out)
+        return out
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """Slot indices (LongTensor[end-start], cache device) of positions [start, end)."""
+        """Slot indices (LongTensor[end-start], cache device) of positions [start, end)
+        (shared between calls while the blocks holding them are unchanged: do not modify it).
+
+        Raises:
+            LocalMoEError: ``end`` beyond the reserved blocks.
+        """
         self._check(seq_id)
         table = self._tables[seq_id]
-        if end > len(table) * self.block_size:
+        bs = self.block_size
+        if end > len(table) * bs:
             raise LocalMoEError("KV cache positions beyond the reserved blocks; call reserve()")
+        span = tuple(table[start // bs:-(-end // bs)]) if end > start else ()
+        memo = self._memo()
+        hit = memo.get((seq_id, start, end))
+        if hit is not None and hit[0] == span:
+            return hit[1]
         pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
-        return (blocks * self.block_size + pos % self.block_size).to(self.device)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
+        out = (blocks * bs + pos % bs).to(self.device)
+        memo[(seq_id, start, end)] = (span, out)
+        return out
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K[T, n_kv_heads, head_dim] and V[T, n_kv_heads, v_head_dim] at positions

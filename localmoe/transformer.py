@@ -35,6 +35,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .cpu_qmatmul import PackedLinear, PackedWeight
 from .errors import UnsupportedModelError
 from .experts import ExpertProvider, ResidentExpertProvider
 from .ggml_numerics import (GGML_VEC_DOT_TYPE, ggml_act_quant, ggml_activation,  # noqa: F401
@@ -61,6 +62,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     Returns:
         tensor shaped and typed like ``x`` (computed in float32 when ``x`` is half precision).
     """
+    if x.dtype == torch.float32 and x.device.type == "cpu" and (w is None or w.dtype == x.dtype):
+        # one fused op instead of seven (CPU decode is bound by per-op overhead); same formula
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if w is not None:
@@ -202,6 +206,44 @@ def apply_rope_tables(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, s
     if rd < xf.shape[-1]:
         out = torch.cat([out, xf[..., rd:]], -1)
     return out.to(x.dtype)
+
+
+def _rms_norm_packed(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` through the C kernel of :mod:`localmoe.cpu_qmatmul` for contiguous CPU
+    float32 tensors (models loaded with packed weights); anything else goes to :func:`rms_norm`."""
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+            and (w is None or (w.dtype == torch.float32 and w.is_contiguous()))):
+        from .cpu_qmatmul import rms_norm as _c_rms_norm
+
+        return _c_rms_norm(x, w, eps)
+    return rms_norm(x, w, eps)
+
+
+def rope_signed_sin(sin2: torch.Tensor, style: str) -> torch.Tensor:
+    """``sin2 [T, 1, R]`` of :func:`rope_tables` with the sign of ``rot`` folded in (``-sin`` on
+    the first of each rotated pair), for :func:`apply_rope_swapped`."""
+    R = sin2.shape[-1]
+    if style == "neox":
+        sign = torch.cat([-torch.ones(R // 2), torch.ones(R // 2)])
+    else:
+        sign = torch.tensor([-1.0, 1.0]).repeat(R // 2)
+    return sin2 * sign.to(device=sin2.device, dtype=sin2.dtype)
+
+
+def apply_rope_swapped(x: torch.Tensor, cos2: torch.Tensor, sin2s: torch.Tensor, style: str
+                       ) -> torch.Tensor:
+    """:func:`apply_rope_tables` in fewer ops, bit-identical: ``x * cos + swap(x) * sin2s`` where
+    ``swap`` exchanges the two members of each rotated pair and ``sin2s`` comes from
+    :func:`rope_signed_sin` (``(-b) * s == b * (-s)`` exactly). ``x [T, H, D]`` float32 with
+    ``D == R``; other cases go through :func:`apply_rope_tables`."""
+    R = cos2.shape[-1]
+    if x.dtype != torch.float32 or x.shape[-1] != R:
+        raise ValueError("apply_rope_swapped needs float32 x with D == R")
+    if style == "neox":
+        sw = x.unflatten(-1, (2, R // 2)).flip(-2).flatten(-2)
+    else:
+        sw = x.unflatten(-1, (R // 2, 2)).flip(-1).flatten(-2)
+    return x * cos2 + sw * sin2s
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, scale: float,
@@ -384,6 +426,10 @@ _NORM_SUFFIXES = ("_norm.weight",)
 #: per-layer matmul weights, stored transposed ``[in, out]`` in :attr:`Transformer.layers`
 _LINEAR_KEYS = ("wqkv", "wo", "gate_up", "down", "sh_gate_up", "sh_down", "router")
 _MAX_TRANSPOSED_OUTPUT_BYTES = 256 << 20
+#: GGUF tensors that may be kept packed (``packed`` in :meth:`Transformer.from_model_file`)
+_PACKABLE_SUFFIXES = tuple(f"{n}.weight" for n in (
+    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "token_embd")) + ("output.weight",)
 
 
 class Transformer:
@@ -391,9 +437,11 @@ class Transformer:
 
     Args:
         spec: the configured spec (see :meth:`Family.configure`).
-        weights: GGUF-named float tensors on one device (norm offsets already applied); the
-            constructor fuses q/k/v and gate/up into single matrices and *consumes* the dict
-            (fused sources are popped from it so their memory is freed as it goes).
+        weights: GGUF-named float tensors on one device (norm offsets already applied), or
+            for matmul weights on the CPU a :class:`localmoe.cpu_qmatmul.PackedWeight` (kept
+            packed, see ``packed`` in :meth:`from_model_file`); the constructor fuses q/k/v and
+            gate/up into single matrices and *consumes* the dict (fused sources are popped from
+            it so their memory is freed as it goes).
         experts: provider of routed expert weights (None for dense models).
 
     Raises:
@@ -422,15 +470,33 @@ class Transformer:
                                      f"does not match architecture {spec.arch!r}")
             return w[name]
 
-        self.tok_embd = need("token_embd.weight")
-        self.output = w.get("output.weight", self.tok_embd)
-        # lm head transposed too, unless that duplicates a large tied embedding
-        tied = self.output is self.tok_embd
-        nb = self.output.numel() * self.output.element_size()
-        self.output_t = (self.output.t().contiguous()
-                         if not tied or nb <= _MAX_TRANSPOSED_OUTPUT_BYTES else None)
-        if not tied and self.output_t is not None:
-            self.output = None
+        def lin(t):  # a packed matmul weight becomes a (one-part) PackedLinear
+            return PackedLinear([t]) if isinstance(t, PackedWeight) else t
+
+        def fuse(*ts):  # fused projection [sum N, K]: packed if every part is, else float
+            if all(isinstance(t, PackedWeight) for t in ts):
+                return PackedLinear(ts)
+            ts = [t.dequantize() if isinstance(t, PackedWeight) else t for t in ts]
+            return torch.cat(ts, 0).contiguous()
+
+        te = need("token_embd.weight")
+        out_w = w.get("output.weight", te)
+        tied = out_w is te
+        self.tok_embd = lin(te)
+        self.output = self.tok_embd if tied else lin(out_w)
+        #: True when the matmul weights are kept packed (CPU kernel of localmoe.cpu_qmatmul)
+        self.packed = isinstance(self.tok_embd, PackedLinear) or isinstance(self.output, PackedLinear)
+        if self.packed:
+            self._norm = _rms_norm_packed
+        if isinstance(self.output, PackedLinear):
+            self.output_t = None
+        else:
+            # lm head transposed too, unless that duplicates a large tied embedding
+            nb = self.output.numel() * self.output.element_size()
+            self.output_t = (self.output.t().contiguous()
+                             if not tied or nb <= _MAX_TRANSPOSED_OUTPUT_BYTES else None)
+            if not tied and self.output_t is not None:
+                self.output = None
         self.output_norm = need("output_norm.weight")
         self.layers: list[dict[str, torch.Tensor]] = []
         self._mins: dict[tuple[int, str], list[torch.Tensor | None]] = {}
@@ -458,13 +524,13 @@ class Transformer:
                 self._aq[(i, "exps_down")] = [(0, at[p + "ffn_down_exps.weight"])]
             L["attn_norm"] = need(p + "attn_norm.weight")
             q, k, v = need(p + "attn_q.weight"), need(p + "attn_k.weight"), need(p + "attn_v.weight")
-            L["wqkv"] = torch.cat([q, k, v], 0).contiguous()
+            L["wqkv"] = fuse(q, k, v)
             self._q_out, self._k_out = q.shape[0], k.shape[0]
             del q, k, v
             if spec.attn_bias:
                 L["bqkv"] = torch.cat([need(p + "attn_q.bias"), need(p + "attn_k.bias"),
                                        need(p + "attn_v.bias")], 0)
-            L["wo"] = need(p + "attn_output.weight")
+            L["wo"] = lin(need(p + "attn_output.weight"))
             for opt in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
                 if p + opt + ".weight" in w:
                     L[opt] = w[p + opt + ".weight"]
@@ -474,22 +540,21 @@ class Transformer:
                 if p + "exp_probs_b.bias" in w:
                     L["exp_bias"] = w[p + "exp_probs_b.bias"]
                 if p + "ffn_up_shexp.weight" in w:
-                    L["sh_gate_up"] = torch.cat([need(p + "ffn_gate_shexp.weight"),
-                                                 need(p + "ffn_up_shexp.weight")], 0).contiguous()
-                    L["sh_down"] = need(p + "ffn_down_shexp.weight")
+                    L["sh_gate_up"] = fuse(need(p + "ffn_gate_shexp.weight"),
+                                           need(p + "ffn_up_shexp.weight"))
+                    L["sh_down"] = lin(need(p + "ffn_down_shexp.weight"))
                     if p + "ffn_gate_inp_shexp.weight" in w:
                         L["sh_gate"] = w[p + "ffn_gate_inp_shexp.weight"]
             else:
-                L["gate_up"] = torch.cat([need(p + "ffn_gate.weight"), need(p + "ffn_up.weight")],
-                                         0).contiguous()
-                L["down"] = need(p + "ffn_down.weight")
+                L["gate_up"] = fuse(need(p + "ffn_gate.weight"), need(p + "ffn_up.weight"))
+                L["down"] = lin(need(p + "ffn_down.weight"))
             for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "ffn_gate_shexp",
                       "ffn_up_shexp", "attn_output", "ffn_down", "ffn_down_shexp", "ffn_gate_inp"):
                 w.pop(p + n + ".weight", None)
             # matmul weights are kept transposed, [in, out] contiguous: x @ W_t reads memory
             # ~1.5x faster than x @ W.t() on the CPU (GEMV is bandwidth bound)
             for key in _LINEAR_KEYS:
-                if key in L:
+                if key in L and not isinstance(L[key], PackedLinear):
                     L[key] = L[key].t().contiguous()
             self.layers.append(L)
         if any("router" in L for L in self.layers) and experts is None:
@@ -504,8 +569,10 @@ class Transformer:
     def from_model_file(cls, model_file, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32,
                         experts: ExpertProvider | None = None,
-                        spec: ModelSpec | None = None, numerics: str = "exact") -> "Transformer":
-        """Load a model from a :class:`localmoe.loader.ModelFile` (dequantizing every tensor).
+                        spec: ModelSpec | None = None, numerics: str = "exact",
+                        packed: bool | None = None) -> "Transformer":
+        """Load a model from a :class:`localmoe.loader.ModelFile` (dequantizing every tensor,
+        or keeping GGUF block-quantized matmul weights packed, see ``packed``).
 
         Args:
             model_file: an open ModelFile (``.spec``, ``.format``, ``.tensor_names()``,
@@ -517,13 +584,38 @@ class Transformer:
                 ``"ggml"`` (GGUF only: additionally round each quantized matmul's input
                 activations to the weight type's ggml ``vec_dot_type`` as llama.cpp's CPU
                 backend does -- for tight parity checks against llama.cpp).
+            packed: keep the GGUF block-quantized matmul weights (q/k/v/o, FFN, shared experts,
+                embedding/lm head; types Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K) packed in memory
+                and multiply them with the exact CPU kernel of :mod:`localmoe.cpu_qmatmul` (same
+                function as the float32 path up to float32 summation order; ~4-6x fewer bytes
+                read per decoded token). ``None`` (default): on when the model is GGUF, the
+                device is the CPU, ``dtype`` float32, ``numerics="exact"`` and the kernel builds;
+                ``False``: always dequantize to float; ``True``: require it.
 
         Raises:
             UnsupportedModelError: unknown architecture; ModelLoadError: missing tensors.
-            ValueError: unknown ``numerics``.
+            ValueError: unknown ``numerics``; ``packed=True`` where it cannot apply (not GGUF,
+                not CPU float32, ``numerics="ggml"``) or the kernel cannot be built (reason
+                given).
         """
         if numerics not in ("exact", "ggml"):
             raise ValueError(f"numerics must be 'exact' or 'ggml', got {numerics!r}")
+        use_packed = False
+        if packed is not False:
+            why = None
+            if model_file.format != "gguf" or not hasattr(model_file, "raw_tensor"):
+                why = "the model is not a GGUF file"
+            elif torch.device(device).type != "cpu" or dtype != torch.float32:
+                why = "packed weights run on the CPU in float32 only"
+            elif numerics != "exact":
+                why = "numerics='ggml' computes on float weights"
+            else:
+                from .cpu_qmatmul import kernel_status
+
+                why = kernel_status()
+            use_packed = why is None
+            if packed and why:
+                raise ValueError(f"packed weights requested but unavailable: {why}")
         names = set(model_file.tensor_names())
         if spec is None:
             spec = get_family(model_file.spec.arch).configure(model_file.spec, model_file.format,
@@ -536,7 +628,16 @@ class Transformer:
                 t = t + off
             return t.to(device=device, dtype=dtype)
 
-        weights = {n: load(n) for n in sorted(names) if "_exps." not in n}
+        def load_linear(name: str):
+            if use_packed and name.endswith(_PACKABLE_SUFFIXES):
+                from .cpu_qmatmul import PACKABLE_QTYPES, pack_gguf
+
+                raw = model_file.raw_tensor(name)
+                if raw.qtype in PACKABLE_QTYPES and len(raw.shape) == 2:
+                    return pack_gguf(raw.data, raw.qtype, raw.shape)
+            return load(name)
+
+        weights = {n: load_linear(n) for n in sorted(names) if "_exps." not in n}
         if experts is None and spec.is_moe:
             moe_layers = [i for i in range(spec.n_layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
             experts = ResidentExpertProvider.from_loader(moe_layers, load)
@@ -548,6 +649,8 @@ class Transformer:
     def _mm(self, x: torch.Tensor, wt: torch.Tensor, layer: int, key: str) -> torch.Tensor:
         """``x @ wt`` for a transposed weight ``wt [in, out]``; in ggml numerics each column
         block of a fused ``wt`` sees ``x`` rounded to its own weight type's ggml vec_dot type."""
+        if type(wt) is PackedLinear:
+            return wt(x)
         parts = self._aq.get((layer, key)) if self._aq else None
         if not parts:
             return x @ wt
@@ -583,7 +686,10 @@ class Transformer:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[N]`` int64 token ids -> ``[N, d_model]`` (times ``embed_scale`` if set)."""
-        x = self.tok_embd.index_select(0, tokens)
+        if type(self.tok_embd) is PackedLinear:
+            x = self.tok_embd.rows(tokens)
+        else:
+            x = self.tok_embd.index_select(0, tokens)
         if self.spec.embed_scale:
             x = x * self.spec.embed_scale
         return x
@@ -615,10 +721,12 @@ class Transformer:
             out = out + sh
         return out
 
-    def block(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def block(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
               attn: AttnFn) -> torch.Tensor:
         """One transformer block on ``x [N, d_model]``; ``rope`` = full-width (cos, sin) tables
-        ``[N, 1, R]`` (:func:`rope_tables`) for this layer's base; ``attn(layer, q[N,H,D], k[N,Hkv,D], v[N,Hkv,Dv]) -> [N,H,Dv]``."""
+        ``[N, 1, R]`` (:func:`rope_tables`) for this layer's base, optionally followed by the
+        signed sin table of :func:`rope_signed_sin` (enables the fewer-op CPU float32 path);
+        ``attn(layer, q[N,H,D], k[N,Hkv,D], v[N,Hkv,Dv]) -> [N,H,Dv]``."""
         s = self.spec
         L = self.layers[layer]
         N = x.shape[0]
@@ -627,6 +735,16 @@ class Transformer:
         qkv = self._mm(h, L["wqkv"], layer, "wqkv")
         if "bqkv" in L:
             qkv = qkv + L["bqkv"]
+        cos2, sin2 = rope[0], rope[1]
+        if (len(rope) > 2 and not s.qk_norm and qkv.dtype == torch.float32
+                and cos2.shape[-1] == s.head_dim):
+            # q and k are adjacent columns of qkv: rotate them as one [N, H + Hkv, D] tensor
+            qk = qkv[:, :self._q_out + self._k_out].unflatten(-1, (-1, s.head_dim))
+            qk = apply_rope_swapped(qk, cos2, rope[2], s.rope_style)
+            q, k = qk[:, :s.n_heads], qk[:, s.n_heads:]
+            v = qkv[:, self._q_out + self._k_out:].unflatten(-1, (s.n_kv_heads, s.v_head_dim))
+            o = attn(layer, q, k, v).reshape(N, -1)
+            return self._block_tail(layer, x, o)
         q, k, v = qkv.split([self._q_out, self._k_out, qkv.shape[1] - self._q_out - self._k_out], -1)
         if s.qk_norm and s.qk_norm_full:
             q = self._norm(q, L["attn_q_norm"], eps)
@@ -637,10 +755,22 @@ class Transformer:
         if s.qk_norm and not s.qk_norm_full:
             q = self._norm(q, L["attn_q_norm"], eps)
             k = self._norm(k, L["attn_k_norm"], eps)
-        cos2, sin2 = rope
-        q = apply_rope_tables(q, cos2, sin2, s.rope_style)
-        k = apply_rope_tables(k, cos2, sin2, s.rope_style)
-        o = attn(layer, q, k, v).reshape(N, -1).to(x.dtype)
+        if len(rope) > 2 and q.dtype == torch.float32 and cos2.shape[-1] == s.head_dim:
+            q = apply_rope_swapped(q, cos2, rope[2], s.rope_style)
+            k = apply_rope_swapped(k, cos2, rope[2], s.rope_style)
+        else:
+            q = apply_rope_tables(q, cos2, sin2, s.rope_style)
+            k = apply_rope_tables(k, cos2, sin2, s.rope_style)
+        o = attn(layer, q, k, v).reshape(N, -1)
+        return self._block_tail(layer, x, o)
+
+    def _block_tail(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Rest of :meth:`block` after attention: output projection, residuals, FFN."""
+        s = self.spec
+        L = self.layers[layer]
+        eps = s.norm_eps
+        if o.dtype != x.dtype:
+            o = o.to(x.dtype)
         o = self._mm(o, L["wo"], layer, "wo")
         if "post_attention_norm" in L:
             o = self._norm(o, L["post_attention_norm"], eps)
@@ -669,12 +799,16 @@ class Transformer:
                 gb = base if self.numerics == "ggml" and not scaling else None
                 tables[key] = rope_tables(*rope_cos_sin(positions, inv, ms, ggml_base=gb),
                                           self.spec.rope_style)
+                if self.device.type == "cpu":   # CUDA keeps the original op sequence
+                    tables[key] += (rope_signed_sin(tables[key][1], self.spec.rope_style),)
             x = self.block(i, x, tables[key], attn)
         return self._norm(x, self.output_norm, self.spec.norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""
-        if self.output_t is not None:
+        if type(self.output) is PackedLinear:
+            out = self.output(hidden)
+        elif self.output_t is not None:
             out = self._mm(hidden, self.output_t, -1, "output").float()
         else:
             out = self._mm(hidden, self.output.t(), -1, "output").float()
