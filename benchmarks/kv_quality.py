@@ -39,23 +39,46 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "data" / "gpl3_excerpt.txt"
 
-# name -> (KVSpec.parse kwargs, rotate keys)
+# name -> (KVSpec.parse kwargs, rotate keys). ":t" = keys per token (groups along head_dim),
+# ":c" = keys per channel over each 16-token page (KIVI); values are always per token. Any
+# other name is parsed as a KVSpec string, e.g. "k=int4:c,v=int4:g16,sinks=4,window=128".
 CONFIGS = {
     "f16": (dict(kv="f16"), False),
-    "int8": (dict(kv="int8"), False),
-    "int4": (dict(kv="int4"), False),
-    "int3": (dict(kv="int3"), False),
-    "int2": (dict(kv="int2"), False),
+    "int8": (dict(kv="int8:t"), False),
+    "int4:t": (dict(kv="int4:t"), False),
+    "int3:t": (dict(kv="int3:t"), False),
+    "int2:t": (dict(kv="int2:t"), False),
     "fp4": (dict(kv="fp4"), False),
-    "k=int4,v=int2": (dict(kv="f16", k="int4", v="int2"), False),
-    "int4+hadamardK": (dict(kv="int4"), True),
-    "int3+hadamardK": (dict(kv="int3"), True),
-    "int2+hadamardK": (dict(kv="int2"), True),
-    "int4+out4%": (dict(kv="int4", outlier_frac=0.04), False),
-    "int3+out4%+sink4": (dict(kv="int3", outlier_frac=0.04, sink_tokens=4), False),
-    "int2+out4%+sink4": (dict(kv="int2", outlier_frac=0.04, sink_tokens=4), False),
-    "int2+out4%+sink4+win64": (dict(kv="int2", outlier_frac=0.04, sink_tokens=4, window=64), False),
+    "k=int4:t,v=int2": (dict(kv="f16", k="int4:t", v="int2"), False),
+    "int4:t+hadamardK": (dict(kv="int4:t"), True),
+    "int3:t+hadamardK": (dict(kv="int3:t"), True),
+    "int2:t+hadamardK": (dict(kv="int2:t"), True),
+    "int4:t+out4%": (dict(kv="int4:t", outlier_frac=0.04), False),
+    "int3:t+out4%+sink4": (dict(kv="int3:t", outlier_frac=0.04, sink_tokens=4), False),
+    "int2:t+out4%+sink4": (dict(kv="int2:t", outlier_frac=0.04, sink_tokens=4), False),
+    "int2:t+out4%+sink4+win64": (dict(kv="int2:t", outlier_frac=0.04, sink_tokens=4, window=64),
+                                 False),
     "fp4+out4%": (dict(kv="fp4", outlier_frac=0.04), False),
+    # per-channel keys (KIVI-style, per 16-token page)
+    "k=int4:c,v=f16": (dict(kv="f16", k="int4:c"), False),
+    "k=int4:c,v=int4": (dict(kv="f16", k="int4:c", v="int4:g32"), False),
+    "k=int4:c,v=int4:g16": (dict(kv="f16", k="int4:c", v="int4:g16"), False),
+    "k=int4:c,v=int4:g16,sinks=4": (dict(kv="f16", k="int4:c", v="int4:g16", sink_tokens=4),
+                                    False),
+    "k=int4:c,v=int4:g16,window=64": (dict(kv="f16", k="int4:c", v="int4:g16", window=64), False),
+    "k=int3:c,v=int3:g16,sinks=4": (dict(kv="f16", k="int3:c", v="int3:g16", sink_tokens=4),
+                                    False),
+    "k=int3:c,v=int3:g16,sinks=4,window=128": (dict(kv="f16", k="int3:c", v="int3:g16",
+                                                    sink_tokens=4, window=128), False),
+    "k=int4:c,v=int2:g16,sinks=4,window=128": (dict(kv="f16", k="int4:c", v="int2:g16",
+                                                    sink_tokens=4, window=128), False),
+    "k=int2:c,v=int2:g16,sinks=4,window=128": (dict(kv="f16", k="int2:c", v="int2:g16",
+                                                    sink_tokens=4, window=128), False),
+    "k=int2:c,v=int2,sinks=4,window=128": (dict(kv="f16", k="int2:c", v="int2:g32",
+                                                sink_tokens=4, window=128), False),
+    "k=int2:c,v=int2:g16,outliers=0.04,sinks=4,window=128": (
+        dict(kv="f16", k="int2:c", v="int2:g16", outlier_frac=0.04, sink_tokens=4, window=128),
+        False),
 }
 
 
@@ -66,13 +89,9 @@ def make_runner(mf, name, n_ctx):
 
     if name in CONFIGS:
         kw, rot = CONFIGS[name]
-    else:  # "k=int4,v=f16" style
-        kw = dict(kv="f16")
-        for p in name.split(","):
-            key, val = p.split("=")
-            kw[key] = val if key in ("k", "v", "kv") else float(val) if "." in val else int(val)
-        rot = False
-    spec = KVSpec.parse(**kw)
+        spec = KVSpec.parse(**kw)
+    else:  # any KVSpec string, e.g. "k=int4:c,v=int4:g16,window=64"
+        spec, rot = KVSpec.parse(name), False
     old = kv_quant.DEFAULT_KEY_ROTATE
     kv_quant.DEFAULT_KEY_ROTATE = rot
     try:
@@ -139,6 +158,9 @@ def main(argv=None):
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--text", nargs="*", default=None,
+                    help="document file(s), concatenated (default tests/data/gpl3_excerpt.txt); "
+                         "longer needle runs use e.g. /usr/share/common-licenses/{GPL-3,...}")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -150,7 +172,10 @@ def main(argv=None):
 
     mf = open_model(a.model)
     tok = Tokenizer.from_model(mf)
-    text_ids = tok.encode(TEXT.read_text())
+    paths = [Path(p) for p in a.text] if a.text else [TEXT]
+    text_ids = tok.encode("\n\n".join(p.read_text() for p in paths))
+    if len(text_ids) < a.ppl_tokens:
+        print(f"warning: the text has only {len(text_ids)} tokens (< --ppl-tokens)", flush=True)
     passkey = "48213"
     body = text_ids[1:] if (tok.add_bos and text_ids and text_ids[0] == tok.bos_id) else text_ids
     nids, n_q = needle_prompt(tok, body, a.ppl_tokens, passkey)
@@ -187,7 +212,8 @@ def main(argv=None):
             toks.append(int(lp.argmax()))
             if step + 1 < a.gen:
                 logits = r.forward([(sid, [t])])[0]
-        row = {"ppl": ppl, "kv_bytes_per_token": r.kv_spec.bytes_per_token(r.spec),
+        row = {"kv_spec": str(r.kv_spec), "ppl": ppl,
+               "kv_bytes_per_token": r.kv_spec.bytes_per_token(r.spec),
                "bits_k": r.kv_spec.bits_per_value("k", r.spec.head_dim),
                "bits_v": r.kv_spec.bits_per_value("v", r.spec.v_head_dim)}
         if ref_tokens is None:
@@ -214,6 +240,7 @@ def main(argv=None):
         r.close()
         if a.out:
             Path(a.out).write_text(json.dumps(dict(model=mf.name, file=Path(a.model).name,
+                                                   text=[p.name for p in paths],
                                                    ppl_tokens=n, prompt_tokens=len(nids),
                                                    gen=a.gen, chunk=a.chunk, results=results),
                                               indent=1))

@@ -42,6 +42,16 @@ FLOAT_FORMATS = ("f32", "f16", "bf16")
 # (per-token scales), "channel" = per channel over the tokens of one cache page (KIVI).
 KEY_GROUPINGS = ("token", "channel")
 _GROUPING_ALIASES = {"c": "channel", "channel": "channel", "t": "token", "token": "token"}
+# Key grouping that KVSpec.parse gives keys of CHANNEL_KEY_FORMATS when the user names none
+# ("int4" rather than "int4:c"/"int4:t"); measured in docs/KV-QUALITY.md. A KVFormat built
+# directly (no parse) without a grouping is per token.
+DEFAULT_KEY_GROUPING = "channel"
+CHANNEL_KEY_FORMATS = ("int4", "int3", "int2")
+
+
+def default_key_grouping(name: str) -> str:
+    """Grouping KVSpec.parse gives keys of format ``name`` when none is named."""
+    return DEFAULT_KEY_GROUPING if name in CHANNEL_KEY_FORMATS else "token"
 
 
 @dataclass(frozen=True)
@@ -188,11 +198,16 @@ class KVSpec:
             if g is None:
                 raise KVCacheFormatError(
                     f"unknown key grouping {kgroup!r}; use 'channel' (KIVI) or 'token'")
-            if kf.is_float or kf.name == "fp4":
+            if (kf.is_float or kf.name == "fp4") and g == "token":
+                pass  # already per token: nothing to choose
+            elif kf.is_float or kf.name == "fp4":
                 raise KVCacheFormatError(
                     f"key grouping {g!r} needs an int key format (int8/int4/int3/int2), "
                     f"not {kf.name}")
-            kf = KVFormat(kf.name, kf.bits, kf.group_size, g)
+            else:
+                kf = KVFormat(kf.name, kf.bits, kf.group_size, g)
+        elif not kf.grouping and not kf.is_float and kf.name != "fp4":
+            kf = KVFormat(kf.name, kf.bits, kf.group_size, default_key_grouping(kf.name))
         if not (0.0 <= float(outlier_frac) < 0.5):
             raise KVCacheFormatError(f"outlier fraction must be in [0, 0.5), got {outlier_frac}")
         if sink_tokens < 0 or window < 0:
@@ -211,9 +226,12 @@ class KVSpec:
             extra.append(f"sinks={self.sink_tokens}")
         if self.window:
             extra.append(f"window={self.window}")
-        same = self.k == self.v or (not self.v.grouping
-                                    and KVFormat(self.k.name, self.k.bits, self.k.group_size) == self.v)
-        base = str(self.k) if same else f"k={self.k},v={self.v}"
+        k = self.k
+        if k.grouping and k.grouping == default_key_grouping(k.name):
+            k = KVFormat(k.name, k.bits, k.group_size)    # the default is left implicit
+        same = k == self.v or (not self.v.grouping
+                               and KVFormat(k.name, k.bits, k.group_size) == self.v)
+        base = str(k) if same else f"k={k},v={self.v}"
         return ",".join([base] + extra)
 
     def bits_per_value(self, which: str, head_dim: int, block_size: int = 16) -> float:

@@ -93,12 +93,8 @@ FP16_MAX = 65504.0
 # Default key rotation in per-token mode: none (measured, see docs/KV-QUALITY.md). Set per
 # codec with ``rotate=True``.
 DEFAULT_KEY_ROTATE = False
-# Default grouping of int keys whose format names none (``int4`` rather than ``int4:c`` /
-# ``int4:t``): "channel" (KIVI, per channel over each cache page) or "token". Measured in
-# docs/KV-QUALITY.md. Formats listed in CHANNEL_KEY_FORMATS take the default; the others
-# (int8) stay per token unless asked.
-DEFAULT_KEY_GROUPING = "token"
-CHANNEL_KEY_FORMATS = ("int4", "int3", "int2")
+# Smallest cache page (block size) for per-channel keys. The default key grouping that
+# KVSpec.parse applies is kv_cache.DEFAULT_KEY_GROUPING (measured in docs/KV-QUALITY.md).
 MIN_CHANNEL_PAGE = 4
 
 
@@ -358,8 +354,8 @@ def channel_error_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def key_grouping(fmt: KVFormat, role: str) -> str:
     """Effective grouping (``"channel"`` or ``"token"``) of a codec of ``fmt`` in ``role``
-    ("k"/"v"): the format's explicit ``:c``/``:t`` option, else :data:`DEFAULT_KEY_GROUPING`
-    for keys of :data:`CHANNEL_KEY_FORMATS`; values, fp4 and float formats are per token.
+    ("k"/"v"): ``"channel"`` when the format says so (``int4:c``; :meth:`KVSpec.parse` fills in
+    ``kv_cache.DEFAULT_KEY_GROUPING`` for keys when the user names no grouping), else per token.
 
     Raises:
         KVCacheFormatError: per-channel grouping asked for values or for fp4.
@@ -372,9 +368,7 @@ def key_grouping(fmt: KVFormat, role: str) -> str:
             raise KVCacheFormatError("per-channel grouping applies to keys only (values are "
                                      "grouped per token)")
         return "channel"
-    if g == "token" or role != "k" or fmt.name not in CHANNEL_KEY_FORMATS:
-        return "token"
-    return DEFAULT_KEY_GROUPING
+    return "token"
 
 
 def fp4_error_bound(x: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,7 +39,7 @@ def test_append_matches_twin(name, group, t):
     if name == "fp4" and group != 16:
         pytest.skip("fp4 has a fixed group of 16")
     fmt = f"{name}:g{group}" if name != "fp4" else "fp4"
-    spec = KVSpec.parse(fmt)
+    spec = KVSpec.parse(fmt, kgroup="token")
     c = QuantCodec(spec.k, 2, 64, spec)
     g = torch.Generator().manual_seed(t * 7 + group)
     x = (torch.randn(t, 2, 64, generator=g) * 3).to(DEV)
@@ -54,7 +54,7 @@ def test_append_matches_twin(name, group, t):
 
 @pytest.mark.parametrize("name", ["int4", "int2", "fp4", "int3"])
 def test_append_outliers_sinks_window_rotation(name):
-    spec = KVSpec.parse(name, outlier_frac=0.05, sink_tokens=2, window=4)
+    spec = KVSpec.parse(name, outlier_frac=0.05, sink_tokens=2, window=4, kgroup="token")
     for rotate in (False, True):
         c = QuantCodec(spec.k, 2, 64, spec, role="k", max_seqs=2, rotate=rotate)
         g = torch.Generator().manual_seed(1)
@@ -70,7 +70,7 @@ def test_append_outliers_sinks_window_rotation(name):
 
 
 def test_append_extreme_values_stay_finite():
-    spec = KVSpec.parse("int4", outlier_frac=0.02)
+    spec = KVSpec.parse("int4:t", outlier_frac=0.02)
     c = QuantCodec(spec.k, 1, 32, spec)
     x = torch.zeros(4, 1, 32, device=DEV)
     x[1] = 1e6
@@ -85,7 +85,7 @@ def test_append_extreme_values_stay_finite():
 
 
 def test_append_rejects_bad_shapes():
-    spec = KVSpec.parse("int4")
+    spec = KVSpec.parse("int4:t")
     c = QuantCodec(spec.k, 2, 64, spec)
     st = c.alloc(8, DEV)
     with pytest.raises(ValueError):

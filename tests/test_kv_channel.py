@@ -267,7 +267,10 @@ def test_never_nan_or_inf(name):
 def test_spec_parsing_and_round_trip():
     s = KVSpec.parse("int4:c")
     assert s.k.grouping == "channel" and s.v.grouping == ""
-    assert str(s) == "int4:c" and KVSpec.parse(str(s)) == s
+    from localmoe import kv_cache
+
+    assert str(s) == ("int4" if kv_cache.DEFAULT_KEY_GROUPING == "channel" else "int4:c")
+    assert KVSpec.parse(str(s)) == s
     for text in ("int4:c,sinks=4,window=64", "k=int4:c,v=int2:g16", "int4:t:g16", "k=int2:c,v=int4"):
         assert KVSpec.parse(str(KVSpec.parse(text))) == KVSpec.parse(text)
     assert KVSpec.parse("int4,kgroup=channel") == KVSpec.parse("int4:c")
@@ -275,7 +278,7 @@ def test_spec_parsing_and_round_trip():
     assert KVSpec.parse("f16", k="int4:channel", v="int4").k.grouping == "channel"
     assert KVFormat.parse("int4:g16:c") == KVFormat("int4", 4, 16, "channel")
     for bad, kw in (("fp4:c", {}), ("f16:c", {}), ("int4,kgroup=diagonal", {}),
-                    ("f16", {"k": "int4", "v": "int4:c"}), ("fp4", {"kgroup": "channel"})):
+                    ("f16", {"k": "int4", "v": "int4:c"}), ("fp4", {"kgroup": "channel"}), ("int4", {"kgroup": "diag"})):
         with pytest.raises(KVCacheFormatError):
             KVSpec.parse(bad, **kw)
 
@@ -412,3 +415,23 @@ def test_engine_generates_with_channel_keys(smollm2_path, kv):
         logits = r.forward([(sid, [t])])[0]
     assert tok.decode(out).strip(), out
     assert r.stats()["kv_format"] == str(spec)
+
+
+@pytest.mark.parametrize("default", ["channel", "token"])
+def test_default_key_grouping_is_filled_in_by_parse(monkeypatch, default):
+    from localmoe import kv_cache
+
+    monkeypatch.setattr(kv_cache, "DEFAULT_KEY_GROUPING", default)
+    for text in ("int4", "int3", "int2", "k=int4,v=int2", "int4,sinks=4"):
+        s = KVSpec.parse(text)
+        assert s.k.grouping == default and s.v.grouping == ""
+        assert str(s) == text and KVSpec.parse(str(s)) == s
+    assert KVSpec.parse("int8").k.grouping == "token"          # int8 keys stay per token
+    assert KVSpec.parse("fp4").k.grouping == ""
+    other = "token" if default == "channel" else "channel"
+    s = KVSpec.parse(f"int4:{other[0]}")
+    assert s.k.grouping == other and str(s) == f"int4:{other[0]}"
+    cache = PagedKVCache(_mspec(), KVSpec.parse("int4"), n_ctx=32)
+    assert cache.k_codec.channel == (default == "channel") and not cache.v_codec.channel
+    # a KVFormat built without parse is per token (the kernel tests build codecs that way)
+    assert not QuantCodec(KVFormat.parse("int4"), 2, 64, KVSpec.parse("int4")).channel

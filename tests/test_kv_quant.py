@@ -64,7 +64,7 @@ def test_e2m1_grid():
 
 
 def _codec(name, d=64, h=2, **kv):
-    spec = KVSpec.parse(name, **kv)
+    spec = KVSpec.parse(name, kgroup="token", **kv)   # per-token key codecs here
     return QuantCodec(spec.k, h, d, spec, max_seqs=2)
 
 
@@ -189,7 +189,7 @@ def test_rotation_round_trips_and_spreads_outliers():
     s = torch.arange(32)
     errs = {}
     for rot in (False, True):
-        spec = KVSpec.parse("int3")
+        spec = KVSpec.parse("int3:t")
         c = QuantCodec(spec.k, 2, 64, spec, role="k", rotate=rot)
         st = c.alloc(32, "cpu")
         c.write(st, s, x, s)
@@ -216,8 +216,8 @@ def test_bits_per_value_and_allocated_bytes_agree(name, group, bits):
 
 def test_footprint_counts_side_buffers():
     ms = _mspec()
-    base = PagedKVCache(ms, KVSpec.parse("int4"), n_ctx=64, max_seqs=2)
-    side = PagedKVCache(ms, KVSpec.parse("int4", sink_tokens=4, window=16), n_ctx=64, max_seqs=2)
+    base = PagedKVCache(ms, KVSpec.parse("int4:t"), n_ctx=64, max_seqs=2)
+    side = PagedKVCache(ms, KVSpec.parse("int4:t", sink_tokens=4, window=16), n_ctx=64, max_seqs=2)
     extra = side.footprint() - base.footprint()
     assert extra == 2 * 2 * 2 * ((4 + 16) * 2 * 64 * 2 + 16 * 4)  # layers * (k,v) * rows
 
