@@ -251,6 +251,7 @@ def bench(contexts, batches, formats, variants, out):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check-qpk", type=int, nargs="*", default=[8, 4])
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--formats", nargs="*",
@@ -265,7 +266,7 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if a.check:
         t = time.time()
-        n = check(verbose=False)
+        n = check(verbose=False, qpks=tuple(a.check_qpk))
         print(f"check: {n} failures ({time.time()-t:.0f} s)", flush=True)
         if n:
             return 1

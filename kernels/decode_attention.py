@@ -39,6 +39,10 @@ LOG2E = 1.4426950408889634
 # The kernel reads per-channel keys (``codec.channel``: ``cscale``/``czero`` [H, NB, D] per page,
 # KIVI-style); the triton backend routes such caches here instead of the reference path.
 SUPPORTS_CHANNEL_KEYS = True
+# int3/int2 values: one joined full-width dot (True) or one dot per 32-channel plane
+V_JOIN_DEFAULT = True
+# quantized tiles prefetched into L2 ahead of the computed one (sm_90+)
+PREFETCH_TILES = 2
 
 
 @triton.jit
@@ -59,7 +63,8 @@ def _plane_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constex
 @triton.jit
 def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
                    i: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
-                   FMT: tl.constexpr, G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr):
+                   FMT: tl.constexpr, G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr,
+                   PAGE: tl.constexpr):
     """fp16 [BN, RB] values of plane ``i`` from its int32 codes ``c``."""
     m2 = mask_n[:, None]
     if FMT == 2:
@@ -84,10 +89,16 @@ def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
         # int -> fp16 without I2F: 0x6400 | c is the fp16 number 1024 + c (c < 1024)
         cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
         if CHAN:
-            # per-channel keys: scale and zero of (head, page, channel); page = block ``blk``
+            # per-channel keys: scale and zero of (head, page, channel), one row per page of
+            # the tile (``blk`` = the tile's NPG page blocks, tiles are page aligned),
+            # broadcast over the page's tokens
+            NPG: tl.constexpr = BN // PAGE if BN >= PAGE else 1
+            TPP: tl.constexpr = BN // NPG
             pr = (h * n_blocks + blk)[:, None] * D + cols[None, :]
-            s = tl.load(Sp + pr, mask=m2, other=0.0)
-            z = tl.load(Zp + pr, mask=m2, other=0.0)
+            s = tl.load(Sp + pr)
+            z = tl.load(Zp + pr)
+            s = tl.reshape(tl.broadcast_to(s[:, None, :], [NPG, TPP, RB]), [BN, RB])
+            z = tl.reshape(tl.broadcast_to(z[:, None, :], [NPG, TPP, RB]), [BN, RB])
             x = cf * s + z
         else:
             NG: tl.constexpr = D // G
@@ -114,10 +125,11 @@ def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
 @triton.jit
 def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_blocks, sqh, sqs,
                   BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr,
-                  G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr):
+                  G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr, PAGE: tl.constexpr):
     """Dequantized fp16 planes (up to 4 tensors [BN, D/NPL]; NPL = number of planes: 1 for
     float and int8, 2 for int4/fp4, 4 for int3/int2; unused outputs repeat plane 0) of kv head
-    ``h`` at ``slots`` (int [BN]); ``blk`` = slots // PAGE (the page, for per-channel keys)."""
+    ``h`` at ``slots`` (int [BN]); ``blk``: per-channel keys only, int [NPG] blocks of the
+    tile's pages."""
     m2 = mask_n[:, None]
     if FMT == 0:
         d = tl.arange(0, D)
@@ -141,21 +153,21 @@ def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_b
             bh = b
         c0 = _plane_codes(b, bh, cb, 0, P, BITS, RB1)
         x0 = _dequant_plane(c0, row, blk, h, n_blocks, cb, mask_n, Sp, Zp, OIp, OVp, 0, BN, RB, D,
-                            FMT, G, CHAN, N_OUT)
+                            FMT, G, CHAN, N_OUT, PAGE)
         x1 = x0
         x2 = x0
         x3 = x0
         if NPL >= 2:
             c1 = _plane_codes(b, bh, cb + RB, 1, P, BITS, RB1)
             x1 = _dequant_plane(c1, row, blk, h, n_blocks, cb + RB, mask_n, Sp, Zp, OIp, OVp, 1,
-                                BN, RB, D, FMT, G, CHAN, N_OUT)
+                                BN, RB, D, FMT, G, CHAN, N_OUT, PAGE)
         if NPL >= 4:
             c2 = _plane_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1)
             x2 = _dequant_plane(c2, row, blk, h, n_blocks, cb + 2 * RB, mask_n, Sp, Zp, OIp, OVp,
-                                2, BN, RB, D, FMT, G, CHAN, N_OUT)
+                                2, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE)
             c3 = _plane_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1)
             x3 = _dequant_plane(c3, row, blk, h, n_blocks, cb + 3 * RB, mask_n, Sp, Zp, OIp, OVp,
-                                3, BN, RB, D, FMT, G, CHAN, N_OUT)
+                                3, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE)
     return x0, x1, x2, x3
 
 
@@ -190,6 +202,61 @@ def _side_plane(x, Sink, Ring, srow, h, pos, is_s, is_r, r, cols,
 
 
 @triton.jit
+def _l2_prefetch(ptrs, ok, NBYTES: tl.constexpr):
+    """Hopper bulk prefetch of ``NBYTES`` (a multiple of 16) at each 16-byte aligned address of
+    ``ptrs`` (where ``ok``) into L2: ``cp.async.bulk.prefetch.L2.global``. Fire and forget."""
+    a = ptrs.to(tl.int64, bitcast=True) if ptrs.dtype.is_ptr() else ptrs
+    sz = tl.full(ok.shape, NBYTES, tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
+        " mov.u32 $0, 0;",
+        "=r,l,r,r", [a, sz, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_pages(Qp, QHp, Sp, Zp, h, pblk, pok, n_slots, n_blocks, PAGE: tl.constexpr,
+                    D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                    CHAN: tl.constexpr):
+    """Prefetch the packed codes and scales of kv head ``h`` in pages ``pblk`` into L2."""
+    P: tl.constexpr = 2 if BITS == 3 else BITS
+    RB: tl.constexpr = D * P // 8
+    row0 = (h * n_slots + pblk * PAGE).to(tl.int64)
+    _l2_prefetch(Qp + row0 * RB, pok, PAGE * RB)
+    if BITS == 3:
+        _l2_prefetch(QHp + row0 * (D // 8), pok, PAGE * D // 8)
+    if CHAN:
+        cr = (h * n_blocks + pblk).to(tl.int64) * D
+        _l2_prefetch(Sp + cr, pok, D * 2)
+        _l2_prefetch(Zp + cr, pok, D * 2)
+    else:
+        NG: tl.constexpr = D // G
+        if FMT == 2:
+            _l2_prefetch(Sp + row0 * NG, pok, PAGE * NG)
+        else:
+            _l2_prefetch(Sp + row0 * NG, pok, PAGE * NG * 2)
+            _l2_prefetch(Zp + row0 * NG, pok, PAGE * NG * 2)
+
+
+@triton.jit
+def _prefetch_tile(Kq, Kqh, Ks, Kz, Vq, Vqh, Vs, Vz, BlockTable, b, stride_bt, hk, n0, end,
+                   n_slots, n_blocks, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                   DV: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
+                   K_G: tl.constexpr, K_CHAN: tl.constexpr, V_FMT: tl.constexpr,
+                   V_BITS: tl.constexpr, V_G: tl.constexpr):
+    """L2 prefetch of the quantized K/V pages of the tile starting at position ``n0``."""
+    NPG: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
+    pn = n0 + tl.arange(0, NPG) * PAGE
+    pok = pn < end
+    pblk = tl.load(BlockTable + b * stride_bt + pn // PAGE, mask=pok, other=0)
+    if K_FMT != 0:
+        _prefetch_pages(Kq, Kqh, Ks, Kz, hk, pblk, pok, n_slots, n_blocks, PAGE, D, K_FMT,
+                        K_BITS, K_G, K_CHAN)
+    if V_FMT != 0:
+        _prefetch_pages(Vq, Vqh, Vs, Vz, hk, pblk, pok, n_slots, n_blocks, PAGE, DV, V_FMT,
+                        V_BITS, V_G, False)
+
+
+@triton.jit
 def _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, i: tl.constexpr, RB: tl.constexpr):
     """Query plane i (channels i*RB .. i*RB+RB-1), scaled, fp16 [BLOCK_H, RB]."""
     c = i * RB + tl.arange(0, RB)
@@ -214,7 +281,7 @@ def _decode_split_kernel(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NOUT: tl.constexpr,
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
-    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr,
+    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, PF: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -227,8 +294,12 @@ def _decode_split_kernel(
         srow = b.to(tl.int64)
     start = split * chunk
     end = tl.minimum(start + chunk, L)
+    lo = start
     if sliding_window > 0:
-        start = tl.maximum(start, L - sliding_window)
+        lo = tl.maximum(start, L - sliding_window)
+        # tiles stay aligned to pages (per-channel keys read one scale row per page)
+        AL: tl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE
+        start = tl.maximum(start, lo - lo % AL)
 
     # planes: keys/values of sub-byte formats are split along head_dim into NPL planes of
     # RB channels (split-plane packing); float and int8 are one plane
@@ -264,21 +335,42 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+    # V_JOIN: the 4 value planes are joined into one [BLOCK_N, DV] tile (column c holds
+    # channel vperm[c]) for a single full-width dot; else one accumulator per plane
+    VA: tl.constexpr = DV if V_JOIN else VRB
+    ca = tl.arange(0, DV)
+    vperm = (2 * (ca % 2) + (ca // 2) % 2) * VRB + ca // 4
+    acc0 = tl.zeros([BLOCK_H, VA], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+    # L2 prefetch PF tiles ahead (Hopper bulk prefetch): the DRAM stream keeps going while the
+    # program dequantizes; the tile loads below then hit L2
+    for j in tl.static_range(PF):
+        _prefetch_tile(Kq, Kqh, Ks, Kz, Vq, Vqh, Vs, Vz, BlockTable, b, stride_bt, hk,
+                       start + j * BLOCK_N, end, n_slots, n_blocks, BLOCK_N, PAGE, D, DV, K_FMT,
+                       K_BITS, K_G, K_CHAN, V_FMT, V_BITS, V_G)
     for n0 in range(start, end, BLOCK_N):
+        if PF > 0:
+            _prefetch_tile(Kq, Kqh, Ks, Kz, Vq, Vqh, Vs, Vz, BlockTable, b, stride_bt, hk,
+                           n0 + PF * BLOCK_N, end, n_slots, n_blocks, BLOCK_N, PAGE, D, DV,
+                           K_FMT, K_BITS, K_G, K_CHAN, V_FMT, V_BITS, V_G)
         pos = n0 + tl.arange(0, BLOCK_N)
-        mask_n = pos < end
+        mask_n = (pos < end) & (pos >= lo)
         blk = tl.load(BlockTable + b * stride_bt + pos // PAGE, mask=mask_n, other=0)
         slots = blk * PAGE + pos % PAGE
+        if K_CHAN:
+            NPG: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
+            pg = n0 // PAGE + tl.arange(0, NPG)
+            pblk = tl.load(BlockTable + b * stride_bt + pg, mask=pg * PAGE < end, other=0)
+        else:
+            pblk = blk
         if IDX64:
             slots = slots.to(tl.int64)
-            blk = blk.to(tl.int64)
-        k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, blk, mask_n, n_slots,
+            pblk = pblk.to(tl.int64)
+        k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n, n_slots,
                                        n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT, K_BITS, K_G,
-                                       K_CHAN, K_NOUT)
+                                       K_CHAN, K_NOUT, PAGE)
         if ROT:
             # rotated quantized keys score against the rotated query
             s = tl.dot(r0, tl.trans(k0))
@@ -332,7 +424,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v0, v1, v2, v3 = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, blk, mask_n, n_slots,
                                        n_blocks, v_sqh, v_sqs, BLOCK_N, DV, V_FMT, V_BITS, V_G,
-                                       False, V_NOUT)
+                                       False, V_NOUT, PAGE)
         if V_SIDE:
             if (n0 < V_NSINK) | (n0 + BLOCK_N > L - V_NRING):
                 is_s, is_r, rr = _side_mask(Vring, Vpos, srow, pos, mask_n, V_NSINK, V_NRING)
@@ -347,10 +439,14 @@ def _decode_split_kernel(
                     v3 = _side_plane(v3, Vsink, Vring, srow, hk, pos, is_s, is_r, rr,
                                      vc + 3 * VRB, HKV, DV, V_NSINK, V_NRING)
         pf = p.to(tl.float16)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pf, v0)
-        if V_NPL >= 2:
+        if V_JOIN:
+            vj = tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BLOCK_N, DV])
+            acc0 = acc0 * alpha[:, None] + tl.dot(pf, vj)
+        else:
+            acc0 = acc0 * alpha[:, None] + tl.dot(pf, v0)
+        if V_NPL >= 2 and not V_JOIN:
             acc1 = acc1 * alpha[:, None] + tl.dot(pf, v1)
-        if V_NPL >= 4:
+        if V_NPL >= 4 and not V_JOIN:
             acc2 = acc2 * alpha[:, None] + tl.dot(pf, v2)
             acc3 = acc3 * alpha[:, None] + tl.dot(pf, v3)
         m_i = m_new
@@ -361,10 +457,13 @@ def _decode_split_kernel(
     hq_total = HKV * QPK
     base = (b * hq_total + qh) * n_splits + split
     mrow = base[:, None] * DV
-    tl.store(MidO + mrow + vc[None, :], acc0 * inv[:, None], mask=hmask[:, None])
-    if V_NPL >= 2:
+    if V_JOIN:
+        tl.store(MidO + mrow + vperm[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+    else:
+        tl.store(MidO + mrow + vc[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+    if V_NPL >= 2 and not V_JOIN:
         tl.store(MidO + mrow + VRB + vc[None, :], acc1 * inv[:, None], mask=hmask[:, None])
-    if V_NPL >= 4:
+    if V_NPL >= 4 and not V_JOIN:
         tl.store(MidO + mrow + 2 * VRB + vc[None, :], acc2 * inv[:, None], mask=hmask[:, None])
         tl.store(MidO + mrow + 3 * VRB + vc[None, :], acc3 * inv[:, None], mask=hmask[:, None])
     tl.store(MidL + base, lse, mask=hmask)
@@ -491,7 +590,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      sliding_window: int = 0, max_len: int | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int = 2,
-                     fused_reduce: bool = True, waves: float = 2.0) -> torch.Tensor:
+                     fused_reduce: bool = True, waves: float = 2.0,
+                     v_join: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -511,6 +611,11 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         fused_reduce: merge the splits inside the same launch (the last split of each
             sequence and kv head does it, ordered by an atomic counter); False launches the
             separate reduction kernel.
+        waves: programs per SM the default split count aims for.
+        v_join: join the 4 value planes of int3/int2 values into one full-width tile (one
+            dot) instead of one dot per plane (default: measured choice).
+        prefetch: tiles of quantized pages prefetched into L2 ahead of the one being
+            computed (Hopper bulk prefetch; CUDA only, default :data:`PREFETCH_TILES`).
 
     Returns:
         float32 [B, n_heads, Dv].
@@ -566,6 +671,11 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     fuse = bool(fused_reduce)
     locks = _locks(B * HKV, dev) if fuse else mid_l
     block_h = max(16, triton.next_power_of_2(QPK))
+    pf = 0
+    if dev.type == "cuda" and (kf or vf) and torch.cuda.get_device_capability(dev)[0] >= 9:
+        pf = PREFETCH_TILES if prefetch is None else int(prefetch)
+    v4 = vf == 1 and vb in (2, 3)
+    vjoin = bool(v4 and (V_JOIN_DEFAULT if v_join is None else v_join))
     splits_p = max(2, triton.next_power_of_2(num_splits))
     while True:
         try:
@@ -580,7 +690,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
-                MERGE_C=min(8, splits_p), num_warps=num_warps, num_stages=num_stages,
+                MERGE_C=min(8, splits_p), V_JOIN=vjoin, PF=pf, num_warps=num_warps,
+                num_stages=num_stages,
             )
             break
         except triton.runtime.errors.OutOfResources:
