@@ -11,12 +11,19 @@ reports:
   wall-clock number moves with the load average, this one much less;
 * ``load_avg``: 1-minute load average when the run started.
 
-Both backends see the same token ids (llama.cpp's tokenizer when available, else localmoe's).
+Backends: ``torch`` (default options: packed GGUF weights on the CPU when the kernel builds),
+``torch-float`` (``packed_weights=False``: every weight dequantized to float32, the plain
+PyTorch reference), ``llamacpp``. With ``--repeats N`` the backends run interleaved
+(A, B, A, B, ...) so that a shared machine's load hits them alike; the table shows per-backend
+medians and every run is kept in the JSON (``runs``).
+
+All backends see the same token ids (llama.cpp's tokenizer when available, else localmoe's).
 Usage::
 
     python benchmarks/bench_cpu_decode.py                      # SmolLM2 Q4_1, 64 tokens
     python benchmarks/bench_cpu_decode.py --model gemma3 --tokens 32
     python benchmarks/bench_cpu_decode.py --model /path/file.gguf --threads 2 --json out.json
+    python benchmarks/bench_cpu_decode.py --backends torch,torch-float,llamacpp --repeats 5
 
 Prints one JSON document (``--json`` also writes it) and a table.
 """
@@ -27,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -73,7 +81,8 @@ def _tokens(path: str) -> list[int]:
         return Tokenizer.from_model(open_model(path)).encode(PROMPT)
 
 
-def _child_torch(path: str, toks: list[int], n: int, threads: int) -> dict:
+def _child_torch(path: str, toks: list[int], n: int, threads: int, packed: bool | None = None
+                 ) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -81,7 +90,8 @@ def _child_torch(path: str, toks: list[int], n: int, threads: int) -> dict:
     from localmoe.registry import get_backend
 
     t0 = time.perf_counter()
-    runner = get_backend("torch").load(open_model(path), n_ctx=len(toks) + n + 8, max_seqs=1)
+    runner = get_backend("torch").load(open_model(path), n_ctx=len(toks) + n + 8, max_seqs=1,
+                                       packed_weights=packed)
     load_s = time.perf_counter() - t0
     sid = runner.new_sequence()
     t0 = time.perf_counter()
@@ -95,8 +105,9 @@ def _child_torch(path: str, toks: list[int], n: int, threads: int) -> dict:
         logits = runner.forward([(sid, [nxt])])[0]
     dec_s, dec_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"load_s": load_s, "prefill_s": prefill_s, "decode_s": dec_s, "decode_cpu_s": dec_cpu,
-            "generated": out, "dtype": str(runner.dtype).replace("torch.", ""),
-            "kv": str(runner.kv_spec)}
+            "generated": out, "dtype": str(runner.dtype).replace("torch.", "")
+            + ("+packed" if runner.model.packed else ""), "kv": str(runner.kv_spec),
+            "weights_mb": runner.stats()["weights_bytes"] / 2**20}
 
 
 def _child_llamacpp(path: str, toks: list[int], n: int, threads: int) -> dict:
@@ -130,8 +141,11 @@ def _child_llamacpp(path: str, toks: list[int], n: int, threads: int) -> dict:
 
 def _child(args) -> None:
     toks = json.loads(args.child_tokens)
-    fn = _child_torch if args.child == "torch" else _child_llamacpp
-    res = fn(args.model_path, toks, args.tokens, args.threads)
+    if args.child == "llamacpp":
+        res = _child_llamacpp(args.model_path, toks, args.tokens, args.threads)
+    else:
+        res = _child_torch(args.model_path, toks, args.tokens, args.threads,
+                           packed=False if args.child == "torch-float" else None)
     res["peak_rss_mb"] = _peak_rss_mb()
     print("RESULT " + json.dumps(res))
 
@@ -141,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | path to a .gguf")
     ap.add_argument("--tokens", type=int, default=64, help="tokens to decode")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--backends", default="torch,llamacpp")
+    ap.add_argument("--backends", default="torch,llamacpp",
+                    help="comma list of torch | torch-float | llamacpp")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the backends this many times, interleaved; report medians")
     ap.add_argument("--json", default=None, help="also write the JSON here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-tokens", default=None, help=argparse.SUPPRESS)
@@ -152,33 +169,61 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = _resolve_model(args.model)
     toks = _tokens(path)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    runs = []
+    for rep in range(max(1, args.repeats)):
+        for be in backends:
+            load_avg = os.getloadavg()[0]
+            cmd = [sys.executable, __file__, "--child", be, "--model-path", path, "--tokens",
+                   str(args.tokens), "--threads", str(args.threads), "--child-tokens",
+                   json.dumps(toks)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode or not line:
+                runs.append({"backend": be, "repeat": rep,
+                             "error": (p.stderr or p.stdout)[-800:]})
+                continue
+            r = json.loads(line[-1][7:])
+            n = args.tokens
+            row = {
+                "backend": be, "repeat": rep, "dtype": r["dtype"], "kv": r["kv"],
+                "load_s": round(r["load_s"], 2), "peak_rss_mb": round(r["peak_rss_mb"], 1),
+                "prefill_tok_s": round(len(toks) / r["prefill_s"], 1),
+                "decode_tok_s": round(n / r["decode_s"], 2),
+                "decode_cpu_ms_per_tok": round(1000 * r["decode_cpu_s"] / n, 1),
+                "load_avg": round(load_avg, 2), "generated": r["generated"]}
+            if "weights_mb" in r:
+                row["weights_mb"] = round(r["weights_mb"], 1)
+            runs.append(row)
+            print(f"# {be} run {rep}: {row['decode_tok_s']} tok/s "
+                  f"({row['decode_cpu_ms_per_tok']} ms CPU/tok), load avg {row['load_avg']}",
+                  file=sys.stderr)
     results = []
-    for be in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        load_avg = os.getloadavg()[0]
-        cmd = [sys.executable, __file__, "--child", be, "--model-path", path, "--tokens",
-               str(args.tokens), "--threads", str(args.threads), "--child-tokens", json.dumps(toks)]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not line:
-            results.append({"backend": be, "error": (p.stderr or p.stdout)[-800:]})
+    num = ["load_s", "peak_rss_mb", "prefill_tok_s", "decode_tok_s", "decode_cpu_ms_per_tok",
+           "load_avg", "weights_mb"]
+    for be in backends:
+        good = [r for r in runs if r["backend"] == be and "error" not in r]
+        if not good:
+            results.append({"backend": be, "error": next(
+                (r["error"] for r in runs if r["backend"] == be and "error" in r), "no run")})
             continue
-        r = json.loads(line[-1][7:])
-        n = args.tokens
-        results.append({
-            "backend": be, "dtype": r["dtype"], "kv": r["kv"], "load_s": round(r["load_s"], 2),
-            "peak_rss_mb": round(r["peak_rss_mb"], 1),
-            "prefill_tok_s": round(len(toks) / r["prefill_s"], 1),
-            "decode_tok_s": round(n / r["decode_s"], 2),
-            "decode_cpu_ms_per_tok": round(1000 * r["decode_cpu_s"] / n, 1),
-            "load_avg": round(load_avg, 2), "generated": r["generated"]})
-    gens = [r.get("generated") for r in results if "generated" in r]
+        med = {k: round(statistics.median(r[k] for r in good), 2) for k in num if k in good[0]}
+        results.append({"backend": be, "dtype": good[0]["dtype"], "kv": good[0]["kv"],
+                        "n_runs": len(good), **med, "generated": good[0]["generated"],
+                        "decode_tok_s_all": [r["decode_tok_s"] for r in good]})
+    gens = {r["backend"]: r["generated"] for r in results if "generated" in r}
     same = None
-    if len(gens) == 2:
-        same = next((i for i, (a, b) in enumerate(zip(*gens)) if a != b), len(gens[0]))
+    if len(gens) >= 2:  # first position where each backend's greedy tokens leave the first one's
+        names = list(gens)
+        ref = gens[names[0]]
+        same = {b: next((i for i, (a, c) in enumerate(zip(ref, gens[b])) if a != c), len(ref))
+                for b in names[1:]}
     doc = {"model": os.path.basename(path), "prompt_tokens": len(toks), "decode_tokens": args.tokens,
            "threads": args.threads, "machine": f"{platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cpus, {platform.system()}", "greedy_tokens_identical_prefix": same,
-           "results": [{k: v for k, v in r.items() if k != "generated"} for r in results]}
+           "repeats": max(1, args.repeats), "statistic": "median over repeats",
+           "results": [{k: v for k, v in r.items() if k != "generated"} for r in results],
+           "runs": [{k: v for k, v in r.items() if k != "generated"} for r in runs]}
     txt = json.dumps(doc, indent=1)
     print(txt)
     if args.json:

@@ -81,7 +81,7 @@ def test_pack_dequantizes_bit_exactly(qtype, source):
 
 
 @pytest.mark.parametrize("qtype", list(QTYPES))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 65])
 def test_matmul_matches_float(qtype, m):
     n, k = 257, 768
     blocks = _random_blocks(qtype, n, k, seed=2)
