@@ -569,20 +569,27 @@ def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, devic
     return max(1, min(s, cap, 256))
 
 
-def default_tile(k_codec, v_codec) -> tuple[int, int]:
-    """(block_n, num_warps) measured best on the H200 (benchmarks/results/attention_h200.json)."""
-    bits = [getattr(c, "bits", 16) if not getattr(c, "is_fp4", False) else 0
-            for c in (k_codec, v_codec)]
+def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
+                 ) -> tuple[int, int, float]:
+    """(block_n, num_warps, waves) measured best on the H200 (benchmarks/results/
+    attention_h200.json and attention_h200_sweep.json, triton 3.6): many (sequence, kv head)
+    pairs (batch 8 x 4 kv heads) want small programs, 64-token tiles and ~4 programs per SM
+    (2 warps when keys are int4/int8, 4 for 2/3-bit or fp4 keys); few pairs (batch 1) want
+    128-token tiles with 4 warps and ~2 programs per SM."""
+    def bits(c):
+        return 0 if getattr(c, "is_fp4", False) else getattr(c, "bits", 16)
+
     extras = any(getattr(c, "n_out", 0) or getattr(c, "n_sink", 0) or
                  (getattr(c, "window", 0) and not getattr(c, "channel", False))
                  or getattr(c, "rotate", False) for c in (k_codec, v_codec))
     if extras:
-        return 64, 4
-    if all(b >= 16 for b in bits):
-        return 128, 8
-    if any(b in (4, 8) for b in bits):
-        return 128, 8
-    return 256, 8
+        return 64, 4, 2.0
+    kb, vb = bits(k_codec), bits(v_codec)
+    if kb >= 16 and vb >= 16:
+        return 128, 4, 2.0
+    if batch * n_kv_heads >= 16:
+        return 64, (2 if kb in (4, 8) else 4), 4.0
+    return 128, 4, 2.0
 
 
 def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: dict,
@@ -591,7 +598,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      sliding_window: int = 0, max_len: int | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int = 2,
-                     fused_reduce: bool = True, waves: float = 2.0,
+                     fused_reduce: bool = False, waves: float | None = None,
                      v_join: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
@@ -610,9 +617,10 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         block_n, num_warps, num_stages: tile size in tokens and launch options (default
             :func:`default_tile`).
         fused_reduce: merge the splits inside the same launch (the last split of each
-            sequence and kv head does it, ordered by an atomic counter); False launches the
-            separate reduction kernel.
-        waves: programs per SM the default split count aims for.
+            sequence and kv head does it, ordered by an atomic counter); default False: the
+            separate reduction kernel measured as fast or faster on the H200.
+        waves: programs per SM the default split count aims for (default
+            :func:`default_tile`).
         v_join: join the 4 value planes of int3/int2 values into one full-width tile (one
             dot) instead of one dot per plane (default: measured choice).
         prefetch: tiles of quantized pages prefetched into L2 ahead of the one being
@@ -638,9 +646,10 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                          f"but page_size is {page_size}")
     QPK = HQ // HKV
     dev = q.device
-    bn0, nw0 = default_tile(k_codec, v_codec) if dev.type == "cuda" else (16, 4)
+    bn0, nw0, wv0 = default_tile(k_codec, v_codec, B, HKV) if dev.type == "cuda" else (16, 4, 2.0)
     block_n = block_n or bn0
     num_warps = num_warps or nw0
+    waves = waves or wv0
     q = q.contiguous()
     qr = q
     rot = bool(getattr(k_codec, "rotate", False))
