@@ -49,6 +49,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -757,12 +758,26 @@ def pack_gguf(data: np.ndarray | torch.Tensor, qtype: int, shape: Sequence[int])
     N, K = int(shape[0]), int(shape[1])
     bs, ts = dq.BLOCK_SIZES[int(qtype)]
     if isinstance(data, np.ndarray):
-        data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
-    b = data.reshape(-1, ts)
-    kind, q, s, m, group = _blocks_to_packed(b, int(qtype))
-    G = K // group
-    if kind == "q4":
-        q = q.reshape(N, G, 16)
-    else:
-        q = q.reshape(N, K)
-    return PackedWeight(kind, q, s.reshape(N, G), None if m is None else m.reshape(N, G), group)
+        # zero-copy view of the (read-only) file mapping: packing only reads it; torch warns
+        # about non-writable arrays, which is the point here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+    b = data.reshape(N, -1)
+    # rows in chunks of ~64k blocks, written into preallocated outputs: temporaries stay small
+    # (a 262144 x 640 Q8_0 embedding would otherwise need several copies of its 170 MB)
+    step = max(1, (1 << 16) // max(1, b.shape[1] // ts))
+    q = s_out = m_out = None
+    for r0 in range(0, N, step):
+        kind, qc, sc, mc, group = _blocks_to_packed(b[r0:r0 + step].reshape(-1, ts), int(qtype))
+        rows = min(step, N - r0)
+        G = K // group
+        if q is None:
+            q = torch.empty((N, G, 16) if kind == "q4" else (N, K), dtype=qc.dtype)
+            s_out = torch.empty(N, G, dtype=torch.float32)
+            m_out = None if mc is None else torch.empty(N, G, dtype=torch.float32)
+        q[r0:r0 + rows] = qc.reshape(rows, *q.shape[1:])
+        s_out[r0:r0 + rows] = sc.reshape(rows, G)
+        if m_out is not None:
+            m_out[r0:r0 + rows] = mc.reshape(rows, G)
+    return PackedWeight(kind, q, s_out, m_out, group)

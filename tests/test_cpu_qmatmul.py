@@ -80,6 +80,14 @@ def test_pack_dequantizes_bit_exactly(qtype, source):
     assert pw.q.numel() * pw.q.element_size() == n * k // (2 if pw.kind == "q4" else 1)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K"])
+def test_pack_large_tensor_in_chunks(qtype):
+    n, k = 2500, 2048          # > 64k blocks: packed in several row chunks
+    blocks = _random_blocks(qtype, n, k, seed=3)
+    pw = cq.pack_gguf(blocks, QTYPES[qtype], (n, k))
+    assert torch.equal(pw.dequantize(), _ref(blocks, qtype, (n, k)))
+
+
 @pytest.mark.parametrize("qtype", list(QTYPES))
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 65])
 def test_matmul_matches_float(qtype, m):
