@@ -160,11 +160,57 @@ AI void row_tile(const int kind, const int gs, const int mb, const float *x, int
     for (int i = 0; i < mb; i++) y[i * ldy] = hsum8(acc[i]) + macc[i];
 }
 
+/* M == 1: weight rows n and n+1 together (x loaded once per group, two independent chains) */
+AI void row2_tile(const int kind, const int gs, const float *x, int64_t K, const void *qa,
+                  const void *qb2, const float *sa, const float *sb, const float *ma,
+                  const float *mb2, const float *xs, int64_t G, float *y) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float m0 = 0.f, m1 = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+        __m256 w[4], v[4];
+        /* software prefetch ~1 KB ahead in the (adjacent) rows and their scales */
+        _mm_prefetch((const char *)qa + g * (kind == 0 ? 16 : gs) + 1024, _MM_HINT_T0);
+        if ((g & 7) == 0) {
+            _mm_prefetch((const char *)(sa + g) + 512, _MM_HINT_T0);
+            if (ma) _mm_prefetch((const char *)(ma + g) + 512, _MM_HINT_T0);
+        }
+        if (kind == 0) {
+            q4_unpack((const uint8_t *)qa + g * 16, w);
+            q4_unpack((const uint8_t *)qb2 + g * 16, v);
+        } else {
+            const int8_t *pa = (const int8_t *)qa + g * gs, *pb = (const int8_t *)qb2 + g * gs;
+            w[0] = cvt8(pa); w[1] = cvt8(pa + 8); v[0] = cvt8(pb); v[1] = cvt8(pb + 8);
+            if (gs == 32) { w[2] = cvt8(pa + 16); w[3] = cvt8(pa + 24); v[2] = cvt8(pb + 16); v[3] = cvt8(pb + 24); }
+        }
+        const float *xg = x + g * gs;
+        __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+        __m256 a = _mm256_mul_ps(x0, w[0]), b = _mm256_mul_ps(x1, w[1]);
+        __m256 c = _mm256_mul_ps(x0, v[0]), d = _mm256_mul_ps(x1, v[1]);
+        if (gs == 32) {
+            __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            a = _mm256_fmadd_ps(x2, w[2], a); b = _mm256_fmadd_ps(x3, w[3], b);
+            c = _mm256_fmadd_ps(x2, v[2], c); d = _mm256_fmadd_ps(x3, v[3], d);
+        }
+        acc0 = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_broadcast_ss(sa + g), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_add_ps(c, d), _mm256_broadcast_ss(sb + g), acc1);
+        if (ma) { m0 += ma[g] * xs[g]; m1 += mb2[g] * xs[g]; }
+    }
+    y[0] = hsum8(acc0) + m0;
+    y[1] = hsum8(acc1) + m1;
+}
+
 AI void rows_kind(const int kind, const int gs, const float *x, int64_t M, int64_t K,
                   const void *q, const float *s, const float *m, int64_t n0, int64_t n1,
                   float *y, int64_t ldy, const float *xs) {
     const int64_t G = K / gs;
     const int64_t rowb = kind == 0 ? G * 16 : K;
+    if (M == 1) {
+        for (; n0 + 1 < n1; n0 += 2) {
+            const uint8_t *qa = (const uint8_t *)q + n0 * rowb;
+            row2_tile(kind, gs, x, K, qa, qa + rowb, s + n0 * G, s + (n0 + 1) * G,
+                      m ? m + n0 * G : NULL, m ? m + (n0 + 1) * G : NULL, xs, G, y + n0);
+        }
+    }
     for (int64_t n = n0; n < n1; n++) {
         const void *qn = (const uint8_t *)q + n * rowb;
         const float *sn = s + n * G, *mn = m ? m + n * G : NULL;
