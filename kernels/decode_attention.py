@@ -5,10 +5,19 @@ Stage 1 runs one program per (sequence, kv head, split): the split's token range
 tiles of ``BLOCK_N`` tokens; for each tile the slot of every token is looked up in the block
 table (``slot = block_table[b, pos // PAGE] * PAGE + pos % PAGE``), the packed K and V rows are
 loaded and dequantized *in registers* (no fp16 copy of the cache is ever materialized), scores
-for all ``QPK = n_heads / n_kv_heads`` query heads of the kv head are computed with one
-``tl.dot`` (GQA: K/V are read once per kv head), and an online softmax accumulates
-``sum p * V``. Each split writes its normalized partial output and its log2-sum-exp; stage 2
-(the reduction kernel) merges the splits of every (sequence, query head).
+for all ``QPK = n_heads / n_kv_heads`` query heads of the kv head are computed with ``tl.dot``
+(GQA: K/V are read once per kv head), and an online softmax accumulates ``sum p * V``. Each
+split writes its normalized partial output and its log2-sum-exp; stage 2 (the reduction
+kernel, or with ``fused_reduce=True`` the last split of each (sequence, kv head) in the same
+launch, ordered by an acq_rel atomic counter) merges the splits of every (sequence, query head).
+
+Sub-byte rows use the *split-plane* packing of :func:`localmoe.kv_quant.pack_codes`: plane i of
+a row (bits ``i*P .. i*P+P-1`` of every byte) holds channels ``i*RB .. i*RB+RB-1`` in order, so
+each plane is unpacked with one shift and mask (no register shuffles), converted to fp16 with
+bit tricks (``0x6400 | code`` is the fp16 number ``1024 + code``), scaled, and fed to its own
+dot against the same channel slice of the query: ``q . k = sum_i q_i . k_i``. Value planes get
+one accumulator each (int8/int4/fp4) or, for the 4 planes of int2/int3, are joined into one
+full-width tile whose accumulator columns are permuted and un-permuted at the store.
 
 Storage read (see :mod:`localmoe.kv_quant` for the exact layout; one kernel, constexpr format):
 
@@ -16,11 +25,20 @@ Storage read (see :mod:`localmoe.kv_quant` for the exact layout; one kernel, con
 * ``FMT=1`` int codec, ``BITS`` in 8, 4, 3, 2, group ``G``: ``q`` uint8 [H, S, D*P/8] (P = 2 for
   int3), ``q_hi`` uint8 [H, S, D/8] (int3), ``scale``/``zero`` fp16 [H, S, D/G];
   ``x = code * scale + zero``.
+* Per-channel keys (``CHAN``; KIVI, Liu et al., 2024): codes as above, ``cscale``/``czero``
+  fp16 [H, S/PAGE, D] per (head, page, channel), ``x = code * cscale[h, slot // PAGE, d] +
+  czero[...]``; tiles are page aligned and load one scale row per page; tokens of incomplete
+  pages are in the ``ring`` (always present for such codecs).
 * ``FMT=2`` fp4: ``q`` uint8 [H, S, D/2] E2M1 codes, ``scale`` uint8 [H, S, D/16] E4M3.
 * Optional ``oidx`` uint8/``oval`` fp16 [H, S, N_OUT] outliers (overwrite their channels),
   ``sink`` fp16 [R, H, N_SINK, D], ``ring`` fp16 [R, H, N_RING, D] + ``ring_pos`` int32
-  [R, N_RING] full-precision side buffers selected per token, and Hadamard-rotated keys
-  (``ROT``: scores of quantized keys use the rotated query ``qH``).
+  [R, N_RING] full-precision side buffers selected per token (only on tiles that can hold
+  them: the first N_SINK and the last N_RING positions), and Hadamard-rotated keys (``ROT``:
+  scores of quantized keys use the rotated query ``qH``).
+
+Measured on the H200 (docs/KV-CACHE-FORMATS.md, benchmarks/results/attention_h200*.json): the
+launch defaults of :func:`default_tile` and the choices left off (L2 bulk prefetch, per-plane
+value dots for int2) come from benchmarks/bench_attention.py sweeps.
 
 Units: ``sm_scale`` multiplies ``q . k``; ``sliding_window`` W > 0 restricts a sequence of
 length L to positions ``>= L - W``. The twin is :func:`decode_attention_ref`.
