@@ -1,7 +1,10 @@
 """Reference backend ``torch``: plain PyTorch on CPU or CUDA.
 
 Every other backend is checked against this one. Weights are dequantized once at load
-(``ModelFile.load_tensor``) to float32 (CPU) or the requested dtype; K/V live in a
+(``ModelFile.load_tensor``) to float32 (CPU) or the requested dtype -- except, on the CPU, GGUF
+block-quantized matmul weights, which by default stay packed and run through the exact kernel
+of :mod:`localmoe.cpu_qmatmul` (``packed_weights=False`` gives the plain-PyTorch float path); K/V
+live in a
 :class:`localmoe.kv_cache.PagedKVCache` whose format comes from the KVSpec; attention reads the
 dequantized K/V back through ``cache.read`` (the reference path).
 

@@ -30,8 +30,17 @@ product/sum here is exact in float32 or is the same float32 operation ggml perfo
 
 The kernel: for each output row and group, unpack the group's values to float32 lanes, dot them
 with ``x``'s group (FMA), scale the partial dot by ``s`` into a vector accumulator, and add
-``m * sum(x_group)``. Small batches (``M <= SMALL_M`` rows of ``x``) use it directly; larger
-ones (prefill) dequantize the weight into a scratch float32 matrix and call BLAS.
+``m * sum(x_group)``. Decode (one row of ``x``) runs two adjacent weight rows at once (``x``
+loaded once, two independent chains) with software prefetch ~1 KB ahead; output rows are split
+over ``torch.get_num_threads()`` OpenMP threads (torch's own libgomp). Batches up to
+``SMALL_M`` rows use the kernel; larger ones (prefill) dequantize each weight into a scratch
+float32 matrix and call BLAS. On the 2-core VM (SmolLM2-135M Q4_1, 1 thread) a decode step reads
+~106 MB of weights instead of ~620 MB.
+
+Also here, for the decode path of models loaded with packed weights (same functions as the torch
+ops up to float32 summation order): :func:`rms_norm` and :func:`attention_decode` (one C call
+each instead of ~7 and ~12 small torch ops, whose dispatch overhead dominates a 135M-parameter
+model's decode step).
 
 The C source below is compiled once with the system C compiler into a per-user cache directory
 (``$LOCALMOE_KERNEL_CACHE`` or platformdirs' user cache dir) and loaded with ctypes; without a
