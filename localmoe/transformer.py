@@ -235,7 +235,10 @@ def apply_rope_swapped(x: torch.Tensor, cos2: torch.Tensor, sin2s: torch.Tensor,
     """:func:`apply_rope_tables` in fewer ops, bit-identical: ``x * cos + swap(x) * sin2s`` where
     ``swap`` exchanges the two members of each rotated pair and ``sin2s`` comes from
     :func:`rope_signed_sin` (``(-b) * s == b * (-s)`` exactly). ``x [T, H, D]`` float32 with
-    ``D == R``; other cases go through :func:`apply_rope_tables`."""
+    ``D == R`` (cos2, sin2s ``[T, 1, R]``); returns ``[T, H, D]`` float32.
+
+    Raises:
+        ValueError: other dtypes or partial rotary dims (use :func:`apply_rope_tables`)."""
     R = cos2.shape[-1]
     if x.dtype != torch.float32 or x.shape[-1] != R:
         raise ValueError("apply_rope_swapped needs float32 x with D == R")
