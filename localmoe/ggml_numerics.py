@@ -109,27 +109,6 @@ def ggml_rope_angles(positions: torch.Tensor, half: int, base: float) -> torch.T
     return torch.stack(cols, -1)
 
 
-def ggml_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float, softcap: float | None) -> torch.Tensor:
-    """Attention as llama.cpp's CPU graph computes it with an F16 K/V cache: q and the softmax
-    probabilities rounded to fp16 before their matmuls. ``q [T, H, D]``, ``k [L, Hkv, D]``,
-    ``v [L, Hkv, Dv]``, ``mask [T, L]`` bool (True = visible) or None -> ``[T, H, Dv]`` fp32."""
-    T, H, D = q.shape
-    L, Hkv, _ = k.shape
-    g = H // Hkv
-    qf = q.half().float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)   # [Hkv, g, T, D]
-    kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
-    vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
-    s = torch.matmul(qf, kf.unsqueeze(1)) * scale                     # [Hkv, g, T, L]
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).half().float()
-    o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
-    return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
-
-
 def ggml_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm as ggml-cpu computes it (``ggml_compute_forward_rms_norm_f32`` then ``MUL``):
     fp32 squares summed in double, ``mean = (float)(sum / n)``, ``scale = 1.0f / sqrtf(mean +

@@ -39,7 +39,7 @@ from .cpu_qmatmul import PackedLinear, PackedWeight
 from .errors import UnsupportedModelError
 from .experts import ExpertProvider, ResidentExpertProvider
 from .ggml_numerics import (GGML_VEC_DOT_TYPE, ggml_act_quant, ggml_activation,  # noqa: F401
-                            ggml_attention, ggml_q8_1_min_correction, ggml_rms_norm,
+                            ggml_q8_1_min_correction, ggml_rms_norm,
                             ggml_rope_angles, ggml_weight_numerics)
 from .routing import route, shared_expert_gate
 from .spec import ModelSpec
@@ -286,10 +286,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
             q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
             v.float().transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
         return o[0].transpose(0, 1)
-    if ggml_f16:
-        return ggml_attention(q, k, v, mask, scale, softcap)
     g = H // Hkv
-    qf = q.float().reshape(T, Hkv, g, D).permute(1, 2, 0, 3)        # [Hkv, g, T, D]
+    qf = q.float()
+    if ggml_f16:  # llama.cpp's CPU graph with an F16 cache rounds q (and p below) to fp16
+        qf = qf.half().float()
+    qf = qf.reshape(T, Hkv, g, D).permute(1, 2, 0, 3)                # [Hkv, g, T, D]
     kf = k.float().permute(1, 2, 0)                                   # [Hkv, D, L]
     vf = v.float().permute(1, 0, 2)                                   # [Hkv, L, Dv]
     s = torch.matmul(qf, kf.unsqueeze(1)) * scale                     # [Hkv, g, T, L]
@@ -298,6 +299,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
+    if ggml_f16:
+        p = p.half().float()
     o = torch.matmul(p, vf.unsqueeze(1))                              # [Hkv, g, T, Dv]
     return o.permute(2, 0, 1, 3).reshape(T, H, vf.shape[-1])
 
