@@ -98,9 +98,10 @@ def time_graph(fns, reps=5, iters=20):
     return statistics.median(out)
 
 
-def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4)) -> int:
-    """GPU correctness: kernels vs twins (``only``: keep cases whose key format contains this
-    string). Returns the number of failures."""
+def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4), extra=({},)) -> int:
+    """GPU correctness: kernels vs twins (``only``: keep cases whose key format contains one of
+    these strings; ``extra``: kwargs of decode_attention, each checked). Returns the number of
+    failures."""
     fails = 0
     torch.manual_seed(0)
     cases = [("f16", "f16", 0, 0, 0, False), ("int8", "int8", 0, 0, 0, False),
@@ -110,7 +111,9 @@ def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4)) -> int:
              ("int4:c", "int4", 0, 0, 0, False), ("int2:c", "int2", 0.02, 4, 32, False),
              ("int3:c", "int3", 0, 0, 0, False), ("int8:c", "int4", 0, 0, 0, False),
              ("int4:c", "int2", 0, 0, 0, False)]
-    cases = [c for c in cases if only is None or only in c[0]]
+    if isinstance(only, str):
+        only = [only]
+    cases = [c for c in cases if not only or any(o in c[0] for o in only)]
     for qpk in qpks:
         for kn, vn, of, sink, win, rot in cases:
             spec = KVSpec.parse(k=kn, v=vn, outlier_frac=of, sink_tokens=sink, window=win)
@@ -152,10 +155,11 @@ def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4)) -> int:
                             fails += 1
                             print(f"FAIL append {kn}/{vn} {name}.{key} differs")
             q = torch.randn(B, HKV * qpk, D, device=DEV, dtype=torch.float16)
-            for sw, fused in ((0, True), (512, True), (0, False)):
+            for sw, fused, kw in [(sw, f, kw) for kw in extra
+                                  for sw, f in ((0, True), (512, True), (0, False))]:
                 o = decode_attention(q, kc, ks, vc, vs, bt, lens, page_size=PAGE,
                                      sliding_window=sw, seq_rows=torch.arange(B),
-                                     fused_reduce=fused)
+                                     fused_reduce=fused, **kw)
                 r = decode_attention_ref(q, kc, ks, vc, vs, bt, lens, page_size=PAGE,
                                          sliding_window=sw, seq_rows=torch.arange(B))
                 err = ((o - r).norm() / r.norm()).item()
@@ -163,12 +167,13 @@ def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4)) -> int:
                 fails += not ok
                 if verbose or not ok:
                     print(f"{'ok  ' if ok else 'FAIL'} decode qpk={qpk} k={kn} v={vn} out={of} "
-                          f"sink={sink} win={win} rot={rot} sw={sw} fused={fused}: rel err {err:.2e}")
+                          f"sink={sink} win={win} rot={rot} sw={sw} fused={fused} {kw}: "
+                          f"rel err {err:.2e}")
     return fails
 
 
-def bench(contexts, batches, formats, variants, out):
-    rows = []
+def bench(contexts, batches, formats, variants, out, rows=None):
+    rows = [] if rows is None else rows
     torch.manual_seed(0)
     for B in batches:
         for ctx in contexts:
@@ -234,6 +239,13 @@ def bench(contexts, batches, formats, variants, out):
               f"({r['gbs']/1e3/CEILING_TBS*100:5.1f}%) {r.get('vs_sdpa', 1.0):5.2f}x sdpa "
               f"{r.get('variant', '')}")
     if out:
+        save(out, rows)
+    return rows
+
+
+def save(out, rows):
+    """Write ``rows`` with the run metadata (device, versions, command, commit) to ``out``."""
+    if out:
         import subprocess
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
@@ -245,7 +257,6 @@ def bench(contexts, batches, formats, variants, out):
                            triton=__import__("triton").__version__, argv=sys.argv, commit=commit,
                            shape=dict(n_heads=HQ, n_kv_heads=HKV, head_dim=D, page=PAGE),
                            ceiling_tbs=CEILING_TBS, rows=rows), f, indent=1)
-    return rows
 
 
 def main(argv=None):
@@ -259,6 +270,14 @@ def main(argv=None):
                              "int4:c/int4", "int2:c/int2", "int4:c/int2"])
     ap.add_argument("--variants", default='[{}]', help="JSON list of kwargs for decode_attention")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check-formats", nargs="*", default=None,
+                    help="check only cases whose key format contains one of these")
+    ap.add_argument("--check-variants", default='[{}]',
+                    help="JSON list of decode_attention kwargs the check runs each case with")
+    ap.add_argument("--jobs", default=None,
+                    help="JSON list of {batches, contexts, formats, variants} run in turn in "
+                         "this process instead of the single grid; --out is rewritten after "
+                         "each job")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -266,10 +285,18 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if a.check:
         t = time.time()
-        n = check(verbose=False, qpks=tuple(a.check_qpk))
+        n = check(verbose=False, qpks=tuple(a.check_qpk), only=a.check_formats,
+                  extra=tuple(json.loads(a.check_variants)))
         print(f"check: {n} failures ({time.time()-t:.0f} s)", flush=True)
         if n:
             return 1
+    if a.jobs is not None:
+        rows = []
+        for job in json.loads(a.jobs):
+            bench(job.get("contexts", a.contexts), job.get("batches", a.batches),
+                  job.get("formats", a.formats), job.get("variants", [{}]), None, rows)
+            save(a.out, rows)
+        return 0
     bench(a.contexts, a.batches, a.formats, json.loads(a.variants), a.out)
     return 0
 

@@ -28,7 +28,8 @@ Storage read (see :mod:`localmoe.kv_quant` for the exact layout; one kernel, con
 * Per-channel keys (``CHAN``; KIVI, Liu et al., 2024): codes as above, ``cscale``/``czero``
   fp16 [H, S/PAGE, D] per (head, page, channel), ``x = code * cscale[h, slot // PAGE, d] +
   czero[...]``; tiles are page aligned and load one scale row per page; tokens of incomplete
-  pages are in the ``ring`` (always present for such codecs).
+  pages are in the ``ring`` (always present for such codecs). ``FOLD`` (``fold_keys``) folds
+  the scale into the query per page instead (:func:`_fold_plane`; off by default, slower).
 * ``FMT=2`` fp4: ``q`` uint8 [H, S, D/2] E2M1 codes, ``scale`` uint8 [H, S, D/16] E4M3.
 * Optional ``oidx`` uint8/``oval`` fp16 [H, S, N_OUT] outliers (overwrite their channels),
   ``sink`` fp16 [R, H, N_SINK, D], ``ring`` fp16 [R, H, N_RING, D] + ``ring_pos`` int32
@@ -62,6 +63,11 @@ V_JOIN_DEFAULT = True
 # quantized tiles prefetched into L2 ahead of the computed one (sm_90+); off: measured slower
 # on the H200 (int4 8x64k 289 -> 365 us with 2 tiles ahead, benchmarks/results)
 PREFETCH_TILES = 0
+# per-channel keys: fold the page's key scale into the query (0: scale every key element;
+# 1: fold, offset of the fp16 magic subtracted per element; 2: fold, offset removed by a dot).
+# Off: measured slower on the H200 (int4:c/int4 8x64k 251 -> 336 / 397 us, 1x16k 16.2 -> 20.7
+# / 22.0 us; benchmarks/results/attention_h200_fold.json)
+FOLD_KEYS = 0
 
 
 @triton.jit
@@ -191,6 +197,69 @@ def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_b
 
 
 @triton.jit
+def _fold_plane(c, r, Sp, Zp, h, blk, n_blocks, cols, acc3, NPG: tl.constexpr,
+                TPP: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
+                FOLD: tl.constexpr):
+    """Scores of one per-channel key plane with the page's scale folded into the query:
+    ``q . k = (q * cscale_p) . codes + q . czero_p`` for the tokens of page ``p``, one batched
+    (3D) dot over the tile's ``NPG`` pages -> ``acc3`` [NPG, BH, TPP] fp32 (+=). ``c``: int32
+    codes [NPG*TPP, RB]; ``r``: fp16 query plane [BH, RB]; ``blk``: the pages' blocks [NPG].
+    FOLD=1 subtracts the 1024 offset of the fp16 magic per element (``0x6400 | c`` is the fp16
+    number 1024 + c); FOLD=2 keeps it and removes ``1024 * sum(q * cscale)`` with one more dot
+    on the same fp16 scaled query (the rounding of the scaled query cancels exactly)."""
+    m = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    if FOLD == 1:
+        m = m - 1024.0
+    pr = (h * n_blocks + blk)[:, None] * D + cols[None, :]
+    cs = tl.load(Sp + pr)
+    cz = tl.load(Zp + pr)
+    qs = (r[None, :, :] * cs[:, None, :]).to(tl.float16)          # [NPG, BH, RB]
+    m3 = tl.permute(tl.reshape(m, [NPG, TPP, RB]), (0, 2, 1))     # [NPG, RB, TPP]
+    acc3 = tl.dot(qs, m3, acc3)
+    if FOLD == 2:
+        acc3 = tl.dot(qs, tl.full([NPG, RB, TPP], -1024.0, tl.float16), acc3)
+    czb = tl.broadcast_to(cz[:, :, None], [NPG, RB, TPP])
+    acc3 = tl.dot(tl.broadcast_to(r[None, :, :], [NPG, BH, RB]), czb, acc3)
+    return acc3
+
+
+@triton.jit
+def _fold_scores(Kq, Kqh, Sp, Zp, h, slots, blk, mask_n, n_slots, n_blocks, r0, r1, r2, r3,
+                 BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                 PAGE: tl.constexpr, FOLD: tl.constexpr):
+    """Scores [NPG, BH, TPP] (tile pages x query rows x tokens of the page) of per-channel
+    quantized keys of kv head ``h`` at ``slots`` (page-aligned tile), scales folded into the
+    query per page (:func:`_fold_plane`); ``r0..r3``: the scaled fp16 query planes."""
+    NPG: tl.constexpr = BN // PAGE if BN >= PAGE else 1
+    TPP: tl.constexpr = BN // NPG
+    P: tl.constexpr = 2 if BITS == 3 else BITS
+    NPL: tl.constexpr = 8 // P
+    RB: tl.constexpr = D // NPL
+    RB1: tl.constexpr = D // 8
+    row = h * n_slots + slots
+    m2 = mask_n[:, None]
+    cb = tl.arange(0, RB)
+    b = tl.load(Kq + row[:, None] * RB + cb[None, :], mask=m2, other=0).to(tl.int32)
+    if BITS == 3:
+        bh = tl.load(Kqh + row[:, None] * RB1 + (cb % RB1)[None, :], mask=m2,
+                     other=0).to(tl.int32)
+    else:
+        bh = b
+    acc3 = tl.zeros([NPG, BH, TPP], dtype=tl.float32)
+    acc3 = _fold_plane(_plane_codes(b, bh, cb, 0, P, BITS, RB1), r0, Sp, Zp, h, blk, n_blocks,
+                       cb, acc3, NPG, TPP, RB, D, BH, FOLD)
+    if NPL >= 2:
+        acc3 = _fold_plane(_plane_codes(b, bh, cb + RB, 1, P, BITS, RB1), r1, Sp, Zp, h, blk,
+                           n_blocks, cb + RB, acc3, NPG, TPP, RB, D, BH, FOLD)
+    if NPL >= 4:
+        acc3 = _fold_plane(_plane_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1), r2, Sp, Zp, h,
+                           blk, n_blocks, cb + 2 * RB, acc3, NPG, TPP, RB, D, BH, FOLD)
+        acc3 = _fold_plane(_plane_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1), r3, Sp, Zp, h,
+                           blk, n_blocks, cb + 3 * RB, acc3, NPG, TPP, RB, D, BH, FOLD)
+    return acc3
+
+
+@triton.jit
 def _side_mask(Ring, RingPos, srow, pos, mask_n, N_SINK: tl.constexpr, N_RING: tl.constexpr):
     """Which tokens of a tile come from the fp16 side buffers: (is_sink, is_ring, ring index)."""
     is_s = mask_n & (pos < N_SINK)
@@ -301,6 +370,7 @@ def _decode_split_kernel(
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, PF: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -387,60 +457,98 @@ def _decode_split_kernel(
         if IDX64:
             slots = slots.to(tl.int64)
             pblk = pblk.to(tl.int64)
-        k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n, n_slots,
-                                       n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT, K_BITS, K_G,
-                                       K_CHAN, K_NOUT, PAGE)
-        if ROT:
-            # rotated quantized keys score against the rotated query
-            s = tl.dot(r0, tl.trans(k0))
-            if K_NPL >= 2:
-                s += tl.dot(r1, tl.trans(k1))
-            if K_NPL >= 4:
-                s += tl.dot(r2, tl.trans(k2))
-                s += tl.dot(r3, tl.trans(k3))
+        if FOLD > 0:
+            # per-channel keys, scale folded into the query once per page (no per-key FMA);
+            # scores and softmax stay in the batched-dot layout [pages, heads, page tokens]
+            FNP: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
+            FTP: tl.constexpr = BLOCK_N // FNP
+            s3 = _fold_scores(Kq, Kqh, Ks, Kz, hk, slots, pblk, mask_n, n_slots, n_blocks, r0,
+                              r1, r2, r3, BLOCK_H, BLOCK_N, D, K_BITS, PAGE, FOLD)
             if K_SIDE:
                 if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
                     is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
-                    f0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV, D,
+                    fz = tl.zeros([BLOCK_N, KRB], dtype=tl.float16)
+                    f0 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV, D,
                                      K_NSINK, K_NRING)
                     s_fp = tl.dot(q0, tl.trans(f0))
                     if K_NPL >= 2:
-                        f1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                        f1 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
                                          kc + KRB, HKV, D, K_NSINK, K_NRING)
                         s_fp += tl.dot(q1, tl.trans(f1))
                     if K_NPL >= 4:
-                        f2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                        f2 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
                                          kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
-                        f3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                        f3 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
                                          kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
                         s_fp += tl.dot(q2, tl.trans(f2))
                         s_fp += tl.dot(q3, tl.trans(f3))
-                    s = tl.where((is_s | is_r)[None, :], s_fp, s)
+                    s_fp3 = tl.permute(tl.reshape(s_fp, [BLOCK_H, FNP, FTP]), (1, 0, 2))
+                    side3 = tl.reshape(is_s | is_r, [FNP, FTP])[:, None, :]
+                    s3 = tl.where(side3, s_fp3, s3)
+            s3 = tl.where(tl.reshape(mask_n, [FNP, FTP])[:, None, :], s3, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(tl.max(s3, axis=2), axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p3 = tl.exp2(s3 - m_new[None, :, None])
+            l_i = l_i * alpha + tl.sum(tl.sum(p3, axis=2), axis=0)
+            pf = tl.reshape(tl.permute(p3.to(tl.float16), (1, 0, 2)), [BLOCK_H, BLOCK_N])
         else:
-            if K_SIDE:
-                if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
-                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
-                    k0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV, D,
-                                     K_NSINK, K_NRING)
-                    if K_NPL >= 2:
-                        k1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + KRB, HKV, D, K_NSINK, K_NRING)
-                    if K_NPL >= 4:
-                        k2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
-                        k3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
-            s = tl.dot(q0, tl.trans(k0))
-            if K_NPL >= 2:
-                s += tl.dot(q1, tl.trans(k1))
-            if K_NPL >= 4:
-                s += tl.dot(q2, tl.trans(k2))
-                s += tl.dot(q3, tl.trans(k3))
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+            k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n,
+                                           n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
+                                           K_BITS, K_G, K_CHAN, K_NOUT, PAGE)
+            if ROT:
+                # rotated quantized keys score against the rotated query
+                s = tl.dot(r0, tl.trans(k0))
+                if K_NPL >= 2:
+                    s += tl.dot(r1, tl.trans(k1))
+                if K_NPL >= 4:
+                    s += tl.dot(r2, tl.trans(k2))
+                    s += tl.dot(r3, tl.trans(k3))
+                if K_SIDE:
+                    if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
+                        is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
+                                                    K_NRING)
+                        f0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV,
+                                         D, K_NSINK, K_NRING)
+                        s_fp = tl.dot(q0, tl.trans(f0))
+                        if K_NPL >= 2:
+                            f1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                             kc + KRB, HKV, D, K_NSINK, K_NRING)
+                            s_fp += tl.dot(q1, tl.trans(f1))
+                        if K_NPL >= 4:
+                            f2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                             kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
+                            f3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                             kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
+                            s_fp += tl.dot(q2, tl.trans(f2))
+                            s_fp += tl.dot(q3, tl.trans(f3))
+                        s = tl.where((is_s | is_r)[None, :], s_fp, s)
+            else:
+                if K_SIDE:
+                    if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
+                        is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
+                                                    K_NRING)
+                        k0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV,
+                                         D, K_NSINK, K_NRING)
+                        if K_NPL >= 2:
+                            k1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                             kc + KRB, HKV, D, K_NSINK, K_NRING)
+                        if K_NPL >= 4:
+                            k2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                             kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
+                            k3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                             kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
+                s = tl.dot(q0, tl.trans(k0))
+                if K_NPL >= 2:
+                    s += tl.dot(q1, tl.trans(k1))
+                if K_NPL >= 4:
+                    s += tl.dot(q2, tl.trans(k2))
+                    s += tl.dot(q3, tl.trans(k3))
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pf = p.to(tl.float16)
         v0, v1, v2, v3 = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, blk, mask_n, n_slots,
                                        n_blocks, v_sqh, v_sqs, BLOCK_N, DV, V_FMT, V_BITS, V_G,
                                        False, V_NOUT, PAGE)
@@ -457,7 +565,6 @@ def _decode_split_kernel(
                                      vc + 2 * VRB, HKV, DV, V_NSINK, V_NRING)
                     v3 = _side_plane(v3, Vsink, Vring, srow, hk, pos, is_s, is_r, rr,
                                      vc + 3 * VRB, HKV, DV, V_NSINK, V_NRING)
-        pf = p.to(tl.float16)
         if V_JOIN:
             vj = tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BLOCK_N, DV])
             acc0 = acc0 * alpha[:, None] + tl.dot(pf, vj)
@@ -593,7 +700,8 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
     attention_h200.json and attention_h200_sweep.json, triton 3.6): many (sequence, kv head)
     pairs (batch 8 x 4 kv heads) want small programs, 64-token tiles and ~4 programs per SM
     (2 warps when keys are int4/int8, 4 for 2/3-bit or fp4 keys); few pairs (batch 1) want
-    128-token tiles with 4 warps and ~2 programs per SM."""
+    128-token tiles with 4 warps and ~2 programs per SM (256-token tiles when keys and values
+    are both 2/3-bit per-token formats)."""
     def bits(c):
         return 0 if getattr(c, "is_fp4", False) else getattr(c, "bits", 16)
 
@@ -607,6 +715,10 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
         return 128, 4, 2.0
     if batch * n_kv_heads >= 16:
         return 64, (2 if kb in (4, 8) else 4), 4.0
+    if kb in (2, 3) and vb in (2, 3) and not getattr(k_codec, "channel", False):
+        # 2/3-bit keys and values, few pairs: 256-token tiles (int2 21.4 -> 20.7 us at 1 x 16k,
+        # 60.9 -> 58.0 at 1 x 64k; int3 26.3 -> 25.0 and 79.6 -> 74.5; attention_h200_fold.json)
+        return 256, 4, 2.0
     return 128, 4, 2.0
 
 
@@ -617,7 +729,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int = 2,
                      fused_reduce: bool = False, waves: float | None = None,
-                     v_join: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
+                     v_join: bool | None = None, prefetch: int | None = None,
+                     fold_keys: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -643,6 +756,10 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
             dot) instead of one dot per plane (default: measured choice).
         prefetch: tiles of quantized pages prefetched into L2 ahead of the one being
             computed (Hopper bulk prefetch; CUDA only, default :data:`PREFETCH_TILES`).
+        fold_keys: per-channel keys without outliers: 1 or 2 fold each page's key scale into
+            the query (``(q * cscale) . codes + q . czero``, one batched dot over the tile's
+            pages) instead of scaling every key element; 0 = per element (default
+            :data:`FOLD_KEYS`). Ignored for other key formats.
 
     Returns:
         float32 [B, n_heads, Dv].
@@ -705,6 +822,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     v4 = vf == 1 and vb in (2, 3)
     vjoin = bool(v4 and (V_JOIN_DEFAULT if v_join is None else v_join))
     splits_p = max(2, triton.next_power_of_2(num_splits))
+    fold = int(FOLD_KEYS if fold_keys is None else fold_keys)
+    fold = fold if (kchan and kf == 1 and not kno and fold in (1, 2)) else 0
     while True:
         try:
             _decode_split_kernel[(B * HKV, num_splits)](
@@ -718,7 +837,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
-                MERGE_C=min(8, splits_p), V_JOIN=vjoin, PF=pf, num_warps=num_warps,
+                MERGE_C=min(8, splits_p), V_JOIN=vjoin, PF=pf, FOLD=fold, num_warps=num_warps,
                 num_stages=num_stages,
             )
             break
