@@ -290,6 +290,28 @@ def _side_plane(x, Sink, Ring, srow, h, pos, is_s, is_r, r, cols,
 
 
 @triton.jit
+def _side_scores(b0, b1, b2, b3, q0, q1, q2, q3, Sink, Ring, srow, h, pos, is_s, is_r, r, kc,
+                 KRB: tl.constexpr, NPL: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 N_SINK: tl.constexpr, N_RING: tl.constexpr):
+    """Scores ``[BLOCK_H, BN]`` of the unrotated query planes ``q*`` against key planes ``b*``
+    ``[BN, KRB]`` whose sink/ring tokens are replaced by their fp16 copies (``NPL`` planes)."""
+    f0 = _side_plane(b0, Sink, Ring, srow, h, pos, is_s, is_r, r, kc, H, D, N_SINK, N_RING)
+    s = tl.dot(q0, tl.trans(f0))
+    if NPL >= 2:
+        f1 = _side_plane(b1, Sink, Ring, srow, h, pos, is_s, is_r, r, kc + KRB, H, D, N_SINK,
+                         N_RING)
+        s += tl.dot(q1, tl.trans(f1))
+    if NPL >= 4:
+        f2 = _side_plane(b2, Sink, Ring, srow, h, pos, is_s, is_r, r, kc + 2 * KRB, H, D,
+                         N_SINK, N_RING)
+        f3 = _side_plane(b3, Sink, Ring, srow, h, pos, is_s, is_r, r, kc + 3 * KRB, H, D,
+                         N_SINK, N_RING)
+        s += tl.dot(q2, tl.trans(f2))
+        s += tl.dot(q3, tl.trans(f3))
+    return s
+
+
+@triton.jit
 def _l2_prefetch(ptrs, ok, NBYTES: tl.constexpr):
     """Hopper bulk prefetch of ``NBYTES`` (a multiple of 16) at each 16-byte aligned address of
     ``ptrs`` (where ``ok``) into L2: ``cp.async.bulk.prefetch.L2.global``. Fire and forget."""
@@ -468,20 +490,9 @@ def _decode_split_kernel(
                 if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
                     is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
                     fz = tl.zeros([BLOCK_N, KRB], dtype=tl.float16)
-                    f0 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV, D,
-                                     K_NSINK, K_NRING)
-                    s_fp = tl.dot(q0, tl.trans(f0))
-                    if K_NPL >= 2:
-                        f1 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + KRB, HKV, D, K_NSINK, K_NRING)
-                        s_fp += tl.dot(q1, tl.trans(f1))
-                    if K_NPL >= 4:
-                        f2 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
-                        f3 = _side_plane(fz, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
-                        s_fp += tl.dot(q2, tl.trans(f2))
-                        s_fp += tl.dot(q3, tl.trans(f3))
+                    s_fp = _side_scores(fz, fz, fz, fz, q0, q1, q2, q3, Ksink, Kring, srow, hk,
+                                        pos, is_s, is_r, rr, kc, KRB, K_NPL, HKV, D, K_NSINK,
+                                        K_NRING)
                     s_fp3 = tl.permute(tl.reshape(s_fp, [BLOCK_H, FNP, FTP]), (1, 0, 2))
                     side3 = tl.reshape(is_s | is_r, [FNP, FTP])[:, None, :]
                     s3 = tl.where(side3, s_fp3, s3)
@@ -507,20 +518,9 @@ def _decode_split_kernel(
                     if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
                         is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
                                                     K_NRING)
-                        f0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV,
-                                         D, K_NSINK, K_NRING)
-                        s_fp = tl.dot(q0, tl.trans(f0))
-                        if K_NPL >= 2:
-                            f1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                             kc + KRB, HKV, D, K_NSINK, K_NRING)
-                            s_fp += tl.dot(q1, tl.trans(f1))
-                        if K_NPL >= 4:
-                            f2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                             kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
-                            f3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                             kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
-                            s_fp += tl.dot(q2, tl.trans(f2))
-                            s_fp += tl.dot(q3, tl.trans(f3))
+                        s_fp = _side_scores(k0, k1, k2, k3, q0, q1, q2, q3, Ksink, Kring, srow,
+                                            hk, pos, is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
+                                            K_NSINK, K_NRING)
                         s = tl.where((is_s | is_r)[None, :], s_fp, s)
             else:
                 if K_SIDE:
