@@ -170,12 +170,16 @@ class TorchRunner:
             K = self.cache.k_stores[layer]["data"][a:a + n]
             V = self.cache.v_stores[layer]["data"][a:a + n]
             if (q.shape[0] == 1 and self.model.packed and not self.spec.attn_logit_softcap
-                    and q.dtype == torch.float32 and q.is_contiguous()):
+                    and q.dtype == torch.float32 and q.is_contiguous()
+                    and K.dtype in (torch.float32, torch.float16) and K.dtype == V.dtype):
                 # decode with the packed-weights CPU kernels: one C call over exactly the keys
                 # the query sees ([k_start, end) is the window), same function as below
                 from localmoe.cpu_qmatmul import attention_decode
 
-                return attention_decode(q, K, V, self.model.scale)
+                try:
+                    return attention_decode(q, K, V, self.model.scale)
+                except ValueError:  # a layout the C kernel does not take: the torch path below
+                    pass
         else:
             K, V = self.cache.read(layer, seq_id, end, start=k_start)
         return attention(q, K.to(q.dtype), V.to(q.dtype), q_start=start - k_start,

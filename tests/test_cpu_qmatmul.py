@@ -227,3 +227,23 @@ def test_packed_option_is_off_where_it_cannot_apply(tmp_path):
     with pytest.raises(ValueError, match="ggml"):
         _runner(path, True, numerics="ggml")
     assert _runner(path, True).model.packed
+
+
+@pytest.mark.parametrize("kv", ["bf16", "k=bf16,v=f16", "k=f16,v=bf16"])
+def test_packed_runner_decodes_with_caches_the_c_kernel_does_not_take(tmp_path, kv):
+    """bf16 (or mixed) float caches decode through the torch attention, same logits."""
+    from localmoe.kv_cache import KVSpec
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    kw = dict(p.split("=") for p in kv.split(",")) if "=" in kv else {"kv": kv}
+    spec = KVSpec.parse(**kw)
+    torch.manual_seed(0)
+    toks = torch.randint(0, 200, (12,)).tolist()
+    fl = _runner(path, False, kv_spec=spec)
+    a = _logits(fl, toks, 6)
+    pk = _runner(path, None, kv_spec=spec)
+    assert pk.model.packed
+    b = _logits(pk, toks, 6)
+    assert torch.isfinite(b).all()
+    assert (a - b).abs().max().item() <= ABS_DLOGIT + REL_DLOGIT_TINY * a.abs().max().item()
