@@ -439,9 +439,14 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
     import platform
     import statistics
 
+    if json_out:  # refuse an unwritable --json path before minutes of benchmarking
+        parent = os.path.dirname(os.path.abspath(json_out))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise LocalMoEError(f"cannot write {json_out}: {parent} is not a writable folder")
     llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device)
     try:
-        text = ("The quick brown fox jumps over the lazy dog. " * 400)
+        # ~10 tokens per sentence: enough sentences for any --prompt-tokens
+        text = ("The quick brown fox jumps over the lazy dog. " * max(400, prompt_tokens // 5))
         ids = llm.tokenizer.encode(text, add_special=False)[:prompt_tokens]
         if len(ids) + gen_tokens > llm.n_ctx:
             raise LocalMoEError(f"prompt {len(ids)} + {gen_tokens} tokens exceed the context "
@@ -472,8 +477,11 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
     for k, v in res.items():
         click.echo(f"{k:<20} {v:.2f}" if isinstance(v, float) else f"{k:<20} {v}")
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(res, f, indent=1)
+        try:
+            with open(json_out, "w") as f:
+                json.dump(res, f, indent=1)
+        except OSError as e:
+            raise LocalMoEError(f"cannot write {json_out}: {e.strerror or e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

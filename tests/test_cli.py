@@ -266,3 +266,12 @@ def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
     r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--raw"], input="Hello there\n\n")
     assert isinstance(r.exception, StopHere)
     assert seen["prompt"] == "Hello there"
+
+
+def test_bench_refuses_unwritable_json_path_before_loading(tmp_path, monkeypatch):
+    import localmoe.cli as cli_mod
+
+    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: pytest.fail("loaded the model"))
+    r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json",
+                                 str(tmp_path / "missing-dir" / "x.json")])
+    assert r.exit_code == 1 and "cannot write" in r.output and "Traceback" not in r.output
