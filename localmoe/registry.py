@@ -96,7 +96,7 @@ def get_backend(name: str) -> Backend:
     _load_all()
     if name not in _REGISTRY:
         raise BackendUnavailableError(
-            f"unknown backend {name!r}; choose one of: {', '.join(backend_names())}")
+            f"unknown backend {name!r}; choose one of: auto, {', '.join(backend_names())}")
     return _REGISTRY[name]()
 
 

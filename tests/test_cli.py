@@ -275,3 +275,12 @@ def test_bench_refuses_unwritable_json_path_before_loading(tmp_path, monkeypatch
     r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json",
                                  str(tmp_path / "missing-dir" / "x.json")])
     assert r.exit_code == 1 and "cannot write" in r.output and "Traceback" not in r.output
+
+
+def test_unknown_backend_lists_auto_too(tmp_path):
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "foo", "hi"])
+    assert r.exit_code == 1 and "unknown backend 'foo'" in r.output
+    assert "auto, " in r.output and "torch" in r.output
