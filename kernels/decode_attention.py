@@ -28,8 +28,7 @@ Storage read (see :mod:`localmoe.kv_quant` for the exact layout; one kernel, con
 * Per-channel keys (``CHAN``; KIVI, Liu et al., 2024): codes as above, ``cscale``/``czero``
   fp16 [H, S/PAGE, D] per (head, page, channel), ``x = code * cscale[h, slot // PAGE, d] +
   czero[...]``; tiles are page aligned and load one scale row per page; tokens of incomplete
-  pages are in the ``ring`` (always present for such codecs). ``FOLD`` (``fold_keys``) folds
-  the scale into the query per page instead (:func:`_fold_plane`; off by default, slower).
+  pages are in the ``ring`` (always present for such codecs).
 * ``FMT=2`` fp4: ``q`` uint8 [H, S, D/2] E2M1 codes, ``scale`` uint8 [H, S, D/16] E4M3.
 * Optional ``oidx`` uint8/``oval`` fp16 [H, S, N_OUT] outliers (overwrite their channels),
   ``sink`` fp16 [R, H, N_SINK, D], ``ring`` fp16 [R, H, N_RING, D] + ``ring_pos`` int32
@@ -39,7 +38,11 @@ Storage read (see :mod:`localmoe.kv_quant` for the exact layout; one kernel, con
 
 Measured on the H200 (docs/KV-CACHE-FORMATS.md, benchmarks/results/attention_h200*.json): the
 launch defaults of :func:`default_tile` and the choices left off (L2 bulk prefetch, per-plane
-value dots for int2) come from benchmarks/bench_attention.py sweeps.
+value dots for int2, folding per-channel key scales into the query) come from
+benchmarks/bench_attention.py sweeps.
+
+On the GPU, int8/int4/int2 code bytes are unpacked by inline PTX (:func:`_ptx_codes`): four
+codes per 32-bit register with ``prmt`` and ``sub.f16x2`` instead of one integer lane per code.
 
 Units: ``sm_scale`` multiplies ``q . k``; ``sliding_window`` W > 0 restricts a sequence of
 length L to positions ``>= L - W``. The twin is :func:`decode_attention_ref`.
@@ -48,6 +51,7 @@ length L to positions ``>= L - W``. The twin is :func:`decode_attention_ref`.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -60,14 +64,6 @@ LOG2E = 1.4426950408889634
 SUPPORTS_CHANNEL_KEYS = True
 # int3/int2 values: one joined full-width dot (True) or one dot per 32-channel plane
 V_JOIN_DEFAULT = True
-# quantized tiles prefetched into L2 ahead of the computed one (sm_90+); off: measured slower
-# on the H200 (int4 8x64k 289 -> 365 us with 2 tiles ahead, benchmarks/results)
-PREFETCH_TILES = 0
-# per-channel keys: fold the page's key scale into the query (0: scale every key element;
-# 1: fold, offset of the fp16 magic subtracted per element; 2: fold, offset removed by a dot).
-# Off: measured slower on the H200 (int4:c/int4 8x64k 251 -> 336 / 397 us, 1x16k 16.2 -> 20.7
-# / 22.0 us; benchmarks/results/attention_h200_fold.json)
-FOLD_KEYS = 0
 
 
 @triton.jit
@@ -85,34 +81,130 @@ def _plane_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constex
     return c
 
 
+def _ptx_codes(shift: int, mask: int | None) -> str:
+    """PTX turning 4 code bytes (one 32-bit register ``$2``) into 4 fp16 code values (two
+    f16x2 registers ``$0``, ``$1``): ``(byte >> shift) & mask`` placed under the fp16 exponent
+    of 1024 with ``prmt`` (``0x64 : code`` is the fp16 number 1024 + code) and 1024 subtracted
+    with one ``sub.f16x2`` per pair (exact)."""
+    lines = ["{", ".reg .b32 t, k;"]
+    src = "$2"
+    if shift:
+        lines.append(f"shr.u32 t, $2, {shift};")
+        src = "t"
+    if mask is not None:
+        lines.append(f"and.b32 t, {src}, {mask:#x};")
+        src = "t"
+    lines += ["mov.b32 k, 0x64646464;", f"prmt.b32 $0, {src}, k, 0x4140;",
+              f"prmt.b32 $1, {src}, k, 0x4342;", "mov.b32 k, 0x64006400;",
+              "sub.f16x2 $0, $0, k;", "sub.f16x2 $1, $1, k;", "}"]
+    return " ".join(lines)
+
+
+def _ptx_e2m1(shift_left: int) -> str:
+    """PTX turning 4 bytes (``$2``) whose high nibbles (after ``shl`` by ``shift_left``) are E2M1
+    codes (OCP MX: sign, 2 exponent bits, 1 mantissa bit) into their 4 exact fp16 values (two
+    f16x2 registers ``$0``, ``$1``). Every E2M1 magnitude is an fp16 number whose low byte is
+    zero, so ``prmt`` looks the high byte up in an 8-entry byte table (magnitude = byte index)
+    and the sign bit is moved to bit 15 with a second ``prmt``."""
+    lines = ["{", ".reg .b32 x, m, s, t, la, lb, z;", "mov.b32 la, 0x3E3C3800;",
+             "mov.b32 lb, 0x46444240;", "mov.b32 z, 0;"]
+    if shift_left:
+        lines.append(f"shl.b32 x, $2, {shift_left};")
+    else:
+        lines.append("mov.b32 x, $2;")
+    lines += ["and.b32 m, x, 0x70707070;", "and.b32 s, x, 0x80808080;",
+              "prmt.b32 $0, la, lb, m;", "prmt.b32 t, s, z, 0x1404;", "or.b32 $0, $0, t;",
+              "shr.u32 m, m, 16;", "prmt.b32 $1, la, lb, m;", "prmt.b32 t, s, z, 0x3424;",
+              "or.b32 $1, $1, t;", "}"]
+    return " ".join(lines)
+
+
+# one string per (bits, plane) of the split-plane layout, constexpr for the JIT
+_ASM_B8 = tl.constexpr(_ptx_codes(0, None))
+_ASM_B4_0 = tl.constexpr(_ptx_codes(0, 0x0F0F0F0F))
+_ASM_B4_1 = tl.constexpr(_ptx_codes(4, 0x0F0F0F0F))
+_ASM_B2_0 = tl.constexpr(_ptx_codes(0, 0x03030303))
+_ASM_B2_1 = tl.constexpr(_ptx_codes(2, 0x03030303))
+_ASM_B2_2 = tl.constexpr(_ptx_codes(4, 0x03030303))
+_ASM_B2_3 = tl.constexpr(_ptx_codes(6, 0x03030303))
+_ASM_FP4_0 = tl.constexpr(_ptx_e2m1(4))
+_ASM_FP4_1 = tl.constexpr(_ptx_e2m1(0))
+
+
+@triton.jit
+def _asm_e2m1(b, i: tl.constexpr):
+    """fp16 E2M1 values of plane ``i`` (low nibbles: 0, high: 1) of the uint8 bytes ``b``
+    (:func:`_ptx_e2m1`)."""
+    if i == 0:
+        asm: tl.constexpr = _ASM_FP4_0
+    else:
+        asm: tl.constexpr = _ASM_FP4_1
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _asm_codes(b, i: tl.constexpr, P: tl.constexpr):
+    """fp16 codes of plane ``i`` (``P`` bits per code) of the uint8 row bytes ``b``, four bytes
+    per PTX block (:func:`_ptx_codes`); a pure unary op, so Triton moves its layout conversion
+    to the (4x smaller) bytes in front of it."""
+    if P == 8:
+        asm: tl.constexpr = _ASM_B8
+    elif P == 4:
+        asm: tl.constexpr = _ASM_B4_0 if i == 0 else _ASM_B4_1
+    elif i == 0:
+        asm: tl.constexpr = _ASM_B2_0
+    elif i == 1:
+        asm: tl.constexpr = _ASM_B2_1
+    elif i == 2:
+        asm: tl.constexpr = _ASM_B2_2
+    else:
+        asm: tl.constexpr = _ASM_B2_3
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _codes_f16(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr,
+               RB1: tl.constexpr, ASM: tl.constexpr):
+    """fp16 codes [BN, RB] of plane ``i`` of an int format from the uint8 row bytes ``b``:
+    inline PTX on the GPU (``ASM``; not int3), else :func:`_plane_codes` and the fp16 magic
+    (``0x6400 | c`` is the fp16 number 1024 + c)."""
+    if ASM and BITS != 3:
+        cf = _asm_codes(b, i, P)
+    else:
+        c = _plane_codes(b.to(tl.int32), bh, cols, i, P, BITS, RB1)
+        cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return cf
+
+
 @triton.jit
 def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
                    i: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
                    FMT: tl.constexpr, G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr,
-                   PAGE: tl.constexpr):
-    """fp16 [BN, RB] values of plane ``i`` from its int32 codes ``c``."""
+                   PAGE: tl.constexpr, ASM: tl.constexpr):
+    """fp16 [BN, RB] values of plane ``i`` from its codes ``c`` (:func:`_tile_codes`)."""
     m2 = mask_n[:, None]
     if FMT == 2:
         # E2M1 -> fp16 bits without conversions: (e1 e0 m) with e > 0 is exponent e + 14,
         # mantissa m, i.e. bits (mag + 28) << 9; mag 1 is 0.5 (0x3800); sign to bit 15
-        mag = c & 7
-        hb = tl.where(mag >= 2, (mag + 28) << 9, tl.where(mag == 1, 0x3800, 0)) | ((c & 8) << 12)
-        val = hb.to(tl.int16).to(tl.float16, bitcast=True)
+        if ASM:
+            val = c
+        else:
+            mag = c & 7
+            hb = tl.where(mag >= 2, (mag + 28) << 9, tl.where(mag == 1, 0x3800, 0)) | ((c & 8) << 12)
+            val = hb.to(tl.int16).to(tl.float16, bitcast=True)
         NG: tl.constexpr = D // G
         NGP: tl.constexpr = RB // G
         sc = tl.load(Sp + row[:, None] * NG + (i * NGP + tl.arange(0, NGP))[None, :], mask=m2,
-                     other=0).to(tl.int32)
-        se = (sc >> 3) & 15
-        sm = (sc & 7).to(tl.float32)
-        s = tl.where(se == 0, sm * 0.001953125, (8.0 + sm) * tl.exp2(se.to(tl.float32) - 10.0))
-        s = s.to(tl.float16)
+                     other=0).to(tl.int16)
+        # E4M3 scale (positive) -> fp16 exactly: the bits 0eeeemmm shifted left by 7 are the
+        # fp16 number value * 2^-8 (normals and subnormals alike; both biases differ by 8)
+        s = ((sc & 0x7F) << 7).to(tl.float16, bitcast=True) * 256.0
         if NGP == 1:
             x = val * s
         else:
             x = val * tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NGP, G]), [BN, RB])
     else:
-        # int -> fp16 without I2F: 0x6400 | c is the fp16 number 1024 + c (c < 1024)
-        cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        cf = c  # fp16 codes (:func:`_codes_f16`)
         if CHAN:
             # per-channel keys: scale and zero of (head, page, channel), one row per page of
             # the tile (``blk`` = the tile's NPG page blocks, tiles are page aligned),
@@ -148,9 +240,25 @@ def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
 
 
 @triton.jit
+def _tile_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr,
+                RB1: tl.constexpr, FMT: tl.constexpr, ASM: tl.constexpr):
+    """Codes of plane ``i`` in the form :func:`_dequant_plane` takes (fp16 code values for int
+    formats; fp4: the fp16 E2M1 values with ``ASM``, else the int32 codes)."""
+    if FMT == 2:
+        if ASM:
+            c = _asm_e2m1(b, i)
+        else:
+            c = _plane_codes(b.to(tl.int32), bh, cols, i, P, BITS, RB1)
+    else:
+        c = _codes_f16(b, bh, cols, i, P, BITS, RB1, ASM)
+    return c
+
+
+@triton.jit
 def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_blocks, sqh, sqs,
                   BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr,
-                  G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr, PAGE: tl.constexpr):
+                  G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr, PAGE: tl.constexpr,
+                  ASM: tl.constexpr):
     """Dequantized fp16 planes (up to 4 tensors [BN, D/NPL]; NPL = number of planes: 1 for
     float and int8, 2 for int4/fp4, 4 for int3/int2; unused outputs repeat plane 0) of kv head
     ``h`` at ``slots`` (int [BN]); ``blk``: per-channel keys only, int [NPG] blocks of the
@@ -170,93 +278,30 @@ def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_b
         RB: tl.constexpr = D // NPL
         RB1: tl.constexpr = D // 8
         cb = tl.arange(0, RB)
-        b = tl.load(Qp + row[:, None] * RB + cb[None, :], mask=m2, other=0).to(tl.int32)
+        b = tl.load(Qp + row[:, None] * RB + cb[None, :], mask=m2, other=0)
         if BITS == 3:
             bh = tl.load(QHp + row[:, None] * RB1 + (cb % RB1)[None, :], mask=m2,
                          other=0).to(tl.int32)
         else:
             bh = b
-        c0 = _plane_codes(b, bh, cb, 0, P, BITS, RB1)
+        c0 = _tile_codes(b, bh, cb, 0, P, BITS, RB1, FMT, ASM)
         x0 = _dequant_plane(c0, row, blk, h, n_blocks, cb, mask_n, Sp, Zp, OIp, OVp, 0, BN, RB, D,
-                            FMT, G, CHAN, N_OUT, PAGE)
+                            FMT, G, CHAN, N_OUT, PAGE, ASM)
         x1 = x0
         x2 = x0
         x3 = x0
         if NPL >= 2:
-            c1 = _plane_codes(b, bh, cb + RB, 1, P, BITS, RB1)
+            c1 = _tile_codes(b, bh, cb + RB, 1, P, BITS, RB1, FMT, ASM)
             x1 = _dequant_plane(c1, row, blk, h, n_blocks, cb + RB, mask_n, Sp, Zp, OIp, OVp, 1,
-                                BN, RB, D, FMT, G, CHAN, N_OUT, PAGE)
+                                BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM)
         if NPL >= 4:
-            c2 = _plane_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1)
+            c2 = _tile_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1, FMT, ASM)
             x2 = _dequant_plane(c2, row, blk, h, n_blocks, cb + 2 * RB, mask_n, Sp, Zp, OIp, OVp,
-                                2, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE)
-            c3 = _plane_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1)
+                                2, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM)
+            c3 = _tile_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1, FMT, ASM)
             x3 = _dequant_plane(c3, row, blk, h, n_blocks, cb + 3 * RB, mask_n, Sp, Zp, OIp, OVp,
-                                3, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE)
+                                3, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM)
     return x0, x1, x2, x3
-
-
-@triton.jit
-def _fold_plane(c, r, Sp, Zp, h, blk, n_blocks, cols, acc3, NPG: tl.constexpr,
-                TPP: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, BH: tl.constexpr,
-                FOLD: tl.constexpr):
-    """Scores of one per-channel key plane with the page's scale folded into the query:
-    ``q . k = (q * cscale_p) . codes + q . czero_p`` for the tokens of page ``p``, one batched
-    (3D) dot over the tile's ``NPG`` pages -> ``acc3`` [NPG, BH, TPP] fp32 (+=). ``c``: int32
-    codes [NPG*TPP, RB]; ``r``: fp16 query plane [BH, RB]; ``blk``: the pages' blocks [NPG].
-    FOLD=1 subtracts the 1024 offset of the fp16 magic per element (``0x6400 | c`` is the fp16
-    number 1024 + c); FOLD=2 keeps it and removes ``1024 * sum(q * cscale)`` with one more dot
-    on the same fp16 scaled query (the rounding of the scaled query cancels exactly)."""
-    m = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    if FOLD == 1:
-        m = m - 1024.0
-    pr = (h * n_blocks + blk)[:, None] * D + cols[None, :]
-    cs = tl.load(Sp + pr)
-    cz = tl.load(Zp + pr)
-    qs = (r[None, :, :] * cs[:, None, :]).to(tl.float16)          # [NPG, BH, RB]
-    m3 = tl.permute(tl.reshape(m, [NPG, TPP, RB]), (0, 2, 1))     # [NPG, RB, TPP]
-    acc3 = tl.dot(qs, m3, acc3)
-    if FOLD == 2:
-        acc3 = tl.dot(qs, tl.full([NPG, RB, TPP], -1024.0, tl.float16), acc3)
-    czb = tl.broadcast_to(cz[:, :, None], [NPG, RB, TPP])
-    acc3 = tl.dot(tl.broadcast_to(r[None, :, :], [NPG, BH, RB]), czb, acc3)
-    return acc3
-
-
-@triton.jit
-def _fold_scores(Kq, Kqh, Sp, Zp, h, slots, blk, mask_n, n_slots, n_blocks, r0, r1, r2, r3,
-                 BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
-                 PAGE: tl.constexpr, FOLD: tl.constexpr):
-    """Scores [NPG, BH, TPP] (tile pages x query rows x tokens of the page) of per-channel
-    quantized keys of kv head ``h`` at ``slots`` (page-aligned tile), scales folded into the
-    query per page (:func:`_fold_plane`); ``r0..r3``: the scaled fp16 query planes."""
-    NPG: tl.constexpr = BN // PAGE if BN >= PAGE else 1
-    TPP: tl.constexpr = BN // NPG
-    P: tl.constexpr = 2 if BITS == 3 else BITS
-    NPL: tl.constexpr = 8 // P
-    RB: tl.constexpr = D // NPL
-    RB1: tl.constexpr = D // 8
-    row = h * n_slots + slots
-    m2 = mask_n[:, None]
-    cb = tl.arange(0, RB)
-    b = tl.load(Kq + row[:, None] * RB + cb[None, :], mask=m2, other=0).to(tl.int32)
-    if BITS == 3:
-        bh = tl.load(Kqh + row[:, None] * RB1 + (cb % RB1)[None, :], mask=m2,
-                     other=0).to(tl.int32)
-    else:
-        bh = b
-    acc3 = tl.zeros([NPG, BH, TPP], dtype=tl.float32)
-    acc3 = _fold_plane(_plane_codes(b, bh, cb, 0, P, BITS, RB1), r0, Sp, Zp, h, blk, n_blocks,
-                       cb, acc3, NPG, TPP, RB, D, BH, FOLD)
-    if NPL >= 2:
-        acc3 = _fold_plane(_plane_codes(b, bh, cb + RB, 1, P, BITS, RB1), r1, Sp, Zp, h, blk,
-                           n_blocks, cb + RB, acc3, NPG, TPP, RB, D, BH, FOLD)
-    if NPL >= 4:
-        acc3 = _fold_plane(_plane_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1), r2, Sp, Zp, h,
-                           blk, n_blocks, cb + 2 * RB, acc3, NPG, TPP, RB, D, BH, FOLD)
-        acc3 = _fold_plane(_plane_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1), r3, Sp, Zp, h,
-                           blk, n_blocks, cb + 3 * RB, acc3, NPG, TPP, RB, D, BH, FOLD)
-    return acc3
 
 
 @triton.jit
@@ -312,61 +357,6 @@ def _side_scores(b0, b1, b2, b3, q0, q1, q2, q3, Sink, Ring, srow, h, pos, is_s,
 
 
 @triton.jit
-def _l2_prefetch(ptrs, ok, NBYTES: tl.constexpr):
-    """Hopper bulk prefetch of ``NBYTES`` (a multiple of 16) at each 16-byte aligned address of
-    ``ptrs`` (where ``ok``) into L2: ``cp.async.bulk.prefetch.L2.global``. Fire and forget."""
-    a = ptrs.to(tl.int64, bitcast=True) if ptrs.dtype.is_ptr() else ptrs
-    sz = tl.full(ok.shape, NBYTES, tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
-        " mov.u32 $0, 0;",
-        "=r,l,r,r", [a, sz, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_pages(Qp, QHp, Sp, Zp, h, pblk, pok, n_slots, n_blocks, PAGE: tl.constexpr,
-                    D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    CHAN: tl.constexpr):
-    """Prefetch the packed codes and scales of kv head ``h`` in pages ``pblk`` into L2."""
-    P: tl.constexpr = 2 if BITS == 3 else BITS
-    RB: tl.constexpr = D * P // 8
-    row0 = (h * n_slots + pblk * PAGE).to(tl.int64)
-    _l2_prefetch(Qp + row0 * RB, pok, PAGE * RB)
-    if BITS == 3:
-        _l2_prefetch(QHp + row0 * (D // 8), pok, PAGE * D // 8)
-    if CHAN:
-        cr = (h * n_blocks + pblk).to(tl.int64) * D
-        _l2_prefetch(Sp + cr, pok, D * 2)
-        _l2_prefetch(Zp + cr, pok, D * 2)
-    else:
-        NG: tl.constexpr = D // G
-        if FMT == 2:
-            _l2_prefetch(Sp + row0 * NG, pok, PAGE * NG)
-        else:
-            _l2_prefetch(Sp + row0 * NG, pok, PAGE * NG * 2)
-            _l2_prefetch(Zp + row0 * NG, pok, PAGE * NG * 2)
-
-
-@triton.jit
-def _prefetch_tile(Kq, Kqh, Ks, Kz, Vq, Vqh, Vs, Vz, BlockTable, b, stride_bt, hk, n0, end,
-                   n_slots, n_blocks, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
-                   DV: tl.constexpr, K_FMT: tl.constexpr, K_BITS: tl.constexpr,
-                   K_G: tl.constexpr, K_CHAN: tl.constexpr, V_FMT: tl.constexpr,
-                   V_BITS: tl.constexpr, V_G: tl.constexpr):
-    """L2 prefetch of the quantized K/V pages of the tile starting at position ``n0``."""
-    NPG: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
-    pn = n0 + tl.arange(0, NPG) * PAGE
-    pok = pn < end
-    pblk = tl.load(BlockTable + b * stride_bt + pn // PAGE, mask=pok, other=0)
-    if K_FMT != 0:
-        _prefetch_pages(Kq, Kqh, Ks, Kz, hk, pblk, pok, n_slots, n_blocks, PAGE, D, K_FMT,
-                        K_BITS, K_G, K_CHAN)
-    if V_FMT != 0:
-        _prefetch_pages(Vq, Vqh, Vs, Vz, hk, pblk, pok, n_slots, n_blocks, PAGE, DV, V_FMT,
-                        V_BITS, V_G, False)
-
-
-@triton.jit
 def _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, i: tl.constexpr, RB: tl.constexpr):
     """Query plane i (channels i*RB .. i*RB+RB-1), scaled, fp16 [BLOCK_H, RB]."""
     c = i * RB + tl.arange(0, RB)
@@ -391,8 +381,7 @@ def _decode_split_kernel(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NOUT: tl.constexpr,
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
-    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, PF: tl.constexpr,
-    FOLD: tl.constexpr,
+    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -455,17 +444,7 @@ def _decode_split_kernel(
     acc1 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
-    # L2 prefetch PF tiles ahead (Hopper bulk prefetch): the DRAM stream keeps going while the
-    # program dequantizes; the tile loads below then hit L2
-    for j in tl.static_range(PF):
-        _prefetch_tile(Kq, Kqh, Ks, Kz, Vq, Vqh, Vs, Vz, BlockTable, b, stride_bt, hk,
-                       start + j * BLOCK_N, end, n_slots, n_blocks, BLOCK_N, PAGE, D, DV, K_FMT,
-                       K_BITS, K_G, K_CHAN, V_FMT, V_BITS, V_G)
     for n0 in range(start, end, BLOCK_N):
-        if PF > 0:
-            _prefetch_tile(Kq, Kqh, Ks, Kz, Vq, Vqh, Vs, Vz, BlockTable, b, stride_bt, hk,
-                           n0 + PF * BLOCK_N, end, n_slots, n_blocks, BLOCK_N, PAGE, D, DV,
-                           K_FMT, K_BITS, K_G, K_CHAN, V_FMT, V_BITS, V_G)
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = (pos < end) & (pos >= lo)
         blk = tl.load(BlockTable + b * stride_bt + pos // PAGE, mask=mask_n, other=0)
@@ -479,79 +458,55 @@ def _decode_split_kernel(
         if IDX64:
             slots = slots.to(tl.int64)
             pblk = pblk.to(tl.int64)
-        if FOLD > 0:
-            # per-channel keys, scale folded into the query once per page (no per-key FMA);
-            # scores and softmax stay in the batched-dot layout [pages, heads, page tokens]
-            FNP: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
-            FTP: tl.constexpr = BLOCK_N // FNP
-            s3 = _fold_scores(Kq, Kqh, Ks, Kz, hk, slots, pblk, mask_n, n_slots, n_blocks, r0,
-                              r1, r2, r3, BLOCK_H, BLOCK_N, D, K_BITS, PAGE, FOLD)
+        k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n,
+                                       n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
+                                       K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM)
+        if ROT:
+            # rotated quantized keys score against the rotated query
+            s = tl.dot(r0, tl.trans(k0))
+            if K_NPL >= 2:
+                s += tl.dot(r1, tl.trans(k1))
+            if K_NPL >= 4:
+                s += tl.dot(r2, tl.trans(k2))
+                s += tl.dot(r3, tl.trans(k3))
             if K_SIDE:
                 if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
-                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
-                    fz = tl.zeros([BLOCK_N, KRB], dtype=tl.float16)
-                    s_fp = _side_scores(fz, fz, fz, fz, q0, q1, q2, q3, Ksink, Kring, srow, hk,
-                                        pos, is_s, is_r, rr, kc, KRB, K_NPL, HKV, D, K_NSINK,
-                                        K_NRING)
-                    s_fp3 = tl.permute(tl.reshape(s_fp, [BLOCK_H, FNP, FTP]), (1, 0, 2))
-                    side3 = tl.reshape(is_s | is_r, [FNP, FTP])[:, None, :]
-                    s3 = tl.where(side3, s_fp3, s3)
-            s3 = tl.where(tl.reshape(mask_n, [FNP, FTP])[:, None, :], s3, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(tl.max(s3, axis=2), axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p3 = tl.exp2(s3 - m_new[None, :, None])
-            l_i = l_i * alpha + tl.sum(tl.sum(p3, axis=2), axis=0)
-            pf = tl.reshape(tl.permute(p3.to(tl.float16), (1, 0, 2)), [BLOCK_H, BLOCK_N])
+                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
+                                                K_NRING)
+                    s_fp = _side_scores(k0, k1, k2, k3, q0, q1, q2, q3, Ksink, Kring, srow,
+                                        hk, pos, is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
+                                        K_NSINK, K_NRING)
+                    s = tl.where((is_s | is_r)[None, :], s_fp, s)
         else:
-            k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n,
-                                           n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
-                                           K_BITS, K_G, K_CHAN, K_NOUT, PAGE)
-            if ROT:
-                # rotated quantized keys score against the rotated query
-                s = tl.dot(r0, tl.trans(k0))
-                if K_NPL >= 2:
-                    s += tl.dot(r1, tl.trans(k1))
-                if K_NPL >= 4:
-                    s += tl.dot(r2, tl.trans(k2))
-                    s += tl.dot(r3, tl.trans(k3))
-                if K_SIDE:
-                    if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
-                        is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
-                                                    K_NRING)
-                        s_fp = _side_scores(k0, k1, k2, k3, q0, q1, q2, q3, Ksink, Kring, srow,
-                                            hk, pos, is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
-                                            K_NSINK, K_NRING)
-                        s = tl.where((is_s | is_r)[None, :], s_fp, s)
-            else:
-                if K_SIDE:
-                    if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
-                        is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
-                                                    K_NRING)
-                        k0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV,
-                                         D, K_NSINK, K_NRING)
-                        if K_NPL >= 2:
-                            k1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                             kc + KRB, HKV, D, K_NSINK, K_NRING)
-                        if K_NPL >= 4:
-                            k2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                             kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
-                            k3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                             kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
-                s = tl.dot(q0, tl.trans(k0))
-                if K_NPL >= 2:
-                    s += tl.dot(q1, tl.trans(k1))
-                if K_NPL >= 4:
-                    s += tl.dot(q2, tl.trans(k2))
-                    s += tl.dot(q3, tl.trans(k3))
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            pf = p.to(tl.float16)
+            if K_SIDE:
+                if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
+                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
+                                                K_NRING)
+                    k0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV,
+                                     D, K_NSINK, K_NRING)
+                    if K_NPL >= 2:
+                        k1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + KRB, HKV, D, K_NSINK, K_NRING)
+                    if K_NPL >= 4:
+                        k2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
+                        k3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
+                                         kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
+            s = tl.dot(q0, tl.trans(k0))
+            if K_NPL >= 2:
+                s += tl.dot(q1, tl.trans(k1))
+            if K_NPL >= 4:
+                s += tl.dot(q2, tl.trans(k2))
+                s += tl.dot(q3, tl.trans(k3))
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pf = p.to(tl.float16)
         v0, v1, v2, v3 = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, blk, mask_n, n_slots,
                                        n_blocks, v_sqh, v_sqs, BLOCK_N, DV, V_FMT, V_BITS, V_G,
-                                       False, V_NOUT, PAGE)
+                                       False, V_NOUT, PAGE, ASM)
         if V_SIDE:
             if (n0 < V_NSINK) | (n0 + BLOCK_N > L - V_NRING):
                 is_s, is_r, rr = _side_mask(Vring, Vpos, srow, pos, mask_n, V_NSINK, V_NRING)
@@ -662,6 +617,11 @@ def _codec_args(codec, store):
             int(codec.window), ts, 0, 0, n_blocks)
 
 
+def _interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (kernels run on the CPU through numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 _LOCKS: dict = {}
 
 
@@ -729,8 +689,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int = 2,
                      fused_reduce: bool = False, waves: float | None = None,
-                     v_join: bool | None = None, prefetch: int | None = None,
-                     fold_keys: int | None = None) -> torch.Tensor:
+                     v_join: bool | None = None, asm: bool | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -754,12 +713,9 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
             :func:`default_tile`).
         v_join: join the 4 value planes of int3/int2 values into one full-width tile (one
             dot) instead of one dot per plane (default: measured choice).
-        prefetch: tiles of quantized pages prefetched into L2 ahead of the one being
-            computed (Hopper bulk prefetch; CUDA only, default :data:`PREFETCH_TILES`).
-        fold_keys: per-channel keys without outliers: 1 or 2 fold each page's key scale into
-            the query (``(q * cscale) . codes + q . czero``, one batched dot over the tile's
-            pages) instead of scaling every key element; 0 = per element (default
-            :data:`FOLD_KEYS`). Ignored for other key formats.
+        asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
+            32-bit register) instead of per-element integer ops (default: on a CUDA device
+            unless ``TRITON_INTERPRET`` is set; the interpreter cannot run PTX).
 
     Returns:
         float32 [B, n_heads, Dv].
@@ -816,14 +772,11 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     fuse = bool(fused_reduce)
     locks = _locks(B * HKV, dev) if fuse else mid_l
     block_h = max(16, triton.next_power_of_2(QPK))
-    pf = 0
-    if dev.type == "cuda" and (kf or vf) and torch.cuda.get_device_capability(dev)[0] >= 9:
-        pf = PREFETCH_TILES if prefetch is None else int(prefetch)
     v4 = vf == 1 and vb in (2, 3)
     vjoin = bool(v4 and (V_JOIN_DEFAULT if v_join is None else v_join))
     splits_p = max(2, triton.next_power_of_2(num_splits))
-    fold = int(FOLD_KEYS if fold_keys is None else fold_keys)
-    fold = fold if (kchan and kf == 1 and not kno and fold in (1, 2)) else 0
+    if asm is None:
+        asm = dev.type == "cuda" and not _interpreting()
     while True:
         try:
             _decode_split_kernel[(B * HKV, num_splits)](
@@ -837,7 +790,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
-                MERGE_C=min(8, splits_p), V_JOIN=vjoin, PF=pf, FOLD=fold, num_warps=num_warps,
+                MERGE_C=min(8, splits_p), V_JOIN=vjoin, ASM=bool(asm), num_warps=num_warps,
                 num_stages=num_stages,
             )
             break
