@@ -51,7 +51,7 @@ from .errors import InvalidRequestError
 from .tool_calls import ReasoningSplitter, StreamingToolParser, detect_format, new_call_id
 
 __all__ = ["chat_completion", "completion", "chat", "prepare_chat", "prepare_completion",
-           "parse_chat_request", "sampling_kwargs", "ChatRequest", "ChatJob", "CompletionJob"]
+           "parse_chat_request", "validate_request", "sampling_kwargs", "ChatRequest", "ChatJob", "CompletionJob"]
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -864,10 +864,19 @@ def prepare_completion(llm, request: dict, *, cancel: threading.Event | None = N
     Raises:
         InvalidRequestError: naming the offending parameter.
     """
+    vocab = getattr(getattr(llm, "tokenizer", None), "vocab_size", None)
+    prompt, params, stream, include_usage = _parse_completion_request(request, vocab, llm)
+    model = model_name or request.get("model") or getattr(llm, "model_name", "localmoe")
+    return CompletionJob(llm, prompt, params, stream, include_usage, cancel, model)
+
+
+def _parse_completion_request(request: dict, vocab: int | None, llm=None):
+    """Validate a ``/v1/completions`` body; returns (prompt, params, stream, include_usage).
+    ``vocab`` None skips the token-id range checks; ``llm`` None uses the library's sampling
+    defaults as the base."""
     if not isinstance(request, dict):
         raise InvalidRequestError("request body must be a JSON object")
     stream, include_usage = _common_checks(request)
-    vocab = getattr(getattr(llm, "tokenizer", None), "vocab_size", None)
     prompt = request.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -887,8 +896,31 @@ def prepare_completion(llm, request: dict, *, cancel: threading.Event | None = N
     if bo is not None and bo != 1:
         raise InvalidRequestError("best_of must be 1", "best_of")
     params = _make_params(sampling_kwargs(request, vocab), llm)
-    model = model_name or request.get("model") or getattr(llm, "model_name", "localmoe")
-    return CompletionJob(llm, prompt, params, stream, include_usage, cancel, model)
+    return prompt, params, stream, include_usage
+
+
+def validate_request(endpoint: str, request: dict) -> None:
+    """Check a request body without a model (the server does this while the model loads, so
+    a bad request gets its 400 at once instead of a 503).
+
+    Checks everything that does not need the model: JSON shape, fields, types, value ranges,
+    messages, tools, tool_choice. Token ids (``logit_bias``, token prompts) are checked against
+    the vocabulary only once the model is there.
+
+    Args:
+        endpoint: ``"chat"`` (``/v1/chat/completions``) or ``"completion"`` (``/v1/completions``).
+        request: the request body.
+
+    Raises:
+        InvalidRequestError: naming the offending parameter.
+        ValueError: unknown ``endpoint``.
+    """
+    if endpoint == "chat":
+        parse_chat_request(request)
+    elif endpoint == "completion":
+        _parse_completion_request(request, None)
+    else:
+        raise ValueError(f"unknown endpoint kind {endpoint!r}")
 
 
 def completion(llm, request: dict, *, cancel: threading.Event | None = None,

@@ -21,7 +21,9 @@ Behaviour:
   invalid JSON, invalid parameters (``param`` names the field) and a prompt over the context
   (``code: "context_length_exceeded"``, both token counts in the message); ``401`` for a
   missing/wrong API key; ``404`` for an unknown model or route; ``413`` for a body over
-  ``max_body_bytes``; ``503`` while loading. Only bugs give ``500`` (no traceback is sent).
+  ``max_body_bytes``; ``503`` while loading (only for requests that pass validation: a bad
+  one gets its 400/404 while the model loads too). Only bugs give ``500`` (no traceback is
+  sent).
 * With ``api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``; ``/health`` and
   ``/metrics`` stay open for probes and scrapers.
 """
@@ -347,14 +349,20 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
                             f"{state.model_name!r} (GET /v1/models)", param="model",
                             code="model_not_found")
 
-    async def run_job(request: Request, endpoint: str, prepare):
-        """Validate, queue, generate; returns a JSON or SSE response."""
+    async def run_job(request: Request, endpoint: str, prepare, kind: str):
+        """Validate, queue, generate; returns a JSON or SSE response.
+
+        ``kind`` ("chat" | "completion") names the request shape: while the model loads (or
+        after it failed to), the body is still validated first, so a bad request gets its
+        400/404 and only a valid one gets the 503."""
         t_arrival = time.perf_counter()
         status = 500
         try:
             check_auth(request)
             body = await read_json(request)
             check_model(body)
+            if state.status != "ready":
+                openai_api.validate_request(kind, body)
             llm = ready_llm()
             cancel = threading.Event()
             job = prepare(llm, body, cancel=cancel, model_name=state.model_name)
@@ -501,11 +509,12 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run_job(request, "/v1/chat/completions", openai_api.prepare_chat)
+        return await run_job(request, "/v1/chat/completions", openai_api.prepare_chat, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run_job(request, "/v1/completions", openai_api.prepare_completion)
+        return await run_job(request, "/v1/completions", openai_api.prepare_completion,
+                             "completion")
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "localmoe"}

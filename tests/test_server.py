@@ -539,6 +539,42 @@ def test_health_reports_loading_then_ready(scripted_llm):
         srv.stop()
 
 
+def test_invalid_requests_get_400_404_while_the_model_loads():
+    """Validation needs no model: while loading, a bad request gets its OpenAI-style 400/404 at
+    once; only a valid request gets the 503 "model loading"."""
+    from localmoe.server import create_app
+
+    gate = threading.Event()
+
+    def factory():
+        gate.wait(30)
+        raise RuntimeError("never loads in this test")
+
+    srv = LiveServer(create_app(factory, model_name="scripted"))
+    chat, comp = srv.url + "/v1/chat/completions", srv.url + "/v1/completions"
+    ok = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        assert httpx.get(srv.url + "/health").json()["status"] == "loading"
+        _err(httpx.post(chat, content=b"{not json"), 400)
+        _err(httpx.post(chat, json={"model": "scripted"}), 400, "messages")
+        _err(httpx.post(chat, json={**ok, "max_tokens": -5}), 400, "max_tokens")
+        _err(httpx.post(chat, json={**ok, "temperature": 500}), 400, "temperature")
+        _err(httpx.post(chat, json={**ok, "tool_choice": "required"}), 400, "tool_choice")
+        body = _err(httpx.post(chat, json={**ok, "model": "gpt-4o"}), 404, "model")
+        assert body["code"] == "model_not_found"
+        _err(httpx.post(comp, json={"model": "scripted"}), 400, "prompt")
+        _err(httpx.post(comp, json={"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+        for url, good in ((chat, ok), (comp, {"model": "scripted", "prompt": "hi"}),
+                          (chat, {**ok, "logit_bias": {"5": 1}})):  # ids checked once loaded
+            r = httpx.post(url, json=good)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'endpoint="/v1/chat/completions",status="400"' in text
+    finally:
+        gate.set()
+        srv.stop()
+
+
 def test_load_failure_is_reported_not_raised():
     from localmoe.errors import ModelLoadError
     from localmoe.server import create_app
