@@ -210,30 +210,65 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
 
 
 # ---- chat / serve ----------------------------------------------------------------------------
+def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) -> str:
+    """One KV string with the -k/-v overrides in front (``"k=int4,v=int2,f16"``):
+    ``KVSpec.parse`` of it equals ``KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)`` and the
+    user's own words (an explicit ``:c`` key grouping, say) stay as they were typed."""
+    parts = ([f"k={kv_cache_k}"] if kv_cache_k else []) + ([f"v={kv_cache_v}"] if kv_cache_v else [])
+    return ",".join(parts + [kv_cache]) if parts else kv_cache
+
+
+def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
+    """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
+    KV format, device, model file, backend, context size. Raises the same LocalMoEError."""
+    from .engine import check_device
+    from .kv_cache import KVSpec
+    from .registry import select_backend
+
+    kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
+    check_device(device)
+    if model is None:  # the default / last / continued model is found (or pulled) by the UI
+        if backend and backend != "auto":
+            select_backend(backend, "gguf", kv_spec)
+        return
+    from .errors import InvalidRequestError
+    from .loader import open_model
+    from .store import resolve_model
+
+    mf = open_model(resolve_model(model))
+    try:
+        select_backend(backend or "auto", mf.format, kv_spec)
+        n_train = int(mf.spec.n_ctx_train or 0)
+        if n_ctx and n_train and n_ctx > n_train:
+            raise InvalidRequestError(
+                f"context size {n_ctx} is larger than the model's training context of {n_train} "
+                f"tokens; use a context size of at most {n_train}", param="n_ctx")
+    finally:
+        mf.close()
+
+
 @cli.command()
-@click.option("-m", "--model", default=None, metavar="MODEL", help="Model file, store name or hf: reference.")
-@click.option("--backend", default="auto", show_default=True, metavar="NAME")
-@click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None)
-@click.option("--kv-cache", default="f16", show_default=True, metavar="FMT", help=KV_CHOICES_HELP)
+@_model_options
 @click.option("--continue", "continue_last", is_flag=True, help="Reopen the most recent chat.")
 @click.option("--list", "list_chats", is_flag=True, help="List saved chats and exit.")
-def chat(model, backend, n_ctx, kv_cache, continue_last, list_chats):
-    """Open the terminal chat UI."""
+def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, continue_last,
+         list_chats):
+    """Open the terminal chat UI.
+
+    Takes the model, backend, context, KV cache and device options of `generate`; a bad value
+    is an error here, before the UI opens and before any weights load.
+    """
     from .tui import app as tui_app
 
     if list_chats:
         click.echo(tui_app.list_chats_text())
         return
-    from .kv_cache import KVSpec
-
-    KVSpec.parse(kv_cache)  # a bad format is an error before the UI starts
-    if model is not None:  # a missing or corrupt file too (the default model may still be pulled)
-        from .loader import open_model
-        from .store import resolve_model
-
-        open_model(resolve_model(model)).close()
-    tui_app.run_chat(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
-                     continue_last=continue_last)
+    _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device)
+    kwargs = dict(backend=backend, n_ctx=n_ctx, kv_cache=_combined_kv(kv_cache, kv_cache_k, kv_cache_v),
+                  continue_last=continue_last)
+    if device is not None:
+        kwargs["device"] = device
+    tui_app.run_chat(model, **kwargs)
 
 
 @cli.command()

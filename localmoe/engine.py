@@ -105,6 +105,24 @@ class StreamEvent:
     result: GenerationResult | None = None
 
 
+def check_device(device: Any) -> None:
+    """Refuse a device string no backend understands, before anything loads.
+
+    Accepted: None (the backend's default), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (N a GPU
+    index). Whether a CUDA device is present is the backend's check.
+
+    Raises:
+        InvalidRequestError: anything else (``param="device"``).
+    """
+    if device is None:
+        return
+    d = str(device).strip().lower()
+    if d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
+        return
+    raise InvalidRequestError(f"unknown device {device!r}; use cpu, cuda or cuda:N (N = GPU index)",
+                              param="device")
+
+
 def _sampling_params(params: Any = None, **sampling: Any):
     """Build and validate SamplingParams from an object and/or keyword overrides.
 
@@ -147,7 +165,7 @@ class LLM:
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,
-        KVCacheFormatError, InvalidRequestError (bad n_ctx), StoreError (pull failed).
+        KVCacheFormatError, InvalidRequestError (bad n_ctx or device), StoreError (pull failed).
     """
 
     def __init__(self, model: Any = None, backend: str = "auto", n_ctx: int | None = None,
@@ -162,6 +180,7 @@ class LLM:
             raise InvalidRequestError(f"context size must be a positive integer, got {n_ctx!r}",
                                       param="n_ctx")
         kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)  # format errors before any I/O
+        check_device(device)
         prog(0.0, "resolving model")
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")

@@ -142,6 +142,45 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
                                      continue_last=True))
 
 
+def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path):
+    """chat has generate's --kv-cache-k/--kv-cache-v (and the comma options) and --device,
+    passes them on to the engine, and refuses bad values before the UI opens."""
+    import localmoe.tui.app as tui_app
+    from localmoe.kv_cache import KVSpec
+    from localmoe.testing.synthetic import write_gguf
+
+    calls = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda model, **kw: calls.append((model, kw)))
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    help_text = run(["chat", "--help"]).output
+    for flag in ("--kv-cache-k", "--kv-cache-v", "--device", "--kv-cache"):
+        assert flag in help_text
+    for args, want in (
+            (["--kv-cache-k", "int4", "--kv-cache-v", "int2"], KVSpec.parse("f16", "int4", "int2")),
+            (["--kv-cache", "int8", "--kv-cache-v", "int4:g64"], KVSpec.parse("int8", None, "int4:g64")),
+            (["--kv-cache", "int2,sinks=4,window=32"], KVSpec.parse("int2,sinks=4,window=32")),
+            (["--kv-cache", "k=int8,v=int4", "--kv-cache-k", "int4:t"],
+             KVSpec.parse("k=int8,v=int4", "int4:t"))):
+        calls.clear()
+        r = run(["chat", "-m", m, "--device", "cpu", *args])
+        assert r.exit_code == 0, r.output
+        (model, kw), = calls
+        assert model == m and kw["device"] == "cpu"
+        assert KVSpec.parse(kw["kv_cache"]) == want, (args, kw["kv_cache"])
+    calls.clear()
+    for args, needle in ((["--kv-cache-k", "int9"], "int9"),
+                         (["--kv-cache-v", "int4:c"], "values"),
+                         (["--kv-cache", "int2,sinks=-1"], "sink"),
+                         (["--device", "tpu"], "tpu"),
+                         (["--backend", "nope"], "nope"),
+                         (["-c", "999999"], "training context")):
+        r = CliRunner().invoke(cli, ["chat", "-m", m, *args])
+        assert r.exit_code == 1 and needle in r.output and "Traceback" not in r.output, (args, r.output)
+    assert not calls  # every bad value was refused before the UI (and any weights)
+    r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "--device", "tpu", "hi"])
+    assert r.exit_code == 1 and "unknown device 'tpu'" in r.output  # was a torch traceback
+
+
 @pytest.mark.slow
 def test_info_real_model(smollm2_path):
     r = lm("info", str(smollm2_path))

@@ -547,6 +547,25 @@ def test_backend_change_during_answer_reloads_after_it(db):
     run(body())
 
 
+def test_device_and_kv_options_reach_the_engine_factory(db):
+    """`localmoe chat --device/--kv-cache-k/--kv-cache-v`: the app hands both to the engine."""
+    seen: list[dict] = []
+    base = FakeFactory(FakeEngine(["ok"]))
+
+    def factory(model, **kw):
+        seen.append(dict(kw))
+        kw.pop("device", None)
+        return base(model, **kw)
+
+    async def body():
+        app = make_app(db, factory=factory, kv_cache="k=int4,v=int2", device="cpu")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+
+    run(body())
+    assert seen and seen[0]["device"] == "cpu" and seen[0]["kv_cache"] == "k=int4,v=int2"
+
+
 def test_background_loading_with_progress(db):
     import threading
 

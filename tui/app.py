@@ -123,10 +123,12 @@ class ChatApp(App):
             last model used, else the engine's default model, pulled on first use).
         backend: backend name or ``auto`` (a chat's own setting overrides it).
         n_ctx: context size in tokens (None: the engine's default).
-        kv_cache: KV cache format (a chat's own setting overrides it).
+        kv_cache: KV cache format, any string ``KVSpec.parse`` takes (``"int4"``,
+            ``"k=int8,v=int4"``, ``"int2,sinks=4"``); a chat's own setting overrides it.
         continue_last: open the most recently updated chat.
-        engine_factory: ``factory(model, backend=, n_ctx=, kv_cache=, progress=) -> engine``;
-            defaults to ``localmoe.LLM``.
+        device: backend device (``"cpu"``, ``"cuda"``, ``"cuda:N"``; None: backend default).
+        engine_factory: ``factory(model, backend=, n_ctx=, kv_cache=, progress=[, device=])
+            -> engine``; defaults to ``localmoe.LLM``. ``device`` is passed only when set.
         store: a :class:`ChatStore` (default: the one under the data dir).
     """
 
@@ -151,13 +153,14 @@ class ChatApp(App):
     def __init__(self, model: str | None = None, *, backend: str = "auto",
                  n_ctx: int | None = None, kv_cache: str = "f16", continue_last: bool = False,
                  engine_factory: EngineFactory | None = None,
-                 store: ChatStore | None = None) -> None:
+                 store: ChatStore | None = None, device: str | None = None) -> None:
         super().__init__()
         self.store = store if store is not None else ChatStore()
         self.engine_factory = engine_factory or default_engine_factory
         self.default_backend = backend or "auto"
         self.default_kv = kv_cache or "f16"
         self.n_ctx_arg = n_ctx
+        self.device = device
         self.continue_last = continue_last
         self.model = model
         self.engine: EngineProtocol | None = None
@@ -261,8 +264,9 @@ class ChatApp(App):
             self._ui(self._on_load_progress, key, fraction, message)
 
         try:
+            extra = {"device": self.device} if self.device is not None else {}
             engine = self.engine_factory(model, backend=backend, n_ctx=n_ctx, kv_cache=kv,
-                                         progress=progress)
+                                         progress=progress, **extra)
         except LocalMoEError as e:
             hint = f" {NO_MODEL_HELP}" if model is None else ""
             self._ui(self._on_load_failed, key,
@@ -899,7 +903,8 @@ class ChatApp(App):
 
 
 def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None = None,
-             kv_cache: str = "f16", continue_last: bool = False) -> None:
+             kv_cache: str = "f16", continue_last: bool = False,
+             device: str | None = None) -> None:
     """Run the chat UI in the terminal until the user quits (``localmoe chat``).
 
     Args:
@@ -907,11 +912,12 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
             the engine's default model).
         backend: backend name or ``auto``.
         n_ctx: context size in tokens (None: engine default).
-        kv_cache: KV cache format name.
+        kv_cache: KV cache format (any string ``KVSpec.parse`` takes).
         continue_last: reopen the most recent chat (``--continue``).
+        device: backend device (``cpu``, ``cuda``, ``cuda:N``; None: backend default).
     """
     app = ChatApp(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
-                  continue_last=continue_last)
+                  continue_last=continue_last, device=device)
     try:
         app.run()
     finally:

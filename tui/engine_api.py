@@ -51,17 +51,23 @@ class EngineProtocol(Protocol):
 
 
 EngineFactory = Callable[..., EngineProtocol]
-"""``factory(model, backend=, n_ctx=, kv_cache=, progress=) -> engine``; may raise
-``LocalMoEError`` (``ModelNotFoundError``, ``ModelLoadError``, ...). Called in a worker thread."""
+"""``factory(model, backend=, n_ctx=, kv_cache=, progress=[, device=]) -> engine``; may raise
+``LocalMoEError`` (``ModelNotFoundError``, ``ModelLoadError``, ...). Called in a worker thread.
+``device`` is passed only when the user chose one (``localmoe chat --device``)."""
 
 
 def default_engine_factory(model: str, *, backend: str = "auto", n_ctx: int | None = None,
-                           kv_cache: str = "f16",
-                           progress: ProgressCallback | None = None) -> EngineProtocol:
-    """Load ``localmoe.LLM`` (imported lazily, it pulls in torch)."""
+                           kv_cache: str = "f16", progress: ProgressCallback | None = None,
+                           device: str | None = None) -> EngineProtocol:
+    """Load ``localmoe.LLM`` (imported lazily, it pulls in torch).
+
+    ``kv_cache`` is any string ``KVSpec.parse`` takes (``"int4"``, ``"k=int8,v=int4"``,
+    ``"int2,sinks=4"``); ``device`` ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or None (backend's
+    default)."""
     from localmoe.engine import LLM
 
-    return LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, progress=progress)
+    return LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, device=device,
+               progress=progress)
 
 
 # GGUF general.sampling.* keys (gguf-py constants.Keys.General) -> SamplingParams fields.
