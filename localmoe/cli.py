@@ -21,6 +21,10 @@ from .errors import LocalMoEError
 
 KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
 KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
+# what `info` lists: every format under its plain name (its default key grouping: per token for
+# int8, per channel for int4/int3/int2) and the int formats with the other key grouping too
+KV_INFO_FORMATS = ("f16", "bf16", "int8", "int8:c", "int4", "int4:t", "int3", "int3:t", "int2",
+                   "int2:t", "fp4")
 
 
 class _Group(click.Group):
@@ -349,8 +353,11 @@ def model_info(model_file) -> dict[str, Any]:
 
     Returns a dict with: name, path, format, architecture, params_total, params_active,
     n_experts, top_k, n_shared_experts, d_ff_expert, n_layers, d_model, n_heads, n_kv_heads,
-    head_dim, context (training context in tokens), chat_template (bool), quant_mix
-    ({qtype: {"tensors": n, "bytes": b}}), kv_bytes_per_token ({format: bytes or None}).
+    head_dim, context (training context in tokens), n_ctx_default (the context a run gets
+    without --ctx-size, tokens), chat_template (bool), quant_mix ({qtype: {"tensors": n,
+    "bytes": b}}), kv_bytes_per_token ({format: bytes per token or None}, formats of
+    :data:`KV_INFO_FORMATS`: ``"int4"`` is the default per-channel keys, ``"int4:t"`` per-token
+    keys), kv_key_grouping ({format: "channel" | "token" | None for float/fp4 keys}).
     """
     from .kv_cache import KVSpec
 
@@ -372,22 +379,28 @@ def model_info(model_file) -> dict[str, Any]:
     active = total
     if spec.n_experts and expert:
         active = total - expert + expert * spec.top_k // spec.n_experts
-    kv = {}
-    for fmt in KV_FORMATS:
+    kv: dict[str, float | None] = {}
+    grouping: dict[str, str | None] = {}
+    for fmt in KV_INFO_FORMATS:
         try:
-            kv[fmt] = KVSpec.parse(fmt).bytes_per_token(spec)
+            kvs = KVSpec.parse(fmt)
+            grouping[fmt] = kvs.k.grouping or None
+            kv[fmt] = kvs.bytes_per_token(spec)
         except LocalMoEError:
             kv[fmt] = None
+    from .engine import DEFAULT_N_CTX
+
+    n_ctx_default = min(int(spec.n_ctx_train or DEFAULT_N_CTX), DEFAULT_N_CTX)
     return {
         "name": model_file.name, "path": str(model_file.path), "format": model_file.format,
         "architecture": spec.arch, "params_total": total, "params_active": active,
         "n_experts": spec.n_experts, "top_k": spec.top_k, "n_shared_experts": spec.n_shared_experts,
         "d_ff_expert": spec.d_ff_expert, "n_layers": spec.n_layers, "d_model": spec.d_model,
         "n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size, "context": spec.n_ctx_train,
+        "vocab_size": spec.vocab_size, "context": spec.n_ctx_train, "n_ctx_default": n_ctx_default,
         "sliding_window": spec.sliding_window,
         "chat_template": bool(model_file.chat_template), "quant_mix": mix,
-        "kv_bytes_per_token": kv,
+        "kv_bytes_per_token": kv, "kv_key_grouping": grouping,
     }
 
 
@@ -433,12 +446,21 @@ def info(model, as_json):
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{w}}  {v}")
-    click.echo(f"KV cache per token (and for the full {d['context']}-token context):")
+    n_def, n_full = d["n_ctx_default"], d["context"] or d["n_ctx_default"]
+    click.echo(f"KV cache of one sequence (--kv-cache FMT; keys grouped per channel ':c' or per "
+               f"token ':t'):")
+    click.echo(f"  {'format':<7} {'keys':<11} {'bytes/token':>11}  {f'{n_def} tok':>10}"
+               f"  {f'{n_full} tok':>10}")
     for fmt, b in d["kv_bytes_per_token"].items():
+        g = d["kv_key_grouping"].get(fmt)
+        keys = {"channel": "per channel", "token": "per token"}.get(g, "-")
         if b is None:
-            click.echo(f"  {fmt:<5} (not available in this build)")
+            click.echo(f"  {fmt:<7} {keys:<11} (not available in this build)")
         else:
-            click.echo(f"  {fmt:<5} {b:>10,.0f} B/token  {format_size(b * d['context']):>10}")
+            click.echo(f"  {fmt:<7} {keys:<11} {b:>11,.0f}  {format_size(b * n_def):>10}"
+                       f"  {format_size(b * n_full):>10}")
+    click.echo(f"  ({n_def}: the default context, allocated without --ctx-size; {n_full}: the "
+               f"training context)")
 
 
 @cli.command()

@@ -283,6 +283,35 @@ def test_info_moe_counts_active_params(tmp_path):
     assert r.exit_code == 0 and "8 experts, top-2" in r.output
 
 
+def test_info_shows_both_key_groupings(tmp_path):
+    """`info` lists per-channel (the int4/int3/int2 default) and per-token keys side by side."""
+    import re
+
+    from localmoe.cli import model_info
+    from localmoe.kv_cache import KVSpec
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    p = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    spec = open_model(p).spec
+    d = model_info(open_model(p))
+    kv, grouping = d["kv_bytes_per_token"], d["kv_key_grouping"]
+    for name in ("int4", "int3", "int2"):
+        assert grouping[name] == "channel" and grouping[f"{name}:t"] == "token"
+        assert kv[name] == KVSpec.parse(f"{name}:c").bytes_per_token(spec)
+        assert kv[f"{name}:t"] == KVSpec.parse(f"{name}:t").bytes_per_token(spec) != kv[name]
+    assert grouping["int8"] == "token" and grouping["int8:c"] == "channel"
+    assert grouping["f16"] is None
+    r = run(["info", str(p)])
+    assert r.exit_code == 0
+    for name, keys in (("int4", "per channel"), ("int4:t", "per token"), ("int8", "per token"),
+                       ("int8:c", "per channel"), ("int2:t", "per token"), ("f16", "-")):
+        b = kv[name]
+        assert re.search(rf"^  {re.escape(name)} +{keys} +{b:,.0f} ", r.output, re.M), (name, r.output)
+    assert f"{d['n_ctx_default']} tok" in r.output
+    assert json.loads(run(["info", "--json", str(p)]).output)["kv_bytes_per_token"]["int4:t"] == kv["int4:t"]
+
+
 def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
     import localmoe.cli as cli_mod
 
