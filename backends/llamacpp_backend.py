@@ -10,9 +10,14 @@ KV cache formats map onto llama.cpp cache types (``type_k`` / ``type_v``)::
     f32 -> F32    f16 -> F16    bf16 -> BF16    int8 (group 32) -> Q8_0    int4 (group 32) -> Q4_0
 
 (Q8_0/Q4_0 are symmetric blocks of 32 values with one fp16 scale: 8.5 and 4.5 bits per value.)
-A quantized V cache needs flash attention, which is then switched on. int3, int2, fp4, other
-group sizes, fp16 outlier channels, sink tokens and recent windows have no llama.cpp
-equivalent and are refused by :meth:`LlamaCppBackend.supports` before any weights load.
+A quantized V cache needs flash attention, which is then switched on. The backend maps what
+llama.cpp supports and refuses the rest, in :meth:`LlamaCppBackend.supports` (so ``auto`` skips
+it) and again in ``load`` before any weights load: int3, int2, fp4, other group sizes, fp16
+outlier channels, sink tokens, recent windows, and keys grouped per channel. llama.cpp's
+blocks group keys per token, so a plain ``int4`` (whose localmoe default is per-channel keys)
+runs as per-token q4_0 and the runner reports ``int4:t``; an explicit per-channel request
+(``int4:c``, ``kgroup=channel``: the spec's ``named_key_grouping``, see
+:func:`localmoe.engine.parse_kv_request`) is refused.
 
 Sequences: llama.cpp's context holds ``max_seqs`` sequences (default 1) in one KV cache of
 ``n_ctx`` tokens; ``truncate`` maps to ``llama_memory_seq_rm``.
@@ -52,11 +57,32 @@ def _kv_reason(kv_spec: Any) -> str | None:
             return (f"llama.cpp's {KV_TYPE_MAP[fmt.name][1]} KV cache uses groups of "
                     f"{KV_TYPE_MAP[fmt.name][3]}, not {fmt.group_size}; drop the :g option or "
                     f"use --backend torch/triton")
+    k = kv_spec.k
+    if getattr(k, "grouping", "") == "channel":
+        from localmoe.kv_cache import default_key_grouping
+
+        named = getattr(kv_spec, "named_key_grouping", None)
+        if named == "channel" or default_key_grouping(k.name) != "channel":
+            return (f"llama.cpp's {KV_TYPE_MAP[k.name][1]} KV cache groups keys per token; "
+                    f"per-channel keys ({k.name}:c, kgroup=channel) need --backend torch/triton "
+                    f"(plain --kv-cache {k.name} runs here with per-token keys)")
     if getattr(kv_spec, "outlier_frac", 0) or getattr(kv_spec, "sink_tokens", 0) \
             or getattr(kv_spec, "window", 0):
         return ("llama.cpp cannot keep fp16 outlier channels, sink tokens or a full-precision "
                 "window in its KV cache; use --backend torch/triton for those options")
     return None
+
+
+def _as_run(kv_spec: Any) -> Any:
+    """The KVSpec llama.cpp actually holds for an accepted ``kv_spec``: int keys per token."""
+    import dataclasses
+
+    from localmoe.kv_cache import KVFormat
+
+    k = kv_spec.k
+    if k.is_float or k.grouping == "token":
+        return kv_spec
+    return dataclasses.replace(kv_spec, k=KVFormat(k.name, k.bits, k.group_size, "token"))
 
 
 _LOG_CB = None
@@ -124,7 +150,8 @@ class LlamaCppBackend(Backend):
 
         Raises:
             BackendUnavailableError: llama-cpp-python missing, or a GPU asked of a CPU build.
-            KVCacheFormatError: a KV format llama.cpp does not have (before weights load).
+            KVCacheFormatError: a KV format or option llama.cpp does not have, e.g. int2 or
+                explicit per-channel keys (before weights load).
             ModelLoadError: llama.cpp could not load the file.
         """
         why = self.available()
@@ -166,7 +193,7 @@ class LlamaCppBackend(Backend):
                 flash_attn=flash, logits_all=False, verbose=False, **options)
         except (ValueError, RuntimeError, OSError) as e:
             raise ModelLoadError(f"llama.cpp could not load {path}: {e}") from e
-        return LlamaCppRunner(llm, spec, ctx, kv_spec, "cuda" if n_gpu_layers else "cpu",
+        return LlamaCppRunner(llm, spec, ctx, _as_run(kv_spec), "cuda" if n_gpu_layers else "cpu",
                               threads=threads, n_batch=nb, flash_attn=flash,
                               max_seqs=max(1, int(max_seqs)))
 

@@ -225,11 +225,10 @@ def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) 
 def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
     KV format, device, model file, backend, context size. Raises the same LocalMoEError."""
-    from .engine import check_device
-    from .kv_cache import KVSpec
+    from .engine import check_device, parse_kv_request
     from .registry import select_backend
 
-    kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
+    kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(device)
     if model is None:  # the default / last / continued model is found (or pulled) by the UI
         if backend and backend != "auto":

@@ -105,6 +105,61 @@ class StreamEvent:
     result: GenerationResult | None = None
 
 
+_GROUPING_NAMES = {"c": "channel", "channel": "channel", "t": "token", "token": "token"}
+
+
+def named_key_grouping(kv: Any = "f16", k: str | None = None) -> str | None:
+    """The key grouping the user *named* in a KV request (``"channel"`` for ``"int4:c"`` or
+    ``kgroup=channel``, ``"token"`` for ``":t"`` / ``kgroup=token``), or None when the request
+    leaves it to the default. Arguments as :meth:`KVSpec.parse` (``kv``, ``k``); a ``KVSpec``
+    object gives None (its grouping can no longer be told apart from the default). Call it
+    on a request :meth:`KVSpec.parse` accepted."""
+    from .kv_cache import KVFormat
+
+    if not isinstance(kv, str):
+        return None
+    k_src, base, kgroup = k, kv, None
+    if "," in kv or "=" in kv:  # KVSpec's str() syntax: "int4,kgroup=channel", "k=int4:c,v=int2"
+        base = None
+        for part in (p.strip() for p in kv.split(",") if p.strip()):
+            key, eq, val = part.partition("=")
+            key = key.strip().lower()
+            if not eq:
+                base = key
+            elif key == "k":
+                k_src = k_src or val.strip()
+            elif key in ("kgroup", "key_grouping"):
+                kgroup = kgroup or val.strip().lower()
+    if kgroup:
+        return _GROUPING_NAMES.get(kgroup)
+    src = k_src or base
+    if not src:
+        return None
+    try:
+        return KVFormat.parse(src).grouping or None
+    except LocalMoEError:
+        return None
+
+
+def parse_kv_request(kv: Any = "f16", k: str | None = None, v: str | None = None):
+    """:meth:`KVSpec.parse` of a user's KV request that also notes, as the spec's
+    ``named_key_grouping`` attribute, the key grouping the user named (see
+    :func:`named_key_grouping`; None = the format's default). Backends that can hold only one
+    grouping (llamacpp: per token) refuse a grouping that was asked for and map the default.
+
+    Raises:
+        KVCacheFormatError: as :meth:`KVSpec.parse`.
+    """
+    from .kv_cache import KVSpec
+
+    spec = KVSpec.parse(kv, k, v)
+    if not isinstance(kv, KVSpec):
+        # KVSpec is a frozen dataclass: the note is an attribute, not a field (no effect on
+        # equality, hashing or str())
+        object.__setattr__(spec, "named_key_grouping", named_key_grouping(kv, k))
+    return spec
+
+
 def check_device(device: Any) -> None:
     """Refuse a device string no backend understands, before anything loads.
 
@@ -172,14 +227,13 @@ class LLM:
                  kv_cache: Any = "f16", kv_cache_k: str | None = None,
                  kv_cache_v: str | None = None, device: str | None = None,
                  progress: Callable[[float, str], None] | None = None, **backend_options: Any):
-        from .kv_cache import KVSpec
         from .registry import select_backend
 
         prog = progress or (lambda f, m: None)
         if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
             raise InvalidRequestError(f"context size must be a positive integer, got {n_ctx!r}",
                                       param="n_ctx")
-        kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)  # format errors before any I/O
+        kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)  # errors before any I/O
         check_device(device)
         prog(0.0, "resolving model")
         model_file = self._open(model)

@@ -609,20 +609,23 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         model_name: model id to serve (default: the file name without ``.gguf``).
 
     Raises:
-        KVCacheFormatError: invalid kv cache format.
+        KVCacheFormatError: invalid kv cache format (or one the backend cannot hold).
+        InvalidRequestError: unknown device.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
             be found or read.
         BackendUnavailableError: the backend cannot run this model here.
     """
     import uvicorn
 
-    from .kv_cache import KVSpec
+    from .engine import check_device, parse_kv_request
     from .loader import open_model
     from .registry import select_backend
     from .store import resolve_model
 
-    # fail before binding on a bad format, a missing or corrupt file or an unusable backend
-    kv_spec = KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
+    # fail before binding on a bad format or device, a missing or corrupt file or an unusable
+    # backend
+    kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
+    check_device(llm_options.get("device"))
     model_file = open_model(resolve_model(model))
     select_backend(backend or "auto", model_file.format, kv_spec)
     _check_port_free(host, port)

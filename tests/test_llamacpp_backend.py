@@ -52,6 +52,56 @@ def test_refusals():
     assert "sink" in b.supports("gguf", KVSpec.parse("int8", sink_tokens=4))
 
 
+@pytest.mark.parametrize("kv,k,ok", [
+    ("int4", None, True), ("int4:t", None, True), ("int4,kgroup=token", None, True),
+    ("int8", None, True), ("k=int8,v=int4", None, True),
+    ("int4:c", None, False), ("int4,kgroup=channel", None, False), ("int8:c", None, False),
+    ("f16", "int4:c", False), ("k=int4:c,v=int4", None, False), ("int4,window=16", None, False),
+    ("int4,outliers=0.02", None, False), ("int2,sinks=4", None, False), ("fp4", None, False),
+])
+def test_explicit_per_channel_keys_and_other_options_are_refused(kv, k, ok):
+    """llama.cpp's q4_0/q8_0 group keys per token: the default int4 maps onto that, an explicit
+    per-channel request (and every option llama.cpp lacks) is refused, and auto skips it."""
+    from localmoe.engine import parse_kv_request
+
+    spec = parse_kv_request(kv, k)
+    why = backend().supports("gguf", spec)
+    assert (why is None) == ok, why
+    if not ok:
+        assert "llama.cpp" in why and "--backend torch/triton" in why
+        if has_llamacpp():
+            b, _ = select_backend("auto", "gguf", spec)
+            assert b.name != "llamacpp"
+            with pytest.raises(BackendUnavailableError, match="llamacpp"):
+                select_backend("llamacpp", "gguf", spec)
+
+
+@pytest.mark.llamacpp
+def test_per_channel_request_refused_before_weights_load(monkeypatch, smollm2_path):
+    import llama_cpp
+
+    from localmoe.engine import LLM, parse_kv_request
+    from localmoe.loader import open_model
+
+    real = llama_cpp.Llama
+
+    def no_load(*a, **k):
+        raise AssertionError("weights must not load")
+
+    monkeypatch.setattr(llama_cpp, "Llama", no_load)
+    with pytest.raises(KVCacheFormatError, match="per-channel"):
+        backend().load(open_model(smollm2_path), n_ctx=64, kv_spec=parse_kv_request("int4:c"))
+    with pytest.raises(BackendUnavailableError, match="per-channel"):
+        LLM(str(smollm2_path), backend="llamacpp", kv_cache="int4", kv_cache_k="int4:c")
+    monkeypatch.setattr(llama_cpp, "Llama", real)
+    # the default int4 runs, as what it is: per-token keys
+    r = backend().load(open_model(smollm2_path), n_ctx=64, kv_spec=parse_kv_request("int4"))
+    try:
+        assert str(r.kv_spec) == "int4:t" and r.stats()["kv_type_k"] == "q4_0"
+    finally:
+        r.close()
+
+
 @pytest.mark.llamacpp
 def test_unsupported_kv_refused_before_weights_load(monkeypatch, smollm2_path):
     import llama_cpp
