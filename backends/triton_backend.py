@@ -66,7 +66,7 @@ class TritonRunner(TorchRunner):
             if hasattr(codec, "quantize_rows") and not getattr(codec, "channel", False):
                 kv_quant_append(codec, store, slots, x, pos, row)
             else:
-                codec.write(store, slots, x, pos, seq_row=row)
+                codec.write(store, slots, x, pos, seq_row=row, start=seq.start)
 
     # ---- attention -------------------------------------------------------------------------
     def attention_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -13,6 +13,7 @@ width: one :class:`PagedKVCache` drives any (K codec, V codec) pair.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -268,14 +269,20 @@ class KVCodec:
         raise KVCacheFormatError(f"KV format {self.fmt.name} has no storage implementation")
 
     def write(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
-              positions: torch.Tensor, seq_row: int | None = None) -> None:
-        """Store ``x`` at ``slots``; ``seq_row`` is the sequence's row in per-sequence buffers."""
+              positions: torch.Tensor, seq_row: int | None = None, *,
+              start: int | None = None) -> None:
+        """Store ``x`` at ``slots``; ``seq_row`` is the sequence's row in per-sequence buffers.
+        ``start`` (Python int, optional): ``positions`` is known to be ``start .. start+T-1``,
+        so a codec can decide sink/window/page membership without reading ``positions`` back
+        from the device (:class:`PagedKVCache` passes it to codecs whose ``write`` takes it)."""
         raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be written")
 
     def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
-             positions: torch.Tensor | None = None, seq_row: int | None = None) -> torch.Tensor:
+             positions: torch.Tensor | None = None, seq_row: int | None = None, *,
+             start: int | None = None) -> torch.Tensor:
         """float32 [L, n_kv_heads, head_dim] of ``slots``; ``positions``/``seq_row`` let a
-        codec serve sink/window tokens from its full-precision buffers."""
+        codec serve sink/window tokens from its full-precision buffers; ``start`` as for
+        :meth:`write`."""
         raise KVCacheFormatError(f"KV format {self.fmt.name} cannot be read")
 
     @classmethod
@@ -304,10 +311,10 @@ class FloatCodec(KVCodec):
         return {"data": torch.zeros(n_slots, self.n_kv_heads, self.head_dim,
                                     dtype=_DTYPES[self.fmt.name], device=device)}
 
-    def write(self, store, slots, x, positions, seq_row=None):
+    def write(self, store, slots, x, positions, seq_row=None, *, start=None):
         store["data"][slots] = x.to(store["data"].dtype)
 
-    def read(self, store, slots, positions=None, seq_row=None):
+    def read(self, store, slots, positions=None, seq_row=None, *, start=None):
         return store["data"][slots].float()
 
 
@@ -349,6 +356,15 @@ def _make_codec(cls: type, fmt: KVFormat, n_kv_heads: int, head_dim: int, kv_spe
                    block_size=block_size)
     except TypeError:
         return cls(fmt, n_kv_heads, head_dim, kv_spec)
+
+
+def _takes_start(method: Any) -> bool:
+    """Whether a codec's ``write``/``read`` accepts the ``start`` keyword (codecs registered
+    from outside may predate it)."""
+    try:
+        return "start" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def register_codec(name: str, cls: type) -> None:
@@ -405,6 +421,9 @@ class PagedKVCache:
                                    "k", self.max_seqs, self.block_size)
         self.v_codec = _make_codec(vcls, kv_spec.v, spec.n_kv_heads, spec.v_head_dim, kv_spec,
                                    "v", self.max_seqs, self.block_size)
+        # codecs that take ``start`` get it, so the decode path needs no host-device sync
+        self._start_kw = {side: (_takes_start(c.write), _takes_start(c.read))
+                          for side, c in (("k", self.k_codec), ("v", self.v_codec))}
         self.k_stores = [self.k_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self.v_stores = [self.v_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self._free_blocks = list(range(self.n_blocks - 1, -1, -1))
@@ -525,6 +544,9 @@ class PagedKVCache:
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Slot indices (LongTensor[end-start], cache device) of positions [start, end)
         (shared between calls while the blocks holding them are unchanged: do not modify it).
+        When the blocks holding the range are physically consecutive (always for a range inside
+        one block, e.g. a decode token) the tensor is made on the device with ``arange``, so no
+        host-to-device copy (and no stream sync) is needed.
 
         Raises:
             LocalMoEError: ``end`` beyond the reserved blocks.
@@ -539,31 +561,49 @@ class PagedKVCache:
         hit = memo.get((seq_id, start, end))
         if hit is not None and hit[0] == span:
             return hit[1]
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
-        out = (blocks * bs + pos % bs).to(self.device)
+        if span and all(b - a == 1 for a, b in zip(span, span[1:])):
+            first = span[0] * bs + start % bs
+            out = torch.arange(first, first + end - start, device=self.device)
+        else:
+            pos = torch.arange(start, end)
+            blocks = torch.tensor(table, dtype=torch.long)[pos // bs]
+            out = (blocks * bs + pos % bs).to(self.device)
         memo[(seq_id, start, end)] = (span, out)
         return out
 
     def write(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K[T, n_kv_heads, head_dim] and V[T, n_kv_heads, v_head_dim] at positions
-        ``start .. start+T-1`` of ``layer`` (space must be reserved first)."""
+        ``start .. start+T-1`` of ``layer`` (space must be reserved first).
+
+        ``start`` (a Python int) is passed on to the codecs, which therefore never read the
+        position tensor back to the host: a one-token decode write issues no host-device sync
+        (the slot tensor is built from the Python block table)."""
+        start = int(start)
         t = k.shape[0]
         slots = self.slots(seq_id, start, start + t)
         pos = torch.arange(start, start + t, device=self.device)
         row = self._rows[seq_id]
-        self.k_codec.write(self.k_stores[layer], slots, k, pos, seq_row=row)
-        self.v_codec.write(self.v_stores[layer], slots, v, pos, seq_row=row)
+        for side, codec, store, x in (("k", self.k_codec, self.k_stores[layer], k),
+                                      ("v", self.v_codec, self.v_stores[layer], v)):
+            if self._start_kw[side][0]:
+                codec.write(store, slots, x, pos, seq_row=row, start=start)
+            else:
+                codec.write(store, slots, x, pos, seq_row=row)
 
     def read(self, layer: int, seq_id: int, end: int, start: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K[L, n_kv_heads, head_dim], V[L, n_kv_heads, v_head_dim] (float32) of
         positions [start, end) — the reference path; fused kernels read the stores directly."""
+        start = int(start)
         slots = self.slots(seq_id, start, end)
         pos = torch.arange(start, end, device=self.device)
         row = self._rows[seq_id]
-        return (self.k_codec.read(self.k_stores[layer], slots, positions=pos, seq_row=row),
-                self.v_codec.read(self.v_stores[layer], slots, positions=pos, seq_row=row))
+        out = []
+        for side, codec, store in (("k", self.k_codec, self.k_stores[layer]),
+                                   ("v", self.v_codec, self.v_stores[layer])):
+            kw = {"start": start} if self._start_kw[side][1] else {}
+            out.append(codec.read(store, slots, positions=pos, seq_row=row, **kw))
+        return out[0], out[1]
 
     # --- accounting -----------------------------------------------------------------------
     def footprint(self) -> int:

@@ -577,30 +577,58 @@ class QuantCodec(KVCodec):
     _PACKED_KEYS = ("q", "q_hi", "scale", "zero", "oidx", "oval")
 
     def write(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
-              positions: torch.Tensor, seq_row: int | None = None) -> None:
+              positions: torch.Tensor, seq_row: int | None = None, *,
+              start: int | None = None) -> None:
         """Quantize and store ``x`` float [T, H, D] at ``slots`` LongTensor[T]; positions
         LongTensor[T] select sink/window tokens, whose fp16 copies go to row ``seq_row``
         (default 0) of the side buffers.
+
+        ``start`` (Python int, optional): the caller guarantees ``positions == start ..
+        start+T-1`` (:meth:`PagedKVCache.write` passes it). Then every position decision is
+        made with Python ints and no value is read back from a device tensor (no host-device
+        sync per layer and token on the GPU decode path); ``positions`` is not inspected. The
+        bytes stored are the same as without it.
 
         Per-channel keys (``self.channel``): ``positions`` must be consecutive
         (``p0 .. p0+T-1``, one sequence) and ``slots`` their paged slots; see
         :meth:`write_channel`.
         """
         if self.channel:
-            return self.write_channel(store, slots, x, positions, seq_row)
+            return self.write_channel(store, slots, x, positions, seq_row, start=start)
         packed = self.quantize_rows(self.prepare(x))
         for k, v in packed.items():
             store[k][:, slots] = v.transpose(0, 1)
-        self.write_side(store, x, positions, seq_row)
+        self.write_side(store, x, positions, seq_row, start=start)
 
     def write_side(self, store: dict[str, torch.Tensor], x: torch.Tensor, positions: torch.Tensor,
-                   seq_row: int | None) -> None:
-        """Copy sink and window tokens of ``x`` [T, H, D] (unrotated) to the fp16 side buffers."""
+                   seq_row: int | None, *, start: int | None = None) -> None:
+        """Copy sink and window tokens of ``x`` [T, H, D] (unrotated) to the fp16 side buffers.
+
+        With ``start`` (positions are ``start .. start+T-1``) the sink range and the ring
+        entries are plain slices computed from Python ints (no host-device sync); without it
+        ``positions`` LongTensor[T] (any distinct positions) is inspected on the host as before.
+        """
         if not (self.n_sink or self.window):
             return
         row = 0 if seq_row is None else int(seq_row)
-        pos = positions.to(x.device).long()
         xh = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        if start is not None:
+            s0, t = int(start), x.shape[0]
+            if self.n_sink and s0 < self.n_sink:
+                hi = min(s0 + t, self.n_sink)
+                store["sink"][row][:, s0:hi] = xh[:hi - s0].transpose(0, 1)
+            if self.window:
+                w = self.window
+                p = max(s0, s0 + t - w)          # the last w positions of the call
+                while p < s0 + t:                # at most two runs (the ring wraps once)
+                    r = p % w
+                    n = min(w - r, s0 + t - p)
+                    store["ring"][row][:, r:r + n] = xh[p - s0:p - s0 + n].transpose(0, 1)
+                    store["ring_pos"][row][r:r + n] = torch.arange(
+                        p, p + n, dtype=torch.int32, device=store["ring_pos"].device)
+                    p += n
+            return
+        pos = positions.to(x.device).long()
         if self.n_sink:
             m = pos < self.n_sink
             if bool(m.any()):
@@ -613,7 +641,8 @@ class QuantCodec(KVCodec):
             store["ring_pos"][row][r] = p.to(torch.int32)
 
     def write_channel(self, store: dict[str, torch.Tensor], slots: torch.Tensor, x: torch.Tensor,
-                      positions: torch.Tensor, seq_row: int | None = None) -> None:
+                      positions: torch.Tensor, seq_row: int | None = None, *,
+                      start: int | None = None) -> None:
         """Per-channel key write (KIVI, Liu et al., 2024, grouped per cache page).
 
         Every new token goes to the fp16 ring (and sinks to the sink buffer). Each page that
@@ -633,37 +662,47 @@ class QuantCodec(KVCodec):
             x: float Tensor[T, H, D] new keys.
             positions: LongTensor[T], consecutive ``p0 .. p0+T-1``.
             seq_row: row of the sequence in the side buffers (default 0).
+            start: optional Python int ``p0``, given by callers that know it
+                (:meth:`PagedKVCache.write`, whose slots are page-aligned by construction):
+                then neither ``positions`` nor ``slots`` is read back to the host (no
+                consecutiveness or alignment check), so the decode path issues no host-device
+                sync (same bytes as without it).
 
         Raises:
             ValueError: positions are not consecutive, or a slot does not sit at its position's
-                offset in the page.
+                offset in the page (both checked only without ``start``).
         """
         t = x.shape[0]
         if t == 0:
             return
         page = self.block_size
-        pos = positions.detach().to("cpu", torch.long)
-        p0 = int(pos[0])
-        if not torch.equal(pos, torch.arange(p0, p0 + t)):
-            raise ValueError("per-channel keys need consecutive positions in one write")
-        first_end = (p0 // page + 1) * page - 1
-        ends = torch.arange(first_end, max(first_end, p0 + t), page)  # positions completing a page
         dev = x.device
+        if start is None:
+            pos = positions.detach().to("cpu", torch.long)
+            p0 = int(pos[0])
+            if not torch.equal(pos, torch.arange(p0, p0 + t)):
+                raise ValueError("per-channel keys need consecutive positions in one write")
+        else:
+            p0 = int(start)
+        first_end = (p0 // page + 1) * page - 1            # first position completing a page
+        n_pages = len(range(first_end, p0 + t, page))      # pages this call completes
         prior = None
-        if ends.numel() and first_end - page + 1 < p0:
+        if n_pages and first_end - page + 1 < p0:
             # tokens of the first completed page written by earlier calls: read them before
             # this call's ring writes can overwrite their ring entries
-            pp = torch.arange(first_end - page + 1, p0)
-            blk0 = slots[int(first_end - p0)].to(torch.long) // page
-            ps = (blk0 * page + pp.to(dev) % page)
-            prior = self.read(store, ps, positions=pp.to(dev), seq_row=seq_row)
-        self.write_side(store, x, positions, seq_row)
-        if not ends.numel():
+            lo = first_end - page + 1
+            pp = torch.arange(lo, p0, device=dev)
+            blk0 = slots[first_end - p0].to(dev, torch.long) // page
+            ps = blk0 * page + pp % page
+            prior = self.read(store, ps, positions=pp, seq_row=seq_row,
+                              start=None if start is None else lo)
+        self.write_side(store, x, positions, seq_row, start=start)
+        if not n_pages:
             return
         xh = x.float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
-        idx = (ends - p0).to(dev)                                # in-call index of page ends
+        idx = torch.arange(first_end - p0, t, page, device=dev)  # in-call index of page ends
         end_slots = slots.to(dev).long()[idx]
-        if bool(((end_slots % page) != page - 1).any()):
+        if start is None and bool(((end_slots % page) != page - 1).any()):
             raise ValueError("slots are not page-aligned with their positions")
         blocks = end_slots // page                               # [NP]
         off = torch.arange(page, device=dev)
@@ -696,12 +735,17 @@ class QuantCodec(KVCodec):
         return x.transpose(0, 1)
 
     def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
-             positions: torch.Tensor | None = None, seq_row: int | None = None) -> torch.Tensor:
+             positions: torch.Tensor | None = None, seq_row: int | None = None, *,
+             start: int | None = None) -> torch.Tensor:
         """Dequantized float32 [L, H, D] of ``slots`` LongTensor[L]. With ``positions`` (and
         ``seq_row``, default 0) sink and window tokens come from the fp16 side buffers: a
         sink position from ``sink``, a position whose ring tag matches from ``ring``,
         everything else from the packed store. Per-channel keys need ``positions``: the tokens
-        of a page that is not complete yet exist only in the ring."""
+        of a page that is not complete yet exist only in the ring.
+
+        ``start`` (Python int, optional, with ``positions``): the caller guarantees
+        ``positions == start .. start+L-1``; the side buffers are then applied with slices and
+        ``torch.where`` (no host-device sync), the same values as without it."""
         if self.channel:
             x = self.dequantize_channel_slots(store, slots).contiguous()
         else:
@@ -709,7 +753,18 @@ class QuantCodec(KVCodec):
             x = self.dequantize_rows(p)
         if self.rotate:
             x = x @ self.hadamard(x.device)  # H is symmetric and orthogonal: H^-1 = H
-        if positions is not None and (self.n_sink or self.window):
+        if positions is not None and (self.n_sink or self.window) and start is not None:
+            row = 0 if seq_row is None else int(seq_row)
+            s0, n = int(start), x.shape[0]
+            if self.n_sink and s0 < self.n_sink:
+                hi = min(s0 + n, self.n_sink)
+                x[:hi - s0] = store["sink"][row][:, s0:hi].transpose(0, 1).float()
+            if self.window:
+                pos = torch.arange(s0, s0 + n, device=x.device)
+                r = pos % self.window
+                m = store["ring_pos"][row][r].long() == pos
+                x = torch.where(m[:, None, None], store["ring"][row][:, r].transpose(0, 1).float(), x)
+        elif positions is not None and (self.n_sink or self.window):
             row = 0 if seq_row is None else int(seq_row)
             pos = positions.to(x.device).long()
             if self.n_sink:
