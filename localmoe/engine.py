@@ -12,7 +12,9 @@ metrics live here, so every backend produces the same text for the same logits.
 
 Context rules: a prompt longer than the context raises :class:`ContextOverflowError` (with both
 numbers) before any compute; generation that reaches the end of the context (prompt + generated
-tokens == ``n_ctx``) or ``max_tokens`` ends with finish reason ``"length"``.
+tokens == ``n_ctx``) or ``max_tokens`` ends with finish reason ``"length"``. A generation cut
+that way (or cancelled) in the middle of a multi-byte UTF-8 character ends its text at the last
+whole character.
 
 Prefix reuse: the runner keeps one sequence; when a new prompt shares a prefix with the tokens
 already cached (a chat growing turn by turn), only the new suffix is prefilled.
@@ -540,7 +542,11 @@ class LLM:
                         logits = runner.forward([(seq, [t_id])])[0]
                         self._cached.append(t_id)
                     if not string_stop:
-                        tail = detok.flush()
+                        # bytes of a character still incomplete when the generation was cut
+                        # (max_tokens, context end, cancel) are dropped: the text ends at the
+                        # last whole character. After an end-of-generation token they are
+                        # released (as U+FFFD, like Tokenizer.decode): the model ended there.
+                        tail = detok.flush() if finish == "stop" else ""
                         if stopper.stopped:  # ended by an end-of-generation token
                             rest = stopper.flush() + tail
                             cuts = [rest.find(s) for s in (p.stop or ()) if s and s in rest]
