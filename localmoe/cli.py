@@ -141,7 +141,9 @@ def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, v
 @_model_options
 @_sampling_options
 @click.option("--raw", is_flag=True, help="Plain-text completion: do not apply the chat template.")
-@click.option("--system", default=None, metavar="TEXT", help="System message (chat template only).")
+@click.option("--system", default=None, metavar="TEXT",
+              help="System message. A model without a chat template gets a plain "
+                   "System:/User:/Assistant: transcript (with a warning); ignored with --raw.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, timings) instead of streaming.")
 @click.option("-v", "--verbose", is_flag=True, help="Print loading steps and timings on stderr.")
 def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, raw,
@@ -158,15 +160,24 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         prompt = sys.stdin.read().rstrip("\r\n")  # `echo hi |` adds a newline
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
+    if raw and system:
+        click.echo("warning: --system is ignored with --raw (plain completion sends the prompt "
+                   "as is); put the system text into the prompt instead", err=True)
     llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose)
     try:
-        if raw or llm.template is None:
-            if system and not raw:
-                prompt = f"{system}\n\n{prompt}"
+        if raw or (llm.template is None and not system):
             events = llm.generate(prompt, stream=True, raw=True, **sampling)
         else:
             from .engine import _sampling_params
 
+            if llm.template is None:
+                # llama.cpp warns and falls back to chatml here; for a model without a template
+                # (a base model) a plain transcript is what it can continue, and it is what
+                # `chat` and `serve` send this model too
+                click.echo(f"warning: {llm.model_name} has no chat template; --system and the "
+                           f"prompt are sent as a plain 'System: ...' / 'User: ...' / "
+                           f"'Assistant:' transcript (as chat and serve do); drop --system for "
+                           f"a plain completion of the prompt", err=True)
             msgs = ([{"role": "system", "content": system}] if system else []) + \
                    [{"role": "user", "content": prompt}]
             events = llm.chat_stream(msgs, _sampling_params(llm.default_sampling(), **sampling))

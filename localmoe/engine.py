@@ -406,7 +406,8 @@ class LLM:
         if self.template is None:
             import dataclasses
 
-            p = dataclasses.replace(p, stop=tuple(p.stop or ()) + ("\nUser:",))
+            # the transcript of render_chat: a new turn of any role ends the reply
+            p = dataclasses.replace(p, stop=tuple(p.stop or ()) + ("\nUser:", "\nSystem:"))
         ids = self._chat_ids(messages, tools)
         return self._start(ids, p, cancel, True, t0)
 

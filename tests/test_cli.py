@@ -336,6 +336,37 @@ def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
     assert seen["prompt"] == "Hello there"
 
 
+def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch):
+    """--system on a model without a chat template: a clear warning and the same plain
+    System:/User:/Assistant: transcript chat and serve use (no longer silently glued on)."""
+    import localmoe.cli as cli_mod
+    from localmoe.engine import LLM
+    from test_engine import BYTE0, FakeRunner, FakeTokenizer
+
+    seen = {}
+    llm = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_name="base")
+    orig = llm.render_chat
+    llm.render_chat = lambda msgs, tools=None: seen.setdefault("prompt", orig(msgs, tools))
+    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: llm)
+    r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--system", "Be brief.", "-n", "2",
+                                 "Hi"])
+    assert r.exit_code == 0, r.output
+    assert seen["prompt"] == "System: Be brief.\nUser: Hi\nAssistant:"
+    assert "warning: base has no chat template" in r.stderr and "--system" in r.stderr
+    assert r.stdout == " the the\n"
+    # without --system it stays a plain completion, silently
+    seen.clear()
+    llm2 = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_name="b")
+    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: llm2)
+    r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "-n", "1", "Hi"])
+    assert r.exit_code == 0 and "warning" not in r.stderr
+    assert llm2.runner.calls[0][1] == [0, BYTE0 + ord("H"), BYTE0 + ord("i")]
+    # --raw --system: the system text is not silently lost
+    r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--raw", "--system", "S", "-n", "1",
+                                 "Hi"])
+    assert "warning: --system is ignored with --raw" in r.stderr
+
+
 def test_bench_refuses_unwritable_json_path_before_loading(tmp_path, monkeypatch):
     import localmoe.cli as cli_mod
 
