@@ -50,7 +50,11 @@ class TorchRunner:
         kv_spec: :class:`localmoe.kv_cache.KVSpec` or a string (default ``"f16"``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (default: cpu).
         dtype: weight/activation dtype (default float32; on CUDA float16/bfloat16 allowed).
-        max_seqs: concurrently live sequences in the KV cache.
+        max_seqs: concurrently live sequences; the KV block pool is allocated up front for
+            ``max_seqs`` full-context sequences (``max_seqs * ceil(n_ctx / block_size)`` blocks).
+            Default 1: an ``LLM`` (generate, chat, the Python API and the server, which runs
+            one generation at a time) keeps a single sequence, so the pool is the one-sequence
+            size ``localmoe info`` reports. Raise it only to run several sequences at once.
         block_size: KV cache block size in tokens.
         experts: a custom :class:`localmoe.experts.ExpertProvider` (default resident).
         numerics: ``"exact"`` (default: float matmuls on dequantized weights) or ``"ggml"``
@@ -69,7 +73,7 @@ class TorchRunner:
     backend_name = "torch"
 
     def __init__(self, model_file, *, n_ctx: int | None = None, kv_spec: Any = None,
-                 device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 4,
+                 device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None):
         from localmoe.kv_cache import KVSpec, PagedKVCache

@@ -30,7 +30,7 @@ def test_logits_match_transformers(tmp_path, preset, device):
     d = write_hf(tmp_path / preset, preset, seed=1, max_shard_size=shard)
     mf = open_model(d)
     assert mf.format == "safetensors"
-    runner = get_backend("torch").load(mf, n_ctx=128, kv_spec="f32", device=device)
+    runner = get_backend("torch").load(mf, n_ctx=128, kv_spec="f32", device=device, max_seqs=2)
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(3, runner.spec.vocab_size, (48,), generator=g).tolist()
     ours = runner.forward([(runner.new_sequence(), toks)], all_logits=True)[0]

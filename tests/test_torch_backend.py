@@ -36,7 +36,7 @@ def _tokens(n, seed, vocab):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_token_by_token_decode_equals_prefill(tiny_files, preset):
-    r = _runner(tiny_files[preset], n_ctx=64, kv_spec="f32")
+    r = _runner(tiny_files[preset], n_ctx=64, kv_spec="f32", max_seqs=3)
     toks = _tokens(24, 1, r.spec.vocab_size)
     a = r.new_sequence()
     full = r.forward([(a, toks)], all_logits=True)[0]
