@@ -78,10 +78,20 @@ def _model_options(f):
         click.option("--kv-cache-k", default=None, metavar="FMT", help="Key cache format (overrides --kv-cache)."),
         click.option("--kv-cache-v", default=None, metavar="FMT", help="Value cache format (overrides --kv-cache)."),
         click.option("--device", default=None, help="Device for the backend: cpu, cuda, cuda:N."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), default=None, metavar="N",
+                     expose_value=False, callback=_set_threads,
+                     help="CPU threads of the torch and llamacpp backends (sets LOCALMOE_THREADS). "
+                          "Default: torch, the physical cores minus those other processes keep "
+                          "busy while the model loads; llamacpp, half the logical CPUs."),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    if value is not None:  # the backends read it when they load (the chat UI's too)
+        os.environ["LOCALMOE_THREADS"] = str(value)
 
 
 def _sampling_options(f):
@@ -130,8 +140,12 @@ def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, v
     llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
               kv_cache_v=kv_cache_v, device=device, progress=progress)
     if verbose:
+        st = llm.stats()
+        threads = (f" | threads {st['n_threads']}" + (f" ({st['threads_reason']})"
+                                                       if st.get("threads_reason") else "")
+                   if st.get("n_threads") else "")
         click.echo(f"model {llm.model_name} | backend {llm.backend_reason} | context {llm.n_ctx} "
-                   f"| kv {llm.kv_spec}", err=True)
+                   f"| kv {llm.kv_spec}{threads}", err=True)
     return llm
 
 
@@ -530,7 +544,8 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
         tp = sorted(r.timings.tpot_ms for r in runs)
         res = {
             "model": llm.model_name, "backend": llm.backend_name, "device": llm.stats().get("device"),
-            "machine": platform.node(), "cpu_count": os.cpu_count(), "kv_cache": str(llm.kv_spec),
+            "machine": platform.node(), "cpu_count": os.cpu_count(),
+            "threads": llm.stats().get("n_threads"), "kv_cache": str(llm.kv_spec),
             "prompt_tokens": len(ids), "gen_tokens": min(r.completion_tokens for r in runs),
             "repeat": repeat,
             "ttft_ms": med([r.timings.ttft_ms for r in runs]),

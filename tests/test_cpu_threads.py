@@ -1,0 +1,96 @@
+"""The torch backend's CPU thread count: --threads / LOCALMOE_THREADS, else the physical cores
+minus the cores other processes keep busy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from localmoe.backends.torch_backend import _CPUBusy, default_threads, physical_cores
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads(monkeypatch):
+    n = torch.get_num_threads()
+    monkeypatch.delenv("LOCALMOE_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_default_leaves_room_for_busy_cores(monkeypatch):
+    phys = physical_cores()
+    assert 1 <= phys <= (__import__("os").cpu_count() or 1)
+    assert default_threads(0.0)[0] == phys  # an idle machine keeps every physical core
+    assert default_threads(0.3)[0] == phys  # background noise is not a busy core
+    assert default_threads(1.0)[0] == max(1, phys - 1)
+    assert default_threads(phys + 5.0)[0] == 1
+    n, why = default_threads(1.0)
+    assert "physical cores" in why and "busy elsewhere" in why
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert default_threads(0.0) == (torch.get_num_threads(), "OMP_NUM_THREADS")
+    monkeypatch.setenv("LOCALMOE_THREADS", "3")
+    assert default_threads(5.0) == (3, "LOCALMOE_THREADS/--threads")
+
+
+def test_busy_cores_of_other_processes_are_measured():
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        import time
+
+        time.sleep(0.3)
+        busy = _CPUBusy(min_s=0.6).start().cores()
+    finally:
+        spin.kill()
+        spin.wait()
+    if busy is None:
+        pytest.skip("no /proc/stat here")
+    assert busy >= 0.5, busy  # the spinning child holds (most of) one core
+
+
+def test_runner_applies_threads(tmp_path, monkeypatch):
+    from localmoe.errors import InvalidRequestError
+    from localmoe.loader import open_model
+    from localmoe.registry import get_backend
+    from localmoe.testing.synthetic import write_gguf
+
+    mf = open_model(write_gguf(tmp_path / "t.gguf", "tiny-llama"))
+    r = get_backend("torch").load(mf, n_ctx=32, n_threads=1)
+    assert torch.get_num_threads() == 1 and r.stats()["n_threads"] == 1
+    monkeypatch.setenv("LOCALMOE_THREADS", "2")
+    r = get_backend("torch").load(mf, n_ctx=32)
+    assert torch.get_num_threads() == 2 and r.stats()["n_threads"] == 2
+    monkeypatch.delenv("LOCALMOE_THREADS")
+    r = get_backend("torch").load(mf, n_ctx=32)
+    st = r.stats()
+    assert 1 <= st["n_threads"] <= physical_cores() and "physical cores" in st["threads_reason"]
+    with pytest.raises(InvalidRequestError, match="threads"):
+        get_backend("torch").load(mf, n_ctx=32, n_threads=0)
+
+
+def test_threads_flag(monkeypatch):
+    import os
+
+    from localmoe.cli import cli
+    import localmoe.cli as cli_mod
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(*a, **k):
+        seen["env"] = os.environ.get("LOCALMOE_THREADS")
+        raise Stop
+
+    monkeypatch.setattr(cli_mod, "_load_llm", fake_load)
+    r = CliRunner().invoke(cli, ["generate", "-t", "3", "-m", "x.gguf", "hi"])
+    assert isinstance(r.exception, Stop) and seen["env"] == "3"
+    for cmd in ("generate", "chat", "serve", "bench"):
+        assert "--threads" in CliRunner().invoke(cli, [cmd, "--help"]).output
+    r = CliRunner().invoke(cli, ["generate", "-t", "0", "hi"])
+    assert r.exit_code == 2
