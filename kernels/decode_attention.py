@@ -335,31 +335,59 @@ def _side_plane(x, Sink, Ring, srow, h, pos, is_s, is_r, r, cols,
 
 
 @triton.jit
-def _side_scores(b0, b1, b2, b3, q0, q1, q2, q3, Sink, Ring, srow, h, pos, is_s, is_r, r, kc,
-                 KRB: tl.constexpr, NPL: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+def _side_planes(x0, x1, x2, x3, Sink, Ring, srow, h, pos, is_s, is_r, r, cols,
+                 RB: tl.constexpr, NPL: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                  N_SINK: tl.constexpr, N_RING: tl.constexpr):
-    """Scores ``[BLOCK_H, BN]`` of the unrotated query planes ``q*`` against key planes ``b*``
-    ``[BN, KRB]`` whose sink/ring tokens are replaced by their fp16 copies (``NPL`` planes)."""
-    f0 = _side_plane(b0, Sink, Ring, srow, h, pos, is_s, is_r, r, kc, H, D, N_SINK, N_RING)
-    s = tl.dot(q0, tl.trans(f0))
+    """The ``NPL`` planes ``x*`` [BN, RB] (channels ``cols + i * RB``) with their sink/ring
+    tokens replaced by the fp16 copies (:func:`_side_plane`)."""
+    x0 = _side_plane(x0, Sink, Ring, srow, h, pos, is_s, is_r, r, cols, H, D, N_SINK, N_RING)
     if NPL >= 2:
-        f1 = _side_plane(b1, Sink, Ring, srow, h, pos, is_s, is_r, r, kc + KRB, H, D, N_SINK,
+        x1 = _side_plane(x1, Sink, Ring, srow, h, pos, is_s, is_r, r, cols + RB, H, D, N_SINK,
                          N_RING)
-        s += tl.dot(q1, tl.trans(f1))
     if NPL >= 4:
-        f2 = _side_plane(b2, Sink, Ring, srow, h, pos, is_s, is_r, r, kc + 2 * KRB, H, D,
+        x2 = _side_plane(x2, Sink, Ring, srow, h, pos, is_s, is_r, r, cols + 2 * RB, H, D,
                          N_SINK, N_RING)
-        f3 = _side_plane(b3, Sink, Ring, srow, h, pos, is_s, is_r, r, kc + 3 * KRB, H, D,
+        x3 = _side_plane(x3, Sink, Ring, srow, h, pos, is_s, is_r, r, cols + 3 * RB, H, D,
                          N_SINK, N_RING)
-        s += tl.dot(q2, tl.trans(f2))
-        s += tl.dot(q3, tl.trans(f3))
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(x0, x1, x2, x3, BN: tl.constexpr, D: tl.constexpr):
+    """The 4 planes [BN, D/4] joined into one [BN, D] tile; column c holds channel
+    ``(2 * (c % 2) + (c // 2) % 2) * D/4 + c // 4`` (:func:`_join_perm`)."""
+    return tl.reshape(tl.join(tl.join(x0, x1), tl.join(x2, x3)), [BN, D])
+
+
+@triton.jit
+def _join_perm(D: tl.constexpr):
+    """int32 [D]: the channel each column of a :func:`_join4` tile holds."""
+    c = tl.arange(0, D)
+    return (2 * (c % 2) + (c // 2) % 2) * (D // 4) + c // 4
+
+
+@triton.jit
+def _plane_scores(q0, q1, q2, q3, qj, k0, k1, k2, k3, NPL: tl.constexpr, JOIN: tl.constexpr,
+                  BN: tl.constexpr, D: tl.constexpr):
+    """Scores [BLOCK_H, BN] of the query planes ``q*`` against the ``NPL`` key planes ``k*``:
+    one dot per plane, or with ``JOIN`` (4 planes narrower than the 16-channel minimum of
+    ``tl.dot``) one dot of the :func:`_join4` tile against ``qj``, the query with its columns
+    permuted the same way."""
+    if JOIN:
+        s = tl.dot(qj, tl.trans(_join4(k0, k1, k2, k3, BN, D)))
+    else:
+        s = tl.dot(q0, tl.trans(k0))
+        if NPL >= 2:
+            s += tl.dot(q1, tl.trans(k1))
+        if NPL >= 4:
+            s += tl.dot(q2, tl.trans(k2))
+            s += tl.dot(q3, tl.trans(k3))
     return s
 
 
 @triton.jit
-def _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, i: tl.constexpr, RB: tl.constexpr):
-    """Query plane i (channels i*RB .. i*RB+RB-1), scaled, fp16 [BLOCK_H, RB]."""
-    c = i * RB + tl.arange(0, RB)
+def _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, c):
+    """Query channels ``c`` (int32 [n]), scaled, fp16 [BLOCK_H, n]."""
     q = tl.load(Qry + b * stride_qb + qh[:, None] * stride_qh + c[None, :], mask=hmask[:, None],
                 other=0.0).to(tl.float32)
     return (q * qk_scale).to(tl.float16)
@@ -381,7 +409,7 @@ def _decode_split_kernel(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NOUT: tl.constexpr,
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
-    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, ASM: tl.constexpr,
+    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_JOIN: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -412,34 +440,39 @@ def _decode_split_kernel(
     qh = hk * QPK + hi
     kc = tl.arange(0, KRB)
     vc = tl.arange(0, VRB)
-    q0 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 0, KRB)
+    q0 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc)
     q1 = q0
     q2 = q0
     q3 = q0
     if K_NPL >= 2:
-        q1 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 1, KRB)
+        q1 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + KRB)
     if K_NPL >= 4:
-        q2 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 2, KRB)
-        q3 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, 3, KRB)
+        q2 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 2 * KRB)
+        q3 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 3 * KRB)
+    qj = q0
+    if K_JOIN:
+        qj = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, _join_perm(D))
     r0 = q0
     r1 = q1
     r2 = q2
     r3 = q3
+    rj = qj
     if ROT:
-        r0 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 0, KRB)
+        r0 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc)
         if K_NPL >= 2:
-            r1 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 1, KRB)
+            r1 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + KRB)
         if K_NPL >= 4:
-            r2 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 2, KRB)
-            r3 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, 3, KRB)
+            r2 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 2 * KRB)
+            r3 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 3 * KRB)
+        if K_JOIN:
+            rj = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, _join_perm(D))
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     # V_JOIN: the 4 value planes are joined into one [BLOCK_N, DV] tile (column c holds
     # channel vperm[c]) for a single full-width dot; else one accumulator per plane
     VA: tl.constexpr = DV if V_JOIN else VRB
-    ca = tl.arange(0, DV)
-    vperm = (2 * (ca % 2) + (ca // 2) % 2) * VRB + ca // 4
+    vperm = _join_perm(DV)
     acc0 = tl.zeros([BLOCK_H, VA], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
@@ -462,42 +495,28 @@ def _decode_split_kernel(
                                        n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
                                        K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM)
         if ROT:
-            # rotated quantized keys score against the rotated query
-            s = tl.dot(r0, tl.trans(k0))
-            if K_NPL >= 2:
-                s += tl.dot(r1, tl.trans(k1))
-            if K_NPL >= 4:
-                s += tl.dot(r2, tl.trans(k2))
-                s += tl.dot(r3, tl.trans(k3))
+            # rotated quantized keys score against the rotated query, sink/ring tokens (kept
+            # unrotated in fp16) against the query itself
+            s = _plane_scores(r0, r1, r2, r3, rj, k0, k1, k2, k3, K_NPL, K_JOIN, BLOCK_N, D)
             if K_SIDE:
                 if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
                     is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
                                                 K_NRING)
-                    s_fp = _side_scores(k0, k1, k2, k3, q0, q1, q2, q3, Ksink, Kring, srow,
-                                        hk, pos, is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
-                                        K_NSINK, K_NRING)
+                    f0, f1, f2, f3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos,
+                                                  is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
+                                                  K_NSINK, K_NRING)
+                    s_fp = _plane_scores(q0, q1, q2, q3, qj, f0, f1, f2, f3, K_NPL, K_JOIN,
+                                         BLOCK_N, D)
                     s = tl.where((is_s | is_r)[None, :], s_fp, s)
         else:
             if K_SIDE:
                 if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
                     is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
                                                 K_NRING)
-                    k0 = _side_plane(k0, Ksink, Kring, srow, hk, pos, is_s, is_r, rr, kc, HKV,
-                                     D, K_NSINK, K_NRING)
-                    if K_NPL >= 2:
-                        k1 = _side_plane(k1, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + KRB, HKV, D, K_NSINK, K_NRING)
-                    if K_NPL >= 4:
-                        k2 = _side_plane(k2, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + 2 * KRB, HKV, D, K_NSINK, K_NRING)
-                        k3 = _side_plane(k3, Ksink, Kring, srow, hk, pos, is_s, is_r, rr,
-                                         kc + 3 * KRB, HKV, D, K_NSINK, K_NRING)
-            s = tl.dot(q0, tl.trans(k0))
-            if K_NPL >= 2:
-                s += tl.dot(q1, tl.trans(k1))
-            if K_NPL >= 4:
-                s += tl.dot(q2, tl.trans(k2))
-                s += tl.dot(q3, tl.trans(k3))
+                    k0, k1, k2, k3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos,
+                                                  is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
+                                                  K_NSINK, K_NRING)
+            s = _plane_scores(q0, q1, q2, q3, qj, k0, k1, k2, k3, K_NPL, K_JOIN, BLOCK_N, D)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -510,18 +529,11 @@ def _decode_split_kernel(
         if V_SIDE:
             if (n0 < V_NSINK) | (n0 + BLOCK_N > L - V_NRING):
                 is_s, is_r, rr = _side_mask(Vring, Vpos, srow, pos, mask_n, V_NSINK, V_NRING)
-                v0 = _side_plane(v0, Vsink, Vring, srow, hk, pos, is_s, is_r, rr, vc, HKV, DV,
-                                 V_NSINK, V_NRING)
-                if V_NPL >= 2:
-                    v1 = _side_plane(v1, Vsink, Vring, srow, hk, pos, is_s, is_r, rr, vc + VRB,
-                                     HKV, DV, V_NSINK, V_NRING)
-                if V_NPL >= 4:
-                    v2 = _side_plane(v2, Vsink, Vring, srow, hk, pos, is_s, is_r, rr,
-                                     vc + 2 * VRB, HKV, DV, V_NSINK, V_NRING)
-                    v3 = _side_plane(v3, Vsink, Vring, srow, hk, pos, is_s, is_r, rr,
-                                     vc + 3 * VRB, HKV, DV, V_NSINK, V_NRING)
+                v0, v1, v2, v3 = _side_planes(v0, v1, v2, v3, Vsink, Vring, srow, hk, pos, is_s,
+                                              is_r, rr, vc, VRB, V_NPL, HKV, DV, V_NSINK,
+                                              V_NRING)
         if V_JOIN:
-            vj = tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BLOCK_N, DV])
+            vj = _join4(v0, v1, v2, v3, BLOCK_N, DV)
             acc0 = acc0 * alpha[:, None] + tl.dot(pf, vj)
         else:
             acc0 = acc0 * alpha[:, None] + tl.dot(pf, v0)
@@ -774,6 +786,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     block_h = max(16, triton.next_power_of_2(QPK))
     v4 = vf == 1 and vb in (2, 3)
     vjoin = bool(v4 and (V_JOIN_DEFAULT if v_join is None else v_join))
+    # 2/3-bit keys of head_dim < 64: planes narrower than tl.dot's 16, joined into one tile
+    kjoin = bool(kf == 1 and kb in (2, 3) and D // 4 < 16)
     splits_p = max(2, triton.next_power_of_2(num_splits))
     if asm is None:
         asm = dev.type == "cuda" and not _interpreting()
@@ -790,7 +804,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
-                MERGE_C=min(8, splits_p), V_JOIN=vjoin, ASM=bool(asm), num_warps=num_warps,
+                MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_JOIN=kjoin, ASM=bool(asm), num_warps=num_warps,
                 num_stages=num_stages,
             )
             break
