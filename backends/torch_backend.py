@@ -54,6 +54,16 @@ def physical_cores() -> int:
     return max(1, len(cpus))
 
 
+_LAST_SET = [0]  # the thread count a runner set last (so the next load may change it again)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class _CPUBusy:
     """Cores kept busy by *other* processes over an interval: whole-machine busy time from
     ``/proc/stat`` (steal included) minus this process's own CPU time. ``start()`` then
@@ -105,6 +115,9 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
     others at each matmul: on the 2-core VM beside one busy process 2 threads decoded SmolLM2 at
     12 tok/s, 1 thread at 28.5. An idle machine keeps every physical core.
 
+    A count set with ``torch.set_num_threads`` before loading (one that is neither torch's
+    own default nor the last one set here) is kept.
+
     Returns:
         (threads, reason) -- reason like ``"2 physical cores, 0.0 busy elsewhere"``.
     """
@@ -115,6 +128,9 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
     if omp.isdigit() and int(omp) > 0:
         return torch.get_num_threads(), "OMP_NUM_THREADS"
     phys = physical_cores()
+    now = torch.get_num_threads()
+    if now not in (phys, _usable_cpus(), _LAST_SET[0]):
+        return now, "torch.set_num_threads"  # the caller chose; keep it
     if busy_elsewhere is None:
         return phys, f"{phys} physical cores"
     n = max(1, min(phys, phys - int(busy_elsewhere + 0.5)))
@@ -210,6 +226,7 @@ class TorchRunner:
             else:  # the load itself was the sampling interval (at least 0.2 s)
                 self.n_threads, self.threads_reason = default_threads(busy.cores())
             torch.set_num_threads(self.n_threads)
+            _LAST_SET[0] = self.n_threads
         self.load_s = time.perf_counter() - t0
         self._n_forward_tokens = 0
 

@@ -91,7 +91,7 @@ def _child_torch(path: str, toks: list[int], n: int, threads: int, packed: bool 
 
     t0 = time.perf_counter()
     runner = get_backend("torch").load(open_model(path), n_ctx=len(toks) + n + 8, max_seqs=1,
-                                       packed_weights=packed)
+                                       packed_weights=packed, n_threads=threads)
     load_s = time.perf_counter() - t0
     sid = runner.new_sequence()
     t0 = time.perf_counter()

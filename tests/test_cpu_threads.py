@@ -31,6 +31,9 @@ def test_default_leaves_room_for_busy_cores(monkeypatch):
     assert default_threads(phys + 5.0)[0] == 1
     n, why = default_threads(1.0)
     assert "physical cores" in why and "busy elsewhere" in why
+    torch.set_num_threads(phys + 3)  # a count the caller chose is kept
+    assert default_threads(1.0) == (phys + 3, "torch.set_num_threads")
+    torch.set_num_threads(phys)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert default_threads(0.0) == (torch.get_num_threads(), "OMP_NUM_THREADS")
     monkeypatch.setenv("LOCALMOE_THREADS", "3")
