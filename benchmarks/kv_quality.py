@@ -82,7 +82,7 @@ CONFIGS = {
 }
 
 
-def make_runner(mf, name, n_ctx):
+def make_runner(mf, name, n_ctx, block_size=16):
     from localmoe import kv_quant
     from localmoe.backends.torch_backend import TorchRunner
     from localmoe.kv_cache import KVSpec
@@ -95,7 +95,7 @@ def make_runner(mf, name, n_ctx):
     old = kv_quant.DEFAULT_KEY_ROTATE
     kv_quant.DEFAULT_KEY_ROTATE = rot
     try:
-        return TorchRunner(mf, n_ctx=n_ctx, kv_spec=spec, max_seqs=1)
+        return TorchRunner(mf, n_ctx=n_ctx, kv_spec=spec, max_seqs=1, block_size=block_size)
     finally:
         kv_quant.DEFAULT_KEY_ROTATE = old
 
@@ -161,7 +161,12 @@ def main(argv=None):
     ap.add_argument("--text", nargs="*", default=None,
                     help="document file(s), concatenated (default tests/data/gpl3_excerpt.txt); "
                          "longer needle runs use e.g. /usr/share/common-licenses/{GPL-3,...}")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="KV cache page in tokens (per-channel keys: the tokens sharing a scale)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --out (same model, text and lengths) and "
+                         "add or replace this run's; KL/top-1 are against this run's f16")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     if a.threads:
@@ -186,12 +191,18 @@ def main(argv=None):
           f"{n_q}, gen {a.gen}", flush=True)
 
     results = {}
+    if a.append and a.out and Path(a.out).is_file():
+        old = json.loads(Path(a.out).read_text())
+        if (old.get("file"), old.get("prompt_tokens"), old.get("gen")) != (
+                Path(a.model).name, len(nids), a.gen):
+            ap.error(f"--append: {a.out} holds another model, prompt or --gen")
+        results = old["results"]
     ref_lp, ref_tokens = None, None
     configs = ["f16"] + [c for c in a.configs if c != "f16"]
     n_text = len(nids) - n_q
     for name in configs:
         t0 = time.time()
-        r = make_runner(mf, name, n_ctx)
+        r = make_runner(mf, name, n_ctx, a.block_size)
         sid = r.new_sequence()
         # perplexity over the document (needle sentence included), chunk by chunk
         nll, n = 0.0, 0
@@ -213,9 +224,11 @@ def main(argv=None):
             if step + 1 < a.gen:
                 logits = r.forward([(sid, [t])])[0]
         row = {"kv_spec": str(r.kv_spec), "ppl": ppl,
-               "kv_bytes_per_token": r.kv_spec.bytes_per_token(r.spec),
-               "bits_k": r.kv_spec.bits_per_value("k", r.spec.head_dim),
-               "bits_v": r.kv_spec.bits_per_value("v", r.spec.v_head_dim)}
+               "kv_bytes_per_token": r.kv_spec.bytes_per_token(r.spec, a.block_size),
+               "bits_k": r.kv_spec.bits_per_value("k", r.spec.head_dim, a.block_size),
+               "bits_v": r.kv_spec.bits_per_value("v", r.spec.v_head_dim, a.block_size)}
+        if a.block_size != 16:
+            row["block_size"] = a.block_size
         if ref_tokens is None:
             ref_lp = torch.stack(lps)
             ref_tokens = toks
@@ -232,7 +245,11 @@ def main(argv=None):
         row["needle_answer"] = answer[:60]
         row["needle_found"] = passkey in answer
         row["seconds"] = round(time.time() - t0, 1)
-        results[name] = row
+        key = name if (a.block_size == 16 or name == "f16") else f"{name} (page {a.block_size})"
+        if key in results and name == "f16" and abs(results[key]["ppl"] / ppl - 1) > 1e-4:
+            print(f"warning: f16 ppl {ppl:.4f} differs from the stored {results[key]['ppl']:.4f} "
+                  "(KL of the stored rows is against that run)", flush=True)
+        results[key] = row
         print(f"{name:24s} ppl {ppl:8.3f}  KL {row['kl_mean']:.4f} (max {row['kl_max']:.3f})  "
               f"top1 {row['top1']*100:5.1f}%  needle {row['needle_found']!s:5s} "
               f"bits K/V {row['bits_k']:.2f}/{row['bits_v']:.2f}  [{row['seconds']} s]",

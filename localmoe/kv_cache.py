@@ -48,6 +48,12 @@ _GROUPING_ALIASES = {"c": "channel", "channel": "channel", "t": "token", "token"
 # directly (no parse) without a grouping is per token.
 DEFAULT_KEY_GROUPING = "channel"
 CHANNEL_KEY_FORMATS = ("int4", "int3", "int2")
+# Fraction of each head's channels that per-channel keys keep in fp16 per token (dense-and-sparse
+# outliers, KVQuant) when the spec names no ``koutliers``; by key format, 0 where absent.
+# int4: 2 of every 64 channels (2 for head_dim 64, 4 for 128, 8 for 256), +0.75 bits per key:
+# +1.5% -> +0.8% perplexity on SmolLM2-135M, +1.0% -> +0.75% on Gemma-3-270M
+# (docs/KV-QUALITY.md).
+DEFAULT_CHANNEL_KEY_OUTLIERS: dict[str, float] = {"int4": 2 / 64}
 
 
 def default_key_grouping(name: str) -> str:
@@ -126,9 +132,12 @@ class KVSpec:
 
     Attributes:
         k, v: formats of keys and values (may differ, e.g. K4/V2).
-        outlier_frac: fraction of channels per head kept in fp16 (dense-and-sparse, KVQuant).
+        outlier_frac: fraction of channels per head kept in fp16 per token (dense-and-sparse,
+            KVQuant, Hooper et al., 2024) for values and per-token keys.
         sink_tokens: first tokens of every sequence kept in full precision (attention sinks).
         window: most recent tokens kept in full precision (0 = none).
+        key_outlier_frac: the same fraction for the keys alone (option ``koutliers=``); None =
+            the default, see :meth:`key_outliers`.
     """
 
     k: KVFormat
@@ -136,11 +145,22 @@ class KVSpec:
     outlier_frac: float = 0.0
     sink_tokens: int = 0
     window: int = 0
+    key_outlier_frac: float | None = None
+
+    def key_outliers(self) -> float:
+        """Effective outlier fraction of the keys: ``key_outlier_frac`` when set, else
+        :data:`DEFAULT_CHANNEL_KEY_OUTLIERS` of the key format for per-channel keys (0 for
+        formats it does not name), else ``outlier_frac`` (per-token keys)."""
+        if self.key_outlier_frac is not None:
+            return self.key_outlier_frac
+        if self.k.grouping == "channel":
+            return DEFAULT_CHANNEL_KEY_OUTLIERS.get(self.k.name, 0.0)
+        return self.outlier_frac
 
     @classmethod
     def parse(cls, kv: "str | KVSpec | None" = "f16", k: str | None = None, v: str | None = None,
               outlier_frac: float = 0.0, sink_tokens: int = 0, window: int = 0,
-              kgroup: str | None = None) -> "KVSpec":
+              kgroup: str | None = None, key_outlier_frac: float | None = None) -> "KVSpec":
         """Build a spec from CLI/API strings: ``kv`` sets both, ``k``/``v`` override one side.
         ``kv`` may also use the :meth:`__str__` syntax with options, e.g.
         ``"int2,outliers=0.04,sinks=4,window=64"`` or ``"k=int4,v=int2,outliers=2%"``, so
@@ -150,6 +170,11 @@ class KVSpec:
         keys per channel over each cache page (KIVI); ``":t"`` / ``kgroup="token"`` per token.
         A grouping given through ``kv`` (both sides) applies to the keys only; values are always
         grouped per token.
+
+        Outliers: ``outliers=F`` (``outlier_frac``) keeps F of each head's channels per token in
+        fp16 for values and per-token keys; ``koutliers=F`` (``key_outlier_frac``) sets the
+        keys' own fraction (per-channel keys too; ``koutliers=0`` turns the per-channel
+        default :data:`DEFAULT_CHANNEL_KEY_OUTLIERS` off).
 
         Raises:
             KVCacheFormatError: unknown format or out-of-range option, a grouping on values
@@ -172,6 +197,9 @@ class KVSpec:
                         v = v or val
                     elif key in ("outliers", "outlier_frac"):
                         outlier_frac = float(val[:-1]) / 100 if val.endswith("%") else float(val)
+                    elif key in ("koutliers", "key_outliers", "key_outlier_frac"):
+                        key_outlier_frac = (float(val[:-1]) / 100 if val.endswith("%")
+                                            else float(val))
                     elif key in ("sinks", "sink_tokens"):
                         sink_tokens = int(val)
                     elif key == "window":
@@ -209,11 +237,16 @@ class KVSpec:
                 kf = KVFormat(kf.name, kf.bits, kf.group_size, g)
         elif not kf.grouping and not kf.is_float and kf.name != "fp4":
             kf = KVFormat(kf.name, kf.bits, kf.group_size, default_key_grouping(kf.name))
-        if not (0.0 <= float(outlier_frac) < 0.5):
-            raise KVCacheFormatError(f"outlier fraction must be in [0, 0.5), got {outlier_frac}")
+        for frac in (outlier_frac, key_outlier_frac):
+            if frac is not None and not (0.0 <= float(frac) < 0.5):
+                raise KVCacheFormatError(f"outlier fraction must be in [0, 0.5), got {frac}")
+        if key_outlier_frac is not None and float(key_outlier_frac) > 0 and (
+                kf.is_float):
+            raise KVCacheFormatError(f"key outliers need a quantized key format, not {kf.name}")
         if sink_tokens < 0 or window < 0:
             raise KVCacheFormatError("sink_tokens and window must be >= 0")
-        return cls(kf, vf, float(outlier_frac), int(sink_tokens), int(window))
+        return cls(kf, vf, float(outlier_frac), int(sink_tokens), int(window),
+                   None if key_outlier_frac is None else float(key_outlier_frac))
 
     @property
     def is_float(self) -> bool:
@@ -227,6 +260,8 @@ class KVSpec:
             extra.append(f"sinks={self.sink_tokens}")
         if self.window:
             extra.append(f"window={self.window}")
+        if self.key_outlier_frac is not None:
+            extra.append(f"koutliers={self.key_outlier_frac:g}")
         k = self.k
         if k.grouping and k.grouping == default_key_grouping(k.name):
             k = KVFormat(k.name, k.bits, k.group_size)    # the default is left implicit

@@ -22,15 +22,21 @@ Quantization for KV Cache"; format option ``int4:c``, ``codec.channel``): for ke
 formats, one fp16 scale and zero per (page, head, channel) from the min/max of that channel over
 the ``PAGE = block_size`` tokens of a cache page, codes as above. A page is quantized when its
 last token is written; until then its tokens live only in the fp16 ring (ring size
-``max(window, PAGE)``), which every read consults first. No outliers and no rotation in this
-mode (``outlier_frac`` then applies to values only). Error bound per value: half a step of the
-channel's range over the page, see :func:`channel_error_bound`.
+``max(window, PAGE)``), which every read consults first. No rotation in this mode. Outliers
+(``KVSpec.key_outliers()``, option ``koutliers=``; ``outliers=`` applies to values and
+per-token keys) are chosen per page when it is quantized: for each token the ``n_out`` channels
+whose exclusion shrinks their channel's page range most (:func:`select_channel_outliers`);
+they are left out of the min/max and stored exactly in ``oidx``/``oval`` at the token's slot,
+the same entries as per-token outliers. Error bound per value: half a step of the channel's
+range over the page, see :func:`channel_error_bound`.
 
 Optional extras, all per :class:`~localmoe.kv_cache.KVSpec`:
 
 * **Outliers** (dense-and-sparse, KVQuant, Hooper et al., 2024): per token and head the
-  ``n_out = ceil(outlier_frac * head_dim)`` channels of largest ``|x|`` are left out of the
-  group's min/max and stored exactly as (uint8 index, fp16 value); a read overwrites them.
+  ``n_out = ceil(frac * head_dim)`` channels of largest ``|x|`` (per-token groups; per-channel
+  keys: see above) are left out of the group's min/max and stored exactly as (uint8 index,
+  fp16 value); a read overwrites them. ``frac`` is ``outlier_frac`` for values and
+  ``KVSpec.key_outliers()`` for keys.
 * **Sinks** (StreamingLLM, Xiao et al., 2023): positions ``< sink_tokens`` are also stored in
   fp16 in a per-sequence side buffer and read from there.
 * **Recent window**: the last ``window`` written positions of a sequence are also kept in a
@@ -318,7 +324,8 @@ def int_error_bound(x: torch.Tensor, bits: int, group: int,
     return b.unsqueeze(-1).expand_as(xg).reshape(x.shape)
 
 
-def quantize_channel(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_channel(x: torch.Tensor, bits: int, exclude: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel asymmetric quantization of whole pages (KIVI keys, Liu et al., 2024): every
     (page, head, channel) gets its own fp16 scale and zero from the min/max over the page's
     tokens, with the same rounding rule as :func:`quantize_int`.
@@ -327,14 +334,60 @@ def quantize_channel(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Te
         x: float Tensor[NP, PAGE, H, D] (NP pages of PAGE tokens; finite, already fp16-rounded
             by the caller if bit-exact agreement with fp16 inputs matters).
         bits: 2..8.
+        exclude: optional bool Tensor[NP, PAGE, H, D] (or broadcastable): entries left out of
+            their channel's min/max (outliers, sink tokens: read from elsewhere; their codes
+            are clamped). A channel whose page entries are all excluded uses them all.
 
     Returns:
         codes uint8 [NP, PAGE, H, D], cscale fp16 [NP, H, D], czero fp16 [NP, H, D].
     """
     page = x.shape[1]
     xt = x.float().permute(0, 2, 3, 1)                       # [NP, H, D, PAGE]
-    codes, scale, zero = quantize_int(xt, bits, page)        # one group = the page's tokens
+    ex = None
+    if exclude is not None:
+        ex = exclude.expand(x.shape).permute(0, 2, 3, 1)
+        ex = ex & ~ex.all(-1, keepdim=True)
+    codes, scale, zero = quantize_int(xt, bits, page, ex)    # one group = the page's tokens
     return codes.permute(0, 3, 1, 2), scale[..., 0], zero[..., 0]
+
+
+def select_channel_outliers(x: torch.Tensor, n_out: int, exclude: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense-and-sparse split for per-channel keys (KVQuant, Hooper et al., 2024): per token,
+    the ``n_out`` channels whose exclusion shrinks their channel's min/max range over the page
+    the most (greedy, ``n_out`` rounds; in each round a token that is the unique maximum or
+    minimum of a channel scores the gap to the runner-up, every other entry scores 0).
+
+    Args:
+        x: float Tensor[NP, PAGE, H, D] pages of keys.
+        n_out: outliers per token and head (< D).
+        exclude: optional bool [NP, PAGE, H, D] entries already left out (sink tokens).
+
+    Returns:
+        (idx int64 [NP, PAGE, H, n_out] chosen channels, exclude bool [NP, PAGE, H, D] with
+        them added).
+    """
+    xt = x.float().permute(0, 2, 3, 1)                       # [NP, H, D, PAGE]
+    ex = (torch.zeros_like(xt, dtype=torch.bool) if exclude is None
+          else exclude.expand(x.shape).permute(0, 2, 3, 1).clone())
+    chosen = torch.zeros_like(ex)
+    idx = []
+    inf = float("inf")
+    for _ in range(n_out):
+        hi = torch.where(ex, -inf, xt).topk(2, dim=-1)
+        lo = torch.where(ex, inf, xt).topk(2, dim=-1, largest=False)
+        g_hi = torch.where(torch.isfinite(hi.values[..., 1]), hi.values[..., 0] - hi.values[..., 1], 0.0)
+        g_lo = torch.where(torch.isfinite(lo.values[..., 1]), lo.values[..., 1] - lo.values[..., 0], 0.0)
+        gain = torch.zeros_like(xt)
+        gain.scatter_add_(-1, hi.indices[..., :1], g_hi[..., None])
+        gain.scatter_add_(-1, lo.indices[..., :1], g_lo[..., None])
+        gain = torch.where(chosen, -1.0, gain)               # a channel once per token
+        d = gain.argmax(dim=2, keepdim=True)                 # [NP, H, 1, PAGE]
+        chosen.scatter_(2, d, True)
+        ex.scatter_(2, d, True)
+        idx.append(d)
+    out = torch.cat(idx, dim=2).permute(0, 3, 1, 2)          # [NP, PAGE, H, n_out]
+    return out, ex.permute(0, 3, 1, 2)
 
 
 def dequantize_channel(codes: torch.Tensor, cscale: torch.Tensor, czero: torch.Tensor
@@ -350,6 +403,14 @@ def channel_error_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
     group -> float32 [NP, PAGE, H, D]."""
     xt = x.float().permute(0, 2, 3, 1)
     return int_error_bound(xt, bits, x.shape[1]).permute(0, 3, 1, 2)
+
+
+def _outlier_frac(kv_spec: KVSpec, role: str) -> float:
+    """Outlier fraction of the codec of ``role``: :meth:`KVSpec.key_outliers` for keys,
+    ``outlier_frac`` for values (specs built without the keys' field count as per-token)."""
+    if role == "k" and hasattr(kv_spec, "key_outliers"):
+        return float(kv_spec.key_outliers())
+    return float(kv_spec.outlier_frac)
 
 
 def key_grouping(fmt: KVFormat, role: str) -> str:
@@ -408,7 +469,7 @@ class QuantCodec(KVCodec):
 
     Attributes (besides the format's): ``channel`` (bool) keys are grouped per channel over
     each page (then ``block_size`` is the page, ``group == block_size`` tokens share a scale,
-    ``n_out == 0``, ``rotate`` is False and ``window`` is the ring size
+    ``n_out`` from ``KVSpec.key_outliers()``, ``rotate`` is False and ``window`` is the ring size
     ``max(kv_spec.window, block_size)``).
 
     Raises:
@@ -452,8 +513,7 @@ class QuantCodec(KVCodec):
         if rotate and (role != "k" or not pow2):
             raise KVCacheFormatError("Hadamard rotation applies to keys with a power-of-two head_dim")
         self.rotate = bool(rotate)
-        # per-channel keys have no outlier channels (the per-channel scales absorb them)
-        self.n_out = 0 if self.channel else outlier_count(kv_spec.outlier_frac, head_dim)
+        self.n_out = outlier_count(_outlier_frac(kv_spec, role), head_dim)
         self.n_sink = int(kv_spec.sink_tokens)
         self.window = int(kv_spec.window)
         if self.channel:  # the ring must hold every token of a page that is not complete yet
@@ -467,15 +527,16 @@ class QuantCodec(KVCodec):
                        block_size: int = 16) -> float:
         """Stored bits per value with scales, zero points and outliers (sinks/window are per
         sequence and not counted here; see :meth:`side_bytes`). Per-token int: ``B + 32/G``;
-        per-channel keys: ``B + 32/block_size`` (fp16 scale + zero per channel per page)."""
+        per-channel keys: ``B + 32/block_size`` (fp16 scale + zero per channel per page); plus
+        ``24 * n_out / head_dim`` for outliers (uint8 index + fp16 value each)."""
         if fmt.name == "fp4":
             per = 4 + 8 / FP4_GROUP
         elif key_grouping(fmt, role) == "channel":
-            return fmt.bits + 32 / max(1, int(block_size))
+            per = fmt.bits + 32 / max(1, int(block_size))
         else:
             g = min(fmt.group_size or 32, head_dim)
             per = fmt.bits + 32 / g
-        n_out = outlier_count(kv_spec.outlier_frac, head_dim)
+        n_out = outlier_count(_outlier_frac(kv_spec, role), head_dim)
         return per + n_out * 24 / head_dim
 
     def side_bytes(self) -> int:
@@ -711,8 +772,16 @@ class QuantCodec(KVCodec):
         if prior is not None:
             n_prior = prior.shape[0]
             vals[0, :n_prior] = prior.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
-        codes, cscale, czero = quantize_channel(vals, self.bits)
+        exclude = None
+        if self.n_out:
+            oidx, exclude = select_channel_outliers(vals, self.n_out, exclude)
+        codes, cscale, czero = quantize_channel(vals, self.bits, exclude)
         ss = (blocks[:, None] * page + off).reshape(-1)          # [NP * PAGE]
+        if self.n_out:
+            oidx = oidx.reshape(-1, self.n_kv_heads, self.n_out)
+            store["oidx"][:, ss] = oidx.transpose(0, 1).to(torch.uint8)
+            oval = torch.gather(vals.reshape(-1, self.n_kv_heads, self.head_dim), -1, oidx)
+            store["oval"][:, ss] = oval.transpose(0, 1).to(torch.float16)
         codes = codes.reshape(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [H, n, D]
         if self.bits == 3:
             store["q"][:, ss] = pack_codes(codes & 3, 2)
@@ -732,6 +801,8 @@ class QuantCodec(KVCodec):
             codes = codes | (unpack_codes(store["q_hi"][:, slots], 1) << 2)
         b = slots.long() // self.block_size
         x = dequantize_channel(codes, store["cscale"][:, b], store["czero"][:, b])
+        if self.n_out:
+            x = x.scatter(-1, store["oidx"][:, slots].long(), store["oval"][:, slots].float())
         return x.transpose(0, 1)
 
     def read(self, store: dict[str, torch.Tensor], slots: torch.Tensor,

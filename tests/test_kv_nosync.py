@@ -15,8 +15,9 @@ import torch
 from localmoe.kv_cache import KVSpec, PagedKVCache
 from localmoe.spec import ModelSpec
 
-# per-channel keys with and without side buffers, per-token keys with outliers + sinks + window,
-# int3 planes, fp4 values with an odd window that wraps
+# per-channel keys with and without side buffers (int4: default key outliers), per-token keys with
+# outliers + sinks + window, int3 planes, fp4 values with an odd window that wraps, int2 keys
+# with outliers
 SPECS = [
     "k=int4:c,v=int4",
     "k=int4:c,v=int4,sinks=4",
@@ -24,6 +25,7 @@ SPECS = [
     "int3:c,sinks=2,window=24",
     "int4:t,sinks=4,window=8,outliers=0.04",
     "k=int8:c,v=fp4,sinks=3,window=5",
+    "k=int2:c,v=int2,koutliers=0.05,sinks=4,window=8",
 ]
 _SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
