@@ -13,7 +13,8 @@ KV cache formats map onto llama.cpp cache types (``type_k`` / ``type_v``)::
 A quantized V cache needs flash attention, which is then switched on. The backend maps what
 llama.cpp supports and refuses the rest, in :meth:`LlamaCppBackend.supports` (so ``auto`` skips
 it) and again in ``load`` before any weights load: int3, int2, fp4, other group sizes, fp16
-outlier channels, sink tokens, recent windows, and keys grouped per channel. llama.cpp's
+outlier channels (``outliers=``, ``koutliers=`` above 0), sink tokens, recent windows, and keys
+grouped per channel. llama.cpp's
 blocks group keys per token, so a plain ``int4`` (whose localmoe default is per-channel keys)
 runs as per-token q4_0 and the runner reports ``int4:t``; an explicit per-channel request
 (``int4:c``, ``kgroup=channel``: the spec's ``named_key_grouping``, see
@@ -67,7 +68,7 @@ def _kv_reason(kv_spec: Any) -> str | None:
                     f"per-channel keys ({k.name}:c, kgroup=channel) need --backend torch/triton "
                     f"(plain --kv-cache {k.name} runs here with per-token keys)")
     if getattr(kv_spec, "outlier_frac", 0) or getattr(kv_spec, "sink_tokens", 0) \
-            or getattr(kv_spec, "window", 0):
+            or getattr(kv_spec, "window", 0) or getattr(kv_spec, "key_outlier_frac", None):
         return ("llama.cpp cannot keep fp16 outlier channels, sink tokens or a full-precision "
                 "window in its KV cache; use --backend torch/triton for those options")
     return None

@@ -58,6 +58,7 @@ def test_refusals():
     ("int4:c", None, False), ("int4,kgroup=channel", None, False), ("int8:c", None, False),
     ("f16", "int4:c", False), ("k=int4:c,v=int4", None, False), ("int4,window=16", None, False),
     ("int4,outliers=0.02", None, False), ("int2,sinks=4", None, False), ("fp4", None, False),
+    ("int4:t,koutliers=0.05", None, False), ("int4,koutliers=0", None, True),
 ])
 def test_explicit_per_channel_keys_and_other_options_are_refused(kv, k, ok):
     """llama.cpp's q4_0/q8_0 group keys per token: the default int4 maps onto that, an explicit
