@@ -367,21 +367,26 @@ def _join_perm(D: tl.constexpr):
 
 
 @triton.jit
-def _plane_scores(q0, q1, q2, q3, qj, k0, k1, k2, k3, NPL: tl.constexpr, JOIN: tl.constexpr,
-                  BN: tl.constexpr, D: tl.constexpr):
-    """Scores [BLOCK_H, BN] of the query planes ``q*`` against the ``NPL`` key planes ``k*``:
-    one dot per plane, or with ``JOIN`` (4 planes narrower than the 16-channel minimum of
-    ``tl.dot``) one dot of the :func:`_join4` tile against ``qj``, the query with its columns
-    permuted the same way."""
-    if JOIN:
-        s = tl.dot(qj, tl.trans(_join4(k0, k1, k2, k3, BN, D)))
+def _dot_t(q, k, NARROW: tl.constexpr):
+    """``q @ k.T`` in fp32 for q [BLOCK_H, n] and k [BN, n] fp16: ``tl.dot``, or for ``NARROW``
+    planes (n < 16, below ``tl.dot``'s minimum on the GPU) a broadcast multiply and sum."""
+    if NARROW:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
     else:
-        s = tl.dot(q0, tl.trans(k0))
-        if NPL >= 2:
-            s += tl.dot(q1, tl.trans(k1))
-        if NPL >= 4:
-            s += tl.dot(q2, tl.trans(k2))
-            s += tl.dot(q3, tl.trans(k3))
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, NPL: tl.constexpr, NARROW: tl.constexpr):
+    """Scores [BLOCK_H, BN] of the query planes ``q*`` against the ``NPL`` key planes ``k*``
+    (one product per plane, :func:`_dot_t`)."""
+    s = _dot_t(q0, k0, NARROW)
+    if NPL >= 2:
+        s += _dot_t(q1, k1, NARROW)
+    if NPL >= 4:
+        s += _dot_t(q2, k2, NARROW)
+        s += _dot_t(q3, k3, NARROW)
     return s
 
 
@@ -409,7 +414,7 @@ def _decode_split_kernel(
     V_FMT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NOUT: tl.constexpr,
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
-    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_JOIN: tl.constexpr, ASM: tl.constexpr,
+    SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -449,14 +454,10 @@ def _decode_split_kernel(
     if K_NPL >= 4:
         q2 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 2 * KRB)
         q3 = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 3 * KRB)
-    qj = q0
-    if K_JOIN:
-        qj = _load_q(Qry, b, qh, hmask, stride_qb, stride_qh, qk_scale, _join_perm(D))
     r0 = q0
     r1 = q1
     r2 = q2
     r3 = q3
-    rj = qj
     if ROT:
         r0 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc)
         if K_NPL >= 2:
@@ -464,8 +465,6 @@ def _decode_split_kernel(
         if K_NPL >= 4:
             r2 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 2 * KRB)
             r3 = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, kc + 3 * KRB)
-        if K_JOIN:
-            rj = _load_q(QryR, b, qh, hmask, stride_qb, stride_qh, qk_scale, _join_perm(D))
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -497,7 +496,7 @@ def _decode_split_kernel(
         if ROT:
             # rotated quantized keys score against the rotated query, sink/ring tokens (kept
             # unrotated in fp16) against the query itself
-            s = _plane_scores(r0, r1, r2, r3, rj, k0, k1, k2, k3, K_NPL, K_JOIN, BLOCK_N, D)
+            s = _plane_scores(r0, r1, r2, r3, k0, k1, k2, k3, K_NPL, K_NARROW)
             if K_SIDE:
                 if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
                     is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
@@ -505,8 +504,7 @@ def _decode_split_kernel(
                     f0, f1, f2, f3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos,
                                                   is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
                                                   K_NSINK, K_NRING)
-                    s_fp = _plane_scores(q0, q1, q2, q3, qj, f0, f1, f2, f3, K_NPL, K_JOIN,
-                                         BLOCK_N, D)
+                    s_fp = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
                     s = tl.where((is_s | is_r)[None, :], s_fp, s)
         else:
             if K_SIDE:
@@ -516,7 +514,7 @@ def _decode_split_kernel(
                     k0, k1, k2, k3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos,
                                                   is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
                                                   K_NSINK, K_NRING)
-            s = _plane_scores(q0, q1, q2, q3, qj, k0, k1, k2, k3, K_NPL, K_JOIN, BLOCK_N, D)
+            s = _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, K_NPL, K_NARROW)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -670,8 +668,9 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
                  ) -> tuple[int, int, float]:
     """(block_n, num_warps, waves) measured best on the H200 (benchmarks/results/
     attention_h200.json and attention_h200_sweep.json, triton 3.6): many (sequence, kv head)
-    pairs (batch 8 x 4 kv heads) want small programs, 64-token tiles and ~4 programs per SM
-    (2 warps when keys are int4/int8, 4 for 2/3-bit or fp4 keys); few pairs (batch 1) want
+    pairs (batch 8 x 4 kv heads) want small programs, 64-token tiles with 2 warps and ~4
+    programs per SM (int3 per-token keys 4 warps; int2 per-token keys and values 32-token
+    tiles and ~8 programs per SM); few pairs (batch 1) want
     128-token tiles with 4 warps and ~2 programs per SM (256-token tiles when keys and values
     are both 2/3-bit per-token formats)."""
     def bits(c):
@@ -686,7 +685,16 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
     if kb >= 16 and vb >= 16:
         return 128, 4, 2.0
     if batch * n_kv_heads >= 16:
-        return 64, (2 if kb in (4, 8) else 4), 4.0
+        chan = getattr(k_codec, "channel", False)
+        if kb == 2 and vb in (2, 3) and not chan:
+            # int2 per-token keys and 2/3-bit values: 32-token tiles, ~8 programs per SM
+            # (8 x 64k: 270 -> 245 us with the PTX unpack)
+            return 32, 2, 8.0
+        if kb == 3 and not chan:
+            return 64, 4, 4.0
+        # int8/int4 keys, and with the PTX unpack fp4 and per-channel 2/3-bit keys too
+        # (8 x 64k: fp4 304 -> 280 us, int2:c/int2 458 -> 351 us with 2 warps instead of 4)
+        return 64, 2, 4.0
     if kb in (2, 3) and vb in (2, 3) and not getattr(k_codec, "channel", False):
         # 2/3-bit keys and values, few pairs: 256-token tiles (int2 21.4 -> 20.7 us at 1 x 16k,
         # 60.9 -> 58.0 at 1 x 64k; int3 26.3 -> 25.0 and 79.6 -> 74.5; attention_h200_fold.json)
@@ -727,7 +735,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
             dot) instead of one dot per plane (default: measured choice).
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
-            unless ``TRITON_INTERPRET`` is set; the interpreter cannot run PTX).
+            unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
+            ``LOCALMOE_KV_ASM=0``).
 
     Returns:
         float32 [B, n_heads, Dv].
@@ -785,12 +794,16 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     locks = _locks(B * HKV, dev) if fuse else mid_l
     block_h = max(16, triton.next_power_of_2(QPK))
     v4 = vf == 1 and vb in (2, 3)
-    vjoin = bool(v4 and (V_JOIN_DEFAULT if v_join is None else v_join))
-    # 2/3-bit keys of head_dim < 64: planes narrower than tl.dot's 16, joined into one tile
-    kjoin = bool(kf == 1 and kb in (2, 3) and D // 4 < 16)
+    # joined value planes only when each plane is >= 16 channels (head_dim >= 64): at
+    # head_dim 32 the join gave wrong results on the H200 (triton 3.6) though not in the
+    # interpreter
+    vjoin = bool(v4 and DV >= 64 and (V_JOIN_DEFAULT if v_join is None else v_join))
+    # 2/3-bit keys of head_dim < 64: planes narrower than tl.dot's minimum of 16
+    knarrow = bool(kf == 1 and kb in (2, 3) and D < 64)
     splits_p = max(2, triton.next_power_of_2(num_splits))
     if asm is None:
-        asm = dev.type == "cuda" and not _interpreting()
+        asm = dev.type == "cuda" and not _interpreting() and \
+            os.environ.get("LOCALMOE_KV_ASM", "1") != "0"
     while True:
         try:
             _decode_split_kernel[(B * HKV, num_splits)](
@@ -804,7 +817,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
-                MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_JOIN=kjoin, ASM=bool(asm), num_warps=num_warps,
+                MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_NARROW=knarrow, ASM=bool(asm), num_warps=num_warps,
                 num_stages=num_stages,
             )
             break
