@@ -50,10 +50,11 @@ DEFAULT_KEY_GROUPING = "channel"
 CHANNEL_KEY_FORMATS = ("int4", "int3", "int2")
 # Fraction of each head's channels that per-channel keys keep in fp16 per token (dense-and-sparse
 # outliers, KVQuant) when the spec names no ``koutliers``; by key format, 0 where absent.
-# int4: 2 of every 64 channels (2 for head_dim 64, 4 for 128, 8 for 256), +0.75 bits per key:
-# +1.5% -> +0.8% perplexity on SmolLM2-135M, +1.0% -> +0.75% on Gemma-3-270M
-# (docs/KV-QUALITY.md).
-DEFAULT_CHANNEL_KEY_OUTLIERS: dict[str, float] = {"int4": 2 / 64}
+# Empty: ``int4,koutliers=0.03125`` (2 of every 64 channels, +0.75 bits per key) meets the +1%
+# perplexity target on SmolLM2-135M and Gemma-3-270M (docs/KV-QUALITY.md), but the Triton decode
+# kernel's outlier path made per-channel int4 decode attention 1.7-4.8x slower on the H200
+# (docs/KV-QUALITY.md); ``{"int4": 2 / 64}`` here makes it the default once that path is fast.
+DEFAULT_CHANNEL_KEY_OUTLIERS: dict[str, float] = {}
 
 
 def default_key_grouping(name: str) -> str:

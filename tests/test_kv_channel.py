@@ -27,8 +27,8 @@ def _data(t, h=2, d=64, seed=0, outlier_ch=(3, 17), scale=2.0):
 
 
 def _cache(name, block=16, n_ctx=128, max_seqs=2, **kw):
-    """The KIVI page contract without outlier entries (key_outlier_frac=0 unless given; the
-    default int4 key outliers are tested in test_kv_channel_outliers.py)."""
+    """The KIVI page contract without outlier entries (key_outlier_frac=0 unless given; key
+    outliers are tested in test_kv_channel_outliers.py)."""
     kw.setdefault("key_outlier_frac", 0.0)
     return PagedKVCache(_mspec(), KVSpec.parse(name, **kw), n_ctx=n_ctx, max_seqs=max_seqs,
                         block_size=block)
@@ -53,9 +53,9 @@ def test_store_layout_contract(name):
     kc, vc = cache.k_codec, cache.v_codec
     assert kc.channel is True and kc.block_size == 16 and kc.window == 16
     assert kc.n_out == 0 and kc.rotate is False
-    dflt = _cache(name, key_outlier_frac=None)
+    dflt = _cache(name, key_outlier_frac=None)          # the format's default key outliers
     assert dflt.k_codec.n_out == outlier_count(dflt.kv_spec.key_outliers(), 64)
-    assert ("oidx" in dflt.k_stores[0]) == (dflt.k_codec.n_out > 0) == (name == "int4:c")
+    assert ("oidx" in dflt.k_stores[0]) == (dflt.k_codec.n_out > 0)
     assert vc.channel is False and "scale" in cache.v_stores[0]
     st = cache.k_stores[0]
     n_slots = cache.n_blocks * 16
@@ -305,12 +305,13 @@ def test_bad_combinations_are_clear_errors():
         c.write(st, torch.tensor([0, 2]), _data(2), torch.tensor([0, 2]))
 
 
-@pytest.mark.parametrize("name,block,bits", [("int4:c", 16, 6.75), ("int4:c", 32, 5.75),
-                                             ("int4:c,koutliers=0", 16, 6.0),
+@pytest.mark.parametrize("name,block,bits", [("int4:c", 16, 6.0), ("int4:c", 32, 5.0),
+                                             ("int4:c,koutliers=0.03125", 16, 6.75),
+                                             ("int4:c,koutliers=0.03125", 32, 5.75),
                                              ("int2:c", 16, 4.0), ("int3:c", 64, 3.5),
                                              ("int8:c", 16, 10.0)])
 def test_bits_per_value_and_allocated_bytes_agree(name, block, bits):
-    # outliers= is the values'; per-channel int4 keys keep their default 2 of 64 channels
+    # outliers= is the values'; per-channel keys take koutliers= (default: none)
     spec = KVSpec.parse(name, outlier_frac=0.04)
     assert spec.bits_per_value("k", 128, block) == pytest.approx(bits)
     c = QuantCodec(spec.k, 4, 128, spec, block_size=block)
@@ -326,17 +327,17 @@ def test_bits_per_value_and_allocated_bytes_agree(name, block, bits):
 
 def test_outliers_still_apply_to_values():
     cache = _cache("int4:c", outlier_frac=0.04, key_outlier_frac=None)
-    assert cache.k_codec.n_out == 2 and cache.v_codec.n_out == 3   # keys: the 2/64 default
-    assert "oidx" in cache.v_stores[0] and cache.k_stores[0]["oidx"].shape[-1] == 2
-    off = _cache("int4:c,koutliers=0", outlier_frac=0.04)
-    assert off.k_codec.n_out == 0 and "oidx" not in off.k_stores[0]
+    assert cache.k_codec.n_out == 0 and cache.v_codec.n_out == 3   # outliers= is the values'
+    assert "oidx" in cache.v_stores[0] and "oidx" not in cache.k_stores[0]
+    both = _cache("int4:c,koutliers=0.03", outlier_frac=0.04, key_outlier_frac=None)
+    assert both.k_codec.n_out == 2 and both.k_stores[0]["oidx"].shape[-1] == 2
 
 
 def test_format_table_reports_both_sides():
     from localmoe.kv_cache import kv_format_table
 
     rows = {r["format"]: r for r in kv_format_table(_mspec(64), ("int4:c", "int4:t", "int2:c"))}
-    assert rows["int4:c"]["bits_k"] == pytest.approx(6.75)
+    assert rows["int4:c"]["bits_k"] == pytest.approx(6.0)
     assert rows["int4:c"]["bits_v"] == pytest.approx(5.0)
     assert rows["int4:t"]["bits_k"] == pytest.approx(5.0)
 

@@ -49,6 +49,9 @@ def test_parse_str_and_precedence(monkeypatch):
     # per-channel keys: outliers= is the values'; the keys' default comes from the table
     monkeypatch.setitem(kv_cache.DEFAULT_CHANNEL_KEY_OUTLIERS, "int2", 0.125)
     assert KVSpec.parse("int2,outliers=0.04").key_outliers() == pytest.approx(0.125)
+    c = PagedKVCache(_mspec(), KVSpec.parse("int2,outliers=0.04"), n_ctx=32)
+    assert c.k_codec.n_out == 8 and c.v_codec.n_out == 3      # the codec follows the table
+    assert KVSpec.parse("int2").bits_per_value("k", 64) == pytest.approx(2 + 2 + 3.0)
     assert KVSpec.parse("int2,koutliers=0").key_outliers() == 0.0
     assert str(KVSpec.parse("int2")) == "int2"                  # the default stays implicit
     monkeypatch.delitem(kv_cache.DEFAULT_CHANNEL_KEY_OUTLIERS, "int2")

@@ -15,12 +15,12 @@ import torch
 from localmoe.kv_cache import KVSpec, PagedKVCache
 from localmoe.spec import ModelSpec
 
-# per-channel keys with and without side buffers (int4: default key outliers), per-token keys with
+# per-channel keys with and without side buffers and key outliers, per-token keys with
 # outliers + sinks + window, int3 planes, fp4 values with an odd window that wraps, int2 keys
 # with outliers
 SPECS = [
     "k=int4:c,v=int4",
-    "k=int4:c,v=int4,sinks=4",
+    "k=int4:c,v=int4,koutliers=0.03125,sinks=4",
     "k=int2:c,v=int2:g16,sinks=4,window=8",
     "int3:c,sinks=2,window=24",
     "int4:t,sinks=4,window=8,outliers=0.04",
