@@ -132,22 +132,14 @@ _ASM_FP4_1 = tl.constexpr(_ptx_e2m1(0))
 
 
 @triton.jit
-def _asm_e2m1(b, i: tl.constexpr):
-    """fp16 E2M1 values of plane ``i`` (low nibbles: 0, high: 1) of the uint8 bytes ``b``
-    (:func:`_ptx_e2m1`)."""
-    if i == 0:
-        asm: tl.constexpr = _ASM_FP4_0
-    else:
-        asm: tl.constexpr = _ASM_FP4_1
-    return tl.inline_asm_elementwise(asm, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-
-
-@triton.jit
-def _asm_codes(b, i: tl.constexpr, P: tl.constexpr):
-    """fp16 codes of plane ``i`` (``P`` bits per code) of the uint8 row bytes ``b``, four bytes
-    per PTX block (:func:`_ptx_codes`); a pure unary op, so Triton moves its layout conversion
-    to the (4x smaller) bytes in front of it."""
-    if P == 8:
+def _asm_plane(b, i: tl.constexpr, P: tl.constexpr, FP4: tl.constexpr):
+    """fp16 values of plane ``i`` of the uint8 row bytes ``b``, four bytes per PTX block: int
+    codes of ``P`` bits (:func:`_ptx_codes`) or, with ``FP4``, E2M1 values of the low (0) or
+    high (1) nibbles (:func:`_ptx_e2m1`). A pure unary op, so Triton moves its layout
+    conversion to the (2-4x smaller) bytes in front of it."""
+    if FP4:
+        asm: tl.constexpr = _ASM_FP4_0 if i == 0 else _ASM_FP4_1
+    elif P == 8:
         asm: tl.constexpr = _ASM_B8
     elif P == 4:
         asm: tl.constexpr = _ASM_B4_0 if i == 0 else _ASM_B4_1
@@ -169,7 +161,7 @@ def _codes_f16(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr
     inline PTX on the GPU (``ASM``; not int3), else :func:`_plane_codes` and the fp16 magic
     (``0x6400 | c`` is the fp16 number 1024 + c)."""
     if ASM and BITS != 3:
-        cf = _asm_codes(b, i, P)
+        cf = _asm_plane(b, i, P, False)
     else:
         c = _plane_codes(b.to(tl.int32), bh, cols, i, P, BITS, RB1)
         cf = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
@@ -246,7 +238,7 @@ def _tile_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexp
     formats; fp4: the fp16 E2M1 values with ``ASM``, else the int32 codes)."""
     if FMT == 2:
         if ASM:
-            c = _asm_e2m1(b, i)
+            c = _asm_plane(b, i, 4, True)
         else:
             c = _plane_codes(b.to(tl.int32), bh, cols, i, P, BITS, RB1)
     else:
@@ -493,28 +485,25 @@ def _decode_split_kernel(
         k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n,
                                        n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
                                        K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM)
+        # keys with their sink/ring tokens replaced by the fp16 copies (tiles that can hold any)
+        f0, f1, f2, f3 = k0, k1, k2, k3
+        side = (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING)
+        if K_SIDE:
+            if side:
+                is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
+                f0, f1, f2, f3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos, is_s,
+                                              is_r, rr, kc, KRB, K_NPL, HKV, D, K_NSINK, K_NRING)
         if ROT:
             # rotated quantized keys score against the rotated query, sink/ring tokens (kept
             # unrotated in fp16) against the query itself
             s = _plane_scores(r0, r1, r2, r3, k0, k1, k2, k3, K_NPL, K_NARROW)
             if K_SIDE:
-                if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
-                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
-                                                K_NRING)
-                    f0, f1, f2, f3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos,
-                                                  is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
-                                                  K_NSINK, K_NRING)
+                if side:
+                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
                     s_fp = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
                     s = tl.where((is_s | is_r)[None, :], s_fp, s)
         else:
-            if K_SIDE:
-                if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
-                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK,
-                                                K_NRING)
-                    k0, k1, k2, k3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos,
-                                                  is_s, is_r, rr, kc, KRB, K_NPL, HKV, D,
-                                                  K_NSINK, K_NRING)
-            s = _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, K_NPL, K_NARROW)
+            s = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
