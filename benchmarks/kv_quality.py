@@ -13,9 +13,9 @@ path):
   configuration is teacher-forced along the same tokens and compared step by step
   (KL(p_f16 || p_cfg) in nats, mean and max; fraction of steps whose argmax matches).
 * **Needle retrieval**: the prompt is the same GPL text with "The secret passkey is NNNNN."
-  inserted at 40% depth, followed by a question; a configuration retrieves the needle when its
-  own greedy answer (identical to the teacher-forced argmax until the first disagreement)
-  contains the passkey.
+  inserted at 40% depth (``--depth``, ``--passkey``), followed by a question; a configuration
+  retrieves the needle when its own greedy answer (identical to the teacher-forced argmax until
+  the first disagreement, then its own token there) contains the passkey.
 
 Gemma-3-270M's local layers use a 512-token sliding window; the texts are longer, so windowed
 attention over quantized keys past the boundary is exercised.
@@ -121,9 +121,9 @@ def prefill(runner, sid, ids, chunk):
     return logits
 
 
-def needle_prompt(tok, text_ids, n_tokens, passkey):
+def needle_prompt(tok, text_ids, n_tokens, passkey, depth=0.4):
     body = text_ids[:n_tokens]
-    cut = int(len(body) * 0.4)
+    cut = int(len(body) * depth)
     needle = tok.encode(f" The secret passkey is {passkey}. Remember it. ", add_special=False)
     q = tok.encode("\n\nQuestion: What is the secret passkey mentioned in the text above?\n"
                    "Answer: The secret passkey is", add_special=False)
@@ -136,7 +136,8 @@ def markdown(path):
     res = d["results"]
     base = res["f16"]["ppl"]
     lines = [f"{d['model']} ({d['file']}): perplexity over {d['ppl_tokens']} tokens, "
-             f"KL/top-1 over {d['gen']} greedy tokens after a {d['prompt_tokens']}-token prompt",
+             f"KL/top-1 over {d['gen']} greedy tokens after a {d['prompt_tokens']}-token prompt, "
+             f"needle {d.get('passkey', '48213')} at {d.get('depth', 0.4):.0%} depth",
              "", "| KV config | bits K/V | ppl | vs f16 | KL mean (max) | top-1 | needle |",
              "|---|---|---|---|---|---|---|"]
     for name, r in res.items():
@@ -161,6 +162,9 @@ def main(argv=None):
     ap.add_argument("--text", nargs="*", default=None,
                     help="document file(s), concatenated (default tests/data/gpl3_excerpt.txt); "
                          "longer needle runs use e.g. /usr/share/common-licenses/{GPL-3,...}")
+    ap.add_argument("--depth", type=float, default=0.4,
+                    help="needle position as a fraction of the document (default 0.4)")
+    ap.add_argument("--passkey", default="48213", help="the needle's five digits")
     ap.add_argument("--block-size", type=int, default=16,
                     help="KV cache page in tokens (per-channel keys: the tokens sharing a scale)")
     ap.add_argument("--out", default=None)
@@ -181,20 +185,21 @@ def main(argv=None):
     text_ids = tok.encode("\n\n".join(p.read_text() for p in paths))
     if len(text_ids) < a.ppl_tokens:
         print(f"warning: the text has only {len(text_ids)} tokens (< --ppl-tokens)", flush=True)
-    passkey = "48213"
+    passkey = a.passkey
     body = text_ids[1:] if (tok.add_bos and text_ids and text_ids[0] == tok.bos_id) else text_ids
-    nids, n_q = needle_prompt(tok, body, a.ppl_tokens, passkey)
+    nids, n_q = needle_prompt(tok, body, a.ppl_tokens, passkey, a.depth)
     if tok.add_bos and tok.bos_id is not None:
         nids = [tok.bos_id] + nids
     n_ctx = len(nids) + a.gen + 16
-    print(f"model {mf.name}: document {len(nids) - n_q} tokens (needle at 40%), question "
+    print(f"model {mf.name}: document {len(nids) - n_q} tokens (needle at {a.depth:.0%}), question "
           f"{n_q}, gen {a.gen}", flush=True)
 
     results = {}
     if a.append and a.out and Path(a.out).is_file():
         old = json.loads(Path(a.out).read_text())
-        if (old.get("file"), old.get("prompt_tokens"), old.get("gen")) != (
-                Path(a.model).name, len(nids), a.gen):
+        if (old.get("file"), old.get("prompt_tokens"), old.get("gen"), old.get("depth", 0.4),
+                old.get("passkey", "48213")) != (Path(a.model).name, len(nids), a.gen, a.depth,
+                                                 passkey):
             ap.error(f"--append: {a.out} holds another model, prompt or --gen")
         results = old["results"]
     ref_lp, ref_tokens = None, None
@@ -259,7 +264,8 @@ def main(argv=None):
             Path(a.out).write_text(json.dumps(dict(model=mf.name, file=Path(a.model).name,
                                                    text=[p.name for p in paths],
                                                    ppl_tokens=n, prompt_tokens=len(nids),
-                                                   gen=a.gen, chunk=a.chunk, results=results),
+                                                   gen=a.gen, chunk=a.chunk, depth=a.depth,
+                                                   passkey=passkey, results=results),
                                               indent=1))
     return 0
 
