@@ -17,6 +17,11 @@ path):
   retrieves the needle when its own greedy answer (identical to the teacher-forced argmax until
   the first disagreement, then its own token there) contains the passkey.
 
+``--key-error N`` measures instead, per configuration, the relative reconstruction error
+``||K_hat - K|| / ||K||`` of every layer's keys of the first N text tokens (from an fp16
+prefill): a deterministic check of key formats that perplexity differences of a few tenths of a
+percent cannot settle.
+
 Gemma-3-270M's local layers use a 512-token sliding window; the texts are longer, so windowed
 attention over quantized keys past the boundary is exercised.
 
@@ -130,9 +135,48 @@ def needle_prompt(tok, text_ids, n_tokens, passkey, depth=0.4):
     return body[:cut] + needle + body[cut:] + q, len(q)
 
 
+def key_error(runner, mf, text_ids, configs, n_tokens):
+    """Relative key reconstruction error of each configuration: the keys of every layer after an
+    fp16 prefill of the first ``n_tokens`` text tokens, written to a one-layer cache of the
+    configuration in one call and read back; ``||K_hat - K|| / ||K||`` (Frobenius, per layer).
+
+    Returns ``{config: {"mean": float, "layers": [float, ...]}}``.
+    """
+    from localmoe.kv_cache import KVSpec, PagedKVCache
+
+    ids = text_ids[:n_tokens]
+    sid = runner.new_sequence()
+    runner.forward([(sid, ids)])
+    n = len(ids)
+    keys = [runner.cache.read(layer, sid, n)[0] for layer in range(runner.spec.n_layers)]
+    runner.free_sequence(sid)
+    out = {}
+    for name in configs:
+        spec = KVSpec.parse(name)
+        errs = []
+        for k in keys:
+            c = PagedKVCache(runner.spec, spec, n_ctx=n + 16)
+            s = c.new_seq()
+            c.reserve(s, n)
+            c.write(0, s, 0, k, k)
+            errs.append(((c.read(0, s, n)[0] - k).norm() / k.norm()).item())
+        out[name] = {"mean": sum(errs) / len(errs), "layers": errs}
+        print(f"{name:44s} key error {out[name]['mean'] * 100:.2f}% (layers "
+              f"{min(errs) * 100:.2f}..{max(errs) * 100:.2f}%)", flush=True)
+    return out
+
+
 def markdown(path):
     """Markdown table of a results JSON written by this script."""
     d = json.loads(Path(path).read_text())
+    if "key_error" in d:
+        lines = [f"{d['model']} ({d['file']}): relative key error over the first "
+                 f"{d['n_tokens']} tokens, mean of {d['n_layers']} layers", "",
+                 "| KV config | bits K | key error | min..max over layers |", "|---|---|---|---|"]
+        for name, r in d["key_error"].items():
+            lines.append(f"| {name} | {r['bits_k']:.2f} | {r['mean'] * 100:.2f}% | "
+                         f"{min(r['layers']) * 100:.2f}..{max(r['layers']) * 100:.2f}% |")
+        return "\n".join(lines)
     res = d["results"]
     base = res["f16"]["ppl"]
     lines = [f"{d['model']} ({d['file']}): perplexity over {d['ppl_tokens']} tokens, "
@@ -167,6 +211,9 @@ def main(argv=None):
     ap.add_argument("--passkey", default="48213", help="the needle's five digits")
     ap.add_argument("--block-size", type=int, default=16,
                     help="KV cache page in tokens (per-channel keys: the tokens sharing a scale)")
+    ap.add_argument("--key-error", type=int, default=0, metavar="N",
+                    help="instead: relative key reconstruction error of each config over the "
+                         "keys of the first N text tokens (fp16 prefill), see key_error()")
     ap.add_argument("--out", default=None)
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out (same model, text and lengths) and "
@@ -183,6 +230,19 @@ def main(argv=None):
     tok = Tokenizer.from_model(mf)
     paths = [Path(p) for p in a.text] if a.text else [TEXT]
     text_ids = tok.encode("\n\n".join(p.read_text() for p in paths))
+    if a.key_error:
+        from localmoe.kv_cache import KVSpec
+
+        r = make_runner(mf, "f16", a.key_error + 16)
+        res = key_error(r, mf, text_ids, [c for c in a.configs if c != "f16"], a.key_error)
+        for name, row in res.items():
+            row["bits_k"] = KVSpec.parse(name).bits_per_value("k", r.spec.head_dim, 16)
+        if a.out:
+            Path(a.out).write_text(json.dumps(dict(
+                model=mf.name, file=Path(a.model).name, text=[p.name for p in paths],
+                n_tokens=min(a.key_error, len(text_ids)), n_layers=r.spec.n_layers,
+                key_error=res), indent=1))
+        return 0
     if len(text_ids) < a.ppl_tokens:
         print(f"warning: the text has only {len(text_ids)} tokens (< --ppl-tokens)", flush=True)
     passkey = a.passkey
