@@ -15,7 +15,10 @@ path):
 * **Needle retrieval**: the prompt is the same GPL text with "The secret passkey is NNNNN."
   inserted at 40% depth (``--depth``, ``--passkey``), followed by a question; a configuration
   retrieves the needle when its own greedy answer (identical to the teacher-forced argmax until
-  the first disagreement, then its own token there) contains the passkey.
+  the first disagreement, then its own token there) contains the passkey. ``needle_p``: the
+  probability the configuration gives, teacher-forced, to the tokens that spell the passkey in
+  the fp16 answer (a continuous measure; a first answer token near a tie flips the greedy
+  check).
 
 ``--key-error N`` measures instead, per configuration, the relative reconstruction error
 ``||K_hat - K|| / ||K||`` of every layer's keys of the first N text tokens (from an fp16
@@ -166,6 +169,17 @@ def key_error(runner, mf, text_ids, configs, n_tokens):
     return out
 
 
+def passkey_span(tok, tokens, passkey):
+    """``(first, last)`` indices of the shortest run of ``tokens`` whose decoded text contains
+    ``passkey``, or None when the text never does."""
+    for e in range(len(tokens)):
+        if passkey in tok.decode(tokens[:e + 1]):
+            for s in range(e, -1, -1):
+                if passkey in tok.decode(tokens[s:e + 1]):
+                    return s, e
+    return None
+
+
 def markdown(path):
     """Markdown table of a results JSON written by this script."""
     d = json.loads(Path(path).read_text())
@@ -182,12 +196,14 @@ def markdown(path):
     lines = [f"{d['model']} ({d['file']}): perplexity over {d['ppl_tokens']} tokens, "
              f"KL/top-1 over {d['gen']} greedy tokens after a {d['prompt_tokens']}-token prompt, "
              f"needle {d.get('passkey', '48213')} at {d.get('depth', 0.4):.0%} depth",
-             "", "| KV config | bits K/V | ppl | vs f16 | KL mean (max) | top-1 | needle |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| KV config | bits K/V | ppl | vs f16 | KL mean (max) | top-1 | needle | "
+             "p(passkey) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
+        p = r.get("needle_p")
         lines.append(f"| {name} | {r['bits_k']:.2f}/{r['bits_v']:.2f} | {r['ppl']:.3f} | "
                      f"{(r['ppl'] / base - 1) * 100:+.1f}% | {r['kl_mean']:.4f} ({r['kl_max']:.3f}) "
-                     f"| {r['top1'] * 100:.1f}% | {'yes' if r['needle_found'] else 'no'} |")
+                     f"| {r['top1'] * 100:.1f}% | {'yes' if r['needle_found'] else 'no'} | "
+                     f"{'-' if p is None else f'{p:.2f}'} |")
     return "\n".join(lines)
 
 
@@ -262,7 +278,7 @@ def main(argv=None):
                                                  passkey):
             ap.error(f"--append: {a.out} holds another model, prompt or --gen")
         results = old["results"]
-    ref_lp, ref_tokens = None, None
+    ref_lp, ref_tokens, span = None, None, None
     configs = ["f16"] + [c for c in a.configs if c != "f16"]
     n_text = len(nids) - n_q
     for name in configs:
@@ -297,6 +313,7 @@ def main(argv=None):
         if ref_tokens is None:
             ref_lp = torch.stack(lps)
             ref_tokens = toks
+            span = passkey_span(tok, toks, passkey)
             answer = tok.decode(toks)
             row.update(kl_mean=0.0, kl_max=0.0, top1=1.0)
         else:
@@ -309,6 +326,12 @@ def main(argv=None):
             answer = tok.decode(ref_tokens[:first_miss] + toks[first_miss:first_miss + 1])
         row["needle_answer"] = answer[:60]
         row["needle_found"] = passkey in answer
+        if span is not None:
+            # teacher-forced probability of the fp16 answer's passkey tokens: a continuous
+            # retrieval measure next to the all-or-nothing greedy check
+            lp = torch.stack(lps)
+            row["needle_p"] = math.exp(sum(lp[i, ref_tokens[i]].item()
+                                           for i in range(span[0], span[1] + 1)))
         row["seconds"] = round(time.time() - t0, 1)
         key = name if (a.block_size == 16 or name == "f16") else f"{name} (page {a.block_size})"
         if key in results and name == "f16" and abs(results[key]["ppl"] / ppl - 1) > 1e-4:
@@ -317,6 +340,7 @@ def main(argv=None):
         results[key] = row
         print(f"{name:24s} ppl {ppl:8.3f}  KL {row['kl_mean']:.4f} (max {row['kl_max']:.3f})  "
               f"top1 {row['top1']*100:5.1f}%  needle {row['needle_found']!s:5s} "
+              f"p {row.get('needle_p', float('nan')):.2f}  "
               f"bits K/V {row['bits_k']:.2f}/{row['bits_v']:.2f}  [{row['seconds']} s]",
               flush=True)
         r.close()
