@@ -485,25 +485,21 @@ def _decode_split_kernel(
         k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n,
                                        n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
                                        K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM)
-        # keys with their sink/ring tokens replaced by the fp16 copies (tiles that can hold any)
-        f0, f1, f2, f3 = k0, k1, k2, k3
-        side = (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING)
-        if K_SIDE:
-            if side:
-                is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
-                f0, f1, f2, f3 = _side_planes(k0, k1, k2, k3, Ksink, Kring, srow, hk, pos, is_s,
-                                              is_r, rr, kc, KRB, K_NPL, HKV, D, K_NSINK, K_NRING)
         if ROT:
-            # rotated quantized keys score against the rotated query, sink/ring tokens (kept
-            # unrotated in fp16) against the query itself
+            # rotated quantized keys score against the rotated query
             s = _plane_scores(r0, r1, r2, r3, k0, k1, k2, k3, K_NPL, K_NARROW)
-            if K_SIDE:
-                if side:
-                    is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
-                    s_fp = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
-                    s = tl.where((is_s | is_r)[None, :], s_fp, s)
         else:
-            s = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
+            s = _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, K_NPL, K_NARROW)
+        if K_SIDE:
+            if (n0 < K_NSINK) | (n0 + BLOCK_N > L - K_NRING):
+                # sink/ring tokens: scores of their fp16 copies (unrotated) against the query,
+                # computed apart so the quantized key tile keeps the dot-operand layout
+                is_s, is_r, rr = _side_mask(Kring, Kpos, srow, pos, mask_n, K_NSINK, K_NRING)
+                fz = tl.zeros([BLOCK_N, KRB], dtype=tl.float16)
+                f0, f1, f2, f3 = _side_planes(fz, fz, fz, fz, Ksink, Kring, srow, hk, pos, is_s,
+                                              is_r, rr, kc, KRB, K_NPL, HKV, D, K_NSINK, K_NRING)
+                s_fp = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
+                s = tl.where((is_s | is_r)[None, :], s_fp, s)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
