@@ -50,6 +50,27 @@ class TritonRunner(TorchRunner):
         self._quant_k = hasattr(c.k_codec, "quantize_rows")
         self._quant_v = hasattr(c.v_codec, "quantize_rows")
         self.n_fused_calls = 0
+        # per forward call: slots/positions of each sequence's new tokens and the decode
+        # launch's block table, lengths and rows, built at the first layer and reused by the
+        # others (one set of host-to-device copies per token instead of one per layer)
+        self._step = 0
+        self._memo_step = -1
+        self._memo: dict = {}
+
+    def forward(self, batch, all_logits: bool = False):
+        """:meth:`TorchRunner.forward`; starts a new per-call memo of launch metadata."""
+        self._step += 1
+        return super().forward(batch, all_logits)
+
+    def _per_call(self, key, make):
+        """``make()`` once per forward call and ``key`` (the cache's block tables only grow
+        during a call, at its first layer's writes)."""
+        if self._memo_step != self._step:
+            self._memo, self._memo_step = {}, self._step
+        val = self._memo.get(key)
+        if val is None:
+            val = self._memo[key] = make()
+        return val
 
     # ---- KV write --------------------------------------------------------------------------
     def write_kv(self, layer: int, seq: SeqSlice, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -59,12 +80,13 @@ class TritonRunner(TorchRunner):
         from localmoe.kernels.kv_quant_append import kv_quant_append
 
         c = self.cache
-        slots = c.slots(seq.seq_id, seq.start, seq.start + k.shape[0])
-        pos = torch.arange(seq.start, seq.start + k.shape[0], device=c.device)
-        row = c.seq_row(seq.seq_id)
+        n = k.shape[0]
+        slots, pos, row = self._per_call(("w", seq.seq_id, seq.start, n), lambda: (
+            c.slots(seq.seq_id, seq.start, seq.start + n),
+            torch.arange(seq.start, seq.start + n, device=c.device), c.seq_row(seq.seq_id)))
         for codec, store, x in ((c.k_codec, c.k_stores[layer], k), (c.v_codec, c.v_stores[layer], v)):
             if hasattr(codec, "quantize_rows") and not getattr(codec, "channel", False):
-                kv_quant_append(codec, store, slots, x, pos, row)
+                kv_quant_append(codec, store, slots, x, pos, row, start=seq.start)
             else:
                 codec.write(store, slots, x, pos, seq_row=row, start=seq.start)
 
@@ -86,19 +108,25 @@ class TritonRunner(TorchRunner):
         for s in seqs:
             self.write_kv(layer, s, k[s.lo:s.hi], v[s.lo:s.hi])
         c = self.cache
-        tables = [c._tables[s.seq_id] for s in seqs]
-        width = max(len(t) for t in tables)
-        bt = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        lens = [s.start + 1 for s in seqs]
-        rows = torch.tensor([c.seq_row(s.seq_id) for s in seqs], dtype=torch.int32)
+
+        def launch_meta():
+            tables = [c._tables[s.seq_id] for s in seqs]
+            width = max(len(t) for t in tables)
+            bt = torch.zeros(len(seqs), width, dtype=torch.int32)
+            for i, t in enumerate(tables):
+                bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            lens = [s.start + 1 for s in seqs]
+            rows = torch.tensor([c.seq_row(s.seq_id) for s in seqs], dtype=torch.int32)
+            return (bt.to(c.device), torch.tensor(lens, dtype=torch.int32, device=c.device),
+                    rows.to(c.device), max(lens))
+
+        bt, lens, rows, max_len = self._per_call(
+            ("a",) + tuple((s.seq_id, s.start) for s in seqs), launch_meta)
         window = self.model.layer_window(layer) or 0
         out = decode_attention(
-            q, c.k_codec, c.k_stores[layer], c.v_codec, c.v_stores[layer],
-            bt.to(c.device), torch.tensor(lens, dtype=torch.int32, device=c.device),
-            page_size=c.block_size, sm_scale=self.model.scale, seq_rows=rows.to(c.device),
-            sliding_window=window, max_len=max(lens))
+            q, c.k_codec, c.k_stores[layer], c.v_codec, c.v_stores[layer], bt, lens,
+            page_size=c.block_size, sm_scale=self.model.scale, seq_rows=rows,
+            sliding_window=window, max_len=max_len)
         self.n_fused_calls += 1
         return out.to(q.dtype)
 

@@ -110,7 +110,8 @@ def _kv_quant_append_kernel(
 
 
 def kv_quant_append(codec, store: dict, slots: torch.Tensor, x: torch.Tensor,
-                    positions: torch.Tensor, seq_row: int | None = None) -> None:
+                    positions: torch.Tensor, seq_row: int | None = None, *,
+                    start: int | None = None) -> None:
     """Quantize ``x`` float [T, H, D] (fp16/bf16/fp32) into ``store`` at ``slots`` with the
     Triton kernel; the same bytes as ``codec.write`` (the twin, up to rare +-1 code differences
     where GPU division rounds differently at a half step).
@@ -121,6 +122,8 @@ def kv_quant_append(codec, store: dict, slots: torch.Tensor, x: torch.Tensor,
         slots: LongTensor[T] slot of each token.
         positions: LongTensor[T] token positions (sink/window side copies).
         seq_row: sequence row of the side buffers.
+        start: the first position as a Python int when ``positions`` is ``start .. start+T-1``
+            (the decode path): the side copies then read nothing back from the device.
 
     Raises:
         ValueError: shapes, devices or head_dim do not fit the codec.
@@ -146,7 +149,7 @@ def kv_quant_append(codec, store: dict, slots: torch.Tensor, x: torch.Tensor,
         q.shape[1], xr.stride(0), xr.stride(1),
         H=H, D=D, BITS=codec.bits, G=codec.group, IS_FP4=codec.is_fp4, N_OUT=codec.n_out,
     )
-    codec.write_side(store, x, positions, seq_row)
+    codec.write_side(store, x, positions, seq_row, start=start)
 
 
 def kv_quant_append_ref(codec, store: dict, slots: torch.Tensor, x: torch.Tensor,

@@ -178,6 +178,8 @@ def test_triton_write_kv_passes_start_to_codec_write(no_readback):
 
     class Fake:
         _fused = True
+        _step, _memo_step, _memo = 1, -1, {}
+        _per_call = TritonRunner._per_call
 
     f = Fake()
     f.cache = PagedKVCache(_mspec(), KVSpec.parse("k=int4:c,v=f16,sinks=4"), n_ctx=64,
