@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import click
@@ -130,15 +132,32 @@ def _sampling_kwargs(kw: dict) -> dict:
     return out
 
 
-def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False):
-    from .engine import LLM
+def _stop_now(signum, frame) -> None:
+    """SIGINT handler of the start-up phase: print ``interrupted`` and exit at once (130)."""
+    try:
+        sys.stderr.write("\ninterrupted\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(130)
 
+
+def _interruptible() -> None:
+    """End of the start-up phase: Ctrl-C raises KeyboardInterrupt again, so generation stops
+    cleanly (:class:`_Group` prints ``interrupted``, status 130)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False):
     def progress(frac: float, msg: str) -> None:
         if verbose:
             click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
 
+    from .engine import LLM
+
     llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
               kv_cache_v=kv_cache_v, device=device, progress=progress)
+    _interruptible()
     if verbose:
         st = llm.stats()
         threads = (f" | threads {st['n_threads']}" + (f" ({st['threads_reason']})"
@@ -296,6 +315,7 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
                   continue_last=continue_last)
     if device is not None:
         kwargs["device"] = device
+    _interruptible()  # the UI takes Ctrl-C as a key; never exit under it with a raw terminal
     tui_app.run_chat(model, **kwargs)
 
 
@@ -567,7 +587,15 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``localmoe``)."""
+    """Console entry point (``localmoe``).
+
+    Until a command starts its interruptible work (generation, the chat UI, the server's own
+    handlers), Ctrl-C exits at once with status 130 (:func:`_stop_now`): nothing is lost yet,
+    and a KeyboardInterrupt raised while torch, numpy, triton or llama.cpp import can leave a
+    module half initialised or abort the process from C++.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _stop_now)
     cli.main(args=argv, prog_name="localmoe")
 
 

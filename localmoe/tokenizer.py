@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
-from localmoe.errors import ModelLoadError, UnsupportedModelError
+from localmoe.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "TURN_END_TOKENS", "PRE_TOKENIZER_REGEXES"]
 
@@ -600,9 +600,19 @@ class Tokenizer:
                 chat, see ``ChatTemplate.encode``).
         Returns:
             list of int token ids.
+
+        Raises:
+            InvalidRequestError: ``text`` holds characters UTF-8 cannot encode (lone
+                surrogates, which is how Python carries undecodable input bytes).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes from argv/stdin/JSON
+            raise InvalidRequestError(
+                f"the text is not valid UTF-8 (an undecodable byte or a lone surrogate at "
+                f"character {e.start})", "prompt") from None
         ids: list[int] = []
         if add_special and self.add_bos:
             ids.append(self.bos_id)

@@ -247,6 +247,40 @@ def test_ctrl_c_stops_cleanly(smollm2_path):
     assert "interrupted" in err and "Traceback" not in err
 
 
+def test_undecodable_prompt_bytes_are_a_one_line_error(smollm2_path):
+    """A prompt with bytes that are not UTF-8 (argv and stdin) exits 1 with one error line."""
+    r = subprocess.run([sys.executable, "-m", "localmoe", "generate", "-m", str(smollm2_path),
+                        "--backend", "torch", "--raw", "-n", "2", b"caf\xe9"],
+                       capture_output=True, timeout=300)
+    r.stderr = r.stderr.decode("utf-8", "replace")
+    assert_one_line_error(r, "UTF-8")
+    r = subprocess.run([sys.executable, "-m", "localmoe", "generate", "-m", str(smollm2_path),
+                        "--backend", "torch", "-n", "2"], input=b"\xff\xfe hello",
+                       capture_output=True, timeout=300)
+    r.stderr = r.stderr.decode("utf-8", "replace")
+    assert_one_line_error(r, "UTF-8")
+
+
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback(smollm2_path):
+    """Ctrl-C while the CLI imports torch and loads the model (no generation yet) exits at once
+    with 130 and one 'interrupted' line, at any moment of the start-up."""
+    for delay in (0.3, 0.8, 1.5):
+        p = subprocess.Popen([sys.executable, "-m", "localmoe", "generate", "-m",
+                              str(smollm2_path), "--backend", "torch", "-n", "400", "hi"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        if p.returncode == 0:  # finished before the signal (a very fast box): nothing to test
+            continue
+        assert p.returncode == 130, (delay, err)
+        assert "interrupted" in err and "Traceback" not in err and "terminate" not in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.llamacpp
 def test_kv_cache_flags_on_llamacpp(smollm2_path):

@@ -249,6 +249,17 @@ def test_encode_rejects_non_str(smollm):
         smollm[1].encode(b"bytes")
 
 
+def test_encode_rejects_undecodable_input_clearly(tok):
+    """Undecodable bytes reach Python as lone surrogates (argv, stdin, JSON "\\udcff"); they
+    are a user error with a clear message, not a TypeError from the tokenizer library."""
+    from localmoe.errors import InvalidRequestError
+
+    for text in ("caf\udce9", "\udcff\udcfe hello", "ok \ud800"):
+        with pytest.raises(InvalidRequestError, match="UTF-8"):
+            tok.encode(text)
+    assert tok.encode("café", add_special=False)
+
+
 # ---------------------------------------------------------------------------- errors
 def test_bad_metadata_errors():
     with pytest.raises(ModelLoadError):
