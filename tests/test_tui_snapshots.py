@@ -86,8 +86,13 @@ def test_snapshot_settings_dialog(snap_compare, tmp_path):
     eng = FakeEngine(metadata={"general.sampling.temp": 0.6, "general.sampling.top_p": 0.9})
 
     async def before(pilot):
+        from localmoe.tui.screens.dialogs import SettingsScreen
+
         await _send(pilot, "hello")
         await pilot.press("f3")
+        # on a loaded machine the dialog can mount after two pauses: wait for it
+        await _until(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
+        await pilot.wait_for_scheduled_animations()
         await _settle(pilot)
 
     assert snap_compare(_app(tmp_path, eng), run_before=before, terminal_size=(100, 40))
