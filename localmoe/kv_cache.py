@@ -621,10 +621,8 @@ class PagedKVCache:
         row = self._rows[seq_id]
         for side, codec, store, x in (("k", self.k_codec, self.k_stores[layer], k),
                                       ("v", self.v_codec, self.v_stores[layer], v)):
-            if self._start_kw[side][0]:
-                codec.write(store, slots, x, pos, seq_row=row, start=start)
-            else:
-                codec.write(store, slots, x, pos, seq_row=row)
+            kw = {"start": start} if self._start_kw[side][0] else {}
+            codec.write(store, slots, x, pos, seq_row=row, **kw)
 
     def read(self, layer: int, seq_id: int, end: int, start: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
