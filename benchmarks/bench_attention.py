@@ -45,6 +45,15 @@ def make_codec(name, spec, role, max_seqs, rotate=False):
                       block_size=PAGE)
 
 
+def spec_of(fmt):
+    """KVSpec of a format argument: ``k/v`` names (``int4:c/int4``, ``int4`` for both) or a
+    full spec string with options (``k=int4:c,v=int4,koutliers=0.03125``)."""
+    if "=" in fmt:
+        return KVSpec.parse(fmt)
+    kn, vn = fmt.split("/") if "/" in fmt else (fmt, fmt)
+    return KVSpec.parse(k=kn, v=vn)
+
+
 def write(codec, store, slots, x, pos, row):
     """Quantize-and-append kernel for per-token codecs; the codec's page writer (torch ops) for
     per-channel keys, which quantize whole pages."""
@@ -110,13 +119,15 @@ def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4), extra=({},
              ("int4", "int2", 0, 4, 0, True), ("int4:g64", "int4:g128", 0.05, 0, 32, True),
              ("int4:c", "int4", 0, 0, 0, False), ("int2:c", "int2", 0.02, 4, 32, False),
              ("int3:c", "int3", 0, 0, 0, False), ("int8:c", "int4", 0, 0, 0, False),
-             ("int4:c", "int2", 0, 0, 0, False)]
+             ("int4:c", "int2", 0, 0, 0, False),
+             ("int4:c", "int4", 0, 0, 0, False, 0.03125), ("int2:c", "int2", 0, 4, 0, False, 0.05)]
     if isinstance(only, str):
         only = [only]
     cases = [c for c in cases if not only or any(o in c[0] for o in only)]
     for qpk in qpks:
-        for kn, vn, of, sink, win, rot in cases:
-            spec = KVSpec.parse(k=kn, v=vn, outlier_frac=of, sink_tokens=sink, window=win)
+        for kn, vn, of, sink, win, rot, *kout in cases:
+            spec = KVSpec.parse(k=kn, v=vn, outlier_frac=of, sink_tokens=sink, window=win,
+                                key_outlier_frac=kout[0] if kout else None)
             B = 3
             kc = make_codec(kn, spec, "k", B, rot)
             vc = make_codec(vn, spec, "v", B)
@@ -166,7 +177,7 @@ def check(verbose=True, lens=(1, 1000, 4133), only=None, qpks=(8, 4), extra=({},
                 ok = err < 1e-2 and torch.isfinite(o).all().item()
                 fails += not ok
                 if verbose or not ok:
-                    print(f"{'ok  ' if ok else 'FAIL'} decode qpk={qpk} k={kn} v={vn} out={of} "
+                    print(f"{'ok  ' if ok else 'FAIL'} decode qpk={qpk} {spec} "
                           f"sink={sink} win={win} rot={rot} sw={sw} fused={fused} {kw}: "
                           f"rel err {err:.2e}")
     return fails
@@ -196,8 +207,10 @@ def bench(contexts, batches, formats, variants, out, rows=None):
             print(f"B={B} ctx={ctx:6d} {'sdpa-f16':22s} {t_sdpa*1e6:8.1f} us "
                   f"{kv_bytes_f16/t_sdpa/1e12:6.2f} TB/s", flush=True)
             for fmt in formats:
-                kn, vn = fmt.split("/") if "/" in fmt else (fmt, fmt)
-                spec = KVSpec.parse(k=kn, v=vn)
+                spec = spec_of(fmt)
+                # plain names keep their meaning here: "int4" = per-token keys (KVFormat.parse)
+                kn, vn = ((str(spec.k), str(spec.v)) if "=" in fmt else
+                          (fmt.split("/") if "/" in fmt else (fmt, fmt)))
                 kc, vc = make_codec(kn, spec, "k", B), make_codec(vn, spec, "v", B)
                 nbytes = (kc.bytes_per_token() + vc.bytes_per_token()) * ntok
                 ncopy = max(1, min(16, math.ceil(512e6 / nbytes)))

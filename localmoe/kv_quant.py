@@ -26,8 +26,10 @@ last token is written; until then its tokens live only in the fp16 ring (ring si
 (``KVSpec.key_outliers()``, option ``koutliers=``; ``outliers=`` applies to values and
 per-token keys) are chosen per page when it is quantized: for each token the ``n_out`` channels
 whose exclusion shrinks their channel's page range most (:func:`select_channel_outliers`);
-they are left out of the min/max and stored exactly in ``oidx``/``oval`` at the token's slot,
-the same entries as per-token outliers. Error bound per value: half a step of the channel's
+they are left out of the min/max, get code 0 (so their packed value is the channel's
+``czero``) and are stored exactly in ``oidx``/``oval`` at the token's slot, the same entries as
+per-token outliers (a read overwrites them; the decode kernel adds
+``q[c] * (oval - czero[page, c])`` to the token's score instead). Error bound per value: half a step of the channel's
 range over the page, see :func:`channel_error_bound`.
 
 Optional extras, all per :class:`~localmoe.kv_cache.KVSpec`:
@@ -778,6 +780,10 @@ class QuantCodec(KVCodec):
         codes, cscale, czero = quantize_channel(vals, self.bits, exclude)
         ss = (blocks[:, None] * page + off).reshape(-1)          # [NP * PAGE]
         if self.n_out:
+            # outlier entries get code 0, so their packed value is the channel's zero: the
+            # decode kernel adds ``q[c] * (oval - czero[c])`` per outlier instead of patching
+            # the key tile (same result as the overwrite in dequantize_channel_slots)
+            codes = codes.masked_fill(exclude, 0)
             oidx = oidx.reshape(-1, self.n_kv_heads, self.n_out)
             store["oidx"][:, ss] = oidx.transpose(0, 1).to(torch.uint8)
             oval = torch.gather(vals.reshape(-1, self.n_kv_heads, self.head_dim), -1, oidx)

@@ -28,9 +28,9 @@ TOL = 1e-2
 
 
 def _build(kname, vname, lens, hkv, d, page, *, outlier_frac=0.0, sink=0, window=0, rotate=False,
-           seed=0, chunks=None):
+           seed=0, chunks=None, koutliers=None):
     spec = KVSpec.parse(k=kname, v=vname, outlier_frac=outlier_frac, sink_tokens=sink,
-                        window=window)
+                        window=window, key_outlier_frac=koutliers)
     B = len(lens)
 
     def mk(name, role):
@@ -255,3 +255,25 @@ def test_channel_keys_page_tiles_match_twin(kname, vname, page, bn):
                                       seed=1, chunks=5)
     _run(kc, ks, vc, vs, bt, lens, 4, page, num_splits=2, block_n=bn)
 
+
+
+@pytest.mark.parametrize("kname,page,bn,n_out,qpk", [
+    ("int4:c", 16, 64, 2, 4), ("int4:c", 16, 16, 3, 8), ("int2:c", 16, 32, 1, 16),
+    ("int3:c", 4, 32, 4, 2), ("int4:c", 32, 16, 2, 4), ("int8:c", 8, 128, 3, 8)])
+def test_channel_key_outliers_match_twin(kname, page, bn, n_out, qpk):
+    """Outlier entries of per-channel keys (code 0, exact fp16 value; the kernel adds
+    ``q[c] * (oval - czero[c])`` to the token's score) with tiles of several pages, one page
+    and part of a page, a sliding window, and 2 to 16 query heads per kv head (the query gather
+    covers only the real heads when they are fewer than the tile's 16 rows)."""
+    kc, ks, vc, vs, bt, lens = _build(kname, "int4", [1, 7, 33, 4 * page + 5], 2, 32, page,
+                                      seed=n_out, chunks=5, koutliers=n_out / 32)
+    assert kc.channel and kc.n_out == n_out and "oidx" in ks
+    _run(kc, ks, vc, vs, bt, lens, qpk, page, num_splits=2, block_n=bn)
+    _run(kc, ks, vc, vs, bt, lens, qpk, page, num_splits=2, block_n=bn,
+         sliding_window=2 * page + 3)
+    # the corrections are needed: with the outlier values replaced the result moves
+    ks2 = dict(ks, oval=torch.zeros_like(ks["oval"]))
+    q = torch.randn(lens.numel(), 2 * qpk, 32, device=DEV)
+    a = decode_attention(q, kc, ks, vc, vs, bt, lens, page_size=page, block_n=bn)
+    b = decode_attention(q, kc, ks2, vc, vs, bt, lens, page_size=page, block_n=bn)
+    assert ((a - b).norm() / a.norm()).item() > 10 * TOL
