@@ -178,15 +178,20 @@ class KVSpec:
         default :data:`DEFAULT_CHANNEL_KEY_OUTLIERS` off).
 
         Raises:
-            KVCacheFormatError: unknown format or out-of-range option, a grouping on values
-                (``v="int4:c"``), on fp4 or on a float format.
+            KVCacheFormatError: unknown format or out-of-range option, an empty option (a
+                doubled or trailing comma), a grouping on values (``v="int4:c"``), on fp4 or on
+                a float format.
         """
         if isinstance(kv, KVSpec) and k is None and v is None and kgroup is None:
             return kv
         if isinstance(kv, str) and ("," in kv or "=" in kv):
             # the str() syntax: "int2,outliers=0.04,sinks=4,window=64", "k=int4,v=int2"
             base_fmt = None
-            for part in (p.strip() for p in kv.split(",") if p.strip()):
+            for part in (p.strip() for p in kv.split(",")):
+                if not part:  # "int4,,", "int4,": a doubled or trailing comma
+                    raise KVCacheFormatError(
+                        f"empty KV cache option in {kv!r} (a doubled or trailing comma?); use "
+                        "e.g. 'int2,outliers=0.04,sinks=4,window=64' or 'k=int4,v=int2'")
                 key, eq, val = part.partition("=")
                 key = key.strip().lower()
                 try:

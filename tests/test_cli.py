@@ -72,6 +72,24 @@ def test_errors_are_one_line_with_exit_1(home, tmp_path):
         assert_one_line_error(types.SimpleNamespace(returncode=1, stderr=r.stderr), needle)
 
 
+def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
+    """A doubled or trailing comma in --kv-cache is refused like any bad option: one line,
+    exit 1, before any model is resolved (generate, chat) or the server starts (serve)."""
+    import localmoe.tui.app as tui_app
+    from localmoe import server
+
+    opened = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "run_server", lambda *a, **kw: opened.append("serve"))
+    for cmd in (["generate", "-m", str(tmp_path / "missing.gguf"), "hi"],
+                ["chat", "-m", str(tmp_path / "missing.gguf")], ["serve"]):
+        for kv in ("int4,,", "int4,", "int2,,sinks=4"):
+            r = run([*cmd, "--kv-cache", kv])
+            assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                                  "empty KV cache option", repr(kv))
+    assert not opened
+
+
 def test_usage_errors_exit_2():
     r = CliRunner().invoke(cli, ["generate", "--max-tokens", "0", "hi"])
     assert r.exit_code == 2

@@ -25,6 +25,16 @@ def test_parse_formats_and_aliases():
         KVFormat.parse("int4:g48")
 
 
+@pytest.mark.parametrize("text", ["int4,,", "int4,", ",int4", "int2,,sinks=4", "k=int4,,v=int2",
+                                  "int4, ,window=8"])
+def test_parse_refuses_empty_options(text):
+    # a doubled or trailing comma was silently dropped; it is a malformed spec like a bad option
+    with pytest.raises(KVCacheFormatError, match="empty KV cache option") as e:
+        KVSpec.parse(text)
+    assert repr(text) in str(e.value)
+    KVSpec.parse(text.replace(",,", ",").replace(", ,", ",").strip(","))  # the fixed text parses
+
+
 def test_bytes_per_token_f16():
     spec = _spec()
     assert KVSpec.parse("f16").bytes_per_token(spec) == 2 * 2 * (8 + 8) * 2
