@@ -294,9 +294,13 @@ def _check_messages(msgs) -> list[dict]:
             raise InvalidRequestError(
                 f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}",
                 f"{p}.role")
+        if role == "tool" and m.get("tool_call_id") is None:  # OpenAI requires it
+            raise InvalidRequestError(
+                f"{p}.tool_call_id is required for a tool message (the id of the assistant's "
+                f"tool call it answers)", f"{p}.tool_call_id")
         if role == "developer":
             role = "system"
-        if role == "function":
+        if role == "function":  # the deprecated function role: name, no tool_call_id
             role = "tool"
         msg: dict[str, Any] = {"role": role}
         calls = m.get("tool_calls") if role == "assistant" else None

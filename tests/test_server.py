@@ -429,6 +429,14 @@ def test_error_status_codes_and_objects(live, client):
     _err(httpx.post(url, json={**ok, "messages": []}), 400, "messages")
     _err(httpx.post(url, json={**ok, "messages": [{"role": "wizard", "content": "x"}]}), 400,
          "messages[0].role")
+    # OpenAI requires tool_call_id on a tool message
+    body = _err(httpx.post(url, json={**ok, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"}]}), 400, "messages[2].tool_call_id")
+    assert body["type"] == "invalid_request_error" and "tool_call_id" in body["message"]
     _err(httpx.post(url, json={**ok, "tools": [{"type": "function", "function": {"name": "a b"}}]}),
          400, "tools[0].function.name")
     _err(httpx.post(url, json={**ok, "tools": [WEATHER_TOOL],
@@ -817,7 +825,10 @@ def test_validation_errors_name_the_parameter_without_a_model():
              ({**base, "response_format": {"type": "json_schema"}}, "response_format"),
              ({**base, "messages": [{"role": "assistant", "content": None, "tool_calls": [
                  {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
-              "messages[0].tool_calls[0].function.arguments")]
+              "messages[0].tool_calls[0].function.arguments"),
+             ({**base, "messages": [*base["messages"], {"role": "tool", "content": "21 C",
+                                                        "tool_call_id": None}]},
+              "messages[1].tool_call_id")]
     for req, param in cases:
         with pytest.raises(InvalidRequestError) as ei:
             openai_api.chat_completion(llm, req)
