@@ -66,11 +66,20 @@ def cli() -> None:
 
 
 # ---- shared options --------------------------------------------------------------------------
-def _model_options(f):
+# what each command loads without -m: generate, serve and bench the store's DEFAULT_MODEL; chat
+# the continued chat's model, else the one it loaded last (the chat UI remembers it), else that
+MODEL_DEFAULT_HELP = "smollm2 (pulled on first use)"
+CHAT_MODEL_DEFAULT_HELP = ("with --continue the reopened chat's model, else the model chat "
+                           "loaded last, else smollm2 (pulled on first use)")
+
+
+def _model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
+    if f is None:  # @_model_options(model_default=...)
+        return lambda g: _model_options(g, model_default=model_default)
     opts = [
         click.option("-m", "--model", default=None, metavar="MODEL",
                      help="Model file (.gguf, any shard), HF folder, store name, or "
-                          "hf:OWNER/REPO/FILE. Default: smollm2 (pulled on first use)."),
+                          f"hf:OWNER/REPO/FILE. Default: {model_default}."),
         click.option("--backend", default="auto", show_default=True, metavar="NAME",
                      help="Backend: auto, triton, llamacpp, torch (see `localmoe backends`)."),
         click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None,
@@ -295,7 +304,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
 
 
 @cli.command()
-@_model_options
+@_model_options(model_default=CHAT_MODEL_DEFAULT_HELP)
 @click.option("--continue", "continue_last", is_flag=True, help="Reopen the most recent chat.")
 @click.option("--list", "list_chats", is_flag=True, help="List saved chats and exit.")
 def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, continue_last,

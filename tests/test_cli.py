@@ -55,6 +55,23 @@ def test_help_is_fast_and_imports_nothing_heavy():
         assert cmd in r.output
 
 
+def test_model_default_in_help_is_what_each_command_loads():
+    """Without -m, generate/serve/bench load the store's default model; chat reopens the
+    continued chat's model, else the model it loaded last (tui/app.py), and only then the
+    default. Each command's -m help says so (chat's claimed plain smollm2)."""
+    from localmoe.store import DEFAULT_MODEL
+
+    def model_help(cmd):
+        out = " ".join(run([cmd, "--help"]).output.split())
+        return out.split("-m, --model MODEL", 1)[1].split(" --backend", 1)[0]
+
+    for cmd in ("generate", "serve", "bench"):
+        assert model_help(cmd).endswith(f"Default: {DEFAULT_MODEL} (pulled on first use)."), cmd
+    chat = model_help("chat")
+    assert f"Default: {DEFAULT_MODEL}" not in chat, chat
+    assert "--continue" in chat and "last" in chat and DEFAULT_MODEL in chat, chat
+
+
 def test_errors_are_one_line_with_exit_1(home, tmp_path):
     # a real process: exit status and stderr exactly as a user sees them
     r = lm("generate", "-m", str(tmp_path / "missing.gguf"), "hi")
