@@ -171,10 +171,38 @@ def _codes_f16(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
-def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
+def _pick2(y, b: tl.constexpr):
+    """Half ``b`` (0 or 1) of the last dimension (size 2) of ``y``."""
+    y0, y1 = tl.split(y)
+    if b == 0:
+        r = y0
+    else:
+        r = y1
+    return r
+
+
+@triton.jit
+def _col_block(x, BN: tl.constexpr, NG: tl.constexpr, W: tl.constexpr, i: tl.constexpr):
+    """Columns ``i*W .. i*W+W-1`` of ``x`` [BN, NG] as [BN, W], with reshapes and splits that
+    stay in registers when each thread holds whole rows (NG / W in 1, 2, 4: a plane's groups,
+    or one group of a plane at most as wide as a group, out of at most 4 planes)."""
+    N: tl.constexpr = NG // W
+    if N == 1:
+        y = x
+    else:
+        y = tl.permute(tl.reshape(x, [BN, N, W]), (0, 2, 1))          # [BN, W, N]
+        if N == 2:
+            y = _pick2(y, i)
+        else:
+            y = _pick2(_pick2(tl.reshape(y, [BN, W, 2, 2]), i % 2), i // 2)
+    return y
+
+
+@triton.jit
+def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp, sa, za,
                    i: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
                    FMT: tl.constexpr, G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr,
-                   PAGE: tl.constexpr, ASM: tl.constexpr):
+                   PAGE: tl.constexpr, ASM: tl.constexpr, PRE: tl.constexpr):
     """fp16 [BN, RB] values of plane ``i`` from its codes ``c`` (:func:`_tile_codes`)."""
     m2 = mask_n[:, None]
     if FMT == 2:
@@ -215,14 +243,22 @@ def _dequant_plane(c, row, blk, h, n_blocks, cols, mask_n, Sp, Zp, OIp, OVp,
             NG: tl.constexpr = D // G
             if G >= RB:
                 gi: tl.constexpr = (i * RB) // G
-                s = tl.load(Sp + row * NG + gi, mask=mask_n, other=0.0)
-                z = tl.load(Zp + row * NG + gi, mask=mask_n, other=0.0)
+                if PRE:
+                    s = tl.reshape(_col_block(sa, BN, NG, 1, gi), [BN])
+                    z = tl.reshape(_col_block(za, BN, NG, 1, gi), [BN])
+                else:
+                    s = tl.load(Sp + row * NG + gi, mask=mask_n, other=0.0)
+                    z = tl.load(Zp + row * NG + gi, mask=mask_n, other=0.0)
                 x = cf * s[:, None] + z[:, None]
             else:
                 NGP: tl.constexpr = RB // G
-                gg = (i * NGP + tl.arange(0, NGP))[None, :]
-                s = tl.load(Sp + row[:, None] * NG + gg, mask=m2, other=0.0)
-                z = tl.load(Zp + row[:, None] * NG + gg, mask=m2, other=0.0)
+                if PRE:
+                    s = _col_block(sa, BN, NG, NGP, i)
+                    z = _col_block(za, BN, NG, NGP, i)
+                else:
+                    gg = (i * NGP + tl.arange(0, NGP))[None, :]
+                    s = tl.load(Sp + row[:, None] * NG + gg, mask=m2, other=0.0)
+                    z = tl.load(Zp + row[:, None] * NG + gg, mask=m2, other=0.0)
                 s = tl.reshape(tl.broadcast_to(s[:, :, None], [BN, NGP, G]), [BN, RB])
                 z = tl.reshape(tl.broadcast_to(z[:, :, None], [BN, NGP, G]), [BN, RB])
                 x = cf * s + z
@@ -252,7 +288,7 @@ def _tile_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexp
 def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_blocks, sqh, sqs,
                   BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BITS: tl.constexpr,
                   G: tl.constexpr, CHAN: tl.constexpr, N_OUT: tl.constexpr, PAGE: tl.constexpr,
-                  ASM: tl.constexpr):
+                  ASM: tl.constexpr, PRE: tl.constexpr):
     """Dequantized fp16 planes (up to 4 tensors [BN, D/NPL]; NPL = number of planes: 1 for
     float and int8, 2 for int4/fp4, 4 for int3/int2; unused outputs repeat plane 0) of kv head
     ``h`` at ``slots`` (int [BN]); ``blk``: per-channel keys only, int [NPG] blocks of the
@@ -278,23 +314,33 @@ def _load_kv_tile(Qp, QHp, Sp, Zp, OIp, OVp, h, slots, blk, mask_n, n_slots, n_b
                          other=0).to(tl.int32)
         else:
             bh = b
+        # per-token int scales and zeros: one [BN, D/G] load each for all planes (``PRE``)
+        # instead of one narrow strided load per plane
+        PRE1: tl.constexpr = PRE and FMT == 1 and not CHAN and (D // G) <= 8
+        if PRE1:
+            ga = tl.arange(0, D // G)
+            sa = tl.load(Sp + row[:, None] * (D // G) + ga[None, :], mask=m2, other=0.0)
+            za = tl.load(Zp + row[:, None] * (D // G) + ga[None, :], mask=m2, other=0.0)
+        else:
+            sa = row
+            za = row
         c0 = _tile_codes(b, bh, cb, 0, P, BITS, RB1, FMT, ASM)
-        x0 = _dequant_plane(c0, row, blk, h, n_blocks, cb, mask_n, Sp, Zp, OIp, OVp, 0, BN, RB, D,
-                            FMT, G, CHAN, N_OUT, PAGE, ASM)
+        x0 = _dequant_plane(c0, row, blk, h, n_blocks, cb, mask_n, Sp, Zp, OIp, OVp, sa, za, 0, BN,
+                            RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM, PRE1)
         x1 = x0
         x2 = x0
         x3 = x0
         if NPL >= 2:
             c1 = _tile_codes(b, bh, cb + RB, 1, P, BITS, RB1, FMT, ASM)
-            x1 = _dequant_plane(c1, row, blk, h, n_blocks, cb + RB, mask_n, Sp, Zp, OIp, OVp, 1,
-                                BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM)
+            x1 = _dequant_plane(c1, row, blk, h, n_blocks, cb + RB, mask_n, Sp, Zp, OIp, OVp, sa,
+                                za, 1, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM, PRE1)
         if NPL >= 4:
             c2 = _tile_codes(b, bh, cb + 2 * RB, 2, P, BITS, RB1, FMT, ASM)
             x2 = _dequant_plane(c2, row, blk, h, n_blocks, cb + 2 * RB, mask_n, Sp, Zp, OIp, OVp,
-                                2, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM)
+                                sa, za, 2, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM, PRE1)
             c3 = _tile_codes(b, bh, cb + 3 * RB, 3, P, BITS, RB1, FMT, ASM)
             x3 = _dequant_plane(c3, row, blk, h, n_blocks, cb + 3 * RB, mask_n, Sp, Zp, OIp, OVp,
-                                3, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM)
+                                sa, za, 3, BN, RB, D, FMT, G, CHAN, N_OUT, PAGE, ASM, PRE1)
     return x0, x1, x2, x3
 
 
@@ -450,6 +496,7 @@ def _decode_split_kernel(
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
+    K_PRE: tl.constexpr = False, V_PRE: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -527,7 +574,7 @@ def _decode_split_kernel(
             pblk = pblk.to(tl.int64)
         k0, k1, k2, k3 = _load_kv_tile(Kq, Kqh, Ks, Kz, Koi, Kov, hk, slots, pblk, mask_n,
                                        n_slots, n_blocks, k_sqh, k_sqs, BLOCK_N, D, K_FMT,
-                                       K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM)
+                                       K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM, K_PRE)
         if ROT:
             # rotated quantized keys score against the rotated query
             s = _plane_scores(r0, r1, r2, r3, k0, k1, k2, k3, K_NPL, K_NARROW)
@@ -556,7 +603,7 @@ def _decode_split_kernel(
         pf = p.to(tl.float16)
         v0, v1, v2, v3 = _load_kv_tile(Vq, Vqh, Vs, Vz, Voi, Vov, hk, slots, blk, mask_n, n_slots,
                                        n_blocks, v_sqh, v_sqs, BLOCK_N, DV, V_FMT, V_BITS, V_G,
-                                       False, V_NOUT, PAGE, ASM)
+                                       False, V_NOUT, PAGE, ASM, V_PRE)
         if V_SIDE:
             if (n0 < V_NSINK) | (n0 + BLOCK_N > L - V_NRING):
                 is_s, is_r, rr = _side_mask(Vring, Vpos, srow, pos, mask_n, V_NSINK, V_NRING)
@@ -738,6 +785,25 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
     return 128, 4, 2.0
 
 
+def default_sz_pre(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1) -> str:
+    """Sides (``"k"``, ``"v"``) whose per-token scales and zeros are loaded once per tile as
+    [BLOCK_N, D/G] rows instead of one narrow strided load per plane, as measured on the H200
+    (benchmarks/results/attention_h200_szpre.json, 8 x 64k): values always (int2 values:
+    int2:c/int2 325 -> 276 us, int4/int2 322 -> 261 us; no change for int4/int8/fp4), except
+    with per-token int3 keys at many (sequence, kv head) pairs (408 -> 442 us); per-token int4
+    keys too (int4/int2 261 -> 253 us), other per-token keys not (int2 at 8 x 64k: 242 ->
+    306 us)."""
+    kb = getattr(k_codec, "bits", 16)
+    kchan = bool(getattr(k_codec, "channel", False))
+    kfp4 = bool(getattr(k_codec, "is_fp4", False))
+    sides = "v"
+    if kb == 3 and not kchan and batch * n_kv_heads >= 16:
+        sides = ""
+    if kb == 4 and not kchan and not kfp4:
+        sides += "k"
+    return sides
+
+
 def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: dict,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, *, page_size: int,
                      sm_scale: float | None = None, seq_rows: torch.Tensor | None = None,
@@ -745,7 +811,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int = 2,
                      fused_reduce: bool = False, waves: float | None = None,
-                     v_join: bool | None = None, asm: bool | None = None) -> torch.Tensor:
+                     v_join: bool | None = None, asm: bool | None = None,
+                     sz_pre: str | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -769,6 +836,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
             :func:`default_tile`).
         v_join: join the 4 value planes of int3/int2 values into one full-width tile (one
             dot) instead of one dot per plane (default: measured choice).
+        sz_pre: sides (``"k"``, ``"v"``, both or ``""``) whose per-token int scales and zeros
+            are loaded once per tile for all planes (default :func:`default_sz_pre`).
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
             unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
@@ -837,6 +906,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     # 2/3-bit keys of head_dim < 64: planes narrower than tl.dot's minimum of 16
     knarrow = bool(kf == 1 and kb in (2, 3) and D < 64)
     splits_p = max(2, triton.next_power_of_2(num_splits))
+    if sz_pre is None:
+        sz_pre = default_sz_pre(k_codec, v_codec, B, HKV)
     if asm is None:
         asm = dev.type == "cuda" and not _interpreting() and \
             os.environ.get("LOCALMOE_KV_ASM", "1") != "0"
@@ -854,7 +925,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
                 MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_NARROW=knarrow, ASM=bool(asm),
-                num_warps=num_warps,
+                K_PRE="k" in sz_pre, V_PRE="v" in sz_pre, num_warps=num_warps,
                 num_stages=num_stages,
             )
             break

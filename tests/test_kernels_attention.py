@@ -277,3 +277,13 @@ def test_channel_key_outliers_match_twin(kname, page, bn, n_out, qpk):
     a = decode_attention(q, kc, ks, vc, vs, bt, lens, page_size=page, block_n=bn)
     b = decode_attention(q, kc, ks2, vc, vs, bt, lens, page_size=page, block_n=bn)
     assert ((a - b).norm() / a.norm()).item() > 10 * TOL
+
+
+@pytest.mark.parametrize("kname,vname,d", [("int2", "int2", 64), ("int4:g16", "int3", 64),
+                                           ("int8", "int4", 64), ("int2:g16", "int2", 128)])
+@pytest.mark.parametrize("sz_pre", ["", "kv"])
+def test_scale_zero_loads_per_tile_or_per_plane_agree(kname, vname, d, sz_pre):
+    """Per-token scales and zeros loaded once per tile as [BLOCK_N, D/G] rows (split per plane in
+    registers: 1, 2 or 4 column blocks) or one strided load per plane: both match the twin."""
+    kc, ks, vc, vs, bt, lens = _build(kname, vname, [7, 70], 2, d, 16, seed=3)
+    _run(kc, ks, vc, vs, bt, lens, 4, 16, num_splits=2, block_n=32, sz_pre=sz_pre)
