@@ -43,6 +43,8 @@ def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, ex
         const[f"{side}_NRING"] = 16 if ch else 0
         const[f"{side}_SIDE"] = bool(ch)
     const["K_NOP"] = 1
+    const["K_PRE"] = kfmt[0] == 1 and kfmt[1] == 4 and not kfmt[3]   # as default_sz_pre
+    const["V_PRE"] = not (kfmt[0] == 1 and kfmt[1] == 3 and not kfmt[3])
     const.update(extra or {})
     sig = {}
     for n in names:

@@ -812,7 +812,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      num_warps: int | None = None, num_stages: int = 2,
                      fused_reduce: bool = False, waves: float | None = None,
                      v_join: bool | None = None, asm: bool | None = None,
-                     sz_pre: str | None = None) -> torch.Tensor:
+                     sz_pre: str | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -838,6 +838,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
             dot) instead of one dot per plane (default: measured choice).
         sz_pre: sides (``"k"``, ``"v"``, both or ``""``) whose per-token int scales and zeros
             are loaded once per tile for all planes (default :func:`default_sz_pre`).
+        maxnreg: register cap per thread passed to the compiler (default: none).
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
             unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
@@ -911,6 +912,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     if asm is None:
         asm = dev.type == "cuda" and not _interpreting() and \
             os.environ.get("LOCALMOE_KV_ASM", "1") != "0"
+    extra = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
     while True:
         try:
             _decode_split_kernel[(B * HKV, num_splits)](
@@ -925,7 +927,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
                 MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_NARROW=knarrow, ASM=bool(asm),
-                K_PRE="k" in sz_pre, V_PRE="v" in sz_pre, num_warps=num_warps,
+                K_PRE="k" in sz_pre, V_PRE="v" in sz_pre, num_warps=num_warps, **extra,
                 num_stages=num_stages,
             )
             break
