@@ -27,14 +27,20 @@ from localmoe.errors import BackendUnavailableError, InvalidRequestError, LocalM
 from localmoe.registry import Backend, register_backend
 
 
+def _usable_cpus() -> set[int]:
+    """Logical CPUs this process may run on: its affinity mask, or all CPUs where the platform
+    has none."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 def physical_cores() -> int:
     """Physical CPU cores this process may run on (SMT siblings counted once): distinct
     ``(physical id, core id)`` pairs of ``/proc/cpuinfo`` over the CPUs of the affinity mask;
     elsewhere (or unreadable) the number of usable logical CPUs."""
-    try:
-        cpus = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        cpus = set(range(os.cpu_count() or 1))
+    cpus = _usable_cpus()
     try:
         cores, proc, phys = set(), None, "0"
         with open("/proc/cpuinfo") as f:
@@ -55,13 +61,6 @@ def physical_cores() -> int:
 
 
 _LAST_SET = [0]  # the thread count a runner set last (so the next load may change it again)
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class _CPUBusy:
@@ -129,7 +128,7 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
         return torch.get_num_threads(), "OMP_NUM_THREADS"
     phys = physical_cores()
     now = torch.get_num_threads()
-    if now not in (phys, _usable_cpus(), _LAST_SET[0]):
+    if now not in (phys, len(_usable_cpus()), _LAST_SET[0]):
         return now, "torch.set_num_threads"  # the caller chose; keep it
     if busy_elsewhere is None:
         return phys, f"{phys} physical cores"

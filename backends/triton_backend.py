@@ -15,8 +15,7 @@ Overrides:
   dequantized by the codec (torch ops on the GPU) and fed to SDPA.
 
 Unsupported cases fall back to the reference path per call (non power-of-two head sizes,
-attention logit softcapping, the ``ggml`` numerics mode, per-channel keys while
-``kernels.decode_attention.SUPPORTS_CHANNEL_KEYS`` is not set).
+attention logit softcapping, the ``ggml`` numerics mode).
 """
 
 from __future__ import annotations
@@ -97,13 +96,7 @@ class TritonRunner(TorchRunner):
         single token; otherwise the reference per-sequence path."""
         if not self._fused or any(s.n != 1 for s in seqs):
             return super().attention_layer(layer, q, k, v, seqs)
-        import localmoe.kernels.decode_attention as _da
         from localmoe.kernels.decode_attention import decode_attention
-
-        if getattr(self.cache.k_codec, "channel", False) and not getattr(
-                _da, "SUPPORTS_CHANNEL_KEYS", False):
-            # per-channel keys (cscale/czero per page) until the kernel reads them
-            return super().attention_layer(layer, q, k, v, seqs)
 
         for s in seqs:
             self.write_kv(layer, s, k[s.lo:s.hi], v[s.lo:s.hi])

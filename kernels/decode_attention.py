@@ -61,9 +61,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-# The kernel reads per-channel keys (``codec.channel``: ``cscale``/``czero`` [H, NB, D] per page,
-# KIVI-style); the triton backend routes such caches here instead of the reference path.
-SUPPORTS_CHANNEL_KEYS = True
 # int3/int2 values: one joined full-width dot (True) or one dot per 32-channel plane
 V_JOIN_DEFAULT = True
 

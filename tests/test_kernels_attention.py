@@ -172,8 +172,6 @@ CHANNEL_PAIRS = [("int4:c", "int4"), ("int2:c", "int2"), ("int3:c", "int3"), ("i
 @pytest.mark.parametrize("qpk", [4, 8])
 def test_channel_keys_match_twin(kname, vname, qpk):
     """Per-channel keys (KIVI; cscale/czero per page, incomplete pages in the ring)."""
-    import localmoe.kernels.decode_attention as da
-    assert da.SUPPORTS_CHANNEL_KEYS
     kc, ks, vc, vs, bt, lens = _build(kname, vname, [1, 7, 33, 257], 2 if qpk < 8 else 1, 32, 16,
                                       seed=qpk)
     assert kc.channel and not vc.channel
