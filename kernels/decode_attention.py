@@ -444,9 +444,11 @@ def _channel_outlier_scores(Qry, OI, OV, Zp, b, h, qh, hmask, blk, slots, mask_n
     """Score corrections [BLOCK_H, BLOCK_N] of the outlier entries of per-channel keys: their
     codes are 0, so the key tile holds the channel's zero ``czero[h, page, c]`` there; add
     ``q[c] * (oval - czero[h, page, c])`` per outlier, with the query columns gathered per
-    token and outlier from global memory (L1-resident), instead of patching elements of the key
-    tile (measured on the H200, 8 x 64k, int4 keys with 4 outliers per token: 1076 us with the
-    patch, 406 us with this gather, 441 us with one gather per outlier; 199 us without)."""
+    token and outlier from global memory (L1-resident) for the ``QPK`` real query heads only,
+    instead of patching elements of the key tile (H200, 8 x 64k, int4 keys with 4 outliers per
+    token: 1076 us with the patch, 441 us with one gather per outlier over all 16 tile rows,
+    406 us with one gather for all outliers, 320-330 us with the real heads only; 196 us
+    without outliers; docs/KV-QUALITY.md)."""
     row = h * n_slots + slots
     zrow = (h * n_blocks + blk) * D
     jj = tl.arange(0, NOP)
@@ -493,7 +495,7 @@ def _decode_split_kernel(
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
-    K_PRE: tl.constexpr = False, V_PRE: tl.constexpr = True,
+    K_PRE: tl.constexpr, V_PRE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -917,7 +919,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
                 out.stride(0), out.stride(1),
                 sm_scale * LOG2E, int(sliding_window or 0), chunk, num_splits,
-                HKV=HKV, QPK=QPK, QPK_P=triton.next_power_of_2(QPK), BLOCK_H=block_h, D=D, DV=DV, PAGE=page_size, BLOCK_N=block_n,
+                HKV=HKV, QPK=QPK, QPK_P=triton.next_power_of_2(QPK), BLOCK_H=block_h, D=D, DV=DV,
+                PAGE=page_size, BLOCK_N=block_n,
                 K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=bool(kns or knr), K_CHAN=kchan,
                 K_NSINK=kns, K_NRING=knr, K_NOP=triton.next_power_of_2(max(kno, 1)),
                 V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
