@@ -343,7 +343,12 @@ class LLM:
 
     def _encode_prompt(self, prompt: str | Sequence[int], templated: bool) -> list[int]:
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    f"the prompt must be a string or a sequence of token ids, not "
+                    f"{type(prompt).__name__}", param="prompt") from None
             if not ids:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             return ids

@@ -13,6 +13,8 @@ width: one :class:`PagedKVCache` drives any (K codec, V codec) pair.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import math
 from dataclasses import dataclass
@@ -55,6 +57,10 @@ CHANNEL_KEY_FORMATS = ("int4", "int3", "int2")
 # kernel's outlier path made per-channel int4 decode attention 1.7-4.8x slower on the H200
 # (docs/KV-QUALITY.md); ``{"int4": 2 / 64}`` here makes it the default once that path is fast.
 DEFAULT_CHANNEL_KEY_OUTLIERS: dict[str, float] = {}
+
+
+# Largest ``sinks=``/``window=`` accepted (tokens); the cache clamps both to its context size.
+MAX_SIDE_TOKENS = 1 << 24
 
 
 def default_key_grouping(name: str) -> str:
@@ -104,10 +110,21 @@ class KVFormat:
                 f"unknown KV cache format {text!r}; choose one of: {', '.join(KV_FORMAT_TABLE)}")
         bits, group = KV_FORMAT_TABLE[name]
         grouping = ""
+        seen_group = False
         for opt in (o for o in opts.split(":") if o) if opts else ():
             if opt in _GROUPING_ALIASES and name not in FLOAT_FORMATS and name != "fp4":
+                if grouping and grouping != _GROUPING_ALIASES[opt]:
+                    raise KVCacheFormatError(
+                        f"contradictory key groupings in {text!r}; use one of ':c' (per "
+                        "channel) or ':t' (per token)")
                 grouping = _GROUPING_ALIASES[opt]
                 continue
+            if name == "fp4" and opt.startswith("g"):
+                raise KVCacheFormatError(
+                    f"fp4 has a fixed group of {group} values (one E4M3 scale per {group}, the "
+                    f"NVFP4 layout); drop {':' + opt!r} from {text!r}")
+            if seen_group and opt.startswith("g"):
+                raise KVCacheFormatError(f"two group sizes in {text!r}; give one ':gN'")
             if name in FLOAT_FORMATS or not opt.startswith("g") or not opt[1:].isdigit():
                 extra = (" (fp4 and float formats have no key grouping option)"
                          if opt in _GROUPING_ALIASES else "")
@@ -115,6 +132,7 @@ class KVFormat:
                     f"bad KV format option {opt!r} in {text!r}{extra}; use e.g. 'int4:g64' "
                     "(group size) or 'int4:c' (keys per channel)")
             group = int(opt[1:])
+            seen_group = True
             if group <= 0 or group & (group - 1):
                 raise KVCacheFormatError(f"KV group size must be a power of two, got {group}")
         return cls(name, bits, group, grouping)
@@ -187,6 +205,7 @@ class KVSpec:
         if isinstance(kv, str) and ("," in kv or "=" in kv):
             # the str() syntax: "int2,outliers=0.04,sinks=4,window=64", "k=int4,v=int2"
             base_fmt = None
+            seen: set[str] = set()
             for part in (p.strip() for p in kv.split(",")):
                 if not part:  # "int4,,", "int4,": a doubled or trailing comma
                     raise KVCacheFormatError(
@@ -194,6 +213,10 @@ class KVSpec:
                         "e.g. 'int2,outliers=0.04,sinks=4,window=64' or 'k=int4,v=int2'")
                 key, eq, val = part.partition("=")
                 key = key.strip().lower()
+                if (key if eq else "") in seen or (not eq and base_fmt is not None):
+                    raise KVCacheFormatError(
+                        f"KV cache option {key if eq else 'format'!r} given twice in {kv!r}")
+                seen.add(key if eq else "")
                 try:
                     if not eq:
                         base_fmt = key
@@ -249,8 +272,12 @@ class KVSpec:
         if key_outlier_frac is not None and float(key_outlier_frac) > 0 and (
                 kf.is_float):
             raise KVCacheFormatError(f"key outliers need a quantized key format, not {kf.name}")
-        if sink_tokens < 0 or window < 0:
-            raise KVCacheFormatError("sink_tokens and window must be >= 0")
+        for opt, n in (("sinks", sink_tokens), ("window", window)):
+            if not 0 <= n <= MAX_SIDE_TOKENS:
+                hint = (" (any value from the context size up keeps every token in fp16)"
+                        if n > MAX_SIDE_TOKENS else "")
+                raise KVCacheFormatError(
+                    f"{opt}= must be between 0 and {MAX_SIDE_TOKENS} tokens, got {n}{hint}")
         return cls(kf, vf, float(outlier_frac), int(sink_tokens), int(window),
                    None if key_outlier_frac is None else float(key_outlier_frac))
 
@@ -458,9 +485,12 @@ class PagedKVCache:
         n_slots = self.n_blocks * self.block_size
         kcls = get_codec_class(kv_spec.k.name)
         vcls = get_codec_class(kv_spec.v.name)
-        self.k_codec = _make_codec(kcls, kv_spec.k, spec.n_kv_heads, spec.head_dim, kv_spec,
+        # sinks/window beyond the context hold every token anyway: size the side buffers to it
+        cspec = dataclasses.replace(kv_spec, sink_tokens=min(kv_spec.sink_tokens, self.n_ctx),
+                                    window=min(kv_spec.window, self.n_ctx))
+        self.k_codec = _make_codec(kcls, kv_spec.k, spec.n_kv_heads, spec.head_dim, cspec,
                                    "k", self.max_seqs, self.block_size)
-        self.v_codec = _make_codec(vcls, kv_spec.v, spec.n_kv_heads, spec.v_head_dim, kv_spec,
+        self.v_codec = _make_codec(vcls, kv_spec.v, spec.n_kv_heads, spec.v_head_dim, cspec,
                                    "v", self.max_seqs, self.block_size)
         # codecs that take ``start`` get it, so the decode path needs no host-device sync
         self._start_kw = {side: (_takes_start(c.write), _takes_start(c.read))

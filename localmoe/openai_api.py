@@ -294,10 +294,10 @@ def _check_messages(msgs) -> list[dict]:
             raise InvalidRequestError(
                 f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}",
                 f"{p}.role")
-        if role == "tool" and m.get("tool_call_id") is None:  # OpenAI requires it
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # OpenAI requires it
             raise InvalidRequestError(
-                f"{p}.tool_call_id is required for a tool message (the id of the assistant's "
-                f"tool call it answers)", f"{p}.tool_call_id")
+                f"{p}.tool_call_id (a string) is required for a tool message: the id of the "
+                f"assistant's tool call it answers", f"{p}.tool_call_id")
         if role == "developer":
             role = "system"
         if role == "function":  # the deprecated function role: name, no tool_call_id

@@ -268,7 +268,11 @@ class ModelStore:
             if m is not None and (source in self.catalog or source.startswith("hf:")
                                   or m.name == source):
                 return m
-        self.models_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the model store folder {self.models_dir}: "
+                             f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None
         self._clean_partials()
         if source in self.catalog:
             return self._pull_catalog(self.catalog[source])

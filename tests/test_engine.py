@@ -317,6 +317,9 @@ def test_bad_parameters_are_user_errors():
     with pytest.raises(InvalidRequestError):
         llm.generate([], temperature=0)
     assert isinstance(ei.value, LocalMoEError)
+    for bad in (None, 5, [1, "x"]):  # not text, not token ids: a user error, not a TypeError
+        with pytest.raises(InvalidRequestError, match="string or a sequence of token ids"):
+            llm.generate(bad)
 
 
 def test_seeded_sampling_is_reproducible():

