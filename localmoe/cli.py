@@ -272,7 +272,12 @@ def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) 
     ``KVSpec.parse`` of it equals ``KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)`` and the
     user's own words (an explicit ``:c`` key grouping, say) stay as they were typed."""
     parts = ([f"k={kv_cache_k}"] if kv_cache_k else []) + ([f"v={kv_cache_v}"] if kv_cache_v else [])
-    return ",".join(parts + [kv_cache]) if parts else kv_cache
+    if not parts:
+        return kv_cache
+    # an override replaces the string's own k=/v= (a spec names each option once)
+    drop = ("k=" if kv_cache_k else "\0", "v=" if kv_cache_v else "\0")
+    rest = [p for p in kv_cache.split(",") if not p.strip().lower().replace(" ", "").startswith(drop)]
+    return ",".join(parts + rest) if any(p.strip() for p in rest) else ",".join(parts)
 
 
 def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
