@@ -196,6 +196,9 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     the text as is for plain completion.
     """
     sampling = _sampling_kwargs(kw)
+    from .engine import _sampling_params
+
+    _sampling_params(None, **sampling)  # out-of-range values fail before the weights load
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
             raise click.UsageError("give a PROMPT argument or pipe the prompt on stdin")
@@ -210,8 +213,6 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         if raw or (llm.template is None and not system):
             events = llm.generate(prompt, stream=True, raw=True, **sampling)
         else:
-            from .engine import _sampling_params
-
             if llm.template is None:
                 # llama.cpp warns and falls back to chatml here; for a model without a template
                 # (a base model) a plain transcript is what it can continue, and it is what

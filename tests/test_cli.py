@@ -107,6 +107,19 @@ def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
     assert not opened
 
 
+@pytest.mark.parametrize("args,needle", [(["--temperature", "-1"], "temperature"),
+                                         (["--top-p", "1.5"], "top_p"),
+                                         (["--min-p", "2"], "min_p")])
+def test_bad_sampling_values_fail_before_the_model_loads(home, tmp_path, args, needle):
+    """Out-of-range sampling values are refused before the model is even resolved (they were
+    reported only after the weights had loaded): the error names the parameter, not the
+    missing model file."""
+    r = run(["generate", "-m", str(tmp_path / "missing.gguf"), *args, "hi"])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          needle)
+    assert "missing.gguf" not in r.stderr
+
+
 def test_usage_errors_exit_2():
     r = CliRunner().invoke(cli, ["generate", "--max-tokens", "0", "hi"])
     assert r.exit_code == 2
