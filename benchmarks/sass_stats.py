@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -43,8 +44,11 @@ def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, ex
         const[f"{side}_NRING"] = 16 if ch else 0
         const[f"{side}_SIDE"] = bool(ch)
     const["K_NOP"] = 1
-    const["K_PRE"] = kfmt[0] == 1 and kfmt[1] == 4 and not kfmt[3]   # as default_sz_pre
-    const["V_PRE"] = not (kfmt[0] == 1 and kfmt[1] == 3 and not kfmt[3])
+    def codec(f):  # what da.default_sz_pre reads of a codec
+        return types.SimpleNamespace(bits=f[1], channel=f[3], is_fp4=f[0] == 2)
+
+    sides = da.default_sz_pre(codec(kfmt), codec(vfmt), batch=8, n_kv_heads=4)
+    const["K_PRE"], const["V_PRE"] = "k" in sides, "v" in sides
     const.update(extra or {})
     sig = {}
     for n in names:

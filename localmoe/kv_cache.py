@@ -213,10 +213,10 @@ class KVSpec:
                         "e.g. 'int2,outliers=0.04,sinks=4,window=64' or 'k=int4,v=int2'")
                 key, eq, val = part.partition("=")
                 key = key.strip().lower()
-                if (key if eq else "") in seen or (not eq and base_fmt is not None):
-                    raise KVCacheFormatError(
-                        f"KV cache option {key if eq else 'format'!r} given twice in {kv!r}")
-                seen.add(key if eq else "")
+                tag = key if eq else "format"
+                if tag in seen:
+                    raise KVCacheFormatError(f"KV cache option {tag!r} given twice in {kv!r}")
+                seen.add(tag)
                 try:
                     if not eq:
                         base_fmt = key

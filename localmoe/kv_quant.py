@@ -29,7 +29,8 @@ whose exclusion shrinks their channel's page range most (:func:`select_channel_o
 they are left out of the min/max, get code 0 (so their packed value is the channel's
 ``czero``) and are stored exactly in ``oidx``/``oval`` at the token's slot, the same entries as
 per-token outliers (a read overwrites them; the decode kernel adds
-``q[c] * (oval - czero[page, c])`` to the token's score instead). Error bound per value: half a step of the channel's
+``q[c] * (oval - czero[page, c])`` to the token's score instead). Error bound per value: half
+a step of the channel's
 range over the page, see :func:`channel_error_bound`.
 
 Optional extras, all per :class:`~localmoe.kv_cache.KVSpec`:
