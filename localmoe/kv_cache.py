@@ -196,12 +196,22 @@ class KVSpec:
         default :data:`DEFAULT_CHANNEL_KEY_OUTLIERS` off).
 
         Raises:
-            KVCacheFormatError: unknown format or out-of-range option, an empty option (a
-                doubled or trailing comma), a grouping on values (``v="int4:c"``), on fp4 or on
-                a float format.
+            KVCacheFormatError: unknown format or out-of-range option, an empty format
+                (``""``, ``k=""``, ``"k=int4,v="``; a side that is not named stays f16), an
+                empty option (a doubled or trailing comma), a grouping on values
+                (``v="int4:c"``), on fp4 or on a float format.
         """
         if isinstance(kv, KVSpec) and k is None and v is None and kgroup is None:
             return kv
+        choices = ", ".join(KV_FORMAT_TABLE)
+        if isinstance(kv, str) and not kv.strip():  # `--kv-cache ""` is no request for f16
+            raise KVCacheFormatError(
+                f"empty KV cache format; choose one of: {choices} (leave it out for f16)")
+        for side, val in (("keys", k), ("values", v)):
+            if val is not None and not str(val).strip():
+                raise KVCacheFormatError(
+                    f"empty KV cache format for the {side}; choose one of: {choices}, or "
+                    f"leave it unset")
         if isinstance(kv, str) and ("," in kv or "=" in kv):
             # the str() syntax: "int2,outliers=0.04,sinks=4,window=64", "k=int4,v=int2"
             base_fmt = None
@@ -220,6 +230,10 @@ class KVSpec:
                 try:
                     if not eq:
                         base_fmt = key
+                    elif key in ("k", "v") and not val.strip():  # "k=int4,v=": not f16
+                        raise KVCacheFormatError(
+                            f"empty KV cache format {part!r} in {kv!r}; give {key}= one of: "
+                            f"{choices}, or leave {key}= out")
                     elif key == "k":
                         k = k or val
                     elif key == "v":

@@ -107,6 +107,35 @@ def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
     assert not opened
 
 
+def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
+    """An empty --kv-cache / -k / -v value or an empty k=/v= in the string silently meant f16;
+    it is an error naming the accepted formats, before any model is resolved or loaded, in
+    every command, the Python API and the server."""
+    import localmoe.tui.app as tui_app
+    from localmoe import server
+    from localmoe.engine import LLM
+    from localmoe.errors import KVCacheFormatError
+
+    missing = str(tmp_path / "missing.gguf")
+    for kw in ({"kv_cache": ""}, {"kv_cache": "k=int4,v="}, {"kv_cache_k": ""},
+               {"kv_cache_v": ""}):
+        with pytest.raises(KVCacheFormatError, match="empty KV cache format"):
+            LLM(missing, **kw)
+        with pytest.raises(KVCacheFormatError, match="empty KV cache format"):
+            server.run_server(missing, **kw)
+    opened = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "run_server", lambda *a, **kw: opened.append("serve"))
+    for cmd in (["generate", "-m", missing, "hi"], ["chat", "-m", missing], ["serve"]):
+        for kv in (["--kv-cache", ""], ["--kv-cache", "k=int4,v="], ["--kv-cache", "k="],
+                   ["--kv-cache-k", ""], ["--kv-cache-v", ""]):
+            r = run([*cmd, *kv])
+            assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                                  "empty KV cache format", "int4")
+            assert "missing.gguf" not in r.stderr
+    assert not opened
+
+
 @pytest.mark.parametrize("args,needle", [(["--temperature", "-1"], "temperature"),
                                          (["--top-p", "1.5"], "top_p"),
                                          (["--min-p", "2"], "min_p")])

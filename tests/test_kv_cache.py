@@ -35,6 +35,28 @@ def test_parse_refuses_empty_options(text):
     KVSpec.parse(text.replace(",,", ",").replace(", ,", ",").strip(","))  # the fixed text parses
 
 
+@pytest.mark.parametrize("kv,k,v,match", [
+    ("", None, None, "empty KV cache format; choose one of: f32, f16"),
+    ("  ", None, None, "empty KV cache format; choose one of"),
+    ("k=int4,v=", None, None, "empty KV cache format 'v=' in 'k=int4,v='; give v= one of"),
+    ("k=", None, None, "empty KV cache format 'k=' in 'k='; give k= one of"),
+    ("int4,v=", None, None, "empty KV cache format 'v='"),
+    ("f16", "", None, "empty KV cache format for the keys; choose one of"),
+    ("int4", None, " ", "empty KV cache format for the values; choose one of")])
+def test_parse_refuses_empty_formats(kv, k, v, match):
+    # an empty format silently meant f16 (for the side it named, or both)
+    with pytest.raises(KVCacheFormatError, match=match):
+        KVSpec.parse(kv, k, v)
+
+
+def test_unnamed_side_still_defaults_to_f16():
+    s = KVSpec.parse("k=int4")
+    assert (s.k.name, s.v.name) == ("int4", "f16")
+    s = KVSpec.parse("v=int2")
+    assert (s.k.name, s.v.name) == ("f16", "int2")
+    assert str(KVSpec.parse(None)) == "f16"
+
+
 @pytest.mark.parametrize("text,match", [
     ("int4,window=99999999999999999999", "window= must be between 0 and"),
     ("int4,sinks=100000000", "sinks= must be between 0 and"),
