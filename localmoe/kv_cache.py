@@ -199,7 +199,9 @@ class KVSpec:
             KVCacheFormatError: unknown format or out-of-range option, an empty format
                 (``""``, ``k=""``, ``"k=int4,v="``; a side that is not named stays f16), an
                 empty option (a doubled or trailing comma), a grouping on values
-                (``v="int4:c"``), on fp4 or on a float format.
+                (``v="int4:c"``), on fp4 or on a float format, ``outliers=``/``sinks=``/
+                ``window=`` on a cache with no quantized side (``outliers=`` also with float
+                values and keys that do not take it).
         """
         if isinstance(kv, KVSpec) and k is None and v is None and kgroup is None:
             return kv
@@ -286,6 +288,24 @@ class KVSpec:
         if key_outlier_frac is not None and float(key_outlier_frac) > 0 and (
                 kf.is_float):
             raise KVCacheFormatError(f"key outliers need a quantized key format, not {kf.name}")
+        if kf.is_float and vf.is_float:
+            # a float cache keeps every token in full precision already: the options that keep
+            # some in fp16 would do nothing (and window= is not sliding-window attention)
+            cache = kf.name if kf.name == vf.name else f"k={kf.name},v={vf.name}"
+            for opt, n in (("outliers", outlier_frac), ("sinks", sink_tokens),
+                           ("window", window)):
+                if n:
+                    raise KVCacheFormatError(
+                        f"{opt}= does nothing on a float KV cache ({cache}): every token is "
+                        f"kept in full precision already; drop it, or use a quantized format, "
+                        f"e.g. 'int4,{opt}=...'")
+        elif outlier_frac and vf.is_float and (
+                kf.is_float or key_outlier_frac is not None or kf.grouping == "channel"):
+            keys = ("per channel (they take koutliers=)" if kf.grouping == "channel"
+                    else "given their own koutliers=")
+            raise KVCacheFormatError(
+                f"outliers= does nothing here: it applies to quantized values and per-token "
+                f"keys, and the values are {vf.name}, the keys {keys}; drop outliers=")
         for opt, n in (("sinks", sink_tokens), ("window", window)):
             if not 0 <= n <= MAX_SIDE_TOKENS:
                 hint = (" (any value from the context size up keeps every token in fp16)"

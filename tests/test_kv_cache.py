@@ -49,6 +49,27 @@ def test_parse_refuses_empty_formats(kv, k, v, match):
         KVSpec.parse(kv, k, v)
 
 
+@pytest.mark.parametrize("kv,match", [
+    ("f16,window=64", "window= does nothing on a float KV cache \\(f16\\)"),
+    ("bf16,sinks=4", "sinks= does nothing on a float KV cache \\(bf16\\)"),
+    ("f16,outliers=0.04", "outliers= does nothing on a float KV cache"),
+    ("k=bf16,v=f16,window=8", "window= does nothing on a float KV cache \\(k=bf16,v=f16\\)"),
+    ("k=int4,v=f16,outliers=0.04", "outliers= does nothing here.*per channel"),
+    ("k=int4:t,v=f16,outliers=0.04,koutliers=0.03", "outliers= does nothing here.*koutliers")])
+def test_parse_refuses_options_that_do_nothing_on_float_sides(kv, match):
+    # the float codec stores every token in full precision and ignores these options: they
+    # were accepted and did nothing (window= is no sliding-window attention either)
+    with pytest.raises(KVCacheFormatError, match=match):
+        KVSpec.parse(kv)
+
+
+@pytest.mark.parametrize("kv", ["f16,window=0", "k=int4,v=f16,window=64", "k=f16,v=int4,sinks=4",
+                                "k=int4:t,v=f16,outliers=0.04", "k=f16,v=int2,outliers=0.04",
+                                "int4:c,outliers=0.04"])
+def test_options_with_a_quantized_side_that_uses_them_are_kept(kv):
+    assert KVSpec.parse(str(KVSpec.parse(kv))) == KVSpec.parse(kv)
+
+
 def test_unnamed_side_still_defaults_to_f16():
     s = KVSpec.parse("k=int4")
     assert (s.k.name, s.v.name) == ("int4", "f16")
