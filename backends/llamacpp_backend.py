@@ -136,6 +136,24 @@ class LlamaCppBackend(Backend):
                     f"--backend torch, or convert it with llama.cpp's convert_hf_to_gguf.py")
         return _kv_reason(kv_spec)
 
+    def check_device(self, device: str | None) -> str | None:
+        """``cuda``/``cuda:N`` need a llama-cpp-python built with GPU offload; the index is
+        checked against the CUDA devices torch sees when torch has CUDA (llama.cpp finds the
+        same ones), else left to llama.cpp."""
+        d = str(device or "cpu").strip().lower()
+        if not d.startswith("cuda"):
+            return None
+        import llama_cpp
+
+        if not llama_cpp.llama_supports_gpu_offload():
+            return ("this llama-cpp-python build has no GPU support; use --device cpu or "
+                    "--backend triton/torch")
+        import torch
+
+        from localmoe.registry import cuda_device_problem
+
+        return cuda_device_problem(device) if torch.backends.cuda.is_built() else None
+
     def load(self, model: Any, *, n_ctx: int | None = None, kv_spec: Any = None,
              device: str | None = None, n_threads: int | None = None, n_batch: int = 512,
              max_seqs: int = 1, **options: Any) -> "LlamaCppRunner":
@@ -145,7 +163,8 @@ class LlamaCppBackend(Backend):
             n_ctx: context size in tokens (default: the model's training context, max 4096).
             kv_spec: KVSpec (default f16); see the module docstring for the mapping.
             device: None/"cpu"; "cuda" offloads all layers when llama-cpp-python was built
-                with GPU support.
+                with GPU support (split over the GPUs as llama.cpp does), "cuda:N" onto GPU N
+                alone (``main_gpu=N``, no split).
             n_threads: CPU threads (default ``$LOCALMOE_THREADS``, else half the logical CPUs).
             n_batch: prefill chunk in tokens.
 
@@ -170,13 +189,20 @@ class LlamaCppBackend(Backend):
         import llama_cpp
 
         n_gpu_layers = 0
-        dev = (device or "cpu").lower()
-        if dev.startswith("cuda") or dev == "gpu":
+        dev = (device or "cpu").strip().lower()
+        if dev == "gpu":
+            dev = "cuda"
+        if dev.startswith("cuda"):
             if not llama_cpp.llama_supports_gpu_offload():
                 raise BackendUnavailableError(
                     "this llama-cpp-python build has no GPU support; use --device cpu or "
                     "--backend triton/torch")
             n_gpu_layers = -1
+            if dev[5:].isdigit():  # cuda:N: that GPU alone (plain cuda: llama.cpp's layer split)
+                options.setdefault("main_gpu", int(dev[5:]))
+                options.setdefault("split_mode", llama_cpp.LLAMA_SPLIT_MODE_NONE)
+            elif dev != "cuda":
+                raise BackendUnavailableError(f"llamacpp backend: unknown device {device!r}")
         elif dev != "cpu":
             raise BackendUnavailableError(f"llamacpp backend: unknown device {device!r}")
         spec = model.spec
@@ -194,7 +220,7 @@ class LlamaCppBackend(Backend):
                 flash_attn=flash, logits_all=False, verbose=False, **options)
         except (ValueError, RuntimeError, OSError) as e:
             raise ModelLoadError(f"llama.cpp could not load {path}: {e}") from e
-        return LlamaCppRunner(llm, spec, ctx, _as_run(kv_spec), "cuda" if n_gpu_layers else "cpu",
+        return LlamaCppRunner(llm, spec, ctx, _as_run(kv_spec), dev,
                               threads=threads, n_batch=nb, flash_attn=flash,
                               max_seqs=max(1, int(max_seqs)))
 
@@ -203,7 +229,7 @@ class LlamaCppRunner:
     """Runner over one llama.cpp context (see docs/INTERFACES.md "Runner").
 
     Attributes:
-        spec: ModelSpec; n_ctx: tokens; kv_spec: KVSpec; device: "cpu"|"cuda";
+        spec: ModelSpec; n_ctx: tokens; kv_spec: KVSpec; device: "cpu"|"cuda"|"cuda:N";
         backend_name: "llamacpp"; max_seqs: sequences the context can hold.
     """
 

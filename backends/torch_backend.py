@@ -456,6 +456,7 @@ class TorchBackend(Backend):
         Raises:
             BackendUnavailableError: CUDA requested but absent.
         """
-        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
-            raise BackendUnavailableError("device 'cuda' requested but no CUDA device is visible")
+        why = self.check_device(device)
+        if why:
+            raise BackendUnavailableError(why)
         return TorchRunner(model, n_ctx=n_ctx, kv_spec=kv_spec, device=device, **options)

@@ -284,14 +284,16 @@ def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) 
 def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
     KV format, device, model file, backend, context size. Raises the same LocalMoEError."""
-    from .engine import check_device, parse_kv_request
+    from .engine import check_backend_device, check_device, parse_kv_request
     from .registry import select_backend
 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(device)
     if model is None:  # the default / last / continued model is found (or pulled) by the UI
         if backend and backend != "auto":
-            select_backend(backend, "gguf", kv_spec)
+            check_backend_device(select_backend(backend, "gguf", kv_spec)[0], device)
+        elif device is not None:  # the backend auto picks for a GGUF model (the store's kind)
+            check_backend_device(select_backend("auto", "gguf", kv_spec)[0], device)
         return
     from .errors import InvalidRequestError
     from .loader import open_model
@@ -299,7 +301,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
 
     mf = open_model(resolve_model(model))
     try:
-        select_backend(backend or "auto", mf.format, kv_spec)
+        check_backend_device(select_backend(backend or "auto", mf.format, kv_spec)[0], device)
         n_train = int(mf.spec.n_ctx_train or 0)
         if n_ctx and n_train and n_ctx > n_train:
             raise InvalidRequestError(

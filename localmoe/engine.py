@@ -162,22 +162,38 @@ def parse_kv_request(kv: Any = "f16", k: str | None = None, v: str | None = None
     return spec
 
 
-def check_device(device: Any) -> None:
-    """Refuse a device string no backend understands, before anything loads.
+def check_device(device: Any) -> str | None:
+    """Refuse a device string no backend understands, before anything loads; returns it
+    normalized (``" CUDA:1"`` -> ``"cuda:1"``; None stays None).
 
     Accepted: None (the backend's default), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (N a GPU
-    index). Whether a CUDA device is present is the backend's check.
+    index). Whether that device is present is the backend's check
+    (:func:`check_backend_device`).
 
     Raises:
         InvalidRequestError: anything else (``param="device"``).
     """
     if device is None:
-        return
+        return None
     d = str(device).strip().lower()
     if d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
-        return
+        return d
     raise InvalidRequestError(f"unknown device {device!r}; use cpu, cuda or cuda:N (N = GPU index)",
                               param="device")
+
+
+def check_backend_device(backend: Any, device: Any) -> None:
+    """Refuse a ``device`` (accepted by :func:`check_device`) that does not exist here for
+    ``backend`` (a registry Backend: its ``check_device``), before any weights load:
+    ``cuda`` without a visible CUDA device, ``cuda:N`` beyond the devices there are.
+
+    Raises:
+        InvalidRequestError: the backend's reason (``param="device"``).
+    """
+    check = getattr(backend, "check_device", None)
+    why = check(device) if device is not None and check is not None else None
+    if why:
+        raise InvalidRequestError(why, param="device")
 
 
 def _sampling_params(params: Any = None, **sampling: Any):
@@ -236,11 +252,12 @@ class LLM:
             raise InvalidRequestError(f"context size must be a positive integer, got {n_ctx!r}",
                                       param="n_ctx")
         kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)  # errors before any I/O
-        check_device(device)
+        device = check_device(device)
         prog(0.0, "resolving model")
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")
         be, reason = select_backend(backend or "auto", model_file.format, kv_spec)
+        check_backend_device(be, device)
         n_train = int(model_file.spec.n_ctx_train or 0)
         if n_ctx and n_train and n_ctx > n_train:
             raise InvalidRequestError(

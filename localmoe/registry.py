@@ -41,10 +41,37 @@ class Backend:
         else a reason (shown to the user before weights load)."""
         return None
 
+    def check_device(self, device: str | None) -> str | None:
+        """None when ``device`` (None, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``, as
+        :func:`localmoe.engine.check_device` accepts) exists here for this backend, else a reason
+        (shown to the user before weights load). Default: CUDA devices as torch sees them
+        (:func:`cuda_device_problem`)."""
+        return cuda_device_problem(device)
+
     def load(self, model: Any, *, n_ctx: int | None = None, kv_spec: Any = None,
              device: str | None = None, **options: Any):
         """Build and return a Runner for ``model`` (a ModelFile). Raises LocalMoEError subclasses."""
         raise BackendUnavailableError(f"backend {self.name!r} cannot load models")
+
+
+def cuda_device_problem(device: str | None) -> str | None:
+    """Why ``device`` (``"cuda"``, ``"cuda:N"``; anything else passes) is missing here: no
+    CUDA device visible to torch, or no device N (``CUDA_VISIBLE_DEVICES`` applies); None when
+    it exists. Imports torch only for a CUDA device."""
+    d = str(device or "").strip().lower()
+    if not d.startswith("cuda"):
+        return None
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return f"device {device!r} requested but no CUDA device is visible here; use cpu"
+    idx = int(d[5:]) if d[5:].isdigit() else 0
+    if idx >= n:
+        have = "cuda:0" if n == 1 else f"cuda:0 to cuda:{n - 1}"
+        return (f"device {device!r} does not exist: {n} CUDA device{'s' if n > 1 else ''} "
+                f"visible here ({have})")
+    return None
 
 
 def register_backend(name: str) -> Callable[[type], type]:

@@ -610,14 +610,14 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
 
     Raises:
         KVCacheFormatError: invalid kv cache format (or one the backend cannot hold).
-        InvalidRequestError: unknown device.
+        InvalidRequestError: unknown device, or one that does not exist here.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
             be found or read.
         BackendUnavailableError: the backend cannot run this model here.
     """
     import uvicorn
 
-    from .engine import check_device, parse_kv_request
+    from .engine import check_backend_device, check_device, parse_kv_request
     from .loader import open_model
     from .registry import select_backend
     from .store import resolve_model
@@ -627,7 +627,8 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(llm_options.get("device"))
     model_file = open_model(resolve_model(model))
-    select_backend(backend or "auto", model_file.format, kv_spec)
+    be, _ = select_backend(backend or "auto", model_file.format, kv_spec)
+    check_backend_device(be, llm_options.get("device"))
     _check_port_free(host, port)
     if not is_loopback(host) and not api_key:
         msg = (f"WARNING: serving on {host}:{port} without an API key; anyone who can reach "

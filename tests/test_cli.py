@@ -258,6 +258,34 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
     assert r.exit_code == 1 and "unknown device 'tpu'" in r.output  # was a torch traceback
 
 
+def test_missing_cuda_device_is_a_one_line_error(monkeypatch, tmp_path):
+    """--device cuda:7 on a machine with 2 GPUs, or cuda without any, is one error line before
+    the UI opens, the server starts or any weights load (generate, chat, serve)."""
+    import torch
+    import uvicorn
+
+    import localmoe.backends.torch_backend as tb
+    import localmoe.tui.app as tui_app
+    from localmoe import server
+    from localmoe.testing.synthetic import write_gguf
+
+    opened = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "_check_port_free", lambda *a: opened.append("serve"))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: opened.append("uvicorn"))
+    monkeypatch.setattr(tb.TorchBackend, "load", lambda *a, **kw: opened.append("weights"))
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    for n, dev, needle in ((2, "cuda:7", "'cuda:7' does not exist: 2 CUDA devices"),
+                           (0, "cuda", "no CUDA device is visible")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        for cmd in (["generate", "hi"], ["chat"], ["serve"]):
+            r = run([*cmd, "-m", m, "--backend", "torch", "--device", dev])
+            assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                                  needle)
+    assert not opened
+
+
 @pytest.mark.slow
 def test_info_real_model(smollm2_path):
     r = lm("info", str(smollm2_path))

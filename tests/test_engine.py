@@ -484,6 +484,56 @@ def test_context_above_training_context_is_refused_before_loading(tmp_path):
     assert e.value.param == "n_ctx"
 
 
+def _fake_cuda(monkeypatch, n):
+    """Pretend torch sees ``n`` CUDA devices (0: none); loading weights fails the test."""
+    import localmoe.backends.torch_backend as tb
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    def no_load(*a, **kw):
+        raise AssertionError("weights must not load")
+
+    monkeypatch.setattr(tb.TorchBackend, "load", no_load)
+
+
+@pytest.mark.parametrize("n,device,match", [
+    (2, "cuda:7", r"device 'cuda:7' does not exist: 2 CUDA devices visible here \(cuda:0 to cuda:1\)"),
+    (1, "cuda:1", r"device 'cuda:1' does not exist: 1 CUDA device visible here \(cuda:0\)"),
+    (0, "cuda", "device 'cuda' requested but no CUDA device is visible here; use cpu"),
+    (0, "cuda:0", "device 'cuda:0' requested but no CUDA device is visible")])
+def test_missing_device_is_refused_before_weights_load(tmp_path, monkeypatch, n, device, match):
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    _fake_cuda(monkeypatch, n)
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        LLM(path, backend="torch", n_ctx=32, device=device)
+    assert e.value.param == "device"
+
+
+def test_device_index_given_is_the_device_used_and_reported(tmp_path, monkeypatch):
+    import localmoe.backends.torch_backend as tb
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    got = []
+
+    class Loaded(Exception):
+        pass
+
+    def load(self, model, **kw):
+        got.append(kw["device"])
+        raise Loaded
+
+    monkeypatch.setattr(tb.TorchBackend, "load", load)
+    with pytest.raises(Loaded):
+        LLM(path, backend="torch", n_ctx=32, device=" CUDA:7")
+    assert got == ["cuda:7"]
+
+
 def test_model_name_is_the_name_the_user_gave(tmp_path):
     from localmoe.engine import LLM
     from localmoe.loader import open_model

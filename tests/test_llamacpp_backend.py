@@ -262,3 +262,44 @@ def test_moe_model_generates_like_llama_cpp(tmp_path):
         raw.close()
     assert len(ours) == 8
     assert ours == ref
+
+
+@pytest.mark.parametrize("device,gpu_opts", [("cuda:1", {"main_gpu": 1, "split_mode": 0}),
+                                             ("cuda", {}), ("cpu", None)])
+def test_device_index_is_used_and_reported(tmp_path, monkeypatch, device, gpu_opts):
+    """cuda:N puts the model on GPU N alone and the runner reports cuda:N (it said 'cuda');
+    plain cuda keeps llama.cpp's split over every GPU."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import types
+
+    import localmoe.backends.llamacpp_backend as lb
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    calls = []
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: calls.append(kw) or object())
+    monkeypatch.setattr(lb, "LlamaCppRunner",
+                        lambda llm, spec, ctx, kv, dev, **kw: types.SimpleNamespace(device=dev))
+    mf = open_model(write_gguf(tmp_path / "t.gguf", "tiny-llama"))
+    r = backend().load(mf, n_ctx=32, device=device)
+    assert r.device == device
+    (kw,) = calls
+    assert kw["n_gpu_layers"] == (0 if gpu_opts is None else -1)
+    for key in ("main_gpu", "split_mode"):
+        assert kw.get(key) == (gpu_opts or {}).get(key), (key, kw)
+
+
+def test_missing_gpu_is_refused_before_weights_load(monkeypatch):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import torch
+
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)
+    assert "no GPU support" in backend().check_device("cuda:0")
+    assert backend().check_device("cpu") is None
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert "'cuda:7' does not exist" in backend().check_device("cuda:7")
+    assert backend().check_device("cuda:1") is None
