@@ -285,6 +285,8 @@ def _check_messages(msgs) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
     out = []
+    call_ids: list[str] = []  # ids of the tool calls of the assistant messages so far
+    anonymous_calls = False   # an earlier call came without an id: any tool_call_id may be its
     for i, m in enumerate(msgs):
         p = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -298,6 +300,13 @@ def _check_messages(msgs) -> list[dict]:
             raise InvalidRequestError(
                 f"{p}.tool_call_id (a string) is required for a tool message: the id of the "
                 f"assistant's tool call it answers", f"{p}.tool_call_id")
+        if role == "tool" and m["tool_call_id"] not in call_ids and not anonymous_calls:
+            known = (f"the tool call ids before it: {', '.join(map(repr, call_ids))}" if call_ids
+                     else "no assistant message before it has tool_calls")
+            raise InvalidRequestError(
+                f"{p}.tool_call_id {m['tool_call_id']!r} matches no tool call of an earlier "
+                f"assistant message ({known}); a tool message answers one of the assistant's "
+                f"tool_calls by its id", f"{p}.tool_call_id")
         if role == "developer":
             role = "system"
         if role == "function":  # the deprecated function role: name, no tool_call_id
@@ -326,6 +335,10 @@ def _check_messages(msgs) -> list[dict]:
                 if not isinstance(args, dict):
                     raise InvalidRequestError(f"{q}.function.arguments must be a JSON object",
                                               f"{q}.function.arguments")
+                if c.get("id"):
+                    call_ids.append(str(c["id"]))
+                else:
+                    anonymous_calls = True
                 clean_calls.append({"id": c.get("id") or new_call_id(), "type": "function",
                                     "function": {"name": fn["name"], "arguments": args}})
             if clean_calls:

@@ -470,6 +470,40 @@ def test_error_status_codes_and_objects(live, client):
     assert 'status="500"' not in httpx.get(live.url + "/metrics").text  # no user error is a 500
 
 
+def test_tool_message_must_answer_an_earlier_tool_call(live):
+    """A tool message whose tool_call_id matches no tool call of an earlier assistant message
+    was accepted (and rendered as an answer to nothing); it is a 400 naming the id, the known
+    ids and the parameter, as OpenAI answers it."""
+    url = live.url + "/v1/chat/completions"
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}
+    head = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]}]
+    body = _err(httpx.post(url, json={"model": "scripted", "messages": [
+        *head, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}),
+        400, "messages[2].tool_call_id")
+    assert body["type"] == "invalid_request_error"
+    assert "'call_9'" in body["message"] and "'call_1'" in body["message"], body
+    body = _err(httpx.post(url, json={"model": "scripted", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1",
+                                            "content": "sunny"}]}), 400, "messages[1].tool_call_id")
+    assert "no assistant message before it has tool_calls" in body["message"], body
+    # a tool result before the call it answers is as wrong
+    _err(httpx.post(url, json={"model": "scripted", "messages": [
+        head[0], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, head[1]]}),
+        400, "messages[1].tool_call_id")
+    result = '{"city": "Paris", "temp_c": 21}'
+    r = httpx.post(url, json={"model": "scripted", "messages": [
+        *head, {"role": "tool", "tool_call_id": "call_1", "content": result}]})
+    assert r.status_code == 200 and "21 C" in r.text, r.text
+    # a client that sent its calls without ids can still answer them
+    anon = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    r = httpx.post(url, json={"model": "scripted", "messages": [
+        head[0], {"role": "assistant", "content": None, "tool_calls": [anon]},
+        {"role": "tool", "tool_call_id": "x", "content": result}]})
+    assert r.status_code == 200 and "21 C" in r.text, r.text
+
+
 def test_api_key_required_when_set(scripted_llm):
     from localmoe.server import create_app
 
