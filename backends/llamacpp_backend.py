@@ -33,7 +33,7 @@ from typing import Any
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
                              LocalMoEError, ModelLoadError)
-from localmoe.registry import Backend, register_backend
+from localmoe.registry import Backend, env_threads, register_backend
 
 # localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)
 KV_TYPE_MAP: dict[str, tuple[int, str, int, int]] = {
@@ -111,9 +111,9 @@ def _quiet_llama_logs(llama_cpp: Any) -> None:
 
 
 def _default_threads() -> int:
-    env = os.environ.get("LOCALMOE_THREADS")
-    if env and env.isdigit() and int(env) > 0:
-        return int(env)
+    env = env_threads()  # refuses a value that is no thread count
+    if env is not None:
+        return env
     # llama-cpp-python's own default: half the logical CPUs (= physical cores with SMT). Its
     # threads spin at barriers, so oversubscribing a busy machine is far slower than fewer.
     return max(1, (os.cpu_count() or 1) // 2)

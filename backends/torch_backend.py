@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from localmoe.errors import BackendUnavailableError, InvalidRequestError, LocalMoEError
-from localmoe.registry import Backend, register_backend
+from localmoe.registry import Backend, env_threads, register_backend
 
 
 def _usable_cpus() -> set[int]:
@@ -119,10 +119,13 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
 
     Returns:
         (threads, reason) -- reason like ``"2 physical cores, 0.0 busy elsewhere"``.
+
+    Raises:
+        InvalidRequestError: ``$LOCALMOE_THREADS`` is not a whole number of at least 1.
     """
-    env = os.environ.get("LOCALMOE_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env), "LOCALMOE_THREADS/--threads"
+    env = env_threads()
+    if env is not None:
+        return env, "LOCALMOE_THREADS/--threads"
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return torch.get_num_threads(), "OMP_NUM_THREADS"
@@ -198,6 +201,8 @@ class TorchRunner:
         dev = torch.device(self.device)
         if n_threads is not None and int(n_threads) < 1:
             raise InvalidRequestError(f"threads must be at least 1, got {n_threads}", "n_threads")
+        if n_threads is None and dev.type == "cpu":
+            env_threads()  # a bad $LOCALMOE_THREADS is refused before the weights load
         busy = _CPUBusy().start() if dev.type == "cpu" and n_threads is None else None
         self.dtype = dtype or torch.float32
         if dev.type == "cpu":

@@ -238,14 +238,15 @@ class LLM:
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,
-        KVCacheFormatError, InvalidRequestError (bad n_ctx or device), StoreError (pull failed).
+        KVCacheFormatError, InvalidRequestError (bad n_ctx or device, a ``$LOCALMOE_THREADS``
+        that is no thread count), StoreError (pull failed).
     """
 
     def __init__(self, model: Any = None, backend: str = "auto", n_ctx: int | None = None,
                  kv_cache: Any = "f16", kv_cache_k: str | None = None,
                  kv_cache_v: str | None = None, device: str | None = None,
                  progress: Callable[[float, str], None] | None = None, **backend_options: Any):
-        from .registry import select_backend
+        from .registry import env_threads, select_backend
 
         prog = progress or (lambda f, m: None)
         if n_ctx is not None and (not isinstance(n_ctx, int) or n_ctx < 1):
@@ -253,6 +254,8 @@ class LLM:
                                       param="n_ctx")
         kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)  # errors before any I/O
         device = check_device(device)
+        if backend_options.get("n_threads") is None:
+            env_threads()  # a bad $LOCALMOE_THREADS is an error before any I/O
         prog(0.0, "resolving model")
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")

@@ -11,9 +11,10 @@ llama-cpp-python installed) -> ``torch`` (reference, runs anywhere).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, Callable
 
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, InvalidRequestError
 
 _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = ("localmoe.backends.triton_backend", "localmoe.backends.llamacpp_backend",
@@ -52,6 +53,28 @@ class Backend:
              device: str | None = None, **options: Any):
         """Build and return a Runner for ``model`` (a ModelFile). Raises LocalMoEError subclasses."""
         raise BackendUnavailableError(f"backend {self.name!r} cannot load models")
+
+
+THREADS_ENV = "LOCALMOE_THREADS"
+
+
+def env_threads() -> int | None:
+    """CPU threads the user set in ``$LOCALMOE_THREADS`` (``-t/--threads`` sets it) for the
+    torch and llamacpp backends; None when it is unset or empty (the backend's default).
+
+    Raises:
+        InvalidRequestError: a value that is not a whole number of at least 1
+            (``param="LOCALMOE_THREADS"``).
+    """
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    v = raw.strip()
+    if v.isascii() and v.isdigit() and int(v) > 0:
+        return int(v)
+    raise InvalidRequestError(
+        f"{THREADS_ENV}={raw!r} is not a thread count; set it to a whole number of at least 1 "
+        f"(or unset it for the default)", param=THREADS_ENV)
 
 
 def cuda_device_problem(device: str | None) -> str | None:

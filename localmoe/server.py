@@ -610,7 +610,8 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
 
     Raises:
         KVCacheFormatError: invalid kv cache format (or one the backend cannot hold).
-        InvalidRequestError: unknown device, or one that does not exist here.
+        InvalidRequestError: unknown device, or one that does not exist here; a
+            ``$LOCALMOE_THREADS`` that is no thread count.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
             be found or read.
         BackendUnavailableError: the backend cannot run this model here.
@@ -619,13 +620,15 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
 
     from .engine import check_backend_device, check_device, parse_kv_request
     from .loader import open_model
-    from .registry import select_backend
+    from .registry import env_threads, select_backend
     from .store import resolve_model
 
-    # fail before binding on a bad format or device, a missing or corrupt file or an unusable
-    # backend
+    # fail before binding on a bad format, device or $LOCALMOE_THREADS, a missing or corrupt
+    # file or an unusable backend
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(llm_options.get("device"))
+    if llm_options.get("n_threads") is None:
+        env_threads()
     model_file = open_model(resolve_model(model))
     be, _ = select_backend(backend or "auto", model_file.format, kv_spec)
     check_backend_device(be, llm_options.get("device"))

@@ -97,3 +97,48 @@ def test_threads_flag(monkeypatch):
         assert "--threads" in CliRunner().invoke(cli, [cmd, "--help"]).output
     r = CliRunner().invoke(cli, ["generate", "-t", "0", "hi"])
     assert r.exit_code == 2
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "²"])
+def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, value):
+    """A LOCALMOE_THREADS that is no thread count was silently ignored (the default ran); it
+    is one error line naming the variable and its value, before any weights load."""
+    import types
+
+    import localmoe.backends.llamacpp_backend as lb
+    import localmoe.backends.torch_backend as tb
+    import localmoe.tui.app as tui_app
+    from localmoe import server
+    from localmoe.cli import cli
+    from localmoe.engine import LLM
+    from localmoe.errors import InvalidRequestError
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    monkeypatch.setenv("LOCALMOE_THREADS", value)
+    msg = f"LOCALMOE_THREADS={value!r} is not a thread count"
+    for read in (default_threads, lb._default_threads):
+        with pytest.raises(InvalidRequestError, match=msg):
+            read()
+    opened = []
+
+    def no_load(*a, **kw):
+        opened.append("weights")
+        raise AssertionError("weights must not load")
+
+    monkeypatch.setattr(tb.TorchBackend, "load", no_load)
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "_check_port_free", lambda *a: opened.append("serve"))
+    with pytest.raises(InvalidRequestError, match=msg):
+        LLM(m, backend="torch", n_ctx=32)
+    for cmd in (["generate", "hi"], ["chat"], ["serve"], ["bench"]):
+        r = CliRunner().invoke(cli, [*cmd, "-m", m, "--backend", "torch"])
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, (cmd, r.output)
+        assert lines[0].startswith(f"error: {msg}; set it to a whole number of at least 1"), lines
+    assert not opened
+    # -t sets a good value for the command; an empty variable is the default
+    r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "-t", "2", "hi"])
+    assert "LOCALMOE_THREADS" not in r.output and opened == ["weights"]
+    monkeypatch.setenv("LOCALMOE_THREADS", " ")
+    assert default_threads(0.0)[1] != "LOCALMOE_THREADS/--threads"
