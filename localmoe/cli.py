@@ -49,6 +49,15 @@ class _Group(click.Group):
             ctx.exit(0)
 
 
+class _UsageError(click.UsageError):
+    """A usage error of our own (a missing or empty prompt): exit status 2 like click's, shown
+    as the one line ``error: ...`` of the project's other errors (not click's usage block and
+    ``Error:``)."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="localmoe")
 def cli() -> None:
@@ -201,10 +210,11 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     _sampling_params(None, **sampling)  # out-of-range values fail before the weights load
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
-            raise click.UsageError("give a PROMPT argument or pipe the prompt on stdin")
+            raise _UsageError("no prompt; give a PROMPT argument or pipe the prompt on stdin")
         prompt = sys.stdin.read().rstrip("\r\n")  # `echo hi |` adds a newline
     if not prompt.strip():
-        raise click.UsageError("the prompt is empty")
+        raise _UsageError("the prompt is empty; give a PROMPT argument or pipe the prompt on "
+                          "stdin")
     if raw and system:
         click.echo("warning: --system is ignored with --raw (plain completion sends the prompt "
                    "as is); put the system text into the prompt instead", err=True)

@@ -156,6 +156,23 @@ def test_usage_errors_exit_2():
     assert r.exit_code == 2 and "empty" in r.output
 
 
+def test_missing_or_empty_prompt_is_one_error_line(monkeypatch):
+    """Our own usage errors (no prompt, an empty one) printed click's usage block and
+    'Error: ...'; they are the project's one line 'error: ...' (exit status 2 still)."""
+    import click.testing
+
+    for args, stdin, needle in ((["generate", "-m", "x.gguf"], "   ", "the prompt is empty"),
+                                (["generate", "-m", "x.gguf", ""], None, "the prompt is empty"),
+                                (["generate", "-m", "x.gguf"], None, "no prompt")):
+        with monkeypatch.context() as mp:
+            if stdin is None:  # a terminal on stdin: nothing piped
+                mp.setattr(click.testing._NamedTextIOWrapper, "isatty", lambda self: True)
+            r = CliRunner().invoke(cli, args, input=stdin)
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.exit_code == 2 and len(lines) == 1, (args, r.stderr)
+        assert lines[0].startswith(f"error: {needle}; give a PROMPT argument"), lines
+
+
 def test_backends_lists_every_backend():
     r = run(["backends"])
     assert r.exit_code == 0
