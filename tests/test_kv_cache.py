@@ -165,3 +165,35 @@ def test_overflow_truncate_and_free():
     cache.reserve(s2, 10)
     assert cache.seq_len(s2) == 0
     assert cache.footprint() == 2 * 2 * 12 * 2 * 8 * 2
+
+
+def test_readme_koutliers_on_per_token_keys_is_true():
+    """README says koutliers= works on per-token keys (int4:t, int8) as their per-token
+    outliers, in place of outliers=: the keys keep that fraction of channels in fp16, the
+    values do not."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    line = " ".join(readme.split())
+    m = re.search(r"on per-token keys, `(\w+):t` or `(\w+)`, it sets their per-token outliers "
+                  r"in place of `outliers=`", line)
+    assert m, "README: koutliers= on per-token keys"
+    spec = _spec()
+    x = torch.randn(32, 2, 8)
+    x[:, :, 5] *= 40  # one outlier channel
+    for fmt in (f"{m.group(1)}:t", m.group(2)):
+        kv = KVSpec.parse(f"{fmt},koutliers=0.125")
+        assert kv.k.grouping == "token" and kv.key_outliers() == 0.125 and kv.outlier_frac == 0
+        errs = []
+        for text in (fmt, f"{fmt},koutliers=0.125"):
+            cache = PagedKVCache(spec, KVSpec.parse(text), n_ctx=64)
+            assert cache.v_codec.n_out == 0
+            sid = cache.new_seq()
+            cache.reserve(sid, 32)
+            cache.write(0, sid, 0, x, x)
+            cache.commit(sid, 32)
+            k, _ = cache.read(0, sid, 32)
+            errs.append((k - x).abs().max().item())
+            assert cache.k_codec.n_out == (1 if "koutliers" in text else 0)
+        assert errs[1] < errs[0] / 4, (fmt, errs)
