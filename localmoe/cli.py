@@ -166,7 +166,8 @@ def _interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False):
+def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False,
+              before_load=None):
     def progress(frac: float, msg: str) -> None:
         if verbose:
             click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
@@ -174,7 +175,7 @@ def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, v
     from .engine import LLM
 
     llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
-              kv_cache_v=kv_cache_v, device=device, progress=progress)
+              kv_cache_v=kv_cache_v, device=device, progress=progress, before_load=before_load)
     _interruptible()
     if verbose:
         st = llm.stats()
@@ -218,9 +219,23 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     if raw and system:
         click.echo("warning: --system is ignored with --raw (plain completion sends the prompt "
                    "as is); put the system text into the prompt instead", err=True)
-    llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose)
+    msgs = ([{"role": "system", "content": system}] if system else []) + \
+           [{"role": "user", "content": prompt}]
+
+    def plain(llm) -> bool:  # a plain completion of the prompt (else a chat turn)
+        return raw or (llm.template is None and not system)
+
+    def fits(llm) -> None:  # a prompt over the context is refused before the weights load
+        from .errors import ContextOverflowError
+
+        n = len(llm.prompt_ids(prompt) if plain(llm) else llm.prompt_ids(messages=msgs))
+        if n > llm.n_ctx:
+            raise ContextOverflowError(n, llm.n_ctx)
+
+    llm = _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose,
+                    before_load=fits)
     try:
-        if raw or (llm.template is None and not system):
+        if plain(llm):
             events = llm.generate(prompt, stream=True, raw=True, **sampling)
         else:
             if llm.template is None:
@@ -231,8 +246,6 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
                            f"prompt are sent as a plain 'System: ...' / 'User: ...' / "
                            f"'Assistant:' transcript (as chat and serve do); drop --system for "
                            f"a plain completion of the prompt", err=True)
-            msgs = ([{"role": "system", "content": system}] if system else []) + \
-                   [{"role": "user", "content": prompt}]
             events = llm.chat_stream(msgs, _sampling_params(llm.default_sampling(), **sampling))
         result = None
         out = sys.stdout

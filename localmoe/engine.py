@@ -235,6 +235,11 @@ class LLM:
             ``fp4``, ...); ``kv_cache_k`` / ``kv_cache_v`` override one side.
         device: backend device (``"cpu"``, ``"cuda"``, ``"cuda:1"``); None = backend default.
         progress: ``progress(fraction, message)`` called while loading.
+        before_load: ``before_load(llm)`` called once the tokenizer, chat template and context
+            size are known, before the weights load: ``llm.tokenizer``, ``llm.template``,
+            ``llm.n_ctx``, :meth:`prompt_ids`, :meth:`count_tokens` and :meth:`render_chat`
+            work there (generation does not yet); an exception it raises stops the load
+            (``localmoe generate`` refuses a prompt longer than the context this way).
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,
@@ -245,7 +250,8 @@ class LLM:
     def __init__(self, model: Any = None, backend: str = "auto", n_ctx: int | None = None,
                  kv_cache: Any = "f16", kv_cache_k: str | None = None,
                  kv_cache_v: str | None = None, device: str | None = None,
-                 progress: Callable[[float, str], None] | None = None, **backend_options: Any):
+                 progress: Callable[[float, str], None] | None = None,
+                 before_load: Callable[["LLM"], None] | None = None, **backend_options: Any):
         from .registry import env_threads, select_backend
 
         prog = progress or (lambda f, m: None)
@@ -273,6 +279,9 @@ class LLM:
 
         tokenizer = Tokenizer.from_model(model_file)
         template = ChatTemplate.from_model(model_file, tokenizer)
+        if before_load is not None:  # what the text helpers need; _setup sets them again
+            self.tokenizer, self.template, self.n_ctx = tokenizer, template, ctx
+            before_load(self)
         prog(0.2, f"loading weights ({be.name} backend)")
         runner = be.load(model_file, n_ctx=ctx, kv_spec=kv_spec, device=device, **backend_options)
         prog(1.0, "ready")
@@ -342,6 +351,19 @@ class LLM:
     def count_tokens(self, text: str) -> int:
         """Number of tokens of ``text`` (plain text, no BOS)."""
         return len(self.tokenizer.encode(text, add_special=False))
+
+    def prompt_ids(self, prompt: str | Sequence[int] | None = None, *,
+                   messages: list[dict] | None = None, tools: list | None = None) -> list[int]:
+        """Token ids the model would be given for ``prompt`` as a plain completion
+        (``generate(prompt, raw=True)``), or for ``messages`` as a chat (``chat_stream``):
+        BOS and the template's control tokens included.
+
+        Raises:
+            InvalidRequestError: an empty prompt. TemplateError: the template failed.
+        """
+        if messages is not None:
+            return self._chat_ids(messages, tools)
+        return self._encode_prompt(prompt if prompt is not None else "", templated=False)
 
     def render_chat(self, messages: list[dict], tools: list | None = None) -> str:
         """The prompt text the chat template makes of ``messages`` (OpenAI message dicts),

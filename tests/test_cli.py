@@ -303,6 +303,38 @@ def test_missing_cuda_device_is_a_one_line_error(monkeypatch, tmp_path):
     assert not opened
 
 
+@pytest.mark.parametrize("args", [["--raw"], [], ["--system", "Be brief."]])
+def test_prompt_over_the_context_is_refused_before_weights_load(monkeypatch, tmp_path, args):
+    """A prompt longer than the context was reported only after the weights had loaded (the
+    count needs the tokenizer, which the GGUF metadata alone gives): it is refused before, as
+    a plain completion and as a chat turn (template, system message), with the count the
+    generation would prefill."""
+    import localmoe.backends.torch_backend as tb
+    from localmoe.engine import LLM
+    from localmoe.testing.synthetic import write_gguf
+
+    loads = []
+    real_load = tb.TorchBackend.load
+    monkeypatch.setattr(tb.TorchBackend, "load",
+                        lambda self, *a, **kw: loads.append(1) or real_load(self, *a, **kw))
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    prompt = "one two three four five six seven eight nine ten"
+    r = run(["generate", "-m", m, "--backend", "torch", "-c", "8", *args, prompt])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          "context holds 8")
+    assert not loads
+    n = int(r.stderr.split("prompt is ")[1].split()[0])
+    llm = LLM(m, backend="torch", n_ctx=64)  # the count is what generation prefills
+    msgs = ([{"role": "system", "content": args[1]}] if args[1:] else []) + \
+           [{"role": "user", "content": prompt}]
+    assert n == len(llm.prompt_ids(prompt) if args == ["--raw"] else llm.prompt_ids(messages=msgs))
+    # a prompt that fits still loads and runs
+    loads.clear()
+    r = run(["generate", "-m", m, "--backend", "torch", "-c", "256", "-n", "1", *args, prompt])
+    assert r.exit_code == 0, r.output
+    assert loads == [1]
+
+
 @pytest.mark.slow
 def test_info_real_model(smollm2_path):
     r = lm("info", str(smollm2_path))
