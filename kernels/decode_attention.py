@@ -743,15 +743,19 @@ def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, devic
     return max(1, min(s, cap, 256))
 
 
-def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
-                 ) -> tuple[int, int, float]:
-    """(block_n, num_warps, waves) measured best on the H200 (benchmarks/results/
-    attention_h200.json and attention_h200_sweep.json, triton 3.6): many (sequence, kv head)
-    pairs (batch 8 x 4 kv heads) want small programs, 64-token tiles with 2 warps and ~4
-    programs per SM (int3 per-token keys 4 warps; int2 per-token keys and values 32-token
-    tiles and ~8 programs per SM); few pairs (batch 1) want
-    128-token tiles with 4 warps and ~2 programs per SM (256-token tiles when keys and values
-    are both 2/3-bit per-token formats)."""
+def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1,
+                 max_len: int | None = None) -> tuple[int, int, float]:
+    """(block_n, num_warps, waves) measured best on the H200 (triton 3.6; benchmarks/results/
+    attention_h200.json, attention_h200_sweep.json and attention_h200_warps.json).
+
+    Many (sequence, kv head) pairs (batch 8 x 4 kv heads) want many small programs: one warp
+    per program over 32-token tiles, ~8 programs per SM (64-token tiles for per-token int4/int8
+    keys with int4/int8 values), except per-token int2 keys with 2/3-bit values (32-token
+    tiles, 2 warps) and per-token int3 keys (64-token tiles, 4 warps, ~4 programs per SM).
+    Few pairs (batch 1) want 128-token tiles with 4 warps and ~2 programs per SM (256-token
+    tiles when keys and values are both 2/3-bit per-token formats; one warp over 32-token
+    tiles, ~8 programs per SM, for int4 keys and values longer than 4096 tokens: ``max_len``,
+    None counts as long)."""
     def bits(c):
         return 0 if getattr(c, "is_fp4", False) else getattr(c, "bits", 16)
 
@@ -764,23 +768,33 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1
     if extras:
         return 64, 4, 2.0
     kb, vb = bits(k_codec), bits(v_codec)
+    chan = bool(getattr(k_codec, "channel", False))
     if kb >= 16 and vb >= 16:
         return 128, 4, 2.0
     if batch * n_kv_heads >= 16:
-        chan = getattr(k_codec, "channel", False)
         if kb == 2 and vb in (2, 3) and not chan:
             # int2 per-token keys and 2/3-bit values: 32-token tiles, ~8 programs per SM
-            # (8 x 64k: 270 -> 245 us with the PTX unpack)
+            # (8 x 64k: 270 -> 245 us with the PTX unpack; one warp: 250 us)
             return 32, 2, 8.0
         if kb == 3 and not chan:
             return 64, 4, 4.0
-        # int8/int4 keys, and with the PTX unpack fp4 and per-channel 2/3-bit keys too
-        # (8 x 64k: fp4 304 -> 280 us, int2:c/int2 458 -> 351 us with 2 warps instead of 4)
-        return 64, 2, 4.0
-    if kb in (2, 3) and vb in (2, 3) and not getattr(k_codec, "channel", False):
+        if kb in (4, 8) and vb in (4, 8) and not chan:
+            # 8 x 64k: int4 200 -> 170 us, int8 227 -> 222 us with one warp (2 warps before)
+            return 64, 1, 8.0
+        # one warp per program over 32-token tiles, 8 x 64k, against 64-token tiles with 2
+        # warps: int4:c/int4 196 -> 161 us, fp4 282 -> 228, int2:c/int2 276 -> 225,
+        # int4/int2 252 -> 224, int4:c/int2 278 -> 232, int3:c/int3 484 -> 442, int4:c/int4
+        # with key outliers 320 -> 268
+        return 32, 1, 8.0
+    if kb in (2, 3) and vb in (2, 3) and not chan:
         # 2/3-bit keys and values, few pairs: 256-token tiles (int2 21.4 -> 20.7 us at 1 x 16k,
         # 60.9 -> 58.0 at 1 x 64k; int3 26.3 -> 25.0 and 79.6 -> 74.5; attention_h200_fold.json)
         return 256, 4, 2.0
+    if kb == 4 and vb == 4 and (max_len is None or max_len > 4096):
+        # int4 keys and values, few pairs: one warp over 32-token tiles (1 x 64k: int4:c/int4
+        # 36.2 -> 29.1 us, int4 35.8 -> 30.0; 1 x 16k: 15.3 -> 14.5, 14.1 -> 13.8); not at
+        # short contexts (1 x 256: int4:c/int4 6.9 -> 7.8 us; 1 x 4k: int4 7.9 -> 8.2)
+        return 32, 1, 8.0
     return 128, 4, 2.0
 
 
@@ -863,10 +877,6 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                          f"but page_size is {page_size}")
     QPK = HQ // HKV
     dev = q.device
-    bn0, nw0, wv0 = default_tile(k_codec, v_codec, B, HKV) if dev.type == "cuda" else (16, 4, 2.0)
-    block_n = block_n or bn0
-    num_warps = num_warps or nw0
-    waves = waves or wv0
     q = q.contiguous()
     qr = q
     rot = bool(getattr(k_codec, "rotate", False))
@@ -881,6 +891,11 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 else seq_lens)
     if max_len is None:
         max_len = int(seq_lens.max().item()) if B else 0
+    bn0, nw0, wv0 = (default_tile(k_codec, v_codec, B, HKV, max_len) if dev.type == "cuda"
+                     else (16, 4, 2.0))
+    block_n = block_n or bn0
+    num_warps = num_warps or nw0
+    waves = waves or wv0
     if num_splits is None:
         num_splits = choose_splits(B, HKV, max_len, block_n, dev, waves)
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
