@@ -28,10 +28,12 @@ from localmoe.kernels import decode_attention as da
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, extra=None):
+def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, extra=None,
+                    swap=False):
     fn = da._decode_split_kernel
     names = fn.arg_names
-    const = dict(HKV=4, QPK=qpk, QPK_P=qpk, BLOCK_H=max(16, qpk), D=d, DV=d, PAGE=16, BLOCK_N=block_n,
+    const = dict(HKV=4, QPK=qpk, QPK_P=qpk, BLOCK_H=max(8 if swap else 16, qpk), D=d, DV=d,
+                 PAGE=16, BLOCK_N=block_n, SWAP=swap,
                  N_SINK=0, N_RING=0, ROT=False, IDX64=False, HAS_ROWS=False, FUSE=True,
                  SPLITS_P=64, MERGE_C=8, V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
                  K_NARROW=(kfmt[0] == 1 and kfmt[1] in (2, 3) and d < 64))
@@ -136,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, nargs="*", default=[8])
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--hist", action="store_true")
+    ap.add_argument("--swap", action="store_true",
+                    help="products transposed (decode_attention(swap_ab=True))")
     ap.add_argument("--kout", type=int, default=0,
                     help="outliers per token of per-channel keys (K_NOUT)")
     a = ap.parse_args(argv)
@@ -147,7 +151,8 @@ def main(argv=None):
                 extra = None
                 if a.kout:
                     extra = dict(K_NOUT=a.kout, K_NOP=triton.next_power_of_2(a.kout))
-                c = compile_variant(parse_fmt(kf), parse_fmt(vf), bn, w, a.stages, extra=extra)
+                c = compile_variant(parse_fmt(kf), parse_fmt(vf), bn, w, a.stages, extra=extra,
+                                    swap=a.swap)
                 sass, res = sass_of(c)
                 n, hist, tot = loop_stats(sass)
                 m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", res)

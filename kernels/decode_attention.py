@@ -6,7 +6,8 @@ tiles of ``BLOCK_N`` tokens; for each tile the slot of every token is looked up 
 table (``slot = block_table[b, pos // PAGE] * PAGE + pos % PAGE``), the packed K and V rows are
 loaded and dequantized *in registers* (no fp16 copy of the cache is ever materialized), scores
 for all ``QPK = n_heads / n_kv_heads`` query heads of the kv head are computed with ``tl.dot``
-(GQA: K/V are read once per kv head), and an online softmax accumulates ``sum p * V``. Each
+(GQA: K/V are read once per kv head; ``swap_ab``: as ``k @ q.T`` so the heads are the mma's
+N side, :func:`default_swap`), and an online softmax accumulates ``sum p * V``. Each
 split writes its normalized partial output and its log2-sum-exp; stage 2 (the reduction
 kernel, or with ``fused_reduce=True`` the last split of each (sequence, kv head) in the same
 launch, ordered by an acq_rel atomic counter) merges the splits of every (sequence, query head).
@@ -415,16 +416,52 @@ def _dot_t(q, k, NARROW: tl.constexpr):
 
 
 @triton.jit
-def _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, NPL: tl.constexpr, NARROW: tl.constexpr):
+def _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, NPL: tl.constexpr, NARROW: tl.constexpr,
+                  SWAP: tl.constexpr):
     """Scores [BLOCK_H, BN] of the query planes ``q*`` against the ``NPL`` key planes ``k*``
-    (one product per plane, :func:`_dot_t`)."""
-    s = _dot_t(q0, k0, NARROW)
-    if NPL >= 2:
-        s += _dot_t(q1, k1, NARROW)
-    if NPL >= 4:
-        s += _dot_t(q2, k2, NARROW)
-        s += _dot_t(q3, k3, NARROW)
+    (one product per plane, :func:`_dot_t`). ``SWAP``: each product is computed as
+    ``k @ q.T`` (the key tile is the mma's M side and the query heads its N side, so 8 heads
+    need no padding to 16 rows) and the sum is transposed once."""
+    if SWAP and not NARROW:
+        st = tl.dot(k0, tl.trans(q0))
+        if NPL >= 2:
+            st += tl.dot(k1, tl.trans(q1))
+        if NPL >= 4:
+            st += tl.dot(k2, tl.trans(q2))
+            st += tl.dot(k3, tl.trans(q3))
+        s = tl.trans(st)
+    else:
+        s = _dot_t(q0, k0, NARROW)
+        if NPL >= 2:
+            s += _dot_t(q1, k1, NARROW)
+        if NPL >= 4:
+            s += _dot_t(q2, k2, NARROW)
+            s += _dot_t(q3, k3, NARROW)
     return s
+
+
+@triton.jit
+def _pv(acc, alpha, pf, v, SWAP: tl.constexpr):
+    """Online-softmax update ``acc * alpha + pf @ v`` for pf fp16 [BLOCK_H, BN] and v fp16
+    [BN, n]; ``SWAP``: ``acc`` is held transposed, [n, BLOCK_H], and gets ``v.T @ pf.T``."""
+    if SWAP:
+        r = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(pf))
+    else:
+        r = acc * alpha[:, None] + tl.dot(pf, v)
+    return r
+
+
+@triton.jit
+def _store_acc(MidO, base, cols, acc, inv, hmask, DV: tl.constexpr, SWAP: tl.constexpr):
+    """Store ``acc * inv`` (an accumulator of :func:`_pv`: [BLOCK_H, n], or [n, BLOCK_H] with
+    ``SWAP``) at the columns ``cols`` (int [n]) of the partial-output rows ``base``
+    (int [BLOCK_H])."""
+    if SWAP:
+        tl.store(MidO + base[None, :] * DV + cols[:, None], acc * inv[None, :],
+                 mask=hmask[None, :])
+    else:
+        tl.store(MidO + base[:, None] * DV + cols[None, :], acc * inv[:, None],
+                 mask=hmask[:, None])
 
 
 @triton.jit
@@ -495,7 +532,7 @@ def _decode_split_kernel(
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
-    K_PRE: tl.constexpr, V_PRE: tl.constexpr,
+    K_PRE: tl.constexpr, V_PRE: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -553,10 +590,17 @@ def _decode_split_kernel(
     # channel vperm[c]) for a single full-width dot; else one accumulator per plane
     VA: tl.constexpr = DV if V_JOIN else VRB
     vperm = _join_perm(DV)
-    acc0 = tl.zeros([BLOCK_H, VA], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+    # SWAP: accumulators are held transposed ([channels, BLOCK_H], :func:`_pv`)
+    if SWAP:
+        acc0 = tl.zeros([VA, BLOCK_H], dtype=tl.float32)
+        acc1 = tl.zeros([VRB, BLOCK_H], dtype=tl.float32)
+        acc2 = tl.zeros([VRB, BLOCK_H], dtype=tl.float32)
+        acc3 = tl.zeros([VRB, BLOCK_H], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_H, VA], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, VRB], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = (pos < end) & (pos >= lo)
@@ -576,9 +620,9 @@ def _decode_split_kernel(
                                        K_BITS, K_G, K_CHAN, K_NOUT, PAGE, ASM, K_PRE)
         if ROT:
             # rotated quantized keys score against the rotated query
-            s = _plane_scores(r0, r1, r2, r3, k0, k1, k2, k3, K_NPL, K_NARROW)
+            s = _plane_scores(r0, r1, r2, r3, k0, k1, k2, k3, K_NPL, K_NARROW, SWAP)
         else:
-            s = _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, K_NPL, K_NARROW)
+            s = _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, K_NPL, K_NARROW, SWAP)
         if K_CHAN and K_NOUT > 0:
             s += _channel_outlier_scores(Qry, Koi, Kov, Kz, b, hk, qh, hmask, blk, slots,
                                          mask_n, n_slots, n_blocks, stride_qb, stride_qh,
@@ -592,7 +636,7 @@ def _decode_split_kernel(
                 fz = tl.zeros([BLOCK_N, KRB], dtype=tl.float16)
                 f0, f1, f2, f3 = _side_planes(fz, fz, fz, fz, Ksink, Kring, srow, hk, pos, is_s,
                                               is_r, rr, kc, KRB, K_NPL, HKV, D, K_NSINK, K_NRING)
-                s_fp = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW)
+                s_fp = _plane_scores(q0, q1, q2, q3, f0, f1, f2, f3, K_NPL, K_NARROW, SWAP)
                 s = tl.where((is_s | is_r)[None, :], s_fp, s)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -611,14 +655,14 @@ def _decode_split_kernel(
                                               V_NRING)
         if V_JOIN:
             vj = _join4(v0, v1, v2, v3, BLOCK_N, DV)
-            acc0 = acc0 * alpha[:, None] + tl.dot(pf, vj)
+            acc0 = _pv(acc0, alpha, pf, vj, SWAP)
         else:
-            acc0 = acc0 * alpha[:, None] + tl.dot(pf, v0)
+            acc0 = _pv(acc0, alpha, pf, v0, SWAP)
         if V_NPL >= 2 and not V_JOIN:
-            acc1 = acc1 * alpha[:, None] + tl.dot(pf, v1)
+            acc1 = _pv(acc1, alpha, pf, v1, SWAP)
         if V_NPL >= 4 and not V_JOIN:
-            acc2 = acc2 * alpha[:, None] + tl.dot(pf, v2)
-            acc3 = acc3 * alpha[:, None] + tl.dot(pf, v3)
+            acc2 = _pv(acc2, alpha, pf, v2, SWAP)
+            acc3 = _pv(acc3, alpha, pf, v3, SWAP)
         m_i = m_new
 
     ok = l_i > 0
@@ -626,16 +670,15 @@ def _decode_split_kernel(
     lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
     hq_total = HKV * QPK
     base = (b * hq_total + qh) * n_splits + split
-    mrow = base[:, None] * DV
     if V_JOIN:
-        tl.store(MidO + mrow + vperm[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+        _store_acc(MidO, base, vperm, acc0, inv, hmask, DV, SWAP)
     else:
-        tl.store(MidO + mrow + vc[None, :], acc0 * inv[:, None], mask=hmask[:, None])
+        _store_acc(MidO, base, vc, acc0, inv, hmask, DV, SWAP)
     if V_NPL >= 2 and not V_JOIN:
-        tl.store(MidO + mrow + VRB + vc[None, :], acc1 * inv[:, None], mask=hmask[:, None])
+        _store_acc(MidO, base, VRB + vc, acc1, inv, hmask, DV, SWAP)
     if V_NPL >= 4 and not V_JOIN:
-        tl.store(MidO + mrow + 2 * VRB + vc[None, :], acc2 * inv[:, None], mask=hmask[:, None])
-        tl.store(MidO + mrow + 3 * VRB + vc[None, :], acc3 * inv[:, None], mask=hmask[:, None])
+        _store_acc(MidO, base, 2 * VRB + vc, acc2, inv, hmask, DV, SWAP)
+        _store_acc(MidO, base, 3 * VRB + vc, acc3, inv, hmask, DV, SWAP)
     tl.store(MidL + base, lse, mask=hmask)
     if FUSE:
         # split-K merge in the same launch: the last split of (sequence, kv head) to finish
@@ -798,6 +841,18 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1,
     return 128, 4, 2.0
 
 
+def default_swap(k_codec, v_codec) -> bool:
+    """Whether :func:`decode_attention` computes its products transposed (``swap_ab``), as
+    measured on the H200 (benchmarks/results/attention_h200_swap.json): yes with 2/3-bit or
+    fp4 values (8 x 64k: int2 243 -> 225 us, int4/int2 225 -> 214, fp4 229 -> 218,
+    int2:c/int2 224 -> 219; 1 x 16k int2 18.3 -> 15.6 us; 1 x 4k int2:c/int2 10.5 -> 9.0),
+    no with int4/int8 or float values (8 x 64k: int4:c/int4 162 -> 184 us, int4 170 -> 189;
+    1 x 16k int4:c/int4 14.6 -> 15.6 us)."""
+    if getattr(v_codec, "is_fp4", False):
+        return True
+    return getattr(v_codec, "bits", 16) in (2, 3)
+
+
 def default_sz_pre(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1) -> str:
     """Sides (``"k"``, ``"v"``) whose per-token scales and zeros are loaded once per tile as
     [BLOCK_N, D/G] rows instead of one narrow strided load per plane, as measured on the H200
@@ -825,7 +880,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      num_warps: int | None = None, num_stages: int = 2,
                      fused_reduce: bool = False, waves: float | None = None,
                      v_join: bool | None = None, asm: bool | None = None,
-                     sz_pre: str | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                     sz_pre: str | None = None, maxnreg: int | None = None,
+                     swap_ab: bool | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Args:
@@ -852,6 +908,9 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         sz_pre: sides (``"k"``, ``"v"``, both or ``""``) whose per-token int scales and zeros
             are loaded once per tile for all planes (default :func:`default_sz_pre`).
         maxnreg: register cap per thread passed to the compiler (default: none).
+        swap_ab: compute the products transposed (``k @ q.T`` and ``v.T @ p.T``: the query
+            heads of a kv head are the mma's N side, 8 wide, instead of M rows padded to 16),
+            with query-head tiles of max(8, QPK) rows (default :func:`default_swap`).
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
             unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
@@ -912,7 +971,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         return out
     fuse = bool(fused_reduce)
     locks = _locks(B * HKV, dev) if fuse else mid_l
-    block_h = max(16, triton.next_power_of_2(QPK))
+    swap = bool(default_swap(k_codec, v_codec) if swap_ab is None else swap_ab)
+    block_h = max(8 if swap else 16, triton.next_power_of_2(QPK))
     v4 = vf == 1 and vb in (2, 3)
     # joined value planes only when each plane is >= 16 channels (head_dim >= 64): at
     # head_dim 32 the join gave wrong results on the H200 (triton 3.6) though not in the
@@ -942,7 +1002,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                 V_NSINK=vns, V_NRING=vnr,
                 ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
                 MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_NARROW=knarrow, ASM=bool(asm),
-                K_PRE="k" in sz_pre, V_PRE="v" in sz_pre, num_warps=num_warps, **extra,
+                K_PRE="k" in sz_pre, V_PRE="v" in sz_pre, SWAP=swap, num_warps=num_warps,
+                **extra,
                 num_stages=num_stages,
             )
             break

@@ -285,3 +285,23 @@ def test_scale_zero_loads_per_tile_or_per_plane_agree(kname, vname, d, sz_pre):
     registers: 1, 2 or 4 column blocks) or one strided load per plane: both match the twin."""
     kc, ks, vc, vs, bt, lens = _build(kname, vname, [7, 70], 2, d, 16, seed=3)
     _run(kc, ks, vc, vs, bt, lens, 4, 16, num_splits=2, block_n=32, sz_pre=sz_pre)
+
+
+@pytest.mark.parametrize("kname,vname,d,extra", [
+    ("f16", "f16", 32, {}), ("int4", "int4", 64, {}), ("int2", "int2", 64, {}),
+    ("int4:c", "int2", 64, {}), ("fp4", "fp4", 32, {}), ("int3", "int3", 64, {"v_join": False}),
+    ("int4:c", "int4", 64, {"koutliers": 0.0625}),
+    ("int2", "int2", 64, {"sink": 4, "window": 16, "outlier_frac": 0.05})])
+@pytest.mark.parametrize("qpk", [1, 4, 8])
+@pytest.mark.parametrize("swap", [True, False])
+def test_swapped_products_match_twin(kname, vname, d, extra, qpk, swap):
+    """``swap_ab`` on: scores as ``k @ q.T`` and values as ``v.T @ p.T`` with query-head tiles
+    of max(8, QPK) rows, and the transposed accumulators stored as such; off: ``q @ k.T`` with
+    16-row tiles. Both match the twin for every value layout (joined 2/3-bit planes, per-plane
+    accumulators, int4/fp4 planes), key outliers, sinks and the recent window, and head groups
+    of 1, 4 and 8, whatever :func:`default_swap` picks."""
+    hkv = 2 if qpk < 8 else 1
+    kw = {k: extra[k] for k in ("sink", "window", "outlier_frac", "koutliers") if k in extra}
+    kc, ks, vc, vs, bt, lens = _build(kname, vname, [3, 40, 129], hkv, d, 16, seed=5, **kw)
+    _run(kc, ks, vc, vs, bt, lens, qpk, 16, num_splits=2, block_n=16, swap_ab=swap,
+         **{k: v for k, v in extra.items() if k == "v_join"})
