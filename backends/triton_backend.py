@@ -20,6 +20,8 @@ attention logit softcapping, the ``ggml`` numerics mode).
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import torch
@@ -57,9 +59,13 @@ class TritonRunner(TorchRunner):
         self._memo: dict = {}
 
     def forward(self, batch, all_logits: bool = False):
-        """:meth:`TorchRunner.forward`; starts a new per-call memo of launch metadata."""
+        """:meth:`TorchRunner.forward`; starts a new per-call memo of launch metadata. Runs with
+        the runner's GPU as the current CUDA device: Triton launches on the current device, so
+        a runner on ``cuda:1`` would otherwise launch its kernels on GPU 0."""
         self._step += 1
-        return super().forward(batch, all_logits)
+        dev = torch.device(self.device)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return super().forward(batch, all_logits)
 
     def _per_call(self, key, make):
         """``make()`` once per forward call and ``key`` (the cache's block tables only grow

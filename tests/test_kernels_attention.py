@@ -305,3 +305,33 @@ def test_swapped_products_match_twin(kname, vname, d, extra, qpk, swap):
     kc, ks, vc, vs, bt, lens = _build(kname, vname, [3, 40, 129], hkv, d, 16, seed=5, **kw)
     _run(kc, ks, vc, vs, bt, lens, qpk, 16, num_splits=2, block_n=16, swap_ab=swap,
          **{k: v for k, v in extra.items() if k == "v_join"})
+
+
+def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
+    """A runner on ``cuda:1`` makes GPU 1 the current device for the whole forward call
+    (Triton launches on the current device); ``cuda`` and ``cpu`` runners leave it alone.
+    Checked with a recording stand-in for ``torch.cuda.device``, so no GPU is needed."""
+    from localmoe.backends import triton_backend
+    from localmoe.backends.torch_backend import TorchRunner
+
+    current = [None]
+    seen = []
+
+    class FakeDevice:
+        def __init__(self, dev):
+            self.idx = torch.device(dev).index
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.idx
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    monkeypatch.setattr(triton_backend.torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(TorchRunner, "forward",
+                        lambda self, batch, all_logits=False: seen.append(current[0]) or "out")
+    for dev, want in (("cuda:1", 1), ("cuda", None), ("cpu", None)):
+        r = triton_backend.TritonRunner.__new__(triton_backend.TritonRunner)
+        r.device, r._step = dev, 0
+        assert triton_backend.TritonRunner.forward(r, []) == "out"
+        assert seen[-1] == want and current[0] is None
