@@ -143,10 +143,9 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return packed.to(torch.uint8)
     pack = 8 // bits
-    p = packed.to(torch.int32).unsqueeze(-2)  # [..., 1, RB]
-    shifts = (torch.arange(pack, device=packed.device, dtype=torch.int32) * bits).unsqueeze(-1)
-    c = (p >> shifts) & ((1 << bits) - 1)     # [..., pack, RB]: plane i = channels i*RB..
-    return c.reshape(*packed.shape[:-1], pack * packed.shape[-1]).to(torch.uint8)
+    p = packed.to(torch.uint8).unsqueeze(-2)  # [..., 1, RB]; byte shifts, no int32 copy
+    c = torch.cat([(p >> (i * bits)) & ((1 << bits) - 1) for i in range(pack)], dim=-2)
+    return c.reshape(*packed.shape[:-1], pack * packed.shape[-1])  # plane i = channels i*RB..
 
 
 # --------------------------------------------------------------------------------------------
@@ -798,16 +797,42 @@ class QuantCodec(KVCodec):
         store["cscale"][:, blocks] = cscale.transpose(0, 1)
         store["czero"][:, blocks] = czero.transpose(0, 1)
 
-    def dequantize_channel_slots(self, store: dict[str, torch.Tensor], slots: torch.Tensor
-                                 ) -> torch.Tensor:
+    def _page_codes(self, store: dict[str, torch.Tensor], idx: tuple) -> torch.Tensor:
+        """uint8 codes [H, ..., D] of the packed rows ``store["q"][(slice(None),) + idx]``."""
+        codes = unpack_codes(store["q"][(slice(None),) + idx], self.pbits)
+        if self.bits == 3:
+            codes = codes | (unpack_codes(store["q_hi"][(slice(None),) + idx], 1) << 2)
+        return codes
+
+    def dequantize_channel_slots(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
+                                 aligned: bool = False) -> torch.Tensor:
         """Per-channel keys: ``code * cscale[h, slot // block_size, d] + czero[...]`` of the
         packed page codes at ``slots`` LongTensor[L] -> float32 [L, H, D] (side buffers not
-        applied; slots of incomplete pages hold stale values)."""
-        codes = unpack_codes(store["q"][:, slots], self.pbits)            # [H, L, D]
-        if self.bits == 3:
-            codes = codes | (unpack_codes(store["q_hi"][:, slots], 1) << 2)
-        b = slots.long() // self.block_size
-        x = dequantize_channel(codes, store["cscale"][:, b], store["czero"][:, b])
+        applied; slots of incomplete pages hold stale values).
+
+        ``aligned``: the caller guarantees that ``slots`` are the tokens of consecutive
+        positions from a page start, so each run of ``block_size`` slots is one whole page in
+        order; those pages are then read as [block_size, RB] rows and scaled with one
+        scale/zero row per page instead of one gathered per token (same values)."""
+        P = self.block_size
+        n = slots.shape[0]
+        full = n // P * P if aligned else 0
+        H, S = store["q"].shape[:2]
+        parts = []
+        if full:
+            blocks = slots[:full:P].long() // P                              # [NB]
+            q = store["q"].view(H, S // P, P, -1)
+            qh = store["q_hi"].view(H, S // P, P, -1) if self.bits == 3 else None
+            codes = self._page_codes({"q": q, "q_hi": qh}, (blocks,))         # [H, NB, P, D]
+            x = dequantize_channel(codes, store["cscale"][:, blocks, None],
+                                   store["czero"][:, blocks, None])
+            parts.append(x.reshape(H, full, -1))
+        if full < n or not full:  # the rest, or no tokens at all
+            rest = slots[full:]
+            b = rest.long() // P
+            codes = self._page_codes(store, (rest,))                          # [H, L, D]
+            parts.append(dequantize_channel(codes, store["cscale"][:, b], store["czero"][:, b]))
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if self.n_out:
             x = x.scatter(-1, store["oidx"][:, slots].long(), store["oval"][:, slots].float())
         return x.transpose(0, 1)
@@ -825,7 +850,9 @@ class QuantCodec(KVCodec):
         ``positions == start .. start+L-1``; the side buffers are then applied with slices and
         ``torch.where`` (no host-device sync), the same values as without it."""
         if self.channel:
-            x = self.dequantize_channel_slots(store, slots).contiguous()
+            aligned = positions is not None and start is not None and \
+                int(start) % self.block_size == 0
+            x = self.dequantize_channel_slots(store, slots, aligned).contiguous()
         else:
             p = {k: store[k][:, slots].transpose(0, 1) for k in self._PACKED_KEYS if k in store}
             x = self.dequantize_rows(p)
@@ -841,7 +868,12 @@ class QuantCodec(KVCodec):
                 pos = torch.arange(s0, s0 + n, device=x.device)
                 r = pos % self.window
                 m = store["ring_pos"][row][r].long() == pos
-                x = torch.where(m[:, None, None], store["ring"][row][:, r].transpose(0, 1).float(), x)
+                if x.device.type == "cpu":  # copy only the ring's tokens (a sync costs nothing)
+                    sel = m.nonzero().squeeze(1)
+                    x[sel] = store["ring"][row][:, r[sel]].transpose(0, 1).float()
+                else:
+                    x = torch.where(m[:, None, None],
+                                    store["ring"][row][:, r].transpose(0, 1).float(), x)
         elif positions is not None and (self.n_sink or self.window):
             row = 0 if seq_row is None else int(seq_row)
             pos = positions.to(x.device).long()
