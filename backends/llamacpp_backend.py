@@ -33,7 +33,7 @@ from typing import Any
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
                              LocalMoEError, ModelLoadError)
-from localmoe.registry import Backend, env_threads, register_backend
+from localmoe.registry import Backend, check_threads, env_threads, register_backend
 
 # localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)
 KV_TYPE_MAP: dict[str, tuple[int, str, int, int]] = {
@@ -209,7 +209,7 @@ class LlamaCppBackend(Backend):
         ctx = int(n_ctx or min(int(spec.n_ctx_train or 4096), 4096))
         tk, tv = KV_TYPE_MAP[kv_spec.k.name][0], KV_TYPE_MAP[kv_spec.v.name][0]
         flash = not (kv_spec.k.is_float and kv_spec.v.is_float)
-        threads = int(n_threads or _default_threads())
+        threads = check_threads(n_threads) if n_threads is not None else _default_threads()
         path = str(getattr(model, "path"))
         nb = max(1, min(int(n_batch), ctx))
         _quiet_llama_logs(llama_cpp)

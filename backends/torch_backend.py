@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from localmoe.errors import BackendUnavailableError, InvalidRequestError, LocalMoEError
-from localmoe.registry import Backend, env_threads, register_backend
+from localmoe.registry import Backend, check_threads, env_threads, register_backend
 
 
 def _usable_cpus() -> set[int]:
@@ -121,7 +121,7 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
         (threads, reason) -- reason like ``"2 physical cores, 0.0 busy elsewhere"``.
 
     Raises:
-        InvalidRequestError: ``$LOCALMOE_THREADS`` is not a whole number of at least 1.
+        InvalidRequestError: ``$LOCALMOE_THREADS`` is not a whole number from 1 to 512.
     """
     env = env_threads()
     if env is not None:
@@ -199,8 +199,8 @@ class TorchRunner:
         self.model_file = model_file
         self.device = str(device or "cpu")
         dev = torch.device(self.device)
-        if n_threads is not None and int(n_threads) < 1:
-            raise InvalidRequestError(f"threads must be at least 1, got {n_threads}", "n_threads")
+        if n_threads is not None:
+            check_threads(n_threads)
         if n_threads is None and dev.type == "cpu":
             env_threads()  # a bad $LOCALMOE_THREADS is refused before the weights load
         busy = _CPUBusy().start() if dev.type == "cpu" and n_threads is None else None

@@ -20,6 +20,7 @@ import click
 
 from . import __version__
 from .errors import LocalMoEError
+from .registry import MAX_THREADS
 
 KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
 KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
@@ -98,7 +99,8 @@ def _model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
         click.option("--kv-cache-k", default=None, metavar="FMT", help="Key cache format (overrides --kv-cache)."),
         click.option("--kv-cache-v", default=None, metavar="FMT", help="Value cache format (overrides --kv-cache)."),
         click.option("--device", default=None, help="Device for the backend: cpu, cuda, cuda:N."),
-        click.option("-t", "--threads", type=click.IntRange(min=1), default=None, metavar="N",
+        click.option("-t", "--threads", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
+                     metavar="N",
                      expose_value=False, callback=_set_threads,
                      help="CPU threads of the torch and llamacpp backends (sets LOCALMOE_THREADS). "
                           "Default: torch, the physical cores minus those other processes keep "

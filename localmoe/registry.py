@@ -56,6 +56,21 @@ class Backend:
 
 
 THREADS_ENV = "LOCALMOE_THREADS"
+# the most CPU threads a backend is given: ggml's own limit (GGML_MAX_N_THREADS); far more
+# threads than that crash OpenMP / ggml (99999 segfaulted in libgomp) or crawl
+MAX_THREADS = 512
+
+
+def check_threads(n: Any, param: str = "n_threads") -> int:
+    """``n`` as a thread count from 1 to :data:`MAX_THREADS`.
+
+    Raises:
+        InvalidRequestError: anything else (``param``).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise InvalidRequestError(
+            f"{param}={n!r} is not a thread count from 1 to {MAX_THREADS}", param=param)
+    return n
 
 
 def env_threads() -> int | None:
@@ -63,18 +78,18 @@ def env_threads() -> int | None:
     torch and llamacpp backends; None when it is unset or empty (the backend's default).
 
     Raises:
-        InvalidRequestError: a value that is not a whole number of at least 1
-            (``param="LOCALMOE_THREADS"``).
+        InvalidRequestError: a value that is not a whole number from 1 to
+            :data:`MAX_THREADS` (``param="LOCALMOE_THREADS"``).
     """
     raw = os.environ.get(THREADS_ENV)
     if raw is None or not raw.strip():
         return None
     v = raw.strip()
-    if v.isascii() and v.isdigit() and int(v) > 0:
+    if v.isascii() and v.isdigit() and 0 < int(v) <= MAX_THREADS:
         return int(v)
     raise InvalidRequestError(
-        f"{THREADS_ENV}={raw!r} is not a thread count; set it to a whole number of at least 1 "
-        f"(or unset it for the default)", param=THREADS_ENV)
+        f"{THREADS_ENV}={raw!r} is not a thread count; set it to a whole number from 1 to "
+        f"{MAX_THREADS} (or unset it for the default)", param=THREADS_ENV)
 
 
 def cuda_device_problem(device: str | None) -> str | None:

@@ -135,10 +135,38 @@ def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, 
         r = CliRunner().invoke(cli, [*cmd, "-m", m, "--backend", "torch"])
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         assert r.exit_code == 1 and len(lines) == 1, (cmd, r.output)
-        assert lines[0].startswith(f"error: {msg}; set it to a whole number of at least 1"), lines
+        assert lines[0].startswith(f"error: {msg}; set it to a whole number from 1 to 512"), lines
     assert not opened
     # -t sets a good value for the command; an empty variable is the default
     r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "-t", "2", "hi"])
     assert "LOCALMOE_THREADS" not in r.output and opened == ["weights"]
     monkeypatch.setenv("LOCALMOE_THREADS", " ")
     assert default_threads(0.0)[1] != "LOCALMOE_THREADS/--threads"
+
+
+def test_huge_thread_counts_are_refused_before_any_load(tmp_path, monkeypatch):
+    """99999 threads segfaulted in libgomp (torch and llama.cpp) and 5000 crawled: counts above
+    ggml's own limit of 512 are refused as an option, an environment value and an API value."""
+    import localmoe.backends.torch_backend as tb
+    from localmoe.cli import cli
+    from localmoe.engine import LLM
+    from localmoe.errors import InvalidRequestError
+    from localmoe.registry import MAX_THREADS, check_threads, env_threads
+    from localmoe.testing.synthetic import write_gguf
+
+    assert MAX_THREADS == 512 and check_threads(512) == 512
+    for bad in (513, 99999, 0, True, 2.0):
+        with pytest.raises(InvalidRequestError, match="is not a thread count from 1 to 512"):
+            check_threads(bad)
+    monkeypatch.setenv("LOCALMOE_THREADS", "99999")
+    with pytest.raises(InvalidRequestError, match="from 1 to 512"):
+        env_threads()
+    monkeypatch.setenv("LOCALMOE_THREADS", "512")
+    assert env_threads() == 512
+    monkeypatch.delenv("LOCALMOE_THREADS")
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    monkeypatch.setattr(tb.TorchBackend, "load", lambda *a, **kw: pytest.fail("weights loaded"))
+    r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "-t", "99999", "hi"])
+    assert r.exit_code == 2 and "1<=x<=512" in r.output
+    with pytest.raises(InvalidRequestError, match="n_threads=600"):
+        tb.TorchRunner(write_gguf(tmp_path / "m2.gguf", "tiny-llama"), n_threads=600)
