@@ -110,6 +110,18 @@ def _quiet_llama_logs(llama_cpp: Any) -> None:
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
 
 
+def _no_offload_reason(device: str | None) -> str:
+    """Why a CUDA ``device`` cannot run on a llama-cpp-python built without GPU offload, with
+    the way out that exists here: the triton/torch backends only where torch sees that GPU."""
+    from localmoe.registry import cuda_device_problem
+
+    why = cuda_device_problem(device)
+    if why:
+        return f"{why} (and this llama-cpp-python build has no GPU support)"
+    return ("this llama-cpp-python build has no GPU support; use --device cpu or "
+            "--backend triton/torch")
+
+
 def _default_threads() -> int:
     env = env_threads()  # refuses a value that is no thread count
     if env is not None:
@@ -146,8 +158,7 @@ class LlamaCppBackend(Backend):
         import llama_cpp
 
         if not llama_cpp.llama_supports_gpu_offload():
-            return ("this llama-cpp-python build has no GPU support; use --device cpu or "
-                    "--backend triton/torch")
+            return _no_offload_reason(device)
         import torch
 
         from localmoe.registry import cuda_device_problem
@@ -194,9 +205,7 @@ class LlamaCppBackend(Backend):
             dev = "cuda"
         if dev.startswith("cuda"):
             if not llama_cpp.llama_supports_gpu_offload():
-                raise BackendUnavailableError(
-                    "this llama-cpp-python build has no GPU support; use --device cpu or "
-                    "--backend triton/torch")
+                raise BackendUnavailableError(_no_offload_reason(device))
             n_gpu_layers = -1
             if dev[5:].isdigit():  # cuda:N: that GPU alone (plain cuda: llama.cpp's layer split)
                 options.setdefault("main_gpu", int(dev[5:]))

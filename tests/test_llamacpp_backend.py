@@ -303,3 +303,20 @@ def test_missing_gpu_is_refused_before_weights_load(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert "'cuda:7' does not exist" in backend().check_device("cuda:7")
     assert backend().check_device("cuda:1") is None
+
+
+def test_no_offload_advice_names_what_works_here(monkeypatch):
+    """Without GPU offload in llama-cpp-python, the advice for --device cuda depends on what
+    torch sees: no CUDA device -> say so and point to cpu (triton/torch could not run either);
+    a CUDA device -> the triton/torch backends."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import torch
+
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    why = backend().check_device("cuda")
+    assert "no CUDA device is visible here" in why and "--backend triton/torch" not in why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    why = backend().check_device("cuda:0")
+    assert "no GPU support" in why and "--backend triton/torch" in why
