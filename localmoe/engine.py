@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from .errors import ContextOverflowError, InvalidRequestError, LocalMoEError
+from .errors import ContextOverflowError, InvalidRequestError, LocalMoEError, ModelLoadError
 
 DEFAULT_N_CTX = 4096
 
@@ -557,6 +557,13 @@ class LLM:
                     new = ids[n_reused:]
                     t_p0 = time.perf_counter()
                     logits = runner.forward([(seq, new)])[0]
+                    if not bool(logits.isfinite().all()):  # torch tensors from every runner
+                        # a greedy argmax over NaN picks token 0 (often end-of-text): an empty
+                        # reply with finish "stop" would hide the damaged file
+                        raise ModelLoadError(
+                            f"the model computed non-finite logits (NaN/inf) for the prompt: "
+                            f"its weights are probably corrupt or damaged; download "
+                            f"{self.model_name or 'the model'} again")
                     self._cached = list(ids)
                     n_prefilled = len(new)
                     t_prefill_end = time.perf_counter()

@@ -552,3 +552,34 @@ def test_context_overflow_message_names_both_surfaces():
 
     msg = str(ContextOverflowError(10, 8))
     assert "10 tokens" in msg and "holds 8" in msg and "n_ctx" in msg and "--ctx-size" in msg
+
+
+def test_non_finite_logits_are_an_error_not_an_empty_reply(tmp_path, monkeypatch):
+    """Damaged weights (a span of 0xff bytes in the tensor data) gave NaN logits, and greedy
+    sampling of NaN picked token 0: an empty reply with finish "stop" and exit 0. The engine
+    raises ModelLoadError for non-finite prompt logits; the CLI prints it as one error line."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+    from localmoe.engine import LLM
+    from localmoe.errors import ModelLoadError
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    llm = LLM(path, backend="torch", n_ctx=64)
+    assert llm.generate("hello", max_tokens=2, temperature=0).text is not None
+    real = llm.runner.forward
+    monkeypatch.setattr(llm.runner, "forward",
+                        lambda batch, **kw: [x * float("nan") for x in real(batch, **kw)])
+    with pytest.raises(ModelLoadError, match="non-finite logits"):
+        llm.generate("hello again", max_tokens=2, temperature=0)
+    # a file whose tensor data is damaged: the CLI reports it instead of an empty answer
+    data = bytearray(path.read_bytes())
+    data[-4096:] = b"\xff" * 4096
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    r = CliRunner().invoke(cli, ["generate", "-m", str(bad), "--backend", "torch", "--greedy",
+                                 "-n", "2", "hi"])
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.exit_code == 1 and lines[-1].startswith("error: the model computed non-finite"), \
+        r.output
