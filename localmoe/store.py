@@ -202,9 +202,24 @@ class ModelStore:
             return data if isinstance(data, dict) else {}
         except FileNotFoundError:
             return {}
+        except NotADirectoryError:
+            raise self._not_a_folder_error() from None
         except (OSError, ValueError) as e:
             raise StoreError(f"model store manifest {self.manifest_path} is unreadable ({e}); "
                              f"delete it and pull the models again") from e
+
+    def _not_a_folder_error(self) -> StoreError:
+        """The error for a store root (or a folder on its way) that is a file, naming it."""
+        blocker = next((d for d in (self.models_dir, *self.models_dir.parents)
+                        if d.exists() and not d.is_dir()), None)
+        detail = f" ({blocker} is a file)" if blocker not in (None, self.root) else ""
+        if blocker is not None and self.root in blocker.parents:  # root/models is a file
+            return StoreError(f"the model store folder {self.models_dir} is not a directory"
+                              f"{detail}; move that file away")
+        what = (f"LOCALMOE_HOME {self.root}" if os.environ.get("LOCALMOE_HOME")
+                else f"the model store folder {self.root}")
+        return StoreError(f"{what} is not a directory{detail}; set LOCALMOE_HOME to a folder "
+                          f"(it is created when missing)")
 
     def _write_manifest(self, data: dict[str, dict]) -> None:
         self.models_dir.mkdir(parents=True, exist_ok=True)
@@ -270,6 +285,8 @@ class ModelStore:
                 return m
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise self._not_a_folder_error() from None
         except OSError as e:
             raise StoreError(f"cannot create the model store folder {self.models_dir}: "
                              f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None

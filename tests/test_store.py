@@ -394,3 +394,26 @@ def test_display_name(tmp_path):
     (tmp_path / "hf-folder").mkdir()
     assert display_name(tmp_path / "hf-folder") == "hf-folder"
     assert display_name("hf:org/repo") == "hf:org/repo"
+
+
+def test_home_that_is_a_file_says_so(tmp_path, monkeypatch):
+    """LOCALMOE_HOME pointing at a regular file (or under one) is one error naming
+    LOCALMOE_HOME and the path as not a directory, not an "unreadable manifest"."""
+    f = tmp_path / "text.txt"
+    f.write_text("hi")
+    for home in (f, f / "sub"):
+        monkeypatch.setenv("LOCALMOE_HOME", str(home))
+        st = ModelStore(progress=False)
+        for call in (st.list, lambda: st.remove("x"), lambda: st.pull("smollm2")):
+            with pytest.raises(StoreError) as e:
+                call()
+            msg = str(e.value)
+            assert f"LOCALMOE_HOME {home}" in msg and "is not a directory" in msg, msg
+            assert "manifest" not in msg, msg
+            assert (f"({f} is a file)" in msg) == (home != f), msg
+    home = tmp_path / "home"
+    (home / "models").parent.mkdir()
+    (home / "models").write_text("not a folder")
+    monkeypatch.setenv("LOCALMOE_HOME", str(home))
+    with pytest.raises(StoreError, match=r"store folder .*/models is not a directory \(.* is a file\)"):
+        ModelStore(progress=False).list()
