@@ -277,7 +277,7 @@ class ModelStore:
             StoreError: download failed, checksum mismatch, disk error.
             ModelNotFoundError: unknown name and no such path.
         """
-        source = source.strip()
+        source = _nonempty(source)
         if not force:
             m = self.get(source)
             if m is not None and (source in self.catalog or source.startswith("hf:")
@@ -508,6 +508,7 @@ class ModelStore:
         Raises:
             ModelNotFoundError: no stored model has that name.
         """
+        name = _nonempty(name)
         data = self._read_manifest()
         m = self.get(name)
         key = m.name if m else (name if name in data else None)
@@ -524,18 +525,19 @@ class ModelStore:
     def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:
         """Turn a model argument into a path.
 
-        ``None`` means the default model (:data:`DEFAULT_MODEL`); an existing path is returned as
+        ``None`` means the default model (:data:`DEFAULT_MODEL`), an empty name is an error; an
+        existing path is returned as
         is; a stored name gives its file; a catalog name or ``hf:`` reference not yet stored is
         pulled when ``pull`` is true (said on stderr: progress bars on a terminal, else a plain
         line when the pull starts and one when it is done, see ``progress``).
 
         Raises:
-            ModelNotFoundError: not a path, not stored, not pullable.
+            ModelNotFoundError: not a path, not stored, not pullable, empty.
             StoreError: the pull failed.
         """
-        if name_or_path is None or str(name_or_path).strip() == "":
+        if name_or_path is None:
             name_or_path = DEFAULT_MODEL
-        s = str(name_or_path).strip()
+        s = _nonempty(name_or_path)
         p = Path(s).expanduser()
         if p.exists():
             return p
@@ -587,6 +589,16 @@ def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+def _nonempty(name: str | os.PathLike) -> str:
+    """``name`` stripped; an empty name is an error (it never means the default model)."""
+    s = str(name).strip()
+    if not s:
+        raise ModelNotFoundError(
+            "empty model name; give a store name (see `localmoe models`), a file path or an "
+            "hf:OWNER/REPO/FILE reference")
+    return s
+
+
 class _AtomicWriter:
     """Write ``final`` through a temporary sibling; rename on success, delete on any failure.
 

@@ -417,3 +417,36 @@ def test_home_that_is_a_file_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALMOE_HOME", str(home))
     with pytest.raises(StoreError, match=r"store folder .*/models is not a directory \(.* is a file\)"):
         ModelStore(progress=False).list()
+
+
+def test_empty_model_name_is_an_error_not_the_default(home, monkeypatch):
+    """`-m ''`, `info ''`, `pull ''`, `rm ''`: one error line about the empty name; nothing is
+    pulled (None, no -m at all, still means the default model)."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+
+    def no_pull(self, *a, **k):
+        raise AssertionError("an empty model name must not pull the default model")
+
+    st = ModelStore(progress=False)
+    for name in ("", "   "):
+        with pytest.raises(ModelNotFoundError, match="empty model name"):
+            st.resolve(name, pull=False)
+    monkeypatch.setattr(ModelStore, "pull", no_pull)
+    with pytest.raises(ModelNotFoundError, match="empty model name"):
+        st.resolve("")
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCALMOE_HOME", str(home))
+    with pytest.raises(ModelNotFoundError, match="not pulled"):
+        st.resolve(None, pull=False)
+    for args in (["info", ""], ["generate", "-m", "", "hi"], ["chat", "-m", " "],
+                 ["serve", "-m", ""], ["pull", ""], ["rm", ""]):
+        if args[0] != "pull":
+            monkeypatch.setattr(ModelStore, "pull", no_pull)
+        r = CliRunner().invoke(cli, args, catch_exceptions=False)
+        monkeypatch.undo()
+        monkeypatch.setenv("LOCALMOE_HOME", str(home))
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, (args, r.output)
+        assert lines[0].startswith("error: empty model name"), (args, lines)
