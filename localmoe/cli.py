@@ -408,18 +408,24 @@ def models_cmd(as_json):
     from .store import CATALOG, ModelStore, format_size
 
     st = ModelStore()
-    items = st.list()
+    items = st.list(include_missing=True)
     if as_json:
         click.echo(json.dumps([{"name": m.name, "path": str(m.path), "size": m.size,
-                                "sha256": m.sha256, "source": m.source} for m in items], indent=1))
+                                "sha256": m.sha256, "source": m.source, "missing": m.missing}
+                               for m in items], indent=1))
         return
     click.echo(f"store: {st.models_dir}")
     if items:
         w = max(len(m.name) for m in items)
         for m in items:
-            click.echo(f"  {m.name:<{w}}  {format_size(m.size):>10}  {m.source}")
+            size = "missing" if m.missing else format_size(m.size)
+            click.echo(f"  {m.name:<{w}}  {size:>10}  {m.source}")
     else:
         click.echo("  (empty)")
+    gone = [m.name for m in items if m.missing]
+    if gone:
+        click.echo(f"missing: the files of {', '.join(gone)} are gone; pull "
+                   f"{'it' if len(gone) == 1 else 'them'} again or `localmoe rm NAME`")
     missing = [e for n, e in CATALOG.items() if st.find(n) is None]
     if missing:
         click.echo("pullable: " + ", ".join(f"{e.name} ({e.description})" for e in missing))
@@ -432,7 +438,15 @@ def rm(name):
     from .store import ModelStore, format_size
 
     m = ModelStore().remove(name)
-    click.echo(f"removed {m.name}" + ("" if m.linked else f" ({format_size(m.size)} freed)"))
+    if m.shared_with:
+        note = f" (files kept: also used by {', '.join(m.shared_with)})"
+    elif m.missing:
+        note = " (its files were gone already)"
+    elif m.linked:
+        note = ""
+    else:
+        note = f" ({format_size(m.size)} freed)"
+    click.echo(f"removed {m.name}{note}")
 
 
 # ---- info / backends -------------------------------------------------------------------------

@@ -167,6 +167,10 @@ class StoredModel:
         sha256: digest of the (first) file, "" when not computed (linked directories).
         source: where it came from (``pip:...``, ``hf:...``, ``file:...``).
         linked: True when the store only references a file outside it.
+        missing: True when a file of it is gone (deleted behind the store's back): it cannot
+            load; pull it again or remove it.
+        shared_with: after :meth:`ModelStore.remove`, the other entries that use its files
+            (which were kept).
     """
 
     name: str
@@ -177,6 +181,8 @@ class StoredModel:
     source: str = ""
     linked: bool = False
     pulled_at: float = 0.0
+    missing: bool = False
+    shared_with: list[str] = field(default_factory=list)
 
 
 class ModelStore:
@@ -245,22 +251,25 @@ class ModelStore:
         return StoredModel(name=name, path=files[0] if files else Path(), files=files,
                            size=int(e.get("size", 0)), sha256=e.get("sha256", ""),
                            source=e.get("source", ""), linked=bool(e.get("linked", False)),
-                           pulled_at=float(e.get("pulled_at", 0.0)))
+                           pulled_at=float(e.get("pulled_at", 0.0)),
+                           missing=not files or not all(p.exists() for p in files))
 
-    def list(self) -> list[StoredModel]:
-        """Every stored model whose files still exist, sorted by name."""
+    def list(self, *, include_missing: bool = False) -> list[StoredModel]:
+        """Every stored model whose files still exist, sorted by name (with
+        ``include_missing``, also those whose files are gone, ``missing=True``)."""
         out = []
         for name, e in sorted(self._read_manifest().items()):
             m = self._entry(name, e)
-            if m.files and all(p.exists() for p in m.files):
+            if include_missing or not m.missing:
                 out.append(m)
         return out
 
-    def get(self, name: str) -> StoredModel | None:
+    def get(self, name: str, *, include_missing: bool = False) -> StoredModel | None:
         """The stored model called ``name`` (store name, catalog name, file name or the
-        ``hf:`` reference it was pulled from), or None."""
+        ``hf:`` reference it was pulled from), or None; one whose files are gone only with
+        ``include_missing``."""
         name = name.strip()
-        items = self.list()
+        items = self.list(include_missing=include_missing)
         for m in items:  # a store name wins over another entry's file name
             if name == m.name:
                 return m
@@ -604,24 +613,39 @@ class ModelStore:
 
     # ---- removal and resolution -------------------------------------------------------------
     def remove(self, name: str) -> StoredModel:
-        """Delete a stored model (linked files outside the store are left alone).
+        """Delete a stored model: its entry, and its files that no other entry uses (linked
+        files outside the store are left alone). An entry whose files are gone is removed too.
+        The returned entry's ``shared_with`` names the entries whose files were kept.
 
         Raises:
             ModelNotFoundError: no stored model has that name.
         """
         name = _nonempty(name)
         data = self._read_manifest()
-        m = self.get(name)
-        key = m.name if m else (name if name in data else None)
-        if key is None:
+        m = self.get(name) or self.get(name, include_missing=True)
+        if m is None:
             raise ModelNotFoundError(f"no stored model named {name!r}; see `localmoe models`")
-        m = self._entry(key, data[key])
-        if not m.linked:
-            for f in m.files:
-                f.unlink(missing_ok=True)
-        del data[key]
-        self._write_manifest(data)
+        with _hold_ctrl_c():
+            del data[m.name]
+            self._write_manifest(data)  # first: an interrupted rm leaves no entry without files
+            m.shared_with = self._drop_files(m, data)
         return m
+
+    def _drop_files(self, m: StoredModel, data: dict[str, dict]) -> list[str]:
+        """Delete the stored files of ``m`` (no longer in ``data``) that no entry of ``data``
+        uses; return the names of the entries that use the others."""
+        users: dict[str, list[str]] = {}
+        for k, e in data.items():
+            for f in self._files(e):
+                users.setdefault(os.path.realpath(f), []).append(k)
+        shared: list[str] = []
+        for f in m.files:
+            who = users.get(os.path.realpath(f))
+            if who:
+                shared += [k for k in who if k not in shared]
+            elif not m.linked:
+                f.unlink(missing_ok=True)
+        return shared
 
     def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:
         """Turn a model argument into a path.
@@ -661,6 +685,15 @@ class ModelStore:
                 print(f"pulled {s} ({format_size(m.size)}) in {time.monotonic() - t0:.0f} s: "
                       f"{m.path}", file=sys.stderr, flush=True)
             return m.path
+        gone = self.get(s, include_missing=True)
+        if gone is not None:
+            lost = next((f for f in gone.files if not f.exists()), gone.path)
+            again = gone.source[5:] if gone.source.startswith("file:") else gone.source
+            hint = (f"pull it again (`localmoe pull {again}`) or remove it"
+                    if again and not again.startswith("pip:") else "remove it")
+            raise ModelNotFoundError(
+                f"model {gone.name!r} is in the store but its file {lost} is missing; {hint} "
+                f"(`localmoe rm {gone.name}`)")
         if s.endswith(".gguf") or os.sep in s:
             raise ModelNotFoundError(f"model file {s} does not exist")
         raise ModelNotFoundError(

