@@ -365,7 +365,8 @@ class ModelStore:
         registered in place instead. ``name`` is replaced when it holds the same model (same
         origin or content) or a model whose files are gone, else the entry gets a name tagged
         with the sha256: a pull never replaces what another entry stores. Ctrl-C waits until
-        the files and the manifest agree."""
+        the files and the manifest agree. The replaced entry's stored files that no entry
+        uses any more are deleted (a linked entry's files are the user's: never)."""
         with _hold_ctrl_c():
             data = self._read_manifest()
             name = self._free_name(data, name, source, sha)
@@ -383,6 +384,8 @@ class ModelStore:
                           "size": sum(_path_size(f) for f in files),
                           "linked": linked is not None, "pulled_at": time.time()}
             self._write_manifest(data)
+            if old is not None:  # the replaced entry's copies nothing uses any more
+                self._drop_files(self._entry(name, old), data)
             return self._entry(name, data[name])
 
     def _free_name(self, data: dict[str, dict], name: str, source: str, sha: str) -> str:
@@ -643,8 +646,8 @@ class ModelStore:
             who = users.get(os.path.realpath(f))
             if who:
                 shared += [k for k in who if k not in shared]
-            elif not m.linked:
-                f.unlink(missing_ok=True)
+            elif not m.linked and Path(os.path.realpath(f)).parent == self.models_dir.resolve():
+                f.unlink(missing_ok=True)  # only the store's own copies, never a user's file
         return shared
 
     def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:

