@@ -562,7 +562,7 @@ class ModelStore:
                 temps.append((out.tmp, final.name, got))
             shutil.rmtree(work, ignore_errors=True)
             name = _store_name(Path(filename).name)
-            src = f"hf:{repo}/{filename}" + (f"@{revision}" if revision else "")
+            src = f"hf:{repo}" + (f"@{revision}" if revision else "") + f"/{filename}"
             return self._commit(name, src, temps[0][2], temps=temps)  # a split set: all or nothing
         finally:
             shutil.rmtree(work, ignore_errors=True)

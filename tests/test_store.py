@@ -687,3 +687,17 @@ def test_replacing_an_entry_deletes_its_old_copy(server, home, tmp_path):
     server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": data})
     assert st1.pull("tiny", force=True).path == old and old.exists() and new.path.exists()
     assert st.find("tiny-v2") == new.path
+
+
+def test_hf_pull_at_a_revision_is_found_again(server, home, monkeypatch):
+    """`hf:OWNER/REPO@REV/FILE` is recorded as given, so the next pull or run finds it stored
+    instead of downloading it again."""
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server.hf_files["org/repo/m.gguf"] = (FAKE_GGUF, hashlib.sha256(FAKE_GGUF).hexdigest())
+    st = ModelStore(progress=False)
+    ref = "hf:org/repo@v1/m.gguf"
+    m = st.pull(ref)
+    assert m.source == ref
+    n = len(server.requests)
+    assert st.pull(ref).path == m.path and st.resolve(ref) == m.path
+    assert len(server.requests) == n
