@@ -315,8 +315,12 @@ class ModelStore:
         self._clean_partials()
         p = Path(source).expanduser()
         if source in self.catalog or source.startswith("hf:") or p.exists():
-            if p.exists() and source not in self.catalog and not source.startswith("hf:"):
-                from . import loader  # noqa: F401  (imported before Ctrl-C may raise)
+            # what the pull imports, imported before Ctrl-C raises (never inside an import)
+            with contextlib.suppress(ImportError):
+                if source.startswith("hf:"):
+                    import huggingface_hub  # noqa: F401
+                elif source not in self.catalog:
+                    from . import loader  # noqa: F401
             with _ctrl_c_raises():  # so the finally blocks remove this pull's temporaries
                 if source in self.catalog:
                     return self._pull_catalog(self.catalog[source])
@@ -625,7 +629,7 @@ class ModelStore:
         """
         name = _nonempty(name)
         data = self._read_manifest()
-        m = self.get(name) or self.get(name, include_missing=True)
+        m = self.get(name, include_missing=True)
         if m is None:
             raise ModelNotFoundError(f"no stored model named {name!r}; see `localmoe models`")
         with _hold_ctrl_c():

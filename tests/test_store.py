@@ -701,3 +701,18 @@ def test_hf_pull_at_a_revision_is_found_again(server, home, monkeypatch):
     n = len(server.requests)
     assert st.pull(ref).path == m.path and st.resolve(ref) == m.path
     assert len(server.requests) == n
+
+
+def test_rm_prefers_the_exact_store_name_over_a_file_name(home):
+    """`rm X` removes the entry named X (even one whose file is gone), never another entry
+    whose file happens to be X.gguf."""
+    import json
+
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "X.gguf").write_bytes(b"GGUF")
+    (home / "models" / "manifest.json").write_text(json.dumps({
+        "X": {"files": ["gone.gguf"], "sha256": "1" * 64, "source": "file:/a/X.gguf"},
+        "Y": {"files": ["X.gguf"], "sha256": "2" * 64, "source": "file:/b/Y.gguf"}}))
+    st = ModelStore(progress=False)
+    assert st.remove("X").name == "X" and st.remove("X.gguf").name == "Y"
+    assert not (home / "models" / "X.gguf").exists()
