@@ -33,7 +33,8 @@ from typing import Any
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
                              LocalMoEError, ModelLoadError)
-from localmoe.registry import Backend, check_threads, env_threads, register_backend
+from localmoe.registry import (Backend, check_threads, cuda_device_problem, env_threads,
+                               register_backend)
 
 # localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)
 KV_TYPE_MAP: dict[str, tuple[int, str, int, int]] = {
@@ -113,8 +114,6 @@ def _quiet_llama_logs(llama_cpp: Any) -> None:
 def _no_offload_reason(device: str | None) -> str:
     """Why a CUDA ``device`` cannot run on a llama-cpp-python built without GPU offload, with
     the way out that exists here: the triton/torch backends only where torch sees that GPU."""
-    from localmoe.registry import cuda_device_problem
-
     why = cuda_device_problem(device)
     if why:
         return f"{why} (and this llama-cpp-python build has no GPU support)"
@@ -160,8 +159,6 @@ class LlamaCppBackend(Backend):
         if not llama_cpp.llama_supports_gpu_offload():
             return _no_offload_reason(device)
         import torch
-
-        from localmoe.registry import cuda_device_problem
 
         return cuda_device_problem(device) if torch.backends.cuda.is_built() else None
 

@@ -405,11 +405,14 @@ def _join_perm(D: tl.constexpr):
 
 
 @triton.jit
-def _dot_t(q, k, NARROW: tl.constexpr):
+def _dot_t(q, k, NARROW: tl.constexpr, SWAP: tl.constexpr):
     """``q @ k.T`` in fp32 for q [BLOCK_H, n] and k [BN, n] fp16: ``tl.dot``, or for ``NARROW``
-    planes (n < 16, below ``tl.dot``'s minimum on the GPU) a broadcast multiply and sum."""
+    planes (n < 16, below ``tl.dot``'s minimum on the GPU) a broadcast multiply and sum;
+    ``SWAP`` (not with ``NARROW``): ``k @ q.T`` instead, the transpose ([BN, BLOCK_H])."""
     if NARROW:
         s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    elif SWAP:
+        s = tl.dot(k, tl.trans(q))
     else:
         s = tl.dot(q, tl.trans(k))
     return s
@@ -422,21 +425,15 @@ def _plane_scores(q0, q1, q2, q3, k0, k1, k2, k3, NPL: tl.constexpr, NARROW: tl.
     (one product per plane, :func:`_dot_t`). ``SWAP``: each product is computed as
     ``k @ q.T`` (the key tile is the mma's M side and the query heads its N side, so 8 heads
     need no padding to 16 rows) and the sum is transposed once."""
-    if SWAP and not NARROW:
-        st = tl.dot(k0, tl.trans(q0))
-        if NPL >= 2:
-            st += tl.dot(k1, tl.trans(q1))
-        if NPL >= 4:
-            st += tl.dot(k2, tl.trans(q2))
-            st += tl.dot(k3, tl.trans(q3))
-        s = tl.trans(st)
-    else:
-        s = _dot_t(q0, k0, NARROW)
-        if NPL >= 2:
-            s += _dot_t(q1, k1, NARROW)
-        if NPL >= 4:
-            s += _dot_t(q2, k2, NARROW)
-            s += _dot_t(q3, k3, NARROW)
+    T: tl.constexpr = SWAP and not NARROW
+    s = _dot_t(q0, k0, NARROW, T)
+    if NPL >= 2:
+        s += _dot_t(q1, k1, NARROW, T)
+    if NPL >= 4:
+        s += _dot_t(q2, k2, NARROW, T)
+        s += _dot_t(q3, k3, NARROW, T)
+    if T:
+        s = tl.trans(s)
     return s
 
 

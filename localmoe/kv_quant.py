@@ -617,11 +617,16 @@ class QuantCodec(KVCodec):
             out["q"] = pack_codes(codes, self.pbits)
         return out
 
+    def _codes(self, q: torch.Tensor, q_hi: torch.Tensor | None) -> torch.Tensor:
+        """uint8 codes [..., D] of packed bytes ``q`` [..., RB] (and ``q_hi``, int3 only)."""
+        codes = unpack_codes(q, self.pbits)
+        if self.bits == 3:
+            codes = codes | (unpack_codes(q_hi, 1) << 2)
+        return codes
+
     def dequantize_rows(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`quantize_rows` (before un-rotation): -> float32 [..., D]."""
-        codes = unpack_codes(p["q"], self.pbits)
-        if self.bits == 3:
-            codes = codes | (unpack_codes(p["q_hi"], 1) << 2)
+        codes = self._codes(p["q"], p.get("q_hi"))
         if self.is_fp4:
             x = dequantize_fp4(codes, p["scale"])
         else:
@@ -797,13 +802,6 @@ class QuantCodec(KVCodec):
         store["cscale"][:, blocks] = cscale.transpose(0, 1)
         store["czero"][:, blocks] = czero.transpose(0, 1)
 
-    def _page_codes(self, store: dict[str, torch.Tensor], idx: tuple) -> torch.Tensor:
-        """uint8 codes [H, ..., D] of the packed rows ``store["q"][(slice(None),) + idx]``."""
-        codes = unpack_codes(store["q"][(slice(None),) + idx], self.pbits)
-        if self.bits == 3:
-            codes = codes | (unpack_codes(store["q_hi"][(slice(None),) + idx], 1) << 2)
-        return codes
-
     def dequantize_channel_slots(self, store: dict[str, torch.Tensor], slots: torch.Tensor,
                                  aligned: bool = False) -> torch.Tensor:
         """Per-channel keys: ``code * cscale[h, slot // block_size, d] + czero[...]`` of the
@@ -817,20 +815,22 @@ class QuantCodec(KVCodec):
         P = self.block_size
         n = slots.shape[0]
         full = n // P * P if aligned else 0
-        H, S = store["q"].shape[:2]
+        qh = store.get("q_hi")
         parts = []
         if full:
             blocks = slots[:full:P].long() // P                              # [NB]
-            q = store["q"].view(H, S // P, P, -1)
-            qh = store["q_hi"].view(H, S // P, P, -1) if self.bits == 3 else None
-            codes = self._page_codes({"q": q, "q_hi": qh}, (blocks,))         # [H, NB, P, D]
+
+            def pages(t):  # [H, S, X] -> the pages ``blocks`` as [H, NB, P, X]
+                return t.view(t.shape[0], -1, P, t.shape[-1])[:, blocks]
+
+            codes = self._codes(pages(store["q"]), pages(qh) if qh is not None else None)
             x = dequantize_channel(codes, store["cscale"][:, blocks, None],
-                                   store["czero"][:, blocks, None])
-            parts.append(x.reshape(H, full, -1))
-        if full < n or not full:  # the rest, or no tokens at all
+                                   store["czero"][:, blocks, None])      # [H, NB, P, D]
+            parts.append(x.reshape(x.shape[0], full, -1))
+        if full < n or not parts:  # the rest (all of it when not aligned or empty)
             rest = slots[full:]
             b = rest.long() // P
-            codes = self._page_codes(store, (rest,))                          # [H, L, D]
+            codes = self._codes(store["q"][:, rest], qh[:, rest] if qh is not None else None)
             parts.append(dequantize_channel(codes, store["cscale"][:, b], store["czero"][:, b]))
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if self.n_out:
