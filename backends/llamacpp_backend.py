@@ -18,7 +18,7 @@ grouped per channel. llama.cpp's
 blocks group keys per token, so a plain ``int4`` (whose localmoe default is per-channel keys)
 runs as per-token q4_0 and the runner reports ``int4:t``; an explicit per-channel request
 (``int4:c``, ``kgroup=channel``: the spec's ``named_key_grouping``, see
-:func:`localmoe.engine.parse_kv_request`) is refused.
+:func:`localmoe.engine.llm.parse_kv_request`) is refused.
 
 Sequences: llama.cpp's context holds ``max_seqs`` sequences (default 1) in one KV cache of
 ``n_ctx`` tokens; ``truncate`` maps to ``llama_memory_seq_rm``.
@@ -33,7 +33,7 @@ from typing import Any
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
                              LocalMoEError, ModelLoadError)
-from localmoe.registry import (Backend, check_threads, cuda_device_problem, env_threads,
+from localmoe.engine.registry import (Backend, check_threads, cuda_device_problem, env_threads,
                                register_backend)
 
 # localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)
@@ -61,7 +61,7 @@ def _kv_reason(kv_spec: Any) -> str | None:
                     f"use --backend torch/triton")
     k = kv_spec.k
     if getattr(k, "grouping", "") == "channel":
-        from localmoe.kv_cache import default_key_grouping
+        from localmoe.kv.cache import default_key_grouping
 
         named = getattr(kv_spec, "named_key_grouping", None)
         if named == "channel" or default_key_grouping(k.name) != "channel":
@@ -79,7 +79,7 @@ def _as_run(kv_spec: Any) -> Any:
     """The KVSpec llama.cpp actually holds for an accepted ``kv_spec``: int keys per token."""
     import dataclasses
 
-    from localmoe.kv_cache import KVFormat
+    from localmoe.kv.cache import KVFormat
 
     k = kv_spec.k
     if k.is_float or k.grouping == "token":
@@ -188,7 +188,7 @@ class LlamaCppBackend(Backend):
         fmt = getattr(model, "format", "gguf")
         if fmt != "gguf":
             raise BackendUnavailableError(self.supports(fmt, None))
-        from localmoe.kv_cache import KVSpec
+        from localmoe.kv.cache import KVSpec
 
         kv_spec = KVSpec.parse(kv_spec or "f16")
         why = _kv_reason(kv_spec)

@@ -3,9 +3,9 @@
 Every other backend is checked against this one. Weights are dequantized once at load
 (``ModelFile.load_tensor``) to float32 (CPU) or the requested dtype -- except, on the CPU, GGUF
 block-quantized matmul weights, which by default stay packed and run through the exact kernel
-of :mod:`localmoe.cpu_qmatmul` (``packed_weights=False`` gives the plain-PyTorch float path); K/V
+of :mod:`localmoe.cpu.qmatmul` (``packed_weights=False`` gives the plain-PyTorch float path); K/V
 live in a
-:class:`localmoe.kv_cache.PagedKVCache` whose format comes from the KVSpec; attention reads the
+:class:`localmoe.kv.cache.PagedKVCache` whose format comes from the KVSpec; attention reads the
 dequantized K/V back through ``cache.read`` (the reference path).
 
 Subclassing: :class:`TorchRunner` keeps the per-layer attention in two overridable methods,
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from localmoe.errors import BackendUnavailableError, InvalidRequestError, LocalMoEError
-from localmoe.registry import Backend, check_threads, env_threads, register_backend
+from localmoe.engine.registry import Backend, check_threads, env_threads, register_backend
 
 
 def _usable_cpus() -> set[int]:
@@ -158,9 +158,9 @@ class TorchRunner:
     """A loaded model on the reference backend (the Runner contract of INTERFACES.md).
 
     Args:
-        model_file: an open :class:`localmoe.loader.ModelFile`.
+        model_file: an open :class:`localmoe.io.loader.ModelFile`.
         n_ctx: context size in tokens per sequence (default: min(training context, 4096)).
-        kv_spec: :class:`localmoe.kv_cache.KVSpec` or a string (default ``"f16"``).
+        kv_spec: :class:`localmoe.kv.cache.KVSpec` or a string (default ``"f16"``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (default: cpu).
         dtype: weight/activation dtype (default float32; on CUDA float16/bfloat16 allowed).
         max_seqs: concurrently live sequences; the KV block pool is allocated up front for
@@ -169,12 +169,12 @@ class TorchRunner:
             one generation at a time) keeps a single sequence, so the pool is the one-sequence
             size ``localmoe info`` reports. Raise it only to run several sequences at once.
         block_size: KV cache block size in tokens.
-        experts: a custom :class:`localmoe.experts.ExpertProvider` (default resident).
+        experts: a custom :class:`localmoe.model.experts.ExpertProvider` (default resident).
         numerics: ``"exact"`` (default: float matmuls on dequantized weights) or ``"ggml"``
             (GGUF: round matmul inputs as llama.cpp's CPU backend does; see
-            :meth:`localmoe.transformer.Transformer.from_model_file`).
+            :meth:`localmoe.model.transformer.Transformer.from_model_file`).
         packed_weights: keep GGUF block-quantized matmul weights packed and use the exact CPU
-            kernel (:mod:`localmoe.cpu_qmatmul`): ``None`` (default) = automatically on the CPU
+            kernel (:mod:`localmoe.cpu.qmatmul`): ``None`` (default) = automatically on the CPU
             in float32 with ``numerics="exact"``, ``False`` = always dequantize to float32,
             ``True`` = require it (ValueError when unavailable).
         n_threads: CPU threads (``torch.set_num_threads``, process-wide; CPU device only).
@@ -192,8 +192,8 @@ class TorchRunner:
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None):
-        from localmoe.kv_cache import KVSpec, PagedKVCache
-        from localmoe.transformer import Transformer
+        from localmoe.kv.cache import KVSpec, PagedKVCache
+        from localmoe.model.transformer import Transformer
 
         t0 = time.perf_counter()
         self.model_file = model_file
@@ -216,7 +216,7 @@ class TorchRunner:
         self.max_seqs = int(max_seqs)
         self.cache = PagedKVCache(self.spec, self.kv_spec, self.n_ctx, self.max_seqs,
                                   block_size=block_size, device=dev)
-        from localmoe.kv_cache import FloatCodec
+        from localmoe.kv.cache import FloatCodec
 
         # plain float K/V on the CPU: read/write slices of the store when slots are consecutive
         self._float_kv = (dev.type == "cpu" and type(self.cache.k_codec) is FloatCodec
@@ -293,7 +293,7 @@ class TorchRunner:
         Returns:
             ``[T, H, Dv]`` attention output.
         """
-        from localmoe.transformer import attention
+        from localmoe.model.transformer import attention
 
         end = start + q.shape[0]
         window = self.model.layer_window(layer)
@@ -308,7 +308,7 @@ class TorchRunner:
                     and K.dtype in (torch.float32, torch.float16) and K.dtype == V.dtype):
                 # decode with the packed-weights CPU kernels: one C call over exactly the keys
                 # the query sees ([k_start, end) is the window), same function as below
-                from localmoe.cpu_qmatmul import attention_decode
+                from localmoe.cpu.qmatmul import attention_decode
 
                 try:
                     return attention_decode(q, K, V, self.model.scale)
@@ -444,7 +444,7 @@ class TorchBackend(Backend):
         if model_format not in ("gguf", "safetensors"):
             return f"unknown model format {model_format!r}"
         if kv_spec is not None:
-            from localmoe.kv_cache import get_codec_class
+            from localmoe.kv.cache import get_codec_class
 
             try:
                 get_codec_class(kv_spec.k.name)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from localmoe.errors import BackendUnavailableError
-from localmoe.registry import register_backend
+from localmoe.engine.registry import register_backend
 
 from .torch_backend import SeqSlice, TorchBackend, TorchRunner
 

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from localmoe.kv_cache import FloatCodec, KVFormat, KVSpec
-from localmoe.kv_quant import QuantCodec
+from localmoe.kv.cache import FloatCodec, KVFormat, KVSpec
+from localmoe.kv.quant import QuantCodec
 from localmoe.kernels.decode_attention import decode_attention, decode_attention_ref
 from localmoe.kernels.kv_quant_append import kv_quant_append
 

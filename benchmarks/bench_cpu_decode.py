@@ -52,7 +52,7 @@ def _resolve_model(name: str) -> str:
         if d and os.path.isfile(os.path.join(d, fname)):
             return os.path.join(d, fname)
     try:
-        from localmoe.store import ModelStore
+        from localmoe.io.store import ModelStore
 
         p = ModelStore().find({"gemma3": "gemma3-270m"}.get(name, name))
         if p:
@@ -75,8 +75,8 @@ def _tokens(path: str) -> list[int]:
         llm = llama_cpp.Llama(model_path=path, n_ctx=256, vocab_only=True, verbose=False)
         return llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
     except ImportError:
-        from localmoe.loader import open_model
-        from localmoe.tokenizer import Tokenizer
+        from localmoe.io.loader import open_model
+        from localmoe.text.tokenizer import Tokenizer
 
         return Tokenizer.from_model(open_model(path)).encode(PROMPT)
 
@@ -86,8 +86,8 @@ def _child_torch(path: str, toks: list[int], n: int, threads: int, packed: bool 
     import torch
 
     torch.set_num_threads(threads)
-    from localmoe.loader import open_model
-    from localmoe.registry import get_backend
+    from localmoe.io.loader import open_model
+    from localmoe.engine.registry import get_backend
 
     t0 = time.perf_counter()
     runner = get_backend("torch").load(open_model(path), n_ctx=len(toks) + n + 8, max_seqs=1,

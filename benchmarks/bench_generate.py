@@ -40,7 +40,7 @@ MODES = {
 
 
 def find_model() -> str:
-    from localmoe.store import ModelStore
+    from localmoe.io.store import ModelStore
 
     p = ModelStore().find("smollm2")
     if p is None and Path("/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf").exists():
@@ -115,7 +115,7 @@ def main() -> None:
 
     import llama_cpp
 
-    from localmoe.engine import LLM
+    from localmoe.engine.llm import LLM
 
     raw = llama_cpp.Llama(model, n_ctx=512, n_threads=args.threads,
                           n_threads_batch=args.threads, verbose=False)

@@ -46,7 +46,7 @@ def child(path: str, reader: bool, skip_dequant: bool, threads: int) -> dict:
     import numpy as np
     import torch
 
-    from localmoe.loader import open_model
+    from localmoe.io.loader import open_model
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     out: dict = {"model": Path(path).name, "threads": torch.get_num_threads()}

@@ -97,10 +97,10 @@ def main(argv=None) -> int:
     import httpx
     from openai import OpenAI
 
-    from localmoe.engine import LLM
+    from localmoe.engine.llm import LLM
 
     port = _free_port()
-    code = ("from localmoe.server import run_server; "
+    code = ("from localmoe.serve.server import run_server; "
             f"run_server({args.model!r}, port={port}, backend={args.backend!r}, "
             f"n_ctx={args.n_ctx}, model_name='bench', log_level='warning', device={args.device!r})")
     server = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ))

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from localmoe.kv_cache import KVSpec
-from localmoe.loader import open_model
-from localmoe.registry import get_backend
+from localmoe.kv.cache import KVSpec
+from localmoe.io.loader import open_model
+from localmoe.engine.registry import get_backend
 from localmoe.testing.synthetic import write_gguf
 
 

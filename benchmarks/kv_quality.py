@@ -91,9 +91,9 @@ CONFIGS = {
 
 
 def make_runner(mf, name, n_ctx, block_size=16):
-    from localmoe import kv_quant
+    import localmoe.kv.quant as kv_quant
     from localmoe.backends.torch_backend import TorchRunner
-    from localmoe.kv_cache import KVSpec
+    from localmoe.kv.cache import KVSpec
 
     if name in CONFIGS:
         kw, rot = CONFIGS[name]
@@ -145,7 +145,7 @@ def key_error(runner, mf, text_ids, configs, n_tokens):
 
     Returns ``{config: {"mean": float, "layers": [float, ...]}}``.
     """
-    from localmoe.kv_cache import KVSpec, PagedKVCache
+    from localmoe.kv.cache import KVSpec, PagedKVCache
 
     ids = text_ids[:n_tokens]
     sid = runner.new_sequence()
@@ -239,15 +239,15 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    from localmoe.loader import open_model
-    from localmoe.tokenizer import Tokenizer
+    from localmoe.io.loader import open_model
+    from localmoe.text.tokenizer import Tokenizer
 
     mf = open_model(a.model)
     tok = Tokenizer.from_model(mf)
     paths = [Path(p) for p in a.text] if a.text else [TEXT]
     text_ids = tok.encode("\n\n".join(p.read_text() for p in paths))
     if a.key_error:
-        from localmoe.kv_cache import KVSpec
+        from localmoe.kv.cache import KVSpec
 
         r = make_runner(mf, "f16", a.key_error + 16)
         res = key_error(r, mf, text_ids, [c for c in a.configs if c != "f16"], a.key_error)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import LocalMoEError  # noqa: F401
+from localmoe.errors import LocalMoEError  # noqa: F401
 
 
 def __getattr__(name):  # lazy: importing localmoe must stay cheap (CLI startup)
     if name == "LLM":
-        from .engine import LLM
+        from localmoe.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

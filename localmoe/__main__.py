@@ -1,6 +1,6 @@
 """``python -m localmoe`` runs the CLI."""
 
-from .cli import main
+from localmoe.cli import main
 
 if __name__ == "__main__":
     main()

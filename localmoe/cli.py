@@ -18,9 +18,9 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .errors import LocalMoEError
-from .registry import MAX_THREADS
+from localmoe import __version__
+from localmoe.errors import LocalMoEError
+from localmoe.engine.registry import MAX_THREADS
 
 KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
 KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
@@ -174,7 +174,7 @@ def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, v
         if verbose:
             click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
 
-    from .engine import LLM
+    from localmoe.engine.llm import LLM
 
     llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
               kv_cache_v=kv_cache_v, device=device, progress=progress, before_load=before_load)
@@ -208,7 +208,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     the text as is for plain completion.
     """
     sampling = _sampling_kwargs(kw)
-    from .engine import _sampling_params
+    from localmoe.engine.llm import _sampling_params
 
     _sampling_params(None, **sampling)  # out-of-range values fail before the weights load
     if prompt is None or prompt == "-":
@@ -228,7 +228,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         return raw or (llm.template is None and not system)
 
     def fits(llm) -> None:  # a prompt over the context is refused before the weights load
-        from .errors import ContextOverflowError
+        from localmoe.errors import ContextOverflowError
 
         n = len(llm.prompt_ids(prompt) if plain(llm) else llm.prompt_ids(messages=msgs))
         if n > llm.n_ctx:
@@ -310,8 +310,8 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
     KV format, device, $LOCALMOE_THREADS, model file, backend, context size. Raises the same
     LocalMoEError."""
-    from .engine import check_backend_device, check_device, parse_kv_request
-    from .registry import env_threads, select_backend
+    from localmoe.engine.llm import check_backend_device, check_device, parse_kv_request
+    from localmoe.engine.registry import env_threads, select_backend
 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(device)
@@ -322,9 +322,9 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
         elif device is not None:  # the backend auto picks for a GGUF model (the store's kind)
             check_backend_device(select_backend("auto", "gguf", kv_spec)[0], device)
         return
-    from .errors import InvalidRequestError
-    from .loader import open_model
-    from .store import resolve_model
+    from localmoe.errors import InvalidRequestError
+    from localmoe.io.loader import open_model
+    from localmoe.io.store import resolve_model
 
     mf = open_model(resolve_model(model))
     try:
@@ -349,7 +349,7 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
     Takes the model, backend, context, KV cache and device options of `generate`; a bad value
     is an error here, before the UI opens and before any weights load.
     """
-    from .tui import app as tui_app
+    from localmoe.tui import app as tui_app
 
     if list_chats:
         click.echo(tui_app.list_chats_text())
@@ -371,10 +371,10 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
               help="Require this bearer token (env LOCALMOE_API_KEY).")
 def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host, port, api_key):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)."""
-    from .kv_cache import KVSpec
+    from localmoe.kv.cache import KVSpec
 
     KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
-    from . import server
+    import localmoe.serve.server as server
 
     kwargs = dict(host=host, port=port, api_key=api_key, backend=backend, n_ctx=n_ctx,
                   kv_cache=kv_cache, kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v)
@@ -394,7 +394,7 @@ def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host,
 @click.option("--link", is_flag=True, help="For a local file: register it in place instead of copying.")
 def pull(source, force, link):
     """Fetch a model into the store: NAME (smollm2, gemma3-270m), hf:OWNER/REPO/FILE.gguf or PATH."""
-    from .store import ModelStore, format_size
+    from localmoe.io.store import ModelStore, format_size
 
     st = ModelStore()
     m = st.pull(source, force=force, link=link)
@@ -405,7 +405,7 @@ def pull(source, force, link):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def models_cmd(as_json):
     """List the models in the store (and the pullable short names)."""
-    from .store import CATALOG, ModelStore, format_size
+    from localmoe.io.store import CATALOG, ModelStore, format_size
 
     st = ModelStore()
     items = st.list(include_missing=True)
@@ -435,7 +435,7 @@ def models_cmd(as_json):
 @click.argument("name")
 def rm(name):
     """Delete a model from the store."""
-    from .store import ModelStore, format_size
+    from localmoe.io.store import ModelStore, format_size
 
     m = ModelStore().remove(name)
     if m.shared_with:
@@ -461,7 +461,7 @@ def model_info(model_file) -> dict[str, Any]:
     :data:`KV_INFO_FORMATS`: ``"int4"`` is the default per-channel keys, ``"int4:t"`` per-token
     keys), kv_key_grouping ({format: "channel" | "token" | None for float/fp4 keys}).
     """
-    from .kv_cache import KVSpec
+    from localmoe.kv.cache import KVSpec
 
     spec = model_file.spec
     total = 0
@@ -490,7 +490,7 @@ def model_info(model_file) -> dict[str, Any]:
             kv[fmt] = kvs.bytes_per_token(spec)
         except LocalMoEError:
             kv[fmt] = None
-    from .engine import DEFAULT_N_CTX
+    from localmoe.engine.llm import DEFAULT_N_CTX
 
     n_ctx_default = min(int(spec.n_ctx_train or DEFAULT_N_CTX), DEFAULT_N_CTX)
     return {
@@ -519,8 +519,8 @@ def _fmt_count(n: float) -> str:
 def info(model, as_json):
     """Show a model's architecture, parameters, experts, quant mix, context, template and the
     KV cache bytes per token of every format."""
-    from .loader import open_model
-    from .store import ModelStore, format_size
+    from localmoe.io.loader import open_model
+    from localmoe.io.store import ModelStore, format_size
 
     mf = open_model(ModelStore().resolve(model))
     d = model_info(mf)
@@ -568,7 +568,7 @@ def info(model, as_json):
 @cli.command()
 def backends():
     """List backends, whether each can run here, and which one `auto` picks for GGUF."""
-    from .registry import list_backends, select_backend
+    from localmoe.engine.registry import list_backends, select_backend
 
     rows = list_backends()
     w = max((len(n) for n, _, _ in rows), default=4)

@@ -24,7 +24,7 @@ def _find_real_model(short: str) -> Path | None:
     if env and (Path(env) / fname).is_file():
         return Path(env) / fname
     try:
-        from localmoe.store import ModelStore
+        from localmoe.io.store import ModelStore
 
         p = ModelStore().find(short)
         if p is not None:

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from localmoe.cli import cli
 
-from conftest import has_llamacpp
+from tests.conftest import has_llamacpp
 
 
 def run(args, **kw):
@@ -59,7 +59,7 @@ def test_model_default_in_help_is_what_each_command_loads():
     """Without -m, generate/serve/bench load the store's default model; chat reopens the
     continued chat's model, else the model it loaded last (tui/app.py), and only then the
     default. Each command's -m help says so (chat's claimed plain smollm2)."""
-    from localmoe.store import DEFAULT_MODEL
+    from localmoe.io.store import DEFAULT_MODEL
 
     def model_help(cmd):
         out = " ".join(run([cmd, "--help"]).output.split())
@@ -93,7 +93,7 @@ def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
     """A doubled or trailing comma in --kv-cache is refused like any bad option: one line,
     exit 1, before any model is resolved (generate, chat) or the server starts (serve)."""
     import localmoe.tui.app as tui_app
-    from localmoe import server
+    import localmoe.serve.server as server
 
     opened = []
     monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
@@ -112,8 +112,8 @@ def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
     it is an error naming the accepted formats, before any model is resolved or loaded, in
     every command, the Python API and the server."""
     import localmoe.tui.app as tui_app
-    from localmoe import server
-    from localmoe.engine import LLM
+    import localmoe.serve.server as server
+    from localmoe.engine.llm import LLM
     from localmoe.errors import KVCacheFormatError
 
     missing = str(tmp_path / "missing.gguf")
@@ -203,9 +203,9 @@ def test_pull_models_rm_local_file(home, tmp_path):
 
 def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
     calls = {}
-    fake_server = types.ModuleType("localmoe.server")
+    fake_server = types.ModuleType("localmoe.serve.server")
     fake_server.run_server = lambda model, **kw: calls.setdefault("serve", (model, kw))
-    monkeypatch.setitem(sys.modules, "localmoe.server", fake_server)
+    monkeypatch.setitem(sys.modules, "localmoe.serve.server", fake_server)
     import localmoe
 
     monkeypatch.setattr(localmoe, "server", fake_server, raising=False)
@@ -240,7 +240,7 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
     """chat has generate's --kv-cache-k/--kv-cache-v (and the comma options) and --device,
     passes them on to the engine, and refuses bad values before the UI opens."""
     import localmoe.tui.app as tui_app
-    from localmoe.kv_cache import KVSpec
+    from localmoe.kv.cache import KVSpec
     from localmoe.testing.synthetic import write_gguf
 
     calls = []
@@ -283,7 +283,7 @@ def test_missing_cuda_device_is_a_one_line_error(monkeypatch, tmp_path):
 
     import localmoe.backends.torch_backend as tb
     import localmoe.tui.app as tui_app
-    from localmoe import server
+    import localmoe.serve.server as server
     from localmoe.testing.synthetic import write_gguf
 
     opened = []
@@ -310,7 +310,7 @@ def test_prompt_over_the_context_is_refused_before_weights_load(monkeypatch, tmp
     a plain completion and as a chat turn (template, system message), with the count the
     generation would prefill."""
     import localmoe.backends.torch_backend as tb
-    from localmoe.engine import LLM
+    from localmoe.engine.llm import LLM
     from localmoe.testing.synthetic import write_gguf
 
     loads = []
@@ -450,7 +450,7 @@ def test_kv_cache_flags_on_llamacpp(smollm2_path):
 def test_info_moe_counts_active_params(tmp_path):
     """Synthetic tiny Qwen3-MoE: experts reported, active = dense + top_k/n_experts of experts."""
     from localmoe.cli import model_info
-    from localmoe.loader import open_model
+    from localmoe.io.loader import open_model
     from localmoe.testing.synthetic import write_gguf
 
     p = write_gguf(tmp_path / "tiny-qwen3moe.gguf", "tiny-qwen3moe", quant="mixed")
@@ -476,8 +476,8 @@ def test_info_shows_both_key_groupings(tmp_path):
     import re
 
     from localmoe.cli import model_info
-    from localmoe.kv_cache import KVSpec
-    from localmoe.loader import open_model
+    from localmoe.kv.cache import KVSpec
+    from localmoe.io.loader import open_model
     from localmoe.testing.synthetic import write_gguf
 
     p = write_gguf(tmp_path / "t.gguf", "tiny-llama")
@@ -528,7 +528,7 @@ def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch)
     """--system on a model without a chat template: a clear warning and the same plain
     System:/User:/Assistant: transcript chat and serve use (no longer silently glued on)."""
     import localmoe.cli as cli_mod
-    from localmoe.engine import LLM
+    from localmoe.engine.llm import LLM
     from test_engine import BYTE0, FakeRunner, FakeTokenizer
 
     seen = {}

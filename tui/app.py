@@ -40,7 +40,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar
 
 from localmoe.errors import ContextOverflowError, LocalMoEError
-from localmoe.store import DEFAULT_MODEL
+from localmoe.io.store import DEFAULT_MODEL
 
 from .engine_api import (
     EngineFactory,

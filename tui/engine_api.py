@@ -64,7 +64,7 @@ def default_engine_factory(model: str, *, backend: str = "auto", n_ctx: int | No
     ``kv_cache`` is any string ``KVSpec.parse`` takes (``"int4"``, ``"k=int8,v=int4"``,
     ``"int2,sinks=4"``); ``device`` ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or None (backend's
     default)."""
-    from localmoe.engine import LLM
+    from localmoe.engine.llm import LLM
 
     return LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, device=device,
                progress=progress)
@@ -111,12 +111,12 @@ def effective_sampling(settings: ChatSettings, defaults: dict[str, Any]) -> dict
 
 
 def build_sampling_params(settings: ChatSettings, defaults: dict[str, Any]):
-    """A validated ``localmoe.sampling.SamplingParams`` for a chat.
+    """A validated ``localmoe.engine.sampling.SamplingParams`` for a chat.
 
     Raises:
         localmoe.errors.InvalidRequestError: a setting is out of range.
     """
-    from localmoe.sampling import SamplingParams
+    from localmoe.engine.sampling import SamplingParams
 
     params = SamplingParams(**effective_sampling(settings, defaults))
     params.validate()

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..tokenizer import _bytes_to_unicode  # GPT-2 byte -> unicode table
+from localmoe.text.tokenizer import _bytes_to_unicode  # GPT-2 byte -> unicode table
 
 __all__ = [
     "Preset",

@@ -1,0 +1,214 @@
+"""Backend registry.
+
+A backend is a small factory class registered with :func:`register_backend`; its heavy imports
+happen inside ``available()`` and ``load()`` so that listing backends is cheap. Third-party
+backends register through the ``localmoe.backends`` entry-point group.
+
+Auto selection order (DESIGN.md): ``triton`` (CUDA + Triton) -> ``llamacpp`` (GGUF on CPU,
+llama-cpp-python installed) -> ``torch`` (reference, runs anywhere).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable
+
+from localmoe.errors import BackendUnavailableError, InvalidRequestError
+
+_REGISTRY: dict[str, type] = {}
+_BUILTIN_MODULES = ("localmoe.backends.triton_backend", "localmoe.backends.llamacpp_backend",
+                    "localmoe.backends.torch_backend")
+AUTO_ORDER = ("triton", "llamacpp", "torch")
+_loaded = False
+
+
+class Backend:
+    """Base class of backend factories.
+
+    Subclasses set ``name`` and ``description`` and implement :meth:`available` and
+    :meth:`load`; :meth:`supports` refuses model formats or KV cache specs they cannot run.
+    """
+
+    name: str = ""
+    description: str = ""
+
+    def available(self) -> str | None:
+        """None when the backend can run here, else a short human reason."""
+        return None
+
+    def supports(self, model_format: str, kv_spec: Any = None) -> str | None:
+        """None when the backend can run this model format ('gguf'|'safetensors') and KV spec,
+        else a reason (shown to the user before weights load)."""
+        return None
+
+    def check_device(self, device: str | None) -> str | None:
+        """None when ``device`` (None, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``, as
+        :func:`localmoe.engine.llm.check_device` accepts) exists here for this backend, else a reason
+        (shown to the user before weights load). Default: CUDA devices as torch sees them
+        (:func:`cuda_device_problem`)."""
+        return cuda_device_problem(device)
+
+    def load(self, model: Any, *, n_ctx: int | None = None, kv_spec: Any = None,
+             device: str | None = None, **options: Any):
+        """Build and return a Runner for ``model`` (a ModelFile). Raises LocalMoEError subclasses."""
+        raise BackendUnavailableError(f"backend {self.name!r} cannot load models")
+
+
+THREADS_ENV = "LOCALMOE_THREADS"
+# the most CPU threads a backend is given: ggml's own limit (GGML_MAX_N_THREADS); far more
+# threads than that crash OpenMP / ggml (99999 segfaulted in libgomp) or crawl
+MAX_THREADS = 512
+
+
+def check_threads(n: Any, param: str = "n_threads") -> int:
+    """``n`` as a thread count from 1 to :data:`MAX_THREADS`.
+
+    Raises:
+        InvalidRequestError: anything else (``param``).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
+        raise InvalidRequestError(
+            f"{param}={n!r} is not a thread count from 1 to {MAX_THREADS}", param=param)
+    return n
+
+
+def env_threads() -> int | None:
+    """CPU threads the user set in ``$LOCALMOE_THREADS`` (``-t/--threads`` sets it) for the
+    torch and llamacpp backends; None when it is unset or empty (the backend's default).
+
+    Raises:
+        InvalidRequestError: a value that is not a whole number from 1 to
+            :data:`MAX_THREADS` (``param="LOCALMOE_THREADS"``).
+    """
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    v = raw.strip()
+    if v.isascii() and v.isdigit() and 0 < int(v) <= MAX_THREADS:
+        return int(v)
+    raise InvalidRequestError(
+        f"{THREADS_ENV}={raw!r} is not a thread count; set it to a whole number from 1 to "
+        f"{MAX_THREADS} (or unset it for the default)", param=THREADS_ENV)
+
+
+def cuda_device_problem(device: str | None) -> str | None:
+    """Why ``device`` (``"cuda"``, ``"cuda:N"``; anything else passes) is missing here: no
+    CUDA device visible to torch, or no device N (``CUDA_VISIBLE_DEVICES`` applies); None when
+    it exists. Imports torch only for a CUDA device."""
+    d = str(device or "").strip().lower()
+    if not d.startswith("cuda"):
+        return None
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return f"device {device!r} requested but no CUDA device is visible here; use cpu"
+    idx = int(d[5:]) if d[5:].isdigit() else 0
+    if idx >= n:
+        have = "cuda:0" if n == 1 else f"cuda:0 to cuda:{n - 1}"
+        return (f"device {device!r} does not exist: {n} CUDA device{'s' if n > 1 else ''} "
+                f"visible here ({have})")
+    return None
+
+
+def register_backend(name: str) -> Callable[[type], type]:
+    """Class decorator: register a :class:`Backend` subclass under ``name``."""
+
+    def deco(cls: type) -> type:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_all() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            pass
+    try:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group="localmoe.backends"):
+            try:
+                ep.load()
+            except Exception:  # a broken plugin must not break the app
+                pass
+    except Exception:
+        pass
+
+
+def backend_names() -> list[str]:
+    """Names of registered backends, auto order first."""
+    _load_all()
+    known = [n for n in AUTO_ORDER if n in _REGISTRY]
+    return known + sorted(n for n in _REGISTRY if n not in known)
+
+
+def get_backend(name: str) -> Backend:
+    """Instantiate the backend registered as ``name``.
+
+    Raises:
+        BackendUnavailableError: no backend of that name is registered.
+    """
+    _load_all()
+    if name not in _REGISTRY:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; choose one of: auto, {', '.join(backend_names())}")
+    return _REGISTRY[name]()
+
+
+def list_backends() -> list[tuple[str, str | None, str]]:
+    """(name, reason-or-None, description) for every registered backend."""
+    out = []
+    for n in backend_names():
+        b = get_backend(n)
+        try:
+            reason = b.available()
+        except Exception as e:  # availability checks must never crash a listing
+            reason = f"availability check failed: {e}"
+        out.append((n, reason, b.description))
+    return out
+
+
+def select_backend(requested: str = "auto", model_format: str = "gguf",
+                   kv_spec: Any = None) -> tuple[Backend, str]:
+    """Pick a backend and say why.
+
+    Args:
+        requested: a backend name or "auto".
+        model_format: "gguf" or "safetensors".
+        kv_spec: the requested KVSpec (a backend that cannot run it is skipped by auto and
+            refused when named).
+
+    Returns:
+        (backend, reason) where reason is a one-line explanation shown to the user.
+
+    Raises:
+        BackendUnavailableError: the named backend cannot run here, or none can.
+    """
+    if requested and requested != "auto":
+        b = get_backend(requested)
+        why = b.available()
+        if why:
+            raise BackendUnavailableError(f"backend {requested!r} is not available: {why}")
+        why = b.supports(model_format, kv_spec)
+        if why:
+            raise BackendUnavailableError(f"backend {requested!r} cannot run this: {why}")
+        return b, f"{requested} (requested)"
+    skipped = []
+    for n in backend_names():
+        b = get_backend(n)
+        why = b.available() or b.supports(model_format, kv_spec)
+        if why is None:
+            note = f"; skipped {', '.join(skipped)}" if skipped else ""
+            return b, f"{n} (auto{note})"
+        skipped.append(f"{n}: {why}")
+    raise BackendUnavailableError("no backend can run this model here: " + "; ".join(skipped))

@@ -1,0 +1,1 @@
+"""Model files: GGUF and HF safetensors readers, block dequantization, the model store."""

@@ -1,0 +1,1 @@
+"""The paged KV cache and its quantized formats (KVSpec, codecs)."""

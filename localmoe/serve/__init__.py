@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server and the request/response shaping it uses."""

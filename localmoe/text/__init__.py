@@ -1,0 +1,1 @@
+"""Text: tokenizer and streaming detokenizer, chat templates, stop strings, tool-call parsing."""

