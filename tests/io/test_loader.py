@@ -13,7 +13,8 @@ import torch
 import gguf
 
 from localmoe.errors import ModelLoadError, UnsupportedModelError
-from localmoe.io.loader import GGUFModelFile, ModelFile, RawTensor, TensorInfo, open_model
+from localmoe.io.loader import open_model
+from localmoe.io.model_file import ModelFile, RawTensor, TensorInfo
 from localmoe.testing.synthetic import PRESETS, write_gguf
 
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
@@ -288,7 +289,7 @@ def test_directory_and_missing_path(tmp_path):
 
 # --- ModelSpec from metadata alone ---------------------------------------------------------
 
-from localmoe.io.loader import spec_from_gguf_metadata  # noqa: E402
+from localmoe.io.gguf_spec import spec_from_gguf_metadata  # noqa: E402
 
 
 def _md(arch="qwen3moe", **kv):
