@@ -5,15 +5,15 @@ writes with ``gguf.GGUFWriter``: tensor names, ggml shapes and metadata keys are
 converter (``convert_hf_to_gguf.py``) writes and ``src/llama-model.cpp`` expects for
 ``qwen3moe``, ``qwen2moe`` (shared expert + sigmoid gate), ``olmoe``, Mixtral-style ``llama``
 (stacked ``ffn_*_exps``) and dense ``llama``, ``qwen3`` and ``qwen2``. Each file carries a small byte-level BPE tokenizer
-(``tokenizer.ggml.model = gpt2``: 256 byte tokens, merges learned from a built-in English text,
+(:mod:`localmoe.testing.bpe`; ``tokenizer.ggml.model = gpt2``: 256 byte tokens, merges learned from a built-in English text,
 ChatML control tokens, a ChatML chat template) so llama.cpp accepts it.
 
 Presets (:data:`PRESETS`):
 
 * ``tiny-*``: 2 layers, d_model 256, for CI. Default storage mix like real downloads: Q8_0
   attention and embeddings, Q4_K experts / FFN, Q6_K output, F32 norms and routers; quantized with
-  ``gguf.quants.quantize`` (Q4_0..Q8_0) or this module's K-quant quantizers (``gguf`` has no K-quant
-  quantizer). ``quant="f32"`` / ``"f16"`` writes unquantized weights instead.
+  ``gguf.quants.quantize`` (Q4_0..Q8_0) or :mod:`localmoe.testing.quants`' K-quant quantizers
+  (``gguf`` has no K-quant quantizer). ``quant="f32"`` / ``"f16"`` writes unquantized weights instead.
 * ``qwen3-30b-a3b``, ``olmoe-1b-7b``, ``mixtral-8x7b``: real geometries for benchmarks (Q4_K
   experts, Q8_0 attention, Q6_K output). Their blocks are random *valid* blocks generated directly
   (quantizing 30 B random floats would take hours); ``n_layers=`` writes a truncated copy.
@@ -27,125 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from localmoe.text.tokenizer import _bytes_to_unicode  # GPT-2 byte -> unicode table
+from localmoe.testing.bpe import CHATML_TEMPLATE, SPECIALS, Tokenizer, build_tokenizer
+from localmoe.testing.quants import quantize_blocks, random_blocks
 
 __all__ = [
     "Preset",
     "PRESETS",
     "write_gguf",
     "write_hf",
-    "build_tokenizer",
-    "quantize_blocks",
-    "CHATML_TEMPLATE",
 ]
-
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-# Own English text the tiny BPE vocabulary is learned from (deterministic merges).
-_BPE_TEXT = """
-The quick brown fox jumps over the lazy dog. A mixture of experts model routes every token to a
-few experts chosen by a small router network, and only those experts run for that token. This
-keeps the compute per token low while the total number of parameters stays large. The model
-reads the prompt, then writes one token at a time; each new token attends to all the tokens
-before it through the key and value cache. When the cache is quantized to a few bits per value,
-more tokens fit in the same memory, and the answer should stay the same. Tests compare the
-logits of this program with the logits of another program on the same file, position by
-position, and they agree when the code is right. Hello world! It is 2025 and the weather is
-fine; there are 7 days in a week, 24 hours in a day and 60 minutes in an hour. Please answer the
-question in one short sentence, then stop.
-"""
-
-_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-@dataclass(frozen=True)
-class Tokenizer:
-    """A byte-level BPE vocabulary (GGUF ``gpt2`` model).
-
-    Attributes:
-        tokens: token strings (byte-unicode encoded), id = index.
-        token_types: GGUF token types (1 normal, 3 control).
-        merges: ``"a b"`` merge rules, highest priority first.
-        bos_id, eos_id, pad_id, im_start_id, im_end_id: special ids.
-    """
-
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_id: int
-    eos_id: int
-    pad_id: int
-    im_start_id: int
-    im_end_id: int
-
-
-def build_tokenizer(n_merges: int = 200, vocab_size: int | None = None) -> Tokenizer:
-    """Learn ``n_merges`` BPE merges from the built-in text; optionally pad to ``vocab_size``.
-
-    Padding tokens are plain ASCII strings ``[pad<i>]`` (normal tokens that no merge produces).
-    Specials follow the merges: ``<|endoftext|>`` (bos/pad), ``<|im_start|>``, ``<|im_end|>``
-    (eos), typed control (3).
-    """
-    b2u = _bytes_to_unicode()
-    byte_tokens = [b2u[b] for b in range(256)]
-    words = re.findall(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+", _BPE_TEXT)
-    counts = Counter("".join(b2u[b] for b in w.encode("utf-8")) for w in words)
-    seqs = {w: list(w) for w in counts}
-    merges: list[str] = []
-    vocab = list(byte_tokens)
-    known = set(vocab)
-    for _ in range(n_merges):
-        pairs: Counter = Counter()
-        for w, c in counts.items():
-            s = seqs[w]
-            for a, b in zip(s, s[1:]):
-                pairs[(a, b)] += c
-        if not pairs:
-            break
-        best = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))[0]  # deterministic tie-break
-        a, b = best
-        merged = a + b
-        merges.append(f"{a} {b}")
-        if merged not in known:
-            vocab.append(merged)
-            known.add(merged)
-        for w, s in seqs.items():
-            i, out = 0, []
-            while i < len(s):
-                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
-                    out.append(merged)
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            seqs[w] = out
-    types = [1] * len(vocab)
-    n_base = len(vocab)
-    if vocab_size is not None:
-        need = vocab_size - n_base - len(_SPECIALS)
-        if need < 0:
-            raise ValueError(f"vocab_size {vocab_size} < {n_base + len(_SPECIALS)} base tokens")
-        vocab += [f"[pad{i}]" for i in range(need)]
-        types += [1] * need
-    first_special = len(vocab)
-    vocab += _SPECIALS
-    types += [3] * len(_SPECIALS)
-    eot, ims, ime = first_special, first_special + 1, first_special + 2
-    return Tokenizer(vocab, types, merges, bos_id=eot, eos_id=ime, pad_id=eot, im_start_id=ims, im_end_id=ime)
-
 
 # ---------------------------------------------------------------------------------------------
 # presets
@@ -239,138 +135,6 @@ def _resolve(preset: str | Preset, n_layers: int | None, quant: str | None) -> P
 
 
 # ---------------------------------------------------------------------------------------------
-# quantization (numpy) of GGML blocks
-# ---------------------------------------------------------------------------------------------
-
-def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """8 six-bit scales + 8 six-bit mins -> 12 bytes (inverse of ggml get_scale_min_k4)."""
-    sc = sc.astype(np.uint8)
-    mn = mn.astype(np.uint8)
-    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
-    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
-    out[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
-    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
-    return out
-
-
-def _quant_k_asym(x: np.ndarray, nmax: int):
-    """Shared Q4_K/Q5_K step: x [n, 8, 32] -> (d, dmin fp16 bytes, sc, mn, q in [0, nmax])."""
-    n = x.shape[0]
-    mn_v = np.minimum(x.min(-1), 0.0)
-    mx_v = x.max(-1)
-    scale = (mx_v - mn_v) / nmax
-    minv = -mn_v
-    d = (scale.max(-1) / 63).astype(np.float16)
-    dmin = (minv.max(-1) / 63).astype(np.float16)
-    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), 0, 63), 0)
-        mq = np.where(dmin32 > 0, np.clip(np.rint(minv / dmin32), 0, 63), 0)
-        S = (d32 * sc)[..., None]
-        M = (dmin32 * mq)[..., None]
-        q = np.where(S > 0, np.clip(np.rint((x + M) / S), 0, nmax), 0).astype(np.uint8)
-    head = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
-                           _pack_k_scales(sc, mq)], axis=1)
-    return head, q
-
-
-def _quant_q4_k(x: np.ndarray) -> np.ndarray:
-    n = x.shape[0]
-    head, q = _quant_k_asym(x.reshape(n, 8, 32), 15)
-    q = q.reshape(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
-    return np.concatenate([head, qs], axis=1)
-
-
-def _quant_q5_k(x: np.ndarray) -> np.ndarray:
-    n = x.shape[0]
-    head, q = _quant_k_asym(x.reshape(n, 8, 32), 31)          # q [n, 8, 32]
-    hi = (q >> 4) & 1
-    qh = np.zeros((n, 32), dtype=np.uint8)
-    for j in range(8):                                         # 8 bit planes (not a loop over blocks)
-        qh |= hi[:, j] << j
-    lo = (q & 0x0F).reshape(n, 4, 2, 32)
-    qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
-    return np.concatenate([head, qh, qs], axis=1)
-
-
-def _quant_q6_k(x: np.ndarray) -> np.ndarray:
-    n = x.shape[0]
-    xs = x.reshape(n, 16, 16)
-    amax = np.abs(xs).max(-1)
-    scale = amax / 31
-    d = (scale.max(-1) / 127).astype(np.float16)
-    d32 = d.astype(np.float32)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), -128, 127), 0).astype(np.int8)
-        S = (d32 * sc.astype(np.float32))[..., None]
-        q = np.where(S != 0, np.clip(np.rint(xs / S), -32, 31), 0).astype(np.int16) + 32
-    q = q.astype(np.uint8).reshape(n, 2, 4, 32)               # [half, group, 32]
-    lo = (q & 0x0F).reshape(n, 2, 2, 64)
-    ql = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(n, 128)
-    hi = (q >> 4) & 0x03                                       # [n, 2, 4, 32]
-    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
-
-
-_K_QUANTIZERS = {"Q4_K": _quant_q4_k, "Q5_K": _quant_q5_k, "Q6_K": _quant_q6_k}
-
-
-def quantize_blocks(x: np.ndarray, qtype: str) -> np.ndarray:
-    """Quantize float32 ``x`` (last dim a multiple of the block size) to GGML blocks.
-
-    Uses ``gguf.quants.quantize`` where it exists (F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and
-    this module's simple K-quant quantizers for Q4_K / Q5_K / Q6_K (round-to-nearest per
-    sub-block with 6-bit (Q4_K/Q5_K) or int8 (Q6_K) sub-block scales; valid blocks whose
-    ``gguf.quants.dequantize`` is close to ``x``, not llama.cpp's optimized search).
-
-    Returns:
-        ``np.ndarray`` (uint8 block bytes, shape ``(*x.shape[:-1], row_bytes)``) or, for F32/F16,
-        the converted float array.
-    """
-    import gguf
-
-    qt = gguf.GGMLQuantizationType[qtype]
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if qtype in _K_QUANTIZERS:
-        bs, ts = gguf.GGML_QUANT_SIZES[qt]
-        if x.shape[-1] % bs:
-            raise ValueError(f"{qtype} needs rows that are a multiple of {bs}, got {x.shape}")
-        blocks = _K_QUANTIZERS[qtype](x.reshape(-1, bs))
-        return blocks.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)
-    return gguf.quants.quantize(x, qt)
-
-
-def _random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, ...], std: float) -> np.ndarray:
-    """Random *valid* blocks with value std ~ ``std`` (fast path for real geometries)."""
-    import gguf
-
-    qt = gguf.GGMLQuantizationType[qtype]
-    bs, ts = gguf.GGML_QUANT_SIZES[qt]
-    n = math.prod(shape) // bs
-    b = np.frombuffer(rng.bytes(n * ts), dtype=np.uint8).reshape(n, ts).copy()
-
-    def f16(v):
-        return np.full((n, 1), v, dtype=np.float16).view(np.uint8)
-
-    if qtype == "Q8_0":
-        b[:, 0:2] = f16(std / 74.0)
-    elif qtype == "Q4_0":
-        b[:, 0:2] = f16(std / 4.6)
-    elif qtype == "Q4_K":
-        b[:, 0:2] = f16(std / (31.5 * 4.6 * 1.2))
-        b[:, 2:4] = f16(std / (31.5 * 4.6 * 1.2) * 7.5)
-    elif qtype == "Q5_K":
-        b[:, 0:2] = f16(std / (31.5 * 9.2 * 1.2))
-        b[:, 2:4] = f16(std / (31.5 * 9.2 * 1.2) * 15.5)
-    elif qtype == "Q6_K":
-        b[:, 208:210] = f16(std / (74.0 * 18.5))
-    else:
-        raise ValueError(f"no random-block generator for {qtype}")
-    return b.reshape(*shape[:-1], shape[-1] // bs * ts)
-
-
-# ---------------------------------------------------------------------------------------------
 # tensor plan (llama.cpp layout)
 # ---------------------------------------------------------------------------------------------
 
@@ -454,7 +218,7 @@ def _gen(rng: np.random.Generator, p: Preset, t: _T, qtype: str):
     import gguf
 
     if p.real_geometry and qtype not in ("F32", "F16", "BF16"):
-        return _random_blocks(rng, qtype, t.shape, t.std)
+        return random_blocks(rng, qtype, t.shape, t.std)
     x = rng.standard_normal(t.shape, dtype=np.float32) * np.float32(t.std) + np.float32(t.mean)
     if qtype == "F32":
         return x
@@ -639,13 +403,13 @@ def _hf_tokenizer_files(out: Path, tok: Tokenizer) -> None:
     """tokenizer.json (byte-level BPE via the ``tokenizers`` library) + tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, pre_tokenizers
 
-    n_regular = len(tok.tokens) - len(_SPECIALS)
+    n_regular = len(tok.tokens) - len(SPECIALS)
     vocab = {t: i for i, t in enumerate(tok.tokens[:n_regular])}
     merges = [tuple(m.split(" ", 1)) for m in tok.merges]
     t = HFTok(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     t.decoder = decoders.ByteLevel()
-    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in _SPECIALS])
+    t.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     t.save(str(out / "tokenizer.json"))
     cfg = {
         "bos_token": tok.tokens[tok.bos_id], "eos_token": tok.tokens[tok.eos_id],

@@ -51,7 +51,7 @@ def _random_blocks(qtype: str, n_rows: int, k: int, seed: int) -> np.ndarray:
 
 
 def _quantized_blocks(qtype: str, n_rows: int, k: int, seed: int) -> np.ndarray:
-    from localmoe.testing.synthetic import quantize_blocks
+    from localmoe.testing.quants import quantize_blocks
 
     x = np.random.default_rng(seed).standard_normal((n_rows, k)).astype(np.float32)
     return quantize_blocks(x, qtype)
@@ -232,7 +232,7 @@ def test_packed_option_is_off_where_it_cannot_apply(tmp_path):
 @pytest.mark.parametrize("kv", ["bf16", "k=bf16,v=f16", "k=f16,v=bf16"])
 def test_packed_runner_decodes_with_caches_the_c_kernel_does_not_take(tmp_path, kv):
     """bf16 (or mixed) float caches decode through the torch attention, same logits."""
-    from localmoe.kv.cache import KVSpec
+    from localmoe.kv.spec import KVSpec
     from localmoe.testing.synthetic import write_gguf
 
     path = write_gguf(tmp_path / "t.gguf", "tiny-llama")

@@ -11,7 +11,7 @@ import gguf
 import localmoe.io.dequant as dq
 from localmoe.io.dequant import SUPPORTED_QTYPES, dequantize
 from localmoe.errors import ModelLoadError, UnsupportedModelError
-from localmoe.testing.synthetic import quantize_blocks
+from localmoe.testing.quants import quantize_blocks
 
 QT = gguf.GGMLQuantizationType
 QUANT_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]

@@ -12,7 +12,10 @@ import gguf
 
 from localmoe.io.loader import open_model
 from localmoe.testing import synthetic as syn
-from localmoe.testing.synthetic import PRESETS, build_tokenizer, quantize_blocks, write_gguf
+from localmoe.testing.bpe import CHATML_TEMPLATE, build_tokenizer
+from localmoe.testing.quants import quantize_blocks, random_blocks
+from localmoe.testing.synthetic import PRESETS, write_gguf
+from localmoe.text.bytelevel import bytes_to_unicode
 
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
@@ -56,7 +59,7 @@ def test_layout(files, preset):
         if not p.tie_embeddings:
             assert m.tensor_info("output.weight").qtype == "Q6_K"
         md = m.metadata
-        assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.chat_template"] == syn.CHATML_TEMPLATE
+        assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.chat_template"] == CHATML_TEMPLATE
         assert md[f"{p.arch}.block_count"] == p.n_layers
 
 
@@ -104,7 +107,7 @@ def test_k_quantizer_handles_constant_and_zero_blocks():
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0"])
 def test_random_blocks_valid(qtype):
     rng = np.random.default_rng(1)
-    b = syn._random_blocks(rng, qtype, (64, 512), std=0.02)
+    b = random_blocks(rng, qtype, (64, 512), std=0.02)
     y = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype])
     assert y.shape == (64, 512) and np.isfinite(y).all()
     assert 0.005 < y.std() < 0.08
@@ -114,7 +117,7 @@ def test_tokenizer_is_consistent():
     t = build_tokenizer()
     vocab = set(t.tokens)
     assert len(vocab) == len(t.tokens)  # unique
-    b2u = syn._bytes_to_unicode()
+    b2u = bytes_to_unicode()
     assert all(b2u[b] in vocab for b in range(256))
     for m in t.merges:
         a, b = m.split(" ")
