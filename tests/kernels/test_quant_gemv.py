@@ -1,0 +1,115 @@
+"""Quantized GEMV kernel vs its torch twin, every GGUF quant type.
+
+Without CUDA the kernel runs through the Triton interpreter (TRITON_INTERPRET=1, set before
+triton is imported) at small awkward shapes: a partial row block, K tiles with a partial tail,
+several K iterations, split-K. With CUDA the same tests run on the GPU, plus full-size shapes
+(marked gpu).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from localmoe.kernels.qtensor import (  # noqa: E402
+    BLOCK_SIZES, FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, random_gguf_blocks,
+)
+from localmoe.kernels.quant_gemv import gemv_config, quant_gemv, quant_gemv_ref  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+IDS = [QTYPE_NAMES[q] for q in QUANT_QTYPES]
+# one table of tolerances (relative, norm-wise): vs the twin with the kernel's int8 activation
+# rounding (exact integer dots; float32 scale/accumulation order only), and vs the plain float
+# product (the activation rounding itself, ~0.3-1% on random data)
+# (a float16/bfloat16 output adds its own rounding: "twin_half")
+TOL = {"twin": 1e-5 if not CUDA else 1e-4, "twin_half": 1e-2, "float": 3e-2}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def make(qt, n, k, seed=0, lead=()):
+    shape = (*lead, n, k)
+    return QuantTensor.from_gguf(random_gguf_blocks(qt, shape, seed=seed), qt, shape, device=DEV)
+
+
+def small_k(qt: int) -> int:
+    # K-quants: 3 super-blocks (not a power of two); legacy: 7 blocks of 32 (not a multiple of 64)
+    return 768 if BLOCK_SIZES[qt][0] == 256 else 224
+
+
+def check(x, w, y):
+    assert torch.isfinite(y).all(), "unwritten or non-finite output"
+    assert rel(y, quant_gemv_ref(x, w)) < TOL["twin" if y.dtype == torch.float32 else "twin_half"]
+    assert rel(y, quant_gemv_ref(x, w, act_quant=False)) < TOL["float"]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("qt", QUANT_QTYPES, ids=IDS)
+def test_gemv_matches_twin_every_qtype(qt, tokens):
+    torch.manual_seed(qt * 10 + tokens)
+    w = make(qt, 13, small_k(qt), seed=qt)            # 13 rows: a partial row block of 8
+    x = torch.randn(tokens, w.K, device=DEV)
+    out = torch.full((tokens, 13), float("nan"), device=DEV)
+    y = quant_gemv(x, w, out=out, config={"BN": 8, "CH": 4, "num_warps": 4, "split": 1})
+    assert y is out
+    check(x, w, y)
+
+
+@pytest.mark.parametrize("qt", [8, 11, 14], ids=["Q8_0", "Q3_K", "Q6_K"])
+def test_gemv_split_k_and_half_inputs(qt):
+    torch.manual_seed(1)
+    w = make(qt, 6, small_k(qt), seed=2)
+    x = torch.randn(2, w.K, device=DEV).to(torch.float16)
+    y = quant_gemv(x, w, config={"BN": 4, "CH": 2, "num_warps": 4, "split": 3})
+    assert y.dtype == torch.float16 and y.shape == (2, 6)
+    check(x, w, y)
+
+
+def test_gemv_all_zero_activation_blocks_and_float_weights():
+    w = make(12, 5, 512, seed=3)
+    x = torch.randn(1, 512, device=DEV)
+    x[:, 64:128] = 0.0                                    # whole int8 blocks of zeros
+    check(x, w, quant_gemv(x, w, config={"BN": 8, "CH": 8, "num_warps": 4, "split": 1}))
+    for qt in FLOAT_QTYPES:
+        wf = make(qt, 5, 64, seed=4)
+        xf = torch.randn(3, 64, device=DEV)
+        assert rel(quant_gemv(xf, wf), quant_gemv_ref(xf, wf)) < 1e-2
+
+
+def test_gemv_rejects_bad_inputs():
+    w = make(2, 8, 64)
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        quant_gemv(torch.randn(2, 32, device=DEV), w)
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        quant_gemv(torch.ones(2, 64, dtype=torch.int32, device=DEV), w)
+    with pytest.raises(ValueError, match="2-D"):
+        quant_gemv(torch.randn(2, 64, device=DEV), make(2, 8, 64, lead=(2,)))
+
+
+def test_config_splits_k_only_for_small_n():
+    assert gemv_config(151936, 2048, 1, 14)["split"] == 1
+    small = gemv_config(64, 8192, 1, 8)
+    assert small["split"] > 1 and small["CH"] <= 8192 // 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("qt,n,k", [(8, 5120, 2048), (8, 2048, 4096), (12, 768, 2048),
+                                    (14, 2048, 768), (14, 4096, 14336), (10, 1000, 4096),
+                                    (11, 1000, 4096), (13, 1000, 4096), (2, 1000, 4096),
+                                    (3, 1000, 4096), (6, 1000, 4096), (7, 1000, 4096)])
+def test_gemv_full_size_on_gpu(qt, n, k, tokens):
+    torch.manual_seed(0)
+    w = make(qt, n, k, seed=5)
+    x = torch.randn(tokens, k, device=DEV, dtype=torch.bfloat16)
+    check(x, w, quant_gemv(x, w))
