@@ -123,7 +123,7 @@ def test_fused_parts_of_different_kinds_keep_column_order():
 
 
 def test_rms_norm_matches_torch():
-    from localmoe.model.transformer import rms_norm
+    from localmoe.model.ops import rms_norm
 
     for shape in [(1, 576), (7, 640), (3, 4, 256), (2, 13)]:
         x = torch.randn(shape) * 3
@@ -138,7 +138,7 @@ def test_rms_norm_matches_torch():
 @pytest.mark.parametrize("h,hkv,d,length", [(9, 3, 64, 1), (9, 3, 64, 77), (4, 1, 256, 300),
                                             (8, 8, 24, 5)])
 def test_decode_attention_matches_torch(dtype, h, hkv, d, length):
-    from localmoe.model.transformer import attention
+    from localmoe.model.ops import attention
 
     g = torch.Generator().manual_seed(length)
     q = torch.randn(1, h, d, generator=g)
@@ -156,6 +156,21 @@ def test_kernel_can_be_disabled(monkeypatch):
     monkeypatch.setattr(cq, "_lib_reason", None)
     monkeypatch.setenv("LOCALMOE_CPU_QMATMUL", "0")
     assert "LOCALMOE_CPU_QMATMUL" in cq.kernel_status()
+
+
+def test_kernel_says_why_it_cannot_build(monkeypatch):
+    """The C source ships as package data; no compiler, or no source in the install, gives a
+    reason (and the float path) instead of an error."""
+    assert "lm_qmatmul" in cq._c_source() and "lm_attn_decode" in cq._c_source()
+    for env, patch, want in ((("CC", ""), ("_C_FILE", cq._C_FILE), "no C compiler"),
+                             (("CC", "cc"), ("_C_FILE", "absent.c"), "absent.c is missing")):
+        monkeypatch.setattr(cq, "_lib_tried", False)
+        monkeypatch.setattr(cq, "_lib", None)
+        monkeypatch.setattr(cq, "_lib_reason", None)
+        monkeypatch.setenv(*env)
+        monkeypatch.setattr(cq, *patch)
+        monkeypatch.setattr(cq.shutil, "which", lambda name: None)
+        assert want in cq.kernel_status()
 
 
 # ---- whole models ------------------------------------------------------------------------
