@@ -1,0 +1,224 @@
+"""Fused MoE for decode (1-8 tokens): two launches over GGUF-quantized stacked experts.
+
+For every token ``t`` and each of its ``top_k`` routed experts ``e = topk_ids[t, j]``:
+``h = act(x[t] @ W_gate[e].T) * (x[t] @ W_up[e].T)`` and
+``out[t] = sum_j topk_weights[t, j] * (h_j @ W_down[e_j].T)``
+(``act`` = SiLU, or GELU-tanh for GeGLU families).
+
+* Launch 1 (:func:`_moe_gate_up_kernel`), grid ``(cdiv(F, BN), T * top_k)``: one program per
+  (row block, token, routed expert) reads ``BN`` gate rows and the ``BN`` matching up rows
+  (adjacent in the fused ``[E, 2F, K]`` gate/up tensor built by
+  :meth:`QuantTensor.interleave_rows`: row ``2f`` = gate ``f``, ``2f+1`` = up ``f``, so a
+  program streams one contiguous range), computes both GEMVs with the integer-dot tile of
+  :mod:`localmoe.kernels.quant_gemv` and writes ``act(gate) * up`` to ``h [T*top_k, F]`` (float32).
+* Launch 2 (:func:`_moe_down_kernel`), grid ``(cdiv(D, BN), T)``: one program per (row block,
+  token) loops over the token's ``top_k`` experts, computes ``BN`` rows of each down GEMV
+  and accumulates them weighted by the routing weights in registers (no atomics, no zeroing,
+  deterministic), then writes ``out [T, D]`` once.
+
+Expert ids are read on the device, through ``slot_of[e]`` (int32 ``[n_experts]``: the slot of
+expert ``e`` in the stacked tensors; the identity today, the offload manager's seam): nothing on
+the host looks at the routing. Only the routed experts' rows are read. Activations are
+quantized to int8 per 32 values in registers (see :mod:`localmoe.kernels.quant_gemv`), also
+``h`` in launch 2. Weight layout: :mod:`localmoe.kernels.qtensor` planes; ggml block formats.
+
+Launch choices live in :data:`MOE_CONFIG` (to move to ``kernels/configs/<device>.json``).
+The twin is :func:`fused_moe_ref` (float32, from ``QuantTensor.dequantize`` of the routed
+experts).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
+from localmoe.kernels.quant_gemv import _qtile, plane_args, quantize_act_ref, use_asm
+
+__all__ = ["fused_moe", "fused_moe_ref", "MOE_CONFIG", "ACTIVATIONS"]
+
+# ---- launch choices: one dict for this kernel; to move into kernels/configs/<device>.json ----
+MOE_CONFIG = {
+    "gate_up": {"BN": 8, "CH": 32, "num_warps": 4},   # BN gate rows (+ BN up rows) per program
+    "down": {"BN": 4, "CH": 32, "num_warps": 4},
+}
+# -----------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {"silu": 0, "gelu": 1}
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, h_ptr, ids_ptr, slot_ptr,
+                        q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                        F, n_chunks, x_rs, h_rs,
+                        q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                        TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
+                        BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
+                        USE_ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)               # t * TOP_K + j
+    t = pid // TOP_K
+    e = tl.load(ids_ptr + pid)
+    slot = tl.load(slot_ptr + e).to(tl.int64)
+    loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
+    rmask = loc < 2 * F
+    rows = slot * (2 * F) + loc
+    tt = tl.arange(0, 1)
+    tmask = tt < 1
+    xoff = t.to(tl.int64) * x_rs + tt.to(tl.int64)
+    acc = tl.zeros([1, 2 * BN, CH], dtype=tl.float32)
+    for c0 in range(0, n_chunks, CH):
+        acc = _qtile(acc, c0, n_chunks, rows, rmask, x_ptr, xoff, tmask,
+                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, USE_ASM)
+    gu = tl.reshape(tl.sum(acc, axis=2), [BN, 2])
+    g, u = tl.split(gu)
+    if ACT == 0:   # SiLU (exponent clamped: silu(g < -80) is 0 to float32 anyway)
+        a = g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))
+    else:  # GELU, tanh approximation: tanh(z) = 2*sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))
+    f = pid_n * BN + tl.arange(0, BN)
+    tl.store(h_ptr + pid.to(tl.int64) * h_rs + f, a * u, mask=f < F)
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
+                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                     D, n_chunks, h_rs, out_rs,
+                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                     TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
+                     BN: tl.constexpr, CH: tl.constexpr, USE_ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    loc = pid_n * BN + tl.arange(0, BN)
+    rmask = loc < D
+    tt = tl.arange(0, 1)
+    tmask = tt < 1
+    total = tl.zeros([1, BN], dtype=tl.float32)
+    for j in range(TOP_K):
+        pid = t * TOP_K + j
+        e = tl.load(ids_ptr + pid)
+        wgt = tl.load(wts_ptr + pid).to(tl.float32)
+        slot = tl.load(slot_ptr + e).to(tl.int64)
+        rows = slot * D + loc
+        xoff = pid.to(tl.int64) * h_rs + tt.to(tl.int64)
+        acc = tl.zeros([1, BN, CH], dtype=tl.float32)
+        for c0 in range(0, n_chunks, CH):
+            acc = _qtile(acc, c0, n_chunks, rows, rmask, h_ptr, xoff, tmask,
+                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, USE_ASM)
+        total += wgt * tl.sum(acc, axis=2)
+    op = out_ptr + t.to(tl.int64) * out_rs + loc[None, :]
+    tl.store(op, total.to(out_ptr.dtype.element_ty), mask=rmask[None, :])
+
+
+def _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of):
+    if len(w_gate_up.shape) != 3 or len(w_down.shape) != 3:
+        raise ValueError(f"fused_moe: stacked experts must be 3-D, got {w_gate_up.shape} and {w_down.shape}")
+    e, f2, d = w_gate_up.shape
+    e2, d2, f = w_down.shape
+    if f2 != 2 * f or d2 != d or e2 != e:
+        raise ValueError(f"fused_moe: gate/up [E, 2F, D] = {w_gate_up.shape} and down [E, D, F] = "
+                         f"{w_down.shape} do not fit")
+    for w in (w_gate_up, w_down):
+        if w.qtype not in QUANT_QTYPES:
+            raise ValueError(f"fused_moe: experts in {QTYPE_NAMES.get(w.qtype, w.qtype)} are not "
+                             "supported by the kernel (quantized types only)")
+    if x.dim() != 2 or x.shape[1] != d or x.stride(1) != 1:
+        raise ValueError(f"fused_moe: x must be [T, {d}] with contiguous rows, got {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [T, top_k] with T = {x.shape[0]}")
+    if slot_of is not None and (slot_of.dim() != 1 or slot_of.dtype != torch.int32):
+        raise ValueError("fused_moe: slot_of must be int32 [n_experts]")
+    for name, t in (("topk_ids", topk_ids), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if t.device != x.device:
+            raise ValueError(f"fused_moe: {name} on {t.device}, x on {x.device}")
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
+              topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              slot_of: torch.Tensor | None = None, activation: str = "silu",
+              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Routed-expert MLP for decode, in two launches, with no host sync.
+
+    Args:
+        x: ``[T, D]`` float32/float16/bfloat16 (the FFN input after its norm), rows contiguous.
+        w_gate_up: ``[E, 2F, D]`` gate and up rows interleaved (``QuantTensor.interleave_rows``).
+        w_down: ``[E, D, F]``.
+        topk_ids: ``[T, top_k]`` int32/int64 expert ids (device tensor; never read on the host).
+        topk_weights: ``[T, top_k]`` routing weights (float).
+        slot_of: int32 ``[E]`` expert -> slot in the stacked tensors (identity when None).
+        activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh approximation).
+        out: optional ``[T, D]`` output.
+        config: overrides of :data:`MOE_CONFIG` (``{"gate_up": {...}, "down": {...}}``).
+    Returns:
+        ``[T, D]`` in ``x.dtype`` (or ``out``).
+    Raises:
+        ValueError: shapes, types or devices that do not fit; unknown activation.
+    """
+    _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    e, f2, d = w_gate_up.shape
+    f = f2 // 2
+    t, top_k = topk_ids.shape
+    cfg = {k: dict(v) for k, v in MOE_CONFIG.items()}
+    for k, v in (config or {}).items():
+        cfg[k].update(v)
+    if slot_of is None:
+        slot_of = torch.arange(e, dtype=torch.int32, device=x.device)
+    ids = topk_ids.contiguous()
+    wts = topk_weights.contiguous()
+    h = torch.empty((t * top_k, f), dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    asm = use_asm()
+    c1 = cfg["gate_up"]
+    cv1 = chunk_values(w_gate_up.qtype)
+    ptrs, strides = plane_args(w_gate_up)
+    ch1 = min(c1["CH"], triton.next_power_of_2(d // cv1))
+    _moe_gate_up_kernel[(triton.cdiv(f, c1["BN"]), t * top_k)](
+        x, h, ids, slot_of, *ptrs, f, d // cv1, x.stride(0), h.stride(0), *strides,
+        TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv1, BN=c1["BN"], CH=ch1,
+        ACT=ACTIVATIONS[activation], USE_ASM=asm, num_warps=c1.get("num_warps", 4))
+    c2 = cfg["down"]
+    cv2 = chunk_values(w_down.qtype)
+    ptrs, strides = plane_args(w_down)
+    ch2 = min(c2["CH"], triton.next_power_of_2(f // cv2))
+    _moe_down_kernel[(triton.cdiv(d, c2["BN"]), t)](
+        h, out, ids, wts, slot_of, *ptrs, d, f // cv2, h.stride(0), out.stride(0), *strides,
+        TOP_K=top_k, QTYPE=w_down.qtype, CV=cv2, BN=c2["BN"], CH=ch2, USE_ASM=asm,
+        num_warps=c2.get("num_warps", 4))
+    return out
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
+                  topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  slot_of: torch.Tensor | None = None, activation: str = "silu",
+                  act_quant: bool = True) -> torch.Tensor:
+    """Torch twin of :func:`fused_moe` (float32 ``[T, D]``; a Python loop over tokens and
+    experts, for tests). ``act_quant`` applies the kernels' int8 rounding of ``x`` and ``h``."""
+    e, f2, d = w_gate_up.shape
+    f = f2 // 2
+    t, top_k = topk_ids.shape
+    slots = (torch.arange(e) if slot_of is None else slot_of.cpu()).long()
+    q = quantize_act_ref if act_quant else (lambda v: v.float())
+    xq = q(x)
+    out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
+    for ti in range(t):
+        for j in range(top_k):
+            s = int(slots[int(topk_ids[ti, j])])
+            gu = w_gate_up.dequantize(slice(s * f2, (s + 1) * f2))
+            y = xq[ti:ti + 1] @ gu.T                       # [1, 2F] interleaved
+            g, u = y[0, 0::2], y[0, 1::2]
+            if activation == "silu":
+                a = g * torch.sigmoid(g)
+            else:
+                a = 0.5 * g * (1.0 + torch.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3)))
+            hq = q((a * u)[None])
+            wd = w_down.dequantize(slice(s * d, (s + 1) * d))
+            out[ti] += float(topk_weights[ti, j]) * (hq @ wd.T)[0]
+    return out

@@ -1,0 +1,125 @@
+"""Fused MoE decode kernels (gate/up + act, down + weighted sum) vs their torch twin.
+
+Without CUDA the kernels run through the Triton interpreter (TRITON_INTERPRET=1) at small
+shapes whose expert pairs cover every GGUF quant type; with CUDA the same tests run on the GPU,
+plus Qwen3-30B-A3B-sized experts and a no-host-sync check (marked gpu).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from localmoe.kernels.qtensor import BLOCK_SIZES, QTYPE_NAMES, QuantTensor, random_gguf_blocks  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+# as in test_quant_gemv; "float" doubles there: x and h are both rounded to int8 on the way
+TOL = {"twin": 1e-5 if not CUDA else 1e-4, "float": 6e-2}
+# (gate/up qtype, down qtype): together every quant type, K-quants with legacy ones
+PAIRS = [(12, 14), (8, 2), (10, 11), (13, 3), (6, 7), (14, 12)]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def experts(qt_gu, qt_d, e, f, d, seed=0):
+    g = QuantTensor.from_gguf(random_gguf_blocks(qt_gu, (e, f, d), seed=seed), qt_gu, (e, f, d), DEV)
+    u = QuantTensor.from_gguf(random_gguf_blocks(qt_gu, (e, f, d), seed=seed + 1), qt_gu, (e, f, d), DEV)
+    wd = QuantTensor.from_gguf(random_gguf_blocks(qt_d, (e, d, f), seed=seed + 2), qt_d, (e, d, f), DEV)
+    return QuantTensor.interleave_rows(g, u), wd
+
+
+def route(t, e, top_k, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, e, generator=g)
+    w, ids = torch.topk(torch.softmax(logits, -1), top_k)
+    return ids.to(torch.int32).to(DEV), (w / w.sum(-1, keepdim=True)).to(DEV)
+
+
+# each program serves one (token, expert) pair, so more tokens add indexing, not new code paths:
+# every pair at 1 token, two cheap legacy pairs at 3 and 8 (the interpreter is slow)
+CASES = [(p, 1) for p in PAIRS] + [(PAIRS[1], 3), (PAIRS[4], 8)]
+
+
+@pytest.mark.parametrize("pair,tokens", CASES,
+                         ids=[f"{QTYPE_NAMES[a]}-{QTYPE_NAMES[b]}-t{t}" for (a, b), t in CASES])
+def test_fused_moe_matches_twin(pair, tokens):
+    qt_gu, qt_d = pair
+    e, top_k = 5, 2
+    # K of gate/up (d) and of down (f): 256 for K-quants, 3 blocks of 32 for legacy types;
+    # BN 64 leaves a partial row block at 96 rows; CH 4 walks 256-value down rows in 2 tiles
+    d = 256 if BLOCK_SIZES[qt_gu][0] == 256 else 96
+    f = 256 if BLOCK_SIZES[qt_d][0] == 256 else 96
+    gu, wd = experts(qt_gu, qt_d, e, f, d, seed=tokens)
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, d, device=DEV)
+    ids, w = route(tokens, e, top_k, seed=tokens)
+    slot_of = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=DEV)   # not the identity
+    act = "gelu" if tokens == 3 or qt_gu == 14 else "silu"
+    out = torch.full((tokens, d), float("nan"), device=DEV)
+    cfg = {"gate_up": {"BN": 64, "CH": 8}, "down": {"BN": 64 if d == 96 else 128, "CH": 4}}
+    y = fused_moe(x, gu, wd, ids, w, slot_of=slot_of, activation=act, out=out, config=cfg)
+    assert y is out and torch.isfinite(y).all()
+    ref = fused_moe_ref(x, gu, wd, ids, w, slot_of=slot_of, activation=act)
+    assert rel(y, ref) < TOL["twin"]
+    assert rel(y, fused_moe_ref(x, gu, wd, ids, w, slot_of=slot_of, activation=act, act_quant=False)) < TOL["float"]
+
+
+def test_slot_table_is_read_on_the_device():
+    gu, wd = experts(8, 8, 4, 32, 64, seed=7)
+    x = torch.randn(1, 64, device=DEV)
+    ids, w = route(1, 4, 2, seed=1)
+    cfg = {"gate_up": {"BN": 32, "CH": 2}, "down": {"BN": 64, "CH": 1}}
+    base = fused_moe(x, gu, wd, ids, w, config=cfg)
+    assert rel(base, fused_moe_ref(x, gu, wd, ids, w)) < TOL["twin"]
+    # pointing every expert at slot 0 must change the result to expert 0's
+    zero = torch.zeros(4, dtype=torch.int32, device=DEV)
+    moved = fused_moe(x, gu, wd, ids, w, slot_of=zero, config=cfg)
+    assert rel(moved, fused_moe_ref(x, gu, wd, ids, w, slot_of=zero)) < TOL["twin"]
+    assert rel(moved, base) > 1e-2
+
+
+def test_fused_moe_rejects_bad_inputs():
+    gu, wd = experts(8, 8, 4, 32, 64)
+    x = torch.randn(2, 64, device=DEV)
+    ids, w = route(2, 4, 2, seed=0)
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        fused_moe(torch.randn(2, 32, device=DEV), gu, wd, ids, w)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, gu, gu, ids, w)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(x, gu, wd, ids[:1], w[:1])
+    with pytest.raises(ValueError, match="slot_of"):
+        fused_moe(x, gu, wd, ids, w, slot_of=torch.arange(4, device=DEV))
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(x, gu, wd, ids, w, activation="relu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("shape,qts", [((128, 768, 2048, 8), (12, 12)), ((64, 1024, 2048, 8), (12, 14)),
+                                       ((8, 14336, 4096, 2), (12, 14))],
+                         ids=["qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"])
+def test_fused_moe_full_size_on_gpu(shape, qts, tokens):
+    e, f, d, top_k = shape
+    gu, wd = experts(*qts, e, f, d, seed=1)
+    x = torch.randn(tokens, d, device=DEV, dtype=torch.bfloat16)
+    ids, w = route(tokens, e, top_k, seed=2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")      # no host sync inside the two launches
+    try:
+        y = fused_moe(x, gu, wd, ids, w, slot_of=torch.arange(e, dtype=torch.int32, device=DEV))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = fused_moe_ref(x, gu, wd, ids, w)
+    assert rel(y, ref) < 1e-2
