@@ -9,15 +9,23 @@ module reproduces them so that parity tests against llama.cpp on a *quantized* f
   values plus an fp16 ``d * sum(q)``) for Q4_1/Q5_1, Q8_K (blocks of 256, fp32 scale) for the
   K-quants, a cast for F16/BF16 weights;
 * RoPE angles built by the float32 recurrence ``theta_{i+1} = theta_i * base^(-2/R)``;
-* attention with an F16 K/V cache: q and the softmax probabilities rounded to fp16.
+* attention with an F16 K/V cache: q and the softmax probabilities rounded to fp16
+  (``ggml_f16`` of :func:`localmoe.model.ops.attention`, set by the runner).
 
-Nothing here is used by the default ``numerics="exact"`` path.
+:class:`GgmlOps` bundles them as one op set of the shared block (beside the reference
+:class:`localmoe.model.ops.TorchOps`). Nothing here is used by the default ``numerics="exact"``
+path.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
+
+from localmoe.cpu.qmatmul import PackedLinear
+from localmoe.model.ops import TorchOps, activation
 
 # ggml-cpu type_traits_cpu[type].vec_dot_type, by weight type name
 GGML_VEC_DOT_TYPE = {
@@ -152,8 +160,93 @@ def ggml_activation(name: str):
     """The FFN gate activation of the ggml numerics mode: fp16-table GELU for ``gelu_tanh``
     (see :func:`ggml_gelu_tanh`); otherwise the exact activation (SiLU in ggml is a fp32 SIMD
     polynomial within ~1 ulp of the exact one)."""
-    from localmoe.model.transformer import activation
-
     if name in ("gelu_tanh", "gelu_pytorch_tanh"):
         return ggml_gelu_tanh
     return activation(name)
+
+
+class GgmlOps(TorchOps):
+    """The op set of the ``numerics="ggml"`` parity mode: llama.cpp's CPU-backend roundings.
+
+    * ``norm``: :func:`ggml_rms_norm`; ``act``: :func:`ggml_activation`;
+    * ``linear``: the input rounded to each weight part's ``vec_dot_type`` (:func:`ggml_act_quant`;
+      a fused weight such as q/k/v sees one rounding per part) plus the Q4_1/Q5_1 block-minimum
+      correction (:func:`ggml_q8_1_min_correction`);
+    * RoPE angles of unscaled layers by llama.cpp's float32 recurrence (:func:`ggml_rope_angles`);
+    * MoE: the routed experts' input and hidden activations rounded to the expert weights'
+      vec_dot types.
+
+    Args:
+        act: ``ModelSpec.act`` name.
+        act_types: ``{gguf tensor name: vec_dot type or None}`` (:func:`ggml_weight_numerics`).
+        block_mins: ``{gguf tensor name: [out, K/32] float32}`` of Q4_1/Q5_1 tensors.
+
+    Raises:
+        UnsupportedModelError: unknown activation.
+    """
+
+    name = "ggml"
+
+    def __init__(self, act: str, act_types: dict[str, str | None],
+                 block_mins: dict[str, torch.Tensor] | None = None):
+        super().__init__(act)
+        self.act = ggml_activation(act)
+        self.norm = ggml_rms_norm
+        self._types = dict(act_types)
+        self._block_mins = block_mins or {}
+        self._parts: dict[tuple[int, str], list[tuple[int, str | None]]] = {}
+        self._mins: dict[tuple[int, str], list[torch.Tensor | None]] = {}
+
+    @classmethod
+    def from_model_file(cls, model_file, names, device, act: str) -> "GgmlOps":
+        """The op set of a GGUF ``model_file`` whose tensors ``names`` go to ``device``."""
+        act_types, mins = ggml_weight_numerics(model_file, names, device)
+        return cls(act, act_types, mins)
+
+    def bind(self, layer: int, key: str, names: tuple[str, ...], weights: dict) -> None:
+        """Record the rows and vec_dot type of each part of the weight ``key`` (and the block
+        minimums of Q4_1/Q5_1 parts) before the model fuses them."""
+        self._parts[(layer, key)] = [(weights[n].shape[0], self._types.get(n)) for n in names]
+        if any(n in self._block_mins for n in names):
+            self._mins[(layer, key)] = [self._block_mins.get(n) for n in names]
+
+    def linear(self, x: torch.Tensor, wt, layer: int, key: str) -> torch.Tensor:
+        """``x @ wt`` where each column block of a fused ``wt [in, out]`` sees ``x`` rounded to
+        its own weight type's vec_dot type (plus the Q4_1/Q5_1 correction)."""
+        if type(wt) is PackedLinear:
+            return wt(x)
+        parts = self._parts.get((layer, key))
+        if not parts:
+            return x @ wt
+        mins = self._mins.get((layer, key))
+        kinds = {k for _, k in parts}
+        if len(kinds) == 1 and not mins:
+            return ggml_act_quant(x, parts[0][1]) @ wt
+        outs, r = [], 0
+        for j, (n, k) in enumerate(parts):
+            o = ggml_act_quant(x, k) @ wt[:, r:r + n]
+            if mins and mins[j] is not None:
+                o = o + ggml_q8_1_min_correction(x, mins[j])
+            outs.append(o)
+            r += n
+        return torch.cat(outs, -1)
+
+    def rope_cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float,
+                     base: float, scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscaled RoPE: angles as llama.cpp's ``rope_cache_init`` builds them
+        (:func:`ggml_rope_angles`); scaled RoPE: the reference tables."""
+        if scaling:
+            return super().rope_cos_sin(positions, inv_freq, mscale, base, scaling)
+        ang = ggml_rope_angles(positions, inv_freq.shape[0], base)
+        return torch.cos(ang) * mscale, torch.sin(ang) * mscale
+
+    def moe_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``x`` rounded to the vec_dot type of ``layer``'s ``ffn_gate_exps`` weights."""
+        return ggml_act_quant(x, self._types.get(f"blk.{layer}.ffn_gate_exps.weight"))
+
+    def moe_hidden(self, layer: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Rounding to the vec_dot type of ``layer``'s ``ffn_down_exps`` weights (None: F32)."""
+        kind = self._types.get(f"blk.{layer}.ffn_down_exps.weight")
+        if kind is None:
+            return None
+        return lambda h: ggml_act_quant(h, kind)

@@ -1,4 +1,5 @@
-"""Shared transformer ops against naive re-implementations and reference formulas."""
+"""Reference ops of the shared transformer (localmoe.model.ops) against naive
+re-implementations and reference formulas."""
 
 import math
 
@@ -6,10 +7,7 @@ import pytest
 import torch
 
 from localmoe.errors import UnsupportedModelError
-from localmoe.model.experts import ExpertWeights, ResidentExpertProvider
-from localmoe.model.spec import ModelSpec
-from localmoe.model.transformer import (activation, apply_rope, attention, get_family, moe_ffn,
-                                  rms_norm, rope_cos_sin, rope_inv_freq)
+from localmoe.model.ops import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 def _g(seed=0):
@@ -139,70 +137,3 @@ def test_attention_matches_naive(q_start, T, window, softcap):
     assert got.shape == (T, H, Dv)
     assert torch.allclose(got.double(), ref, atol=1e-5)
 
-
-def test_moe_ffn_groups_tokens_like_a_per_token_loop():
-    E, D, F, N, k = 6, 16, 24, 11, 2
-    g = _g(3)
-    w = ExpertWeights(torch.randn(E, F, D, generator=g), torch.randn(E, F, D, generator=g),
-                      torch.randn(E, D, F, generator=g))
-    prov = ResidentExpertProvider({0: w})
-    x = torch.randn(N, D, generator=g)
-    ids = torch.randint(0, E - 1, (N, k), generator=g)  # expert E-1 never used
-    ids[:, 1] = (ids[:, 0] + 1) % (E - 1)
-    wts = torch.rand(N, k, generator=g)
-    act = activation("silu")
-    seen = []
-    prov.prepare = lambda layer, used: seen.append(sorted(used.tolist()))
-    got = moe_ffn(x, wts, ids, prov, 0, act)
-    ref = torch.zeros(N, D)
-    for n in range(N):
-        for j in range(k):
-            e = int(ids[n, j])
-            h = act(w.gate[e] @ x[n]) * (w.up[e] @ x[n])
-            ref[n] += wts[n, j] * (w.down[e] @ h)
-    assert torch.allclose(got, ref, atol=1e-3, rtol=1e-4)
-    assert seen == [sorted(set(ids.flatten().tolist()))]
-
-
-def test_provider_get_stacks_experts():
-    E, D, F = 3, 4, 5
-    w = ExpertWeights(torch.randn(E, F, D), torch.randn(E, F, D), torch.randn(E, D, F))
-    prov = ResidentExpertProvider({2: w})
-    assert prov.layers() == [2] and prov.n_experts == 3
-    g, u, d = prov.expert(2, 1)
-    assert torch.equal(g, w.gate[1]) and torch.equal(d, w.down[1])
-    with pytest.raises(KeyError):
-        prov.expert(0, 0)
-    assert prov.nbytes() == 3 * E * F * D * 4
-
-
-def _spec(arch, **kw):
-    base = dict(arch=arch, n_layers=12, d_model=64, n_heads=4, n_kv_heads=1, head_dim=16,
-                vocab_size=100)
-    base.update(kw)
-    return ModelSpec(**base)
-
-
-def test_family_deltas():
-    names = {"token_embd.weight", "blk.0.attn_q_norm.weight", "blk.0.post_attention_norm.weight"}
-    g = get_family("gemma3").configure(_spec("gemma3", sliding_window=512), "gguf", names)
-    assert g.act == "gelu_tanh" and g.post_norms and g.qk_norm and g.tie_embeddings
-    assert g.embed_scale == pytest.approx(8.0) and g.rope_style == "neox"
-    assert g.sliding_window_pattern == 6 and g.rope_base_local == 10000.0
-    assert [g.layer_window(i) for i in range(12)].count(None) == 2  # layers 5 and 11 global
-
-    ll = get_family("llama").configure(_spec("llama", rope_style="neox", n_experts=4, top_k=2),
-                                       "gguf", {"output.weight"})
-    assert ll.rope_style == "norm" and ll.norm_topk_prob and not ll.qk_norm
-    hf = get_family("llama").configure(_spec("llama", rope_style="neox"), "safetensors", set())
-    assert hf.rope_style == "neox"
-    q2 = get_family("qwen2moe").configure(_spec("qwen2moe", n_experts=4, top_k=2,
-                                                norm_topk_prob=True), "gguf", {"blk.0.attn_q.bias"})
-    assert not q2.norm_topk_prob and q2.attn_bias
-    ol = get_family("olmoe").configure(_spec("olmoe", n_experts=4, top_k=2), "gguf",
-                                       {"blk.0.attn_q_norm.weight"})
-    assert ol.qk_norm and ol.qk_norm_full and not ol.norm_topk_prob
-    q3 = get_family("qwen3moe").configure(_spec("qwen3moe", n_experts=4, top_k=2), "gguf", set())
-    assert q3.norm_topk_prob
-    with pytest.raises(UnsupportedModelError, match="not supported"):
-        get_family("mamba")
