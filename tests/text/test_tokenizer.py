@@ -108,7 +108,7 @@ def test_ids_match_llamacpp(model, request, llama_vocab):
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("model", ["smollm", "gemma"])
 def test_long_real_text_matches_llamacpp(model, request, llama_vocab):
-    from conftest import GPL_TEXT_PATH
+    from tests.conftest import GPL_TEXT_PATH
 
     path = request.getfixturevalue({"smollm": "smollm2_path", "gemma": "gemma3_path"}[model])
     tk = request.getfixturevalue(model)[1]
