@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from localmoe.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from localmoe.text.detokenizer import IncrementalDetokenizer
+from localmoe.text.tokenizer import Tokenizer
 
 from tests.text.test_tokenizer import HARD_STRINGS
 

@@ -335,9 +335,9 @@ def test_hf_dir_missing_tokenizer(tmp_path):
                                  "seed-coder", "bailingmoe"])
 def test_every_pre_tokenizer_builds_and_round_trips(pre):
     """A byte-level vocabulary (256 byte symbols + a few merges) under each pre-tokenizer."""
-    from localmoe.text.tokenizer import _BYTE_ENCODER
+    from localmoe.text.bytelevel import BYTE_ENCODER
 
-    chars = [_BYTE_ENCODER[b] for b in range(256)]
+    chars = [BYTE_ENCODER[b] for b in range(256)]
     toks = ["<|endoftext|>"] + chars + ["Ġt", "he", "Ġthe", "12", "123"]
     md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": toks,
           "tokenizer.ggml.token_type": [3] + [1] * (len(toks) - 1),
