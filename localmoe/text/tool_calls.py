@@ -18,9 +18,9 @@ Models write tool calls as text in a family-specific syntax:
 
 The format is chosen from the chat template source (:func:`detect_format`).
 
-Guarantees (tested in ``tests/test_tool_calls.py``):
+Guarantees (tested in ``tests/text/test_tool_calls.py``):
 
-* JSON is located with a real scanner (:func:`scan_json`) that understands strings, escapes
+* JSON is located with a real scanner (:func:`~localmoe.text.json_scan.scan_json`) that understands strings, escapes
   and nesting, so braces and quotes inside string values never confuse it.
 * Invalid or truncated JSON is never an error: the text stays in the message content.
 * Streaming (:class:`StreamingToolParser`) and one-shot parsing (:func:`parse_tool_calls`)
@@ -33,17 +33,19 @@ Guarantees (tested in ``tests/test_tool_calls.py``):
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from localmoe.text.json_scan import WHITESPACE as _WS, ScanState, scan_json, skip_ws
+
 FORMATS = ("hermes", "llama3", "mistral")
 
-__all__ = ["FORMATS", "ToolCall", "ParsedOutput", "detect_format", "scan_json",
-           "parse_tool_calls", "StreamingToolParser", "new_call_id"]
+__all__ = ["FORMATS", "ToolCall", "ParsedOutput", "detect_format", "parse_tool_calls",
+           "StreamingToolParser", "new_call_id"]
 
 
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -110,85 +112,6 @@ def detect_format(template_source: str | None) -> str:
     return "hermes"
 
 
-# --------------------------------------------------------------------------- JSON scanning
-
-_STRUCT = re.compile(r'[{}\[\]"]')
-_IN_STR = re.compile(r'["\\]')
-_WS = " \t\r\n"
-
-
-@dataclass
-class _ScanState:
-    pos: int
-    stack: list
-    in_str: bool = False
-
-
-def scan_json(s: str, start: int, state: _ScanState | None = None) -> tuple[str, int, _ScanState | None]:
-    """Find the end of the JSON object or array that starts at ``s[start]``.
-
-    Only structure is checked (brackets, strings, escapes); the caller validates the span with
-    ``json.loads``. Scanning can resume: pass back the returned state with a longer ``s`` (same
-    prefix) to continue where the last call stopped.
-
-    Args:
-        s: text.
-        start: index of the opening ``{`` or ``[``.
-        state: resume state from a previous ``"incomplete"`` answer, or None.
-
-    Returns:
-        ``("done", end, None)`` where ``s[start:end]`` is the balanced span;
-        ``("incomplete", len(s), state)`` when the text ends inside the value;
-        ``("invalid", i, None)`` for a mismatched bracket at ``i`` or when ``s[start]`` is not
-        ``{``/``[``.
-    """
-    if state is None:
-        if start >= len(s) or s[start] not in "{[":
-            return "invalid", start, None
-        state = _ScanState(pos=start + 1, stack=[s[start]])
-    pos, stack, in_str = state.pos, state.stack, state.in_str
-    n = len(s)
-    while pos < n:
-        if in_str:
-            m = _IN_STR.search(s, pos)
-            if m is None:
-                pos = n
-                break
-            if m.group() == "\\":
-                if m.end() >= n:  # escape at the very end: resume before the backslash
-                    pos = m.start()
-                    break
-                pos = m.end() + 1
-                continue
-            in_str = False
-            pos = m.end()
-            continue
-        m = _STRUCT.search(s, pos)
-        if m is None:
-            pos = n
-            break
-        c = m.group()
-        pos = m.end()
-        if c == '"':
-            in_str = True
-        elif c in "{[":
-            stack.append(c)
-        else:
-            opener = stack.pop()
-            if (opener == "{") != (c == "}"):
-                return "invalid", m.start(), None
-            if not stack:
-                return "done", pos, None
-    return "incomplete", n, _ScanState(pos=pos, stack=stack, in_str=in_str)
-
-
-def _skip_ws(s: str, i: int) -> int:
-    n = len(s)
-    while i < n and s[i] in _WS:
-        i += 1
-    return i
-
-
 def _args_text(args) -> str | None:
     """OpenAI ``arguments`` text for a parsed arguments value, or None when unusable."""
     if args is None:
@@ -241,7 +164,7 @@ class _JsonCache:
 
     def __init__(self):
         self.key: int | None = None
-        self.state: _ScanState | None = None
+        self.state: ScanState | None = None
 
     def scan(self, buf: str, start: int):
         st = self.state if self.key == start else None
@@ -307,7 +230,7 @@ class _Hermes(_Format):
     markers = (OPEN,)
 
     def parse_block(self, buf, i, final):
-        j = _skip_ws(buf, i + len(self.OPEN))
+        j = skip_ws(buf, i + len(self.OPEN))
         if j >= len(buf):
             return ("invalid", i + len(self.OPEN)) if final else ("incomplete",)
         if buf[j] != "{":
@@ -324,7 +247,7 @@ class _Hermes(_Format):
         call = _call_from_obj(obj, self.names, strict_keys=False)
         if call is None:
             return ("invalid", end)
-        k = _skip_ws(buf, end)
+        k = skip_ws(buf, end)
         close = _partial_prefix(buf, k, self.CLOSE)
         if close == "full":
             return ("call", [call], k + len(self.CLOSE))
@@ -345,7 +268,7 @@ class _Llama3(_Format):
 
     def parse_block(self, buf, i, final):
         tagged = buf.startswith(self.TAG, i)
-        j = _skip_ws(buf, i + len(self.TAG)) if tagged else i
+        j = skip_ws(buf, i + len(self.TAG)) if tagged else i
         calls: list[ToolCall] = []
         while True:
             if j >= len(buf):
@@ -371,14 +294,14 @@ class _Llama3(_Format):
                     return ("invalid", end if not tagged else i + len(self.TAG))
                 break
             calls.append(call)
-            k = _skip_ws(buf, end)
+            k = skip_ws(buf, end)
             if k >= len(buf):
                 if not final:
                     return ("incomplete",)
                 j = end
                 break
             if buf[k] == ";":
-                k2 = _skip_ws(buf, k + 1)
+                k2 = skip_ws(buf, k + 1)
                 if k2 >= len(buf) and not final:
                     return ("incomplete",)
                 if k2 < len(buf) and buf[k2] == "{":
@@ -397,7 +320,7 @@ class _Mistral(_Format):
     _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
     def parse_block(self, buf, i, final):
-        j = _skip_ws(buf, i + len(self.TAG))
+        j = skip_ws(buf, i + len(self.TAG))
         bad = ("invalid", i + len(self.TAG))
         if j >= len(buf):
             return bad if final else ("incomplete",)
@@ -510,7 +433,7 @@ class StreamingToolParser:
         while self._buf:
             buf = self._buf
             if self._after_call:
-                k = _skip_ws(buf, 0)
+                k = skip_ws(buf, 0)
                 self._consume(k)
                 if not self._buf:
                     break
@@ -591,93 +514,3 @@ def parse_tool_calls(text: str, fmt: str = "hermes",
             res.tool_calls.append(val)
     res.content = "".join(parts)
     return res
-
-
-# ------------------------------------------------------------------------ reasoning blocks
-
-class ReasoningSplitter:
-    """Splits a leading ``<think>...</think>`` block (Qwen3, DeepSeek-R1 style) off a reply.
-
-    Feed text deltas with :meth:`push`, end with :meth:`finish`; both return events
-    ``("reasoning", text)`` or ``("content", text)``. Only a block at the very start of the
-    reply (after whitespace) counts; ``start_in_think=True`` is for templates whose generation
-    prompt already opened the block (the reply then only closes it). Whitespace around the
-    reasoning and right after ``</think>`` is dropped. A block never closed (output cut by
-    ``max_tokens``) is all reasoning. As with :class:`StreamingToolParser`, the events'
-    concatenation does not depend on how the text was split.
-    """
-
-    OPEN, CLOSE = "<think>", "</think>"
-
-    def __init__(self, start_in_think: bool = False):
-        self._state = "think" if start_in_think else "start"
-        self._buf = ""
-        self._started = False  # reasoning text emitted yet (leading whitespace dropped)
-
-    def push(self, delta: str) -> list[tuple[str, str]]:
-        """Add a text delta; returns the events it settles."""
-        self._buf += delta
-        return self._drain(False)
-
-    def finish(self) -> list[tuple[str, str]]:
-        """End of output: settle everything held back."""
-        return self._drain(True)
-
-    def _drain(self, final: bool) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        while True:
-            buf = self._buf
-            if self._state == "start":
-                t = buf.lstrip(_WS)
-                if t.startswith(self.OPEN):
-                    self._state, self._buf = "think", t[len(self.OPEN):]
-                    continue
-                if not final and self.OPEN.startswith(t):  # "" or a prefix of <think>
-                    break
-                self._state = "content"
-                continue
-            if self._state == "think":
-                if not self._started:
-                    buf = self._buf = buf.lstrip(_WS)
-                i = buf.find(self.CLOSE)
-                if i >= 0:
-                    text = buf[:i].rstrip(_WS)
-                    if text:
-                        out.append(("reasoning", text))
-                    self._state, self._buf = "after", buf[i + len(self.CLOSE):]
-                    continue
-                if final:
-                    text = buf.rstrip(_WS)
-                    keep = len(buf)
-                else:
-                    keep = len(buf)
-                    for k in range(max(0, len(buf) - len(self.CLOSE) + 1), len(buf)):
-                        if self.CLOSE.startswith(buf[k:]):
-                            keep = k
-                            break
-                    text = buf[:keep].rstrip(_WS)
-                    keep = len(text)
-                if text:
-                    out.append(("reasoning", text))
-                    self._started = True
-                self._buf = buf[keep:] if not final else ""
-                break
-            if self._state == "after":
-                t = buf.lstrip(_WS)
-                if not t and not final:
-                    self._buf = ""
-                    break
-                self._state, self._buf = "content", t
-                continue
-            # content: pass through
-            if buf:
-                out.append(("content", buf))
-            self._buf = ""
-            break
-        merged: list[tuple[str, str]] = []
-        for kind, text in out:
-            if merged and merged[-1][0] == kind:
-                merged[-1] = (kind, merged[-1][1] + text)
-            else:
-                merged.append((kind, text))
-        return merged

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localmoe.text.tool_calls import (ReasoningSplitter, StreamingToolParser, ToolCall,
-                                 detect_format, new_call_id, parse_tool_calls, scan_json)
+from localmoe.text.tool_calls import (StreamingToolParser, ToolCall, detect_format, new_call_id,
+                                      parse_tool_calls)
 
 
 def stream_parse(text: str, cuts: list[int], fmt: str, names=None):
@@ -34,30 +34,6 @@ def both(text, fmt="hermes", names=None):
     assert s_content == res.content
     assert s_calls == res.tool_calls
     return res
-
-
-# ------------------------------------------------------------------------------ scanner
-
-def test_scan_json_strings_escapes_nesting():
-    s = 'x{"a": "}{\\"]", "b": [1, {"c": "\\\\"}]} tail'
-    res, end, _ = scan_json(s, 1)
-    assert res == "done"
-    assert json.loads(s[1:end]) == {"a": '}{"]', "b": [1, {"c": "\\"}]}
-    assert s[end:] == " tail"
-
-
-def test_scan_json_incomplete_and_resume():
-    s = '{"a": "x\\'
-    res, end, state = scan_json(s, 0)
-    assert res == "incomplete"
-    s2 = s + '"y"}'
-    res, end, _ = scan_json(s2, 0, state)
-    assert res == "done" and json.loads(s2[:end]) == {"a": 'x"y'}
-
-
-def test_scan_json_mismatched_bracket():
-    assert scan_json('{"a": [1}', 0)[0] == "invalid"
-    assert scan_json("abc", 0)[0] == "invalid"
 
 
 # ------------------------------------------------------------------------------ hermes
@@ -254,46 +230,3 @@ def test_call_ids_fit_the_format():
     assert re.fullmatch(r"call_[0-9a-f]{24}", new_call_id())
     ids = {new_call_id("mistral") for _ in range(50)}
     assert len(ids) == 50 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
-
-
-def split_reasoning(text: str, cuts, start_in_think=False) -> tuple[str, str]:
-    sp = ReasoningSplitter(start_in_think)
-    ev, prev = [], 0
-    for c in sorted(set(cuts)) + [len(text)]:
-        ev += sp.push(text[prev:c])
-        prev = c
-    ev += sp.finish()
-    return ("".join(t for k, t in ev if k == "reasoning"), "".join(t for k, t in ev if k == "content"))
-
-
-REASONING_CASES = [
-    ("<think>\nThe user wants weather.\nCall the tool.\n</think>\n\nSure <b>x</b>", False,
-     ("The user wants weather.\nCall the tool.", "Sure <b>x</b>")),
-    ("  <think>a</think>b", False, ("a", "b")),
-    ("no thinking here <think>x</think>", False, ("", "no thinking here <think>x</think>")),
-    ("<thi", False, ("", "<thi")),
-    ("<think>cut off by max_tok", False, ("cut off by max_tok", "")),
-    ("\nreasoning first</think>\n\nanswer", True, ("reasoning first", "answer")),
-    ("<think>\n\n</think>\n\nanswer </thin", False, ("", "answer </thin")),
-    ("", False, ("", "")),
-]
-
-
-@pytest.mark.parametrize("text,opened,expected", REASONING_CASES)
-def test_reasoning_splitter_cases_every_split(text, opened, expected):
-    assert split_reasoning(text, [], opened) == expected
-    assert split_reasoning(text, list(range(len(text))), opened) == expected
-
-
-@settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(REASONING_CASES), cuts=st.lists(st.integers(0, 80), max_size=8))
-def test_reasoning_splitter_random_splits(case, cuts):
-    text, opened, expected = case
-    assert split_reasoning(text, [c for c in cuts if c <= len(text)], opened) == expected
-
-
-def test_reasoning_streams_before_the_block_closes():
-    sp = ReasoningSplitter()
-    assert sp.push("<think>\nstep one") == [("reasoning", "step one")]
-    assert sp.push(" and two </th") == [("reasoning", " and two")]
-    assert sp.push("ink>\n\nHi") == [("content", "Hi")]
