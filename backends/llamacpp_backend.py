@@ -61,7 +61,7 @@ def _kv_reason(kv_spec: Any) -> str | None:
                     f"use --backend torch/triton")
     k = kv_spec.k
     if getattr(k, "grouping", "") == "channel":
-        from localmoe.kv.cache import default_key_grouping
+        from localmoe.kv.formats import default_key_grouping
 
         named = getattr(kv_spec, "named_key_grouping", None)
         if named == "channel" or default_key_grouping(k.name) != "channel":
@@ -79,7 +79,7 @@ def _as_run(kv_spec: Any) -> Any:
     """The KVSpec llama.cpp actually holds for an accepted ``kv_spec``: int keys per token."""
     import dataclasses
 
-    from localmoe.kv.cache import KVFormat
+    from localmoe.kv.formats import KVFormat
 
     k = kv_spec.k
     if k.is_float or k.grouping == "token":
@@ -188,7 +188,7 @@ class LlamaCppBackend(Backend):
         fmt = getattr(model, "format", "gguf")
         if fmt != "gguf":
             raise BackendUnavailableError(self.supports(fmt, None))
-        from localmoe.kv.cache import KVSpec
+        from localmoe.kv.spec import KVSpec
 
         kv_spec = KVSpec.parse(kv_spec or "f16")
         why = _kv_reason(kv_spec)

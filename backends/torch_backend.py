@@ -160,7 +160,7 @@ class TorchRunner:
     Args:
         model_file: an open :class:`localmoe.io.loader.ModelFile`.
         n_ctx: context size in tokens per sequence (default: min(training context, 4096)).
-        kv_spec: :class:`localmoe.kv.cache.KVSpec` or a string (default ``"f16"``).
+        kv_spec: :class:`localmoe.kv.spec.KVSpec` or a string (default ``"f16"``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (default: cpu).
         dtype: weight/activation dtype (default float32; on CUDA float16/bfloat16 allowed).
         max_seqs: concurrently live sequences; the KV block pool is allocated up front for
@@ -192,7 +192,8 @@ class TorchRunner:
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None):
-        from localmoe.kv.cache import KVSpec, PagedKVCache
+        from localmoe.kv.cache import PagedKVCache
+        from localmoe.kv.spec import KVSpec
         from localmoe.model.transformer import Transformer
 
         t0 = time.perf_counter()
@@ -216,7 +217,7 @@ class TorchRunner:
         self.max_seqs = int(max_seqs)
         self.cache = PagedKVCache(self.spec, self.kv_spec, self.n_ctx, self.max_seqs,
                                   block_size=block_size, device=dev)
-        from localmoe.kv.cache import FloatCodec
+        from localmoe.kv.codec import FloatCodec
 
         # plain float K/V on the CPU: read/write slices of the store when slots are consecutive
         self._float_kv = (dev.type == "cpu" and type(self.cache.k_codec) is FloatCodec
@@ -444,7 +445,7 @@ class TorchBackend(Backend):
         if model_format not in ("gguf", "safetensors"):
             return f"unknown model format {model_format!r}"
         if kv_spec is not None:
-            from localmoe.kv.cache import get_codec_class
+            from localmoe.kv.registry import get_codec_class
 
             try:
                 get_codec_class(kv_spec.k.name)

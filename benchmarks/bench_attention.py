@@ -26,8 +26,10 @@ import time
 
 import torch
 
-from localmoe.kv.cache import FloatCodec, KVFormat, KVSpec
-from localmoe.kv.quant import QuantCodec
+from localmoe.kv.codec import FloatCodec
+from localmoe.kv.formats import KVFormat
+from localmoe.kv.quant_codec import QuantCodec
+from localmoe.kv.spec import KVSpec
 from localmoe.kernels.decode_attention import decode_attention, decode_attention_ref
 from localmoe.kernels.kv_quant_append import kv_quant_append
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from localmoe.kv.cache import KVSpec
+from localmoe.kv.spec import KVSpec
 from localmoe.io.loader import open_model
 from localmoe.engine.registry import get_backend
 from localmoe.testing.synthetic import write_gguf

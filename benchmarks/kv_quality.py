@@ -91,9 +91,9 @@ CONFIGS = {
 
 
 def make_runner(mf, name, n_ctx, block_size=16):
-    import localmoe.kv.quant as kv_quant
+    import localmoe.kv.quant_codec as kv_quant
     from localmoe.backends.torch_backend import TorchRunner
-    from localmoe.kv.cache import KVSpec
+    from localmoe.kv.spec import KVSpec
 
     if name in CONFIGS:
         kw, rot = CONFIGS[name]
@@ -145,7 +145,8 @@ def key_error(runner, mf, text_ids, configs, n_tokens):
 
     Returns ``{config: {"mean": float, "layers": [float, ...]}}``.
     """
-    from localmoe.kv.cache import KVSpec, PagedKVCache
+    from localmoe.kv.cache import PagedKVCache
+    from localmoe.kv.spec import KVSpec
 
     ids = text_ids[:n_tokens]
     sid = runner.new_sequence()
@@ -247,7 +248,7 @@ def main(argv=None):
     paths = [Path(p) for p in a.text] if a.text else [TEXT]
     text_ids = tok.encode("\n\n".join(p.read_text() for p in paths))
     if a.key_error:
-        from localmoe.kv.cache import KVSpec
+        from localmoe.kv.spec import KVSpec
 
         r = make_runner(mf, "f16", a.key_error + 16)
         res = key_error(r, mf, text_ids, [c for c in a.configs if c != "f16"], a.key_error)

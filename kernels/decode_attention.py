@@ -12,7 +12,7 @@ split writes its normalized partial output and its log2-sum-exp; stage 2 (the re
 kernel, or with ``fused_reduce=True`` the last split of each (sequence, kv head) in the same
 launch, ordered by an acq_rel atomic counter) merges the splits of every (sequence, query head).
 
-Sub-byte rows use the *split-plane* packing of :func:`localmoe.kv.quant.pack_codes`: plane i of
+Sub-byte rows use the *split-plane* packing of :func:`localmoe.kv.quant_ops.pack_codes`: plane i of
 a row (bits ``i*P .. i*P+P-1`` of every byte) holds channels ``i*RB .. i*RB+RB-1`` in order, so
 each plane is unpacked with one shift and mask (no register shuffles), converted to fp16 with
 bit tricks (``0x6400 | code`` is the fp16 number ``1024 + code``), scaled, and fed to its own
@@ -20,7 +20,7 @@ dot against the same channel slice of the query: ``q . k = sum_i q_i . k_i``. Va
 one accumulator each (int8/int4/fp4) or, for the 4 planes of int2/int3, are joined into one
 full-width tile whose accumulator columns are permuted and un-permuted at the store.
 
-Storage read (see :mod:`localmoe.kv.quant` for the exact layout; one kernel, constexpr format):
+Storage read (see :mod:`localmoe.kv.quant_codec` for the exact layout; one kernel, constexpr format):
 
 * ``FMT=0`` float codec: ``data`` [S, H, D] f16/bf16/f32 (slot-major, any strides).
 * ``FMT=1`` int codec, ``BITS`` in 8, 4, 3, 2, group ``G``: ``q`` uint8 [H, S, D*P/8] (P = 2 for

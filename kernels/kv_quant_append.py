@@ -6,7 +6,7 @@ compute per-group statistics over the remaining channels (int: min and max -> fp
 zero; fp4: absmax -> E4M3 scale), round every channel to its code, and pack codes into bytes
 with the split-plane layout. Everything is written straight into the store at the token's slot.
 
-Packed layout (see :mod:`localmoe.kv.quant`, whose functions are the twin): head-major tensors
+Packed layout (see :mod:`localmoe.kv.quant_codec`, whose functions are the twin): head-major tensors
 ``q`` uint8 [H, S, D*P/8] (P = 2 for int3, else bits), ``q_hi`` uint8 [H, S, D/8] (int3 high
 bit), ``scale`` fp16 [H, S, D/G] (E4M3 uint8 for fp4), ``zero`` fp16 [H, S, D/G], ``oidx``
 uint8 [H, S, N_OUT], ``oval`` fp16 [H, S, N_OUT]. Channel ``d`` of a row of ``RB = D*P/8``
@@ -17,7 +17,7 @@ Sources: KIVI (Liu et al., 2024) for asymmetric grouped integer KV quantization;
 values with E4M3 scales.
 
 Sink and window copies (plain fp16 side buffers) and the optional key rotation are done by the
-launcher with torch ops; the twin is :meth:`localmoe.kv.quant.QuantCodec.write`.
+launcher with torch ops; the twin is :meth:`localmoe.kv.quant_codec.QuantCodec.write`.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def kv_quant_append(codec, store: dict, slots: torch.Tensor, x: torch.Tensor,
     where GPU division rounds differently at a half step).
 
     Args:
-        codec: a :class:`localmoe.kv.quant.QuantCodec` (format, group, outliers, rotation).
+        codec: a :class:`localmoe.kv.quant_codec.QuantCodec` (format, group, outliers, rotation).
         store: the codec's storage dict (from ``codec.alloc``), on the same device as ``x``.
         slots: LongTensor[T] slot of each token.
         positions: LongTensor[T] token positions (sink/window side copies).

@@ -371,7 +371,7 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
               help="Require this bearer token (env LOCALMOE_API_KEY).")
 def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host, port, api_key):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)."""
-    from localmoe.kv.cache import KVSpec
+    from localmoe.kv.spec import KVSpec
 
     KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
     import localmoe.serve.server as server
@@ -461,7 +461,7 @@ def model_info(model_file) -> dict[str, Any]:
     :data:`KV_INFO_FORMATS`: ``"int4"`` is the default per-channel keys, ``"int4:t"`` per-token
     keys), kv_key_grouping ({format: "channel" | "token" | None for float/fp4 keys}).
     """
-    from localmoe.kv.cache import KVSpec
+    from localmoe.kv.spec import KVSpec
 
     spec = model_file.spec
     total = 0

@@ -240,7 +240,7 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
     """chat has generate's --kv-cache-k/--kv-cache-v (and the comma options) and --device,
     passes them on to the engine, and refuses bad values before the UI opens."""
     import localmoe.tui.app as tui_app
-    from localmoe.kv.cache import KVSpec
+    from localmoe.kv.spec import KVSpec
     from localmoe.testing.synthetic import write_gguf
 
     calls = []
@@ -476,7 +476,7 @@ def test_info_shows_both_key_groupings(tmp_path):
     import re
 
     from localmoe.cli import model_info
-    from localmoe.kv.cache import KVSpec
+    from localmoe.kv.spec import KVSpec
     from localmoe.io.loader import open_model
     from localmoe.testing.synthetic import write_gguf
 

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError)
-from localmoe.kv.cache import KVSpec
+from localmoe.kv.spec import KVSpec
 from localmoe.engine.registry import get_backend, select_backend
 
 from tests.conftest import has_llamacpp

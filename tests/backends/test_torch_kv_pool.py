@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from localmoe.kv.cache import KVSpec
+from localmoe.kv.spec import KVSpec
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,10 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from localmoe.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from localmoe.kv.cache import FloatCodec, KVFormat, KVSpec  # noqa: E402
-from localmoe.kv.quant import QuantCodec  # noqa: E402
+from localmoe.kv.codec import FloatCodec  # noqa: E402
+from localmoe.kv.formats import KVFormat  # noqa: E402
+from localmoe.kv.quant_codec import QuantCodec  # noqa: E402
+from localmoe.kv.spec import KVSpec  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 TOL = 1e-2

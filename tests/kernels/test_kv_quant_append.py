@@ -17,8 +17,8 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from localmoe.kernels.kv_quant_append import kv_quant_append, kv_quant_append_ref  # noqa: E402
-from localmoe.kv.cache import KVSpec  # noqa: E402
-from localmoe.kv.quant import QuantCodec  # noqa: E402
+from localmoe.kv.quant_codec import QuantCodec  # noqa: E402
+from localmoe.kv.spec import KVSpec  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from localmoe.errors import ContextOverflowError, KVCacheFormatError, LocalMoEError
-from localmoe.kv.cache import KVFormat, KVSpec, PagedKVCache
+from localmoe.kv.cache import PagedKVCache
+from localmoe.kv.formats import KVFormat
+from localmoe.kv.spec import KVSpec
 from localmoe.model.spec import ModelSpec
 
 

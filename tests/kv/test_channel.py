@@ -5,9 +5,12 @@ import pytest
 import torch
 
 from localmoe.errors import KVCacheFormatError
-from localmoe.kv.cache import KVFormat, KVSpec, PagedKVCache
-from localmoe.kv.quant import (QuantCodec, channel_error_bound, outlier_count, pack_codes,
-                               quantize_channel, unpack_codes)
+from localmoe.kv.cache import PagedKVCache
+from localmoe.kv.formats import KVFormat
+from localmoe.kv.quant_codec import QuantCodec
+from localmoe.kv.quant_ops import (channel_error_bound, outlier_count, pack_codes, quantize_channel,
+                                   unpack_codes)
+from localmoe.kv.spec import KVSpec
 from localmoe.model.spec import ModelSpec
 
 CH_FORMATS = ["int8:c", "int4:c", "int3:c", "int2:c"]
@@ -273,9 +276,9 @@ def test_never_nan_or_inf(name):
 def test_spec_parsing_and_round_trip():
     s = KVSpec.parse("int4:c")
     assert s.k.grouping == "channel" and s.v.grouping == ""
-    import localmoe.kv.cache as kv_cache
+    import localmoe.kv.formats as kv_formats
 
-    assert str(s) == ("int4" if kv_cache.DEFAULT_KEY_GROUPING == "channel" else "int4:c")
+    assert str(s) == ("int4" if kv_formats.DEFAULT_KEY_GROUPING == "channel" else "int4:c")
     assert KVSpec.parse(str(s)) == s
     for text in ("int4:c,sinks=4,window=64", "k=int4:c,v=int2:g16", "int4:t:g16", "k=int2:c,v=int4"):
         assert KVSpec.parse(str(KVSpec.parse(text))) == KVSpec.parse(text)
@@ -334,7 +337,7 @@ def test_outliers_still_apply_to_values():
 
 
 def test_format_table_reports_both_sides():
-    from localmoe.kv.cache import kv_format_table
+    from localmoe.kv.spec import kv_format_table
 
     rows = {r["format"]: r for r in kv_format_table(_mspec(64), ("int4:c", "int4:t", "int2:c"))}
     assert rows["int4:c"]["bits_k"] == pytest.approx(6.0)
@@ -428,9 +431,9 @@ def test_engine_generates_with_channel_keys(smollm2_path, kv):
 
 @pytest.mark.parametrize("default", ["channel", "token"])
 def test_default_key_grouping_is_filled_in_by_parse(monkeypatch, default):
-    import localmoe.kv.cache as kv_cache
+    import localmoe.kv.formats as kv_formats
 
-    monkeypatch.setattr(kv_cache, "DEFAULT_KEY_GROUPING", default)
+    monkeypatch.setattr(kv_formats, "DEFAULT_KEY_GROUPING", default)
     for text in ("int4", "int3", "int2", "k=int4,v=int2", "int4,sinks=4"):
         s = KVSpec.parse(text)
         assert s.k.grouping == default and s.v.grouping == ""

@@ -8,11 +8,13 @@ import os
 import pytest
 import torch
 
-import localmoe.kv.cache as kv_cache
+import localmoe.kv.spec as kv_spec_mod
 from localmoe.errors import KVCacheFormatError
-from localmoe.kv.cache import KVSpec, PagedKVCache
-from localmoe.kv.quant import (QuantCodec, int_error_bound, outlier_count, quantize_channel,
-                               select_channel_outliers)
+from localmoe.kv.cache import PagedKVCache
+from localmoe.kv.quant_codec import QuantCodec
+from localmoe.kv.quant_ops import (int_error_bound, outlier_count, quantize_channel,
+                                   select_channel_outliers)
+from localmoe.kv.spec import KVSpec
 from localmoe.model.spec import ModelSpec
 
 CUDA = torch.cuda.is_available()
@@ -47,14 +49,14 @@ def test_parse_str_and_precedence(monkeypatch):
     assert KVSpec.parse("int4:t,outliers=0.04").key_outliers() == pytest.approx(0.04)
     assert KVSpec.parse("int4:t,outliers=0.04,koutliers=0").key_outliers() == 0.0
     # per-channel keys: outliers= is the values'; the keys' default comes from the table
-    monkeypatch.setitem(kv_cache.DEFAULT_CHANNEL_KEY_OUTLIERS, "int2", 0.125)
+    monkeypatch.setitem(kv_spec_mod.DEFAULT_CHANNEL_KEY_OUTLIERS, "int2", 0.125)
     assert KVSpec.parse("int2,outliers=0.04").key_outliers() == pytest.approx(0.125)
     c = PagedKVCache(_mspec(), KVSpec.parse("int2,outliers=0.04"), n_ctx=32)
     assert c.k_codec.n_out == 8 and c.v_codec.n_out == 3      # the codec follows the table
     assert KVSpec.parse("int2").bits_per_value("k", 64) == pytest.approx(2 + 2 + 3.0)
     assert KVSpec.parse("int2,koutliers=0").key_outliers() == 0.0
     assert str(KVSpec.parse("int2")) == "int2"                  # the default stays implicit
-    monkeypatch.delitem(kv_cache.DEFAULT_CHANNEL_KEY_OUTLIERS, "int2")
+    monkeypatch.delitem(kv_spec_mod.DEFAULT_CHANNEL_KEY_OUTLIERS, "int2")
     assert KVSpec.parse("int2").key_outliers() == 0.0
     for bad in ("int4,koutliers=0.6", "int4,koutliers=-0.1", "k=f16,v=int4,koutliers=0.1",
                 "int4,koutliers=x"):

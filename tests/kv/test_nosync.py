@@ -12,7 +12,8 @@ any data read-back (``.cpu()``, ``torch.equal``, mask indexing) raises; (3) on C
 import pytest
 import torch
 
-from localmoe.kv.cache import KVSpec, PagedKVCache
+from localmoe.kv.cache import PagedKVCache
+from localmoe.kv.spec import KVSpec
 from localmoe.model.spec import ModelSpec
 
 # per-channel keys with and without side buffers and key outliers, per-token keys with

@@ -1,4 +1,4 @@
-"""Quantized KV codecs (localmoe/kv/quant.py): packing, scalar formats, error bounds, outliers,
+"""Quantized KV codecs (localmoe/kv/quant_ops.py, quant_codec.py): packing, scalar formats, error bounds, outliers,
 sinks/window, sizes, the paged cache and the torch backend with every format."""
 
 import math
@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from localmoe.errors import KVCacheFormatError
-from localmoe.kv.cache import KVFormat, KVSpec, PagedKVCache
-from localmoe.kv.quant import (QuantCodec, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode,
-                               fp4_error_bound, int_error_bound, pack_codes, unpack_codes)
+from localmoe.kv.cache import PagedKVCache
+from localmoe.kv.formats import KVFormat
+from localmoe.kv.quant_codec import QuantCodec
+from localmoe.kv.quant_ops import (e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, fp4_error_bound,
+                                   int_error_bound, pack_codes, unpack_codes)
+from localmoe.kv.spec import KVSpec
 from localmoe.model.spec import ModelSpec
 
 INT_FORMATS = ["int8", "int4", "int3", "int2"]
