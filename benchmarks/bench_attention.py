@@ -12,6 +12,11 @@ Key formats with ``:c`` (``int4:c/int4``) are per-channel keys (KIVI, one scale 
 channel per 16-token page). Before timing, ``--check`` compares the kernels with their PyTorch twins on the GPU (every
 format, outliers, sinks/window, rotation, GQA 8:1 and 4:1) and fails loudly on a mismatch.
 
+The variant ``{}`` launches with the device's launch table (``kernels/configs/<device>.json``,
+:mod:`localmoe.kernels.launch_config`; its name is saved with the results as ``launch_table``);
+other variants override its choices (``{"block_n": 32, "num_warps": 1}``). A measured winner
+goes into the device's table as a rule.
+
 Usage: ``python benchmarks/bench_attention.py [--check] [--out results.json] [--contexts ...]``
 """
 
@@ -267,8 +272,11 @@ def save(out, rows):
                                     text=True).stdout.strip()
         except OSError:
             commit = ""
+        from localmoe.kernels.launch_config import table_for
+
         with open(out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           launch_table=table_for(torch.device(DEV)).name,
                            triton=__import__("triton").__version__, argv=sys.argv, commit=commit,
                            shape=dict(n_heads=HQ, n_kv_heads=HKV, head_dim=D, page=PAGE),
                            ceiling_tbs=CEILING_TBS, rows=rows), f, indent=1)

@@ -40,9 +40,10 @@ Storage read (see :mod:`localmoe.kv.quant_codec` for the exact layout; one kerne
   scores of quantized keys use the rotated query ``qH``).
 
 Measured on the H200 (docs/KV-CACHE-FORMATS.md, benchmarks/results/attention_h200*.json): the
-launch defaults of :func:`default_tile` and the choices left off (L2 bulk prefetch, per-plane
-value dots for int2, folding per-channel key scales into the query) come from
-benchmarks/bench_attention.py sweeps.
+launch choices (tile, warps, programs per SM, transposed products, per-tile scale rows; data in
+``kernels/configs/<device>.json`` read by :mod:`localmoe.kernels.launch_config`) and the choices
+left off (L2 bulk prefetch, per-plane value dots for int2, folding per-channel key scales into
+the query) come from benchmarks/bench_attention.py sweeps.
 
 On the GPU, int8/int4/int2 code bytes are unpacked by inline PTX (:func:`_ptx_codes`): four
 codes per 32-bit register with ``prmt`` and ``sub.f16x2`` instead of one integer lane per code.
@@ -60,11 +61,9 @@ import torch
 import triton
 import triton.language as tl
 
+from localmoe.kernels.launch_config import CHOICE_FIELDS, load_table, table_for
+
 LOG2E = 1.4426950408889634
-
-# int3/int2 values: one joined full-width dot (True) or one dot per 32-channel plane
-V_JOIN_DEFAULT = True
-
 
 @triton.jit
 def _plane_codes(b, bh, cols, i: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr,
@@ -784,89 +783,116 @@ def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, devic
 
 
 def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1,
-                 max_len: int | None = None) -> tuple[int, int, float]:
-    """(block_n, num_warps, waves) measured best on the H200 (triton 3.6; benchmarks/results/
-    attention_h200.json, attention_h200_sweep.json and attention_h200_warps.json).
-
-    Many (sequence, kv head) pairs (batch 8 x 4 kv heads) want many small programs: one warp
-    per program over 32-token tiles, ~8 programs per SM (64-token tiles for per-token int4/int8
-    keys with int4/int8 values), except per-token int2 keys with 2/3-bit values (32-token
-    tiles, 2 warps) and per-token int3 keys (64-token tiles, 4 warps, ~4 programs per SM).
-    Few pairs (batch 1) want 128-token tiles with 4 warps and ~2 programs per SM (256-token
-    tiles when keys and values are both 2/3-bit per-token formats; one warp over 32-token
-    tiles, ~8 programs per SM, for int4 keys and values longer than 4096 tokens: ``max_len``,
-    None counts as long)."""
-    def bits(c):
-        return 0 if getattr(c, "is_fp4", False) else getattr(c, "bits", 16)
-
-    # per-channel keys' outliers are a score correction (:func:`_channel_outlier_scores`), not
-    # an extra in this sense
-    extras = any((getattr(c, "n_out", 0) and not getattr(c, "channel", False)) or
-                 getattr(c, "n_sink", 0) or
-                 (getattr(c, "window", 0) and not getattr(c, "channel", False))
-                 or getattr(c, "rotate", False) for c in (k_codec, v_codec))
-    if extras:
-        return 64, 4, 2.0
-    kb, vb = bits(k_codec), bits(v_codec)
-    chan = bool(getattr(k_codec, "channel", False))
-    if kb >= 16 and vb >= 16:
-        return 128, 4, 2.0
-    if batch * n_kv_heads >= 16:
-        if kb == 2 and vb in (2, 3) and not chan:
-            # int2 per-token keys and 2/3-bit values: 32-token tiles, ~8 programs per SM
-            # (8 x 64k: 270 -> 245 us with the PTX unpack; one warp: 250 us)
-            return 32, 2, 8.0
-        if kb == 3 and not chan:
-            return 64, 4, 4.0
-        if kb in (4, 8) and vb in (4, 8) and not chan:
-            # 8 x 64k: int4 200 -> 170 us, int8 227 -> 222 us with one warp (2 warps before)
-            return 64, 1, 8.0
-        # one warp per program over 32-token tiles, 8 x 64k, against 64-token tiles with 2
-        # warps: int4:c/int4 196 -> 161 us, fp4 282 -> 228, int2:c/int2 276 -> 225,
-        # int4/int2 252 -> 224, int4:c/int2 278 -> 232, int3:c/int3 484 -> 442, int4:c/int4
-        # with key outliers 320 -> 268
-        return 32, 1, 8.0
-    if kb in (2, 3) and vb in (2, 3) and not chan:
-        # 2/3-bit keys and values, few pairs: 256-token tiles (int2 21.4 -> 20.7 us at 1 x 16k,
-        # 60.9 -> 58.0 at 1 x 64k; int3 26.3 -> 25.0 and 79.6 -> 74.5; attention_h200_fold.json)
-        return 256, 4, 2.0
-    if kb == 4 and vb == 4 and (max_len is None or max_len > 4096):
-        # int4 keys and values, few pairs: one warp over 32-token tiles (1 x 64k: int4:c/int4
-        # 36.2 -> 29.1 us, int4 35.8 -> 30.0; 1 x 16k: 15.3 -> 14.5, 14.1 -> 13.8); not at
-        # short contexts (1 x 256: int4:c/int4 6.9 -> 7.8 us; 1 x 4k: int4 7.9 -> 8.2)
-        return 32, 1, 8.0
-    return 128, 4, 2.0
+                 max_len: int | None = None, device=None) -> tuple[int, int, float]:
+    """(block_n, num_warps, waves) of ``device``'s launch table (:mod:`.launch_config`;
+    default: the table of a CUDA device without a file of its own, which holds the H200's
+    measurements, ``configs/nvidia_h200.json``). ``max_len`` None counts as long."""
+    c = _table(device).choose(k_codec, v_codec, batch, n_kv_heads, max_len)
+    return c.block_n, c.num_warps, c.waves
 
 
-def default_swap(k_codec, v_codec) -> bool:
-    """Whether :func:`decode_attention` computes its products transposed (``swap_ab``), as
-    measured on the H200 (benchmarks/results/attention_h200_swap.json): yes with 2/3-bit or
-    fp4 values (8 x 64k: int2 243 -> 225 us, int4/int2 225 -> 214, fp4 229 -> 218,
-    int2:c/int2 224 -> 219; 1 x 16k int2 18.3 -> 15.6 us; 1 x 4k int2:c/int2 10.5 -> 9.0),
-    no with int4/int8 or float values (8 x 64k: int4:c/int4 162 -> 184 us, int4 170 -> 189;
-    1 x 16k int4:c/int4 14.6 -> 15.6 us)."""
-    if getattr(v_codec, "is_fp4", False):
-        return True
-    return getattr(v_codec, "bits", 16) in (2, 3)
+def default_swap(k_codec, v_codec, device=None) -> bool:
+    """Whether :func:`decode_attention` computes its products transposed (``swap_ab``) by
+    ``device``'s launch table (default as :func:`default_tile`): with 2/3-bit or fp4 values."""
+    return _table(device).choose(k_codec, v_codec).swap_ab
 
 
-def default_sz_pre(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1) -> str:
+def default_sz_pre(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1, device=None) -> str:
     """Sides (``"k"``, ``"v"``) whose per-token scales and zeros are loaded once per tile as
-    [BLOCK_N, D/G] rows instead of one narrow strided load per plane, as measured on the H200
-    (benchmarks/results/attention_h200_szpre.json, 8 x 64k): values always (int2 values:
-    int2:c/int2 325 -> 276 us, int4/int2 322 -> 261 us; no change for int4/int8/fp4), except
-    with per-token int3 keys at many (sequence, kv head) pairs (408 -> 442 us); per-token int4
-    keys too (int4/int2 261 -> 253 us), other per-token keys not (int2 at 8 x 64k: 242 ->
-    306 us)."""
-    kb = getattr(k_codec, "bits", 16)
-    kchan = bool(getattr(k_codec, "channel", False))
-    kfp4 = bool(getattr(k_codec, "is_fp4", False))
-    sides = "v"
-    if kb == 3 and not kchan and batch * n_kv_heads >= 16:
-        sides = ""
-    if kb == 4 and not kchan and not kfp4:
-        sides += "k"
-    return sides
+    [BLOCK_N, D/G] rows instead of one narrow strided load per plane, by ``device``'s launch
+    table (default as :func:`default_tile`)."""
+    return _table(device).choose(k_codec, v_codec, batch, n_kv_heads).sz_pre
+
+
+def _table(device):
+    return load_table("default") if device is None else table_for(torch.device(device))
+
+
+def _check_inputs(q, k_codec, v_codec, page_size: int) -> None:
+    """Raise ValueError for head counts, head sizes or a page size the kernel cannot take."""
+    HQ, D = q.shape[1], q.shape[2]
+    HKV, DV = k_codec.n_kv_heads, v_codec.head_dim
+    if HQ % HKV:
+        raise ValueError(f"n_heads {HQ} is not a multiple of n_kv_heads {HKV}")
+    if D != k_codec.head_dim or D & (D - 1) or DV & (DV - 1) or D < 16 or DV < 16:
+        raise ValueError(f"decode_attention needs power-of-two head sizes >= 16 (got {D}, {DV})")
+    if page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if getattr(k_codec, "channel", False) and k_codec.block_size != page_size:
+        raise ValueError(f"per-channel keys are grouped per {k_codec.block_size}-token page, "
+                         f"but page_size is {page_size}")
+
+
+def _choices(k_codec, v_codec, B: int, max_len: int, dev, given: dict) -> dict:
+    """Launch options: each one the caller gave (not None), else the device's launch table's
+    (:mod:`.launch_config`). ``given`` maps :data:`~.launch_config.CHOICE_FIELDS` to values."""
+    c = table_for(dev).choose(k_codec, v_codec, B, k_codec.n_kv_heads, max_len)
+    out = {f: (getattr(c, f) if given.get(f) is None else given[f]) for f in CHOICE_FIELDS}
+    for f in ("block_n", "num_warps", "waves"):  # 0 meant "default" before the table
+        out[f] = given.get(f) or getattr(c, f)
+    return out
+
+
+def _constexprs(q, k_codec, kspec, v_codec, vspec, ch: dict, page_size: int, has_rows: bool,
+                num_splits: int, asm) -> dict:
+    """The kernel's constexpr arguments (and ``num_warps``/``num_stages``) of one launch."""
+    kf, kb, kg, kno, kchan, kns, knr = kspec
+    vf, vb, vg, vno, _, vns, vnr = vspec
+    HQ, D, HKV, DV = q.shape[1], q.shape[2], k_codec.n_kv_heads, v_codec.head_dim
+    QPK = HQ // HKV
+    swap = bool(ch["swap_ab"])
+    # joined value planes only when each plane is >= 16 channels (head_dim >= 64): at
+    # head_dim 32 the join gave wrong results on the H200 (triton 3.6) though not in the
+    # interpreter
+    vjoin = bool(vf == 1 and vb in (2, 3) and DV >= 64 and ch["v_join"])
+    splits_p = max(2, triton.next_power_of_2(num_splits))
+    if asm is None:
+        asm = q.device.type == "cuda" and not _interpreting() and \
+            os.environ.get("LOCALMOE_KV_ASM", "1") != "0"
+    return dict(
+        HKV=HKV, QPK=QPK, QPK_P=triton.next_power_of_2(QPK),
+        BLOCK_H=max(8 if swap else 16, triton.next_power_of_2(QPK)), D=D, DV=DV,
+        PAGE=page_size, K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=bool(kns or knr),
+        K_CHAN=kchan, K_NSINK=kns, K_NRING=knr, K_NOP=triton.next_power_of_2(max(kno, 1)),
+        V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr), V_NSINK=vns,
+        V_NRING=vnr, ROT=bool(getattr(k_codec, "rotate", False)), HAS_ROWS=has_rows,
+        FUSE=bool(ch["fused_reduce"]), SPLITS_P=splits_p, MERGE_C=min(8, splits_p),
+        V_JOIN=vjoin,
+        # 2/3-bit keys of head_dim < 64: planes narrower than tl.dot's minimum of 16
+        K_NARROW=bool(kf == 1 and kb in (2, 3) and D < 64), ASM=bool(asm),
+        K_PRE="k" in ch["sz_pre"], V_PRE="v" in ch["sz_pre"], SWAP=swap,
+        num_warps=ch["num_warps"], num_stages=ch["num_stages"])
+
+
+def _prepare(q, k_codec, block_table, seq_lens, seq_rows, max_len):
+    """Contiguous int32 tables on the query's device, the rotated query (``ROT``), the
+    (rows, given) pair of ``seq_rows`` (``seq_lens`` stands in when not given) and ``max_len``
+    (read from the device when None)."""
+    dev = q.device
+    q = q.contiguous()
+    qr = q
+    if getattr(k_codec, "rotate", False):
+        qr = (q.float() @ k_codec.hadamard(dev)).contiguous()
+    block_table = block_table.to(device=dev, dtype=torch.int32).contiguous()
+    seq_lens = seq_lens.to(device=dev, dtype=torch.int32).contiguous()
+    has_rows = seq_rows is not None
+    rows = seq_rows.to(device=dev, dtype=torch.int32).contiguous() if has_rows else seq_lens
+    if max_len is None:
+        max_len = int(seq_lens.max().item()) if q.shape[0] else 0
+    return q, qr, block_table, seq_lens, (rows, has_rows), max_len
+
+
+def _launch_split(grid, args: tuple, meta: dict, block_n: int, extra: dict) -> None:
+    """Stage 1; on OutOfResources retried with half the tile (the split's token range stays
+    a multiple of it) down to 16 tokens."""
+    while True:
+        try:
+            _decode_split_kernel[grid](*args, BLOCK_N=block_n, **meta, **extra)
+            return
+        except triton.runtime.errors.OutOfResources:
+            if block_n <= 16:
+                raise
+            block_n //= 2
 
 
 def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: dict,
@@ -874,12 +900,16 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      sm_scale: float | None = None, seq_rows: torch.Tensor | None = None,
                      sliding_window: int = 0, max_len: int | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int = 2,
-                     fused_reduce: bool = False, waves: float | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     fused_reduce: bool | None = None, waves: float | None = None,
                      v_join: bool | None = None, asm: bool | None = None,
                      sz_pre: str | None = None, maxnreg: int | None = None,
                      swap_ab: bool | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
+
+    Launch options left None come from the device's launch table (:mod:`.launch_config`,
+    ``kernels/configs/<device>.json``: measured on the H200; CPU tensors, run through the
+    interpreter, ``cpu.json``).
 
     Args:
         q: [B, n_heads, D] float (fp16/bf16/fp32) queries (RoPE applied, not scaled).
@@ -893,21 +923,19 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         sliding_window: attend only the last ``sliding_window`` positions (0 = all).
         max_len: max of ``seq_lens`` if known (avoids a device sync); used to size splits.
         num_splits: splits per sequence (default: :func:`choose_splits` with ``waves``).
-        block_n, num_warps, num_stages: tile size in tokens and launch options (default
-            :func:`default_tile`).
+        block_n, num_warps, num_stages: tile size in tokens and launch options.
         fused_reduce: merge the splits inside the same launch (the last split of each
-            sequence and kv head does it, ordered by an atomic counter); default False: the
-            separate reduction kernel measured as fast or faster on the H200.
-        waves: programs per SM the default split count aims for (default
-            :func:`default_tile`).
+            sequence and kv head does it, ordered by an atomic counter) instead of the
+            separate reduction kernel (which measured as fast or faster on the H200).
+        waves: programs per SM the default split count aims for.
         v_join: join the 4 value planes of int3/int2 values into one full-width tile (one
-            dot) instead of one dot per plane (default: measured choice).
+            dot) instead of one dot per plane.
         sz_pre: sides (``"k"``, ``"v"``, both or ``""``) whose per-token int scales and zeros
-            are loaded once per tile for all planes (default :func:`default_sz_pre`).
+            are loaded once per tile for all planes.
         maxnreg: register cap per thread passed to the compiler (default: none).
         swap_ab: compute the products transposed (``k @ q.T`` and ``v.T @ p.T``: the query
             heads of a kv head are the mma's N side, 8 wide, instead of M rows padded to 16),
-            with query-head tiles of max(8, QPK) rows (default :func:`default_swap`).
+            with query-head tiles of max(8, QPK) rows.
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
             unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
@@ -920,98 +948,51 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         ValueError: head counts, head sizes, page size or devices do not fit.
     """
     B, HQ, D = q.shape
-    HKV = k_codec.n_kv_heads
-    DV = v_codec.head_dim
-    if HQ % HKV:
-        raise ValueError(f"n_heads {HQ} is not a multiple of n_kv_heads {HKV}")
-    if D != k_codec.head_dim or D & (D - 1) or DV & (DV - 1) or D < 16 or DV < 16:
-        raise ValueError(f"decode_attention needs power-of-two head sizes >= 16 (got {D}, {DV})")
-    if page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two, got {page_size}")
-    if getattr(k_codec, "channel", False) and k_codec.block_size != page_size:
-        raise ValueError(f"per-channel keys are grouped per {k_codec.block_size}-token page, "
-                         f"but page_size is {page_size}")
-    QPK = HQ // HKV
-    dev = q.device
-    q = q.contiguous()
-    qr = q
-    rot = bool(getattr(k_codec, "rotate", False))
-    if rot:
-        qr = (q.float() @ k_codec.hadamard(dev)).contiguous()
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    block_table = block_table.to(device=dev, dtype=torch.int32).contiguous()
-    seq_lens = seq_lens.to(device=dev, dtype=torch.int32).contiguous()
-    has_rows = seq_rows is not None
-    seq_rows = (seq_rows.to(device=dev, dtype=torch.int32).contiguous() if has_rows
-                else seq_lens)
-    if max_len is None:
-        max_len = int(seq_lens.max().item()) if B else 0
-    bn0, nw0, wv0 = (default_tile(k_codec, v_codec, B, HKV, max_len) if dev.type == "cuda"
-                     else (16, 4, 2.0))
-    block_n = block_n or bn0
-    num_warps = num_warps or nw0
-    waves = waves or wv0
+    _check_inputs(q, k_codec, v_codec, page_size)
+    HKV, dev = k_codec.n_kv_heads, q.device
+    q, qr, block_table, seq_lens, seq_rows, max_len = _prepare(
+        q, k_codec, block_table, seq_lens, seq_rows, max_len)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    ch = _choices(k_codec, v_codec, B, max_len, dev, dict(
+        block_n=block_n, num_warps=num_warps, waves=waves, swap_ab=swap_ab, sz_pre=sz_pre,
+        v_join=v_join, num_stages=num_stages, fused_reduce=fused_reduce))
     if num_splits is None:
-        num_splits = choose_splits(B, HKV, max_len, block_n, dev, waves)
-    chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
-    kf, kb, kg, kno, kchan, kns, knr, kt, ksh, kss, knb = _codec_args(k_codec, k_store)
-    vf, vb, vg, vno, _, vns, vnr, vt, vsh, vss, _ = _codec_args(v_codec, v_store)
-    n_slots = (kt[0].shape[1] if kf else kt[0].shape[0])
-    if vf and vt[0].shape[1] != n_slots or (not vf and vt[0].shape[0] != n_slots):
+        num_splits = choose_splits(B, HKV, max_len, ch["block_n"], dev, ch["waves"])
+    return _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, seq_rows,
+                   ch, page_size=page_size, sm_scale=sm_scale, sliding_window=sliding_window,
+                   max_len=max_len, num_splits=num_splits, asm=asm, maxnreg=maxnreg)
+
+
+def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, seq_rows, ch, *,
+            page_size, sm_scale, sliding_window, max_len, num_splits, asm, maxnreg):
+    """Allocate the split buffers and the output, run stage 1 and (unless fused) stage 2 of
+    :func:`decode_attention` with the resolved choices ``ch`` and ``num_splits``."""
+    B, HQ, _ = q.shape
+    HKV, DV, dev = k_codec.n_kv_heads, v_codec.head_dim, q.device
+    chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), ch["block_n"]) * ch["block_n"]
+    *kspec, kt, ksh, kss, knb = _codec_args(k_codec, k_store)
+    *vspec, vt, vsh, vss, _ = _codec_args(v_codec, v_store)
+    n_slots = (kt[0].shape[1] if kspec[0] else kt[0].shape[0])
+    if vt[0].shape[1 if vspec[0] else 0] != n_slots:
         raise ValueError("K and V stores hold different slot counts")
-    idx64 = max(t.numel() for t in kt + vt) >= 2 ** 31
     mid_o = torch.empty(B, HQ, num_splits, DV, device=dev, dtype=torch.float32)
     mid_l = torch.empty(B, HQ, num_splits, device=dev, dtype=torch.float32)
     out = torch.empty(B, HQ, DV, device=dev, dtype=torch.float32)
     if B == 0:
         return out
-    fuse = bool(fused_reduce)
-    locks = _locks(B * HKV, dev) if fuse else mid_l
-    swap = bool(default_swap(k_codec, v_codec) if swap_ab is None else swap_ab)
-    block_h = max(8 if swap else 16, triton.next_power_of_2(QPK))
-    v4 = vf == 1 and vb in (2, 3)
-    # joined value planes only when each plane is >= 16 channels (head_dim >= 64): at
-    # head_dim 32 the join gave wrong results on the H200 (triton 3.6) though not in the
-    # interpreter
-    vjoin = bool(v4 and DV >= 64 and (V_JOIN_DEFAULT if v_join is None else v_join))
-    # 2/3-bit keys of head_dim < 64: planes narrower than tl.dot's minimum of 16
-    knarrow = bool(kf == 1 and kb in (2, 3) and D < 64)
-    splits_p = max(2, triton.next_power_of_2(num_splits))
-    if sz_pre is None:
-        sz_pre = default_sz_pre(k_codec, v_codec, B, HKV)
-    if asm is None:
-        asm = dev.type == "cuda" and not _interpreting() and \
-            os.environ.get("LOCALMOE_KV_ASM", "1") != "0"
-    extra = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
-    while True:
-        try:
-            _decode_split_kernel[(B * HKV, num_splits)](
-                q, qr, *kt, *vt, block_table, seq_lens, seq_rows, mid_o, mid_l, out, locks,
-                n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
-                out.stride(0), out.stride(1),
-                sm_scale * LOG2E, int(sliding_window or 0), chunk, num_splits,
-                HKV=HKV, QPK=QPK, QPK_P=triton.next_power_of_2(QPK), BLOCK_H=block_h, D=D, DV=DV,
-                PAGE=page_size, BLOCK_N=block_n,
-                K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=bool(kns or knr), K_CHAN=kchan,
-                K_NSINK=kns, K_NRING=knr, K_NOP=triton.next_power_of_2(max(kno, 1)),
-                V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr),
-                V_NSINK=vns, V_NRING=vnr,
-                ROT=rot, IDX64=idx64, HAS_ROWS=has_rows, FUSE=fuse, SPLITS_P=splits_p,
-                MERGE_C=min(8, splits_p), V_JOIN=vjoin, K_NARROW=knarrow, ASM=bool(asm),
-                K_PRE="k" in sz_pre, V_PRE="v" in sz_pre, SWAP=swap, num_warps=num_warps,
-                **extra,
-                num_stages=num_stages,
-            )
-            break
-        except triton.runtime.errors.OutOfResources:
-            if block_n <= 16:
-                raise
-            block_n //= 2  # same chunk (a multiple of the smaller tile), smaller tiles
-    if not fuse:
+    meta = _constexprs(q, k_codec, kspec, v_codec, vspec, ch, page_size, seq_rows[1], num_splits,
+                       asm)
+    meta["IDX64"] = max(t.numel() for t in kt + vt) >= 2 ** 31
+    locks = _locks(B * HKV, dev) if meta["FUSE"] else mid_l
+    _launch_split((B * HKV, num_splits), (
+        q, qr, *kt, *vt, block_table, seq_lens, seq_rows[0], mid_o, mid_l, out, locks,
+        n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), sm_scale * LOG2E, int(sliding_window or 0), chunk,
+        num_splits), meta, ch["block_n"], {} if maxnreg is None else {"maxnreg": int(maxnreg)})
+    if not meta["FUSE"]:
         _decode_reduce_kernel[(B * HQ,)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1),
-            HQ=HQ, DV=DV, SPLITS_P=splits_p,
+            HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"],
         )
     return out
 
