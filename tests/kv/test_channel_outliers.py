@@ -182,6 +182,7 @@ def test_truncated_page_keeps_its_outliers_when_completed_again():
 def test_decode_kernel_reads_channel_key_outliers(kname, sink):
     pytest.importorskip("triton")
     from localmoe.kernels.decode_attention import decode_attention, decode_attention_ref
+    from tests.tolerances import FP16, FP32_DEVICE
 
     dev = "cuda" if CUDA else "cpu"
     spec = KVSpec.parse(f"k={kname},v=int4,koutliers=0.04,sinks={sink}")
@@ -202,9 +203,9 @@ def test_decode_kernel_reads_channel_key_outliers(kname, sink):
     args = (q, cache.k_codec, cache.k_stores[0], cache.v_codec, cache.v_stores[0], bt, lens)
     o = decode_attention(*args, page_size=16, seq_rows=rows)
     r = decode_attention_ref(*args, page_size=16, seq_rows=rows)
-    assert ((o.float() - r).norm() / r.norm()).item() < 1e-2
+    assert ((o.float() - r).norm() / r.norm()).item() < FP16
     # and the reference itself is the cache's own dequantized attention
     k, v = cache.read(0, sid, 70)
     s = torch.einsum("hqd,lhd->hql", q[0].view(2, 2, 64).float(), k) / math.sqrt(64)
     ref = torch.einsum("hql,lhd->hqd", torch.softmax(s, -1), v).reshape(4, 64)
-    assert torch.allclose(r[0].float(), ref, atol=1e-4)
+    assert torch.allclose(r[0].float(), ref, atol=FP32_DEVICE)
