@@ -21,9 +21,11 @@ triton = pytest.importorskip("triton")
 from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from localmoe.kernels.qtensor import BLOCK_SIZES, QTYPE_NAMES, QuantTensor, random_gguf_blocks  # noqa: E402
 
+from tests import tolerances as tol  # noqa: E402
+
 DEV = "cuda" if CUDA else "cpu"
 # as in test_quant_gemv; "float" doubles there: x and h are both rounded to int8 on the way
-TOL = {"twin": 1e-5 if not CUDA else 1e-4, "float": 6e-2}
+TOL = {"twin": tol.FP32 if not CUDA else tol.FP32_DEVICE, "float": tol.ACT_QUANT_MOE}
 # (gate/up qtype, down qtype): together every quant type, K-quants with legacy ones
 PAIRS = [(12, 14), (8, 2), (10, 11), (13, 3), (6, 7), (14, 12)]
 
@@ -86,7 +88,7 @@ def test_slot_table_is_read_on_the_device():
     zero = torch.zeros(4, dtype=torch.int32, device=DEV)
     moved = fused_moe(x, gu, wd, ids, w, slot_of=zero, config=cfg)
     assert rel(moved, fused_moe_ref(x, gu, wd, ids, w, slot_of=zero)) < TOL["twin"]
-    assert rel(moved, base) > 1e-2
+    assert rel(moved, base) > tol.FP16
 
 
 def test_fused_moe_rejects_bad_inputs():
@@ -122,4 +124,4 @@ def test_fused_moe_full_size_on_gpu(shape, qts, tokens):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = fused_moe_ref(x, gu, wd, ids, w)
-    assert rel(y, ref) < 1e-2
+    assert rel(y, ref) < tol.BF16

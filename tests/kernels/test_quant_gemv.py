@@ -24,13 +24,16 @@ from localmoe.kernels.qtensor import (  # noqa: E402
 )
 from localmoe.kernels.quant_gemv import gemv_config, quant_gemv, quant_gemv_ref  # noqa: E402
 
+from tests import tolerances as tol  # noqa: E402
+
 DEV = "cuda" if CUDA else "cpu"
 IDS = [QTYPE_NAMES[q] for q in QUANT_QTYPES]
 # one table of tolerances (relative, norm-wise): vs the twin with the kernel's int8 activation
 # rounding (exact integer dots; float32 scale/accumulation order only), and vs the plain float
 # product (the activation rounding itself, ~0.3-1% on random data)
 # (a float16/bfloat16 output adds its own rounding: "twin_half")
-TOL = {"twin": 1e-5 if not CUDA else 1e-4, "twin_half": 1e-2, "float": 3e-2}
+TOL = {"twin": tol.FP32 if not CUDA else tol.FP32_DEVICE, "twin_half": tol.FP16,
+       "float": tol.ACT_QUANT_GEMV}  # tests/tolerances.py
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,7 +86,7 @@ def test_gemv_all_zero_activation_blocks_and_float_weights():
     for qt in FLOAT_QTYPES:
         wf = make(qt, 5, 64, seed=4)
         xf = torch.randn(3, 64, device=DEV)
-        assert rel(quant_gemv(xf, wf), quant_gemv_ref(xf, wf)) < 1e-2
+        assert rel(quant_gemv(xf, wf), quant_gemv_ref(xf, wf)) < tol.FP16
 
 
 def test_gemv_rejects_bad_inputs():
