@@ -34,14 +34,18 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
-from localmoe.kernels.quant_gemv import _qtile, plane_args, quantize_act_ref, use_asm
+from localmoe.kernels.quant_gemv import (
+    QuantAct, _qtile, _quant_block, _x_rows, dequantize_act, plane_args, quantize_act,
+    quantize_act_ref, use_asm,
+)
 
-__all__ = ["fused_moe", "fused_moe_ref", "MOE_CONFIG", "ACTIVATIONS"]
+__all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "MOE_CONFIG", "ACTIVATIONS"]
 
 # ---- launch choices: one dict for this kernel; to move into kernels/configs/<device>.json ----
 MOE_CONFIG = {
-    "gate_up": {"BN": 8, "CH": 32, "num_warps": 4},   # BN gate rows (+ BN up rows) per program
-    "down": {"BN": 4, "CH": 32, "num_warps": 4},
+    # BN gate rows (+ BN up rows) per program; BN % 32 == 0 makes launch 1 write h as int8
+    "gate_up": {"BN": 32, "CH": 32, "num_warps": 4},
+    "down": {"BN": 4, "CH": 32, "num_warps": 4},   # BN rows per program, one warp a row
 }
 # -----------------------------------------------------------------------------------------------
 
@@ -49,69 +53,87 @@ ACTIVATIONS = {"silu": 0, "gelu": 1}
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, h_ptr, ids_ptr, slot_ptr,
+def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr, slot_ptr,
                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                        F, n_chunks, x_rs, h_rs,
+                        F, n_chunks, xq_rs, xs_rs, xd_rs, hq_rs, hs_rs, hd_rs,
                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
-                        USE_ASM: tl.constexpr):
+                        EVEN: tl.constexpr, USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
     t = pid // TOP_K
     e = tl.load(ids_ptr + pid)
     slot = tl.load(slot_ptr + e).to(tl.int64)
     loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
-    rmask = loc < 2 * F
-    rows = slot * (2 * F) + loc
-    tt = tl.arange(0, 1)
-    tmask = tt < 1
-    xoff = t.to(tl.int64) * x_rs + tt.to(tl.int64)
-    acc = tl.zeros([1, 2 * BN, CH], dtype=tl.float32)
+    rmask4 = (loc < 2 * F)[None, :, None, None]
+    rows4 = (slot * (2 * F) + loc)[None, :, None, None]
+    tt = tl.zeros([1], dtype=tl.int32) + t
+    tmask4 = (tt >= 0)[:, None, None, None]
+    xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4)
+    acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
     for c0 in range(0, n_chunks, CH):
-        acc = _qtile(acc, c0, n_chunks, rows, rmask, x_ptr, xoff, tmask,
+        acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, USE_ASM)
-    gu = tl.reshape(tl.sum(acc, axis=2), [BN, 2])
+                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+    gu = tl.reshape(tl.sum(tl.sum(acc, axis=3), axis=2), [BN, 2])
     g, u = tl.split(gu)
     if ACT == 0:   # SiLU (exponent clamped: silu(g < -80) is 0 to float32 anyway)
         a = g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))
     else:  # GELU, tanh approximation: tanh(z) = 2*sigmoid(2z) - 1
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = g / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))
-    f = pid_n * BN + tl.arange(0, BN)
-    tl.store(h_ptr + pid.to(tl.int64) * h_rs + f, a * u, mask=f < F)
+    # h = act(g) * u quantized like quantize_act: this program owns BN/32 whole 32-value blocks
+    NB: tl.constexpr = BN // 32
+    hv = tl.reshape(a * u, [NB, 2, 4, 4])                   # [block, slice, word, byte]
+    amax = tl.max(tl.max(tl.max(tl.abs(hv), axis=3, keep_dims=True), axis=2, keep_dims=True),
+                  axis=1, keep_dims=True)
+    qi = _quant_block(hv, amax)
+    i2 = tl.arange(0, 2)[None, :, None, None]
+    i4w = tl.arange(0, 4)[None, None, :, None]
+    i4b = tl.arange(0, 4)[None, None, None, :]
+    b4 = (pid_n * NB + tl.arange(0, NB))[:, None, None, None]
+    bm = b4 * 32 < F
+    row = pid.to(tl.int64)
+    words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)
+    tl.store(hq_ptr + row * hq_rs + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
+    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)
+    packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)
+    tl.store(hs_ptr + row * hs_rs + b4, packed, mask=bm)
+    tl.store(hd_ptr + row * hd_rs + b4, amax / 127.0, mask=bm)
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
+def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     D, n_chunks, h_rs, out_rs,
+                     D, n_chunks, hq_rs, hs_rs, hd_rs, out_rs,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
-                     BN: tl.constexpr, CH: tl.constexpr, USE_ASM: tl.constexpr):
+                     BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+                     USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     loc = pid_n * BN + tl.arange(0, BN)
-    rmask = loc < D
-    tt = tl.arange(0, 1)
-    tmask = tt < 1
+    rmask4 = (loc < D)[None, :, None, None]
+    loc4 = loc[None, :, None, None]
     total = tl.zeros([1, BN], dtype=tl.float32)
     for j in range(TOP_K):
         pid = t * TOP_K + j
         e = tl.load(ids_ptr + pid)
         wgt = tl.load(wts_ptr + pid).to(tl.float32)
         slot = tl.load(slot_ptr + e).to(tl.int64)
-        rows = slot * D + loc
-        xoff = pid.to(tl.int64) * h_rs + tt.to(tl.int64)
-        acc = tl.zeros([1, BN, CH], dtype=tl.float32)
+        rows4 = slot * D + loc4
+        tt = tl.zeros([1], dtype=tl.int32) + pid
+        tmask4 = (tt >= 0)[:, None, None, None]
+        xb4, xsb4, xdb4 = _x_rows(hq_rs, hs_rs, hd_rs, tt, rows4)
+        acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
         for c0 in range(0, n_chunks, CH):
-            acc = _qtile(acc, c0, n_chunks, rows, rmask, h_ptr, xoff, tmask,
-                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, USE_ASM)
-        total += wgt * tl.sum(acc, axis=2)
+            acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr, hd_ptr,
+                         xb4, xsb4, xdb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+        total += wgt * tl.sum(tl.sum(acc, axis=3), axis=2)
     op = out_ptr + t.to(tl.int64) * out_rs + loc[None, :]
-    tl.store(op, total.to(out_ptr.dtype.element_ty), mask=rmask[None, :])
+    tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
 
 
 def _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of):
@@ -126,7 +148,10 @@ def _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of):
         if w.qtype not in QUANT_QTYPES:
             raise ValueError(f"fused_moe: experts in {QTYPE_NAMES.get(w.qtype, w.qtype)} are not "
                              "supported by the kernel (quantized types only)")
-    if x.dim() != 2 or x.shape[1] != d or x.stride(1) != 1:
+    if isinstance(x, QuantAct):
+        if x.shape[1] != d or x.d.shape != (x.q.shape[0], d // 32):
+            raise ValueError(f"fused_moe: quantized x must be q [T, {d // 4}], d [T, {d // 32}]")
+    elif x.dim() != 2 or x.shape[1] != d or x.stride(1) != 1:
         raise ValueError(f"fused_moe: x must be [T, {d}] with contiguous rows, got {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
@@ -138,14 +163,15 @@ def _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of):
             raise ValueError(f"fused_moe: {name} on {t.device}, x on {x.device}")
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
+def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantTensor,
               topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               slot_of: torch.Tensor | None = None, activation: str = "silu",
               out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Routed-expert MLP for decode, in two launches, with no host sync.
 
     Args:
-        x: ``[T, D]`` float32/float16/bfloat16 (the FFN input after its norm), rows contiguous.
+        x: ``[T, D]`` float32/float16/bfloat16 (the FFN input after its norm), rows contiguous
+            (quantized to int8 inside launch 1), or a :class:`QuantAct` of it.
         w_gate_up: ``[E, 2F, D]`` gate and up rows interleaved (``QuantTensor.interleave_rows``).
         w_down: ``[E, D, F]``.
         topk_ids: ``[T, top_k]`` int32/int64 expert ids (device tensor; never read on the host).
@@ -155,43 +181,67 @@ def fused_moe(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
         out: optional ``[T, D]`` output.
         config: overrides of :data:`MOE_CONFIG` (``{"gate_up": {...}, "down": {...}}``).
     Returns:
-        ``[T, D]`` in ``x.dtype`` (or ``out``).
+        ``[T, D]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
         ValueError: shapes, types or devices that do not fit; unknown activation.
     """
     _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of)
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    e, f2, d = w_gate_up.shape
-    f = f2 // 2
-    t, top_k = topk_ids.shape
     cfg = {k: dict(v) for k, v in MOE_CONFIG.items()}
     for k, v in (config or {}).items():
         cfg[k].update(v)
     if slot_of is None:
-        slot_of = torch.arange(e, dtype=torch.int32, device=x.device)
+        slot_of = torch.arange(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
     ids = topk_ids.contiguous()
-    wts = topk_weights.contiguous()
-    h = torch.empty((t * top_k, f), dtype=torch.float32, device=x.device)
-    if out is None:
-        out = torch.empty((t, d), dtype=x.dtype, device=x.device)
-    asm = use_asm()
-    c1 = cfg["gate_up"]
-    cv1 = chunk_values(w_gate_up.qtype)
+    xa = x if isinstance(x, QuantAct) else quantize_act(x)
+    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"])
+    dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
+    return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
+                    config=cfg["down"])
+
+
+def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
+                slot_of: torch.Tensor, activation: str = "silu", config: dict | None = None) -> QuantAct:
+    """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
+    :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
+    (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them)."""
+    c = dict(MOE_CONFIG["gate_up"], **(config or {}))
+    e, f2, d = w_gate_up.shape
+    f = f2 // 2
+    t, top_k = topk_ids.shape
+    if c["BN"] % 32 or f % 32:
+        raise ValueError(f"moe_gate_up: BN ({c['BN']}) and d_ff ({f}) must be multiples of 32")
+    cv = chunk_values(w_gate_up.qtype)
+    h = QuantAct.empty(t * top_k, f, topk_ids.device)
     ptrs, strides = plane_args(w_gate_up)
-    ch1 = min(c1["CH"], triton.next_power_of_2(d // cv1))
-    _moe_gate_up_kernel[(triton.cdiv(f, c1["BN"]), t * top_k)](
-        x, h, ids, slot_of, *ptrs, f, d // cv1, x.stride(0), h.stride(0), *strides,
-        TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv1, BN=c1["BN"], CH=ch1,
-        ACT=ACTIVATIONS[activation], USE_ASM=asm, num_warps=c1.get("num_warps", 4))
-    c2 = cfg["down"]
-    cv2 = chunk_values(w_down.qtype)
+    ch = min(c["CH"], triton.next_power_of_2(d // cv))
+    _moe_gate_up_kernel[(triton.cdiv(f, c["BN"]), t * top_k)](
+        x.q, x.s, x.d, h.q, h.s, h.d, topk_ids, slot_of, *ptrs, f, d // cv,
+        x.q.stride(0), x.s.stride(0), x.d.stride(0), h.q.stride(0), h.s.stride(0), h.d.stride(0),
+        *strides, TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
+        ACT=ACTIVATIONS[activation], EVEN=(f % c["BN"] == 0 and (d // cv) % ch == 0), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
+    return h
+
+
+def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor, slot_of: torch.Tensor, out: torch.Tensor | None = None,
+             dtype: torch.dtype = torch.float32, config: dict | None = None) -> torch.Tensor:
+    """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
+    @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`."""
+    c = dict(MOE_CONFIG["down"], **(config or {}))
+    e, d, f = w_down.shape
+    t, top_k = topk_ids.shape
+    cv = chunk_values(w_down.qtype)
+    if out is None:
+        out = torch.empty((t, d), dtype=dtype, device=topk_ids.device)
     ptrs, strides = plane_args(w_down)
-    ch2 = min(c2["CH"], triton.next_power_of_2(f // cv2))
-    _moe_down_kernel[(triton.cdiv(d, c2["BN"]), t)](
-        h, out, ids, wts, slot_of, *ptrs, d, f // cv2, h.stride(0), out.stride(0), *strides,
-        TOP_K=top_k, QTYPE=w_down.qtype, CV=cv2, BN=c2["BN"], CH=ch2, USE_ASM=asm,
-        num_warps=c2.get("num_warps", 4))
+    ch = min(c["CH"], triton.next_power_of_2(f // cv))
+    _moe_down_kernel[(triton.cdiv(d, c["BN"]), t)](
+        h.q, h.s, h.d, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
+        h.q.stride(0), h.s.stride(0), h.d.stride(0), out.stride(0), *strides,
+        TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
+        EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
     return out
 
 
@@ -206,8 +256,8 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
     t, top_k = topk_ids.shape
     slots = (torch.arange(e) if slot_of is None else slot_of.cpu()).long()
     q = quantize_act_ref if act_quant else (lambda v: v.float())
-    xq = q(x)
-    out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
+    xq = dequantize_act(x) if isinstance(x, QuantAct) else q(x)
+    out = torch.zeros((t, d), dtype=torch.float32, device=topk_ids.device)
     for ti in range(t):
         for j in range(top_k):
             s = int(slots[int(topk_ids[ti, j])])

@@ -34,6 +34,7 @@ Launch choices live in :data:`GEMV_CONFIG` (to move to ``kernels/configs/<device
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -43,15 +44,16 @@ from localmoe.kernels.qtensor import (
     FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
 )
 
-__all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act_ref", "GEMV_CONFIG", "gemv_config"]
+__all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "QuantAct",
+           "GEMV_CONFIG", "gemv_config"]
 
 # ---- launch choices: one dict for this kernel; to move into kernels/configs/<device>.json ----
 # keyed by the token bucket (1, 2, 4, 8): BN rows per program, CH chunks per tile, warps; the
 # split over K is chosen so that the grid has at least MIN_PROGRAMS programs.
 GEMV_CONFIG = {
     "tokens": {
-        1: {"BN": 8, "CH": 32, "num_warps": 4},
-        2: {"BN": 8, "CH": 32, "num_warps": 4},
+        1: {"BN": 4, "CH": 32, "num_warps": 4},
+        2: {"BN": 4, "CH": 32, "num_warps": 4},
         4: {"BN": 4, "CH": 32, "num_warps": 4},
         8: {"BN": 4, "CH": 16, "num_warps": 4},
     },
@@ -98,153 +100,181 @@ def _dp4a(a, b, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _idot(wq, xw, USE_ASM: tl.constexpr):
-    """Integer dot of one slice: wq [BN, CH, 4] code words, xw [TP, CH, 4] x words ->
-    [TP, BN, CH] int32."""
-    a, b = tl.broadcast(wq[None, :, :, :], xw[:, None, :, :])
-    return tl.sum(_dp4a(a, b, USE_ASM), axis=3)
+    """Integer dot of one 16-value slice per (token, row, chunk): code words wq [1, BN, CH, 4]
+    and x words xw [TP, BN, CH, 4] -> [TP, BN, CH, 1] int32."""
+    a, b = tl.broadcast(wq, xw)
+    return tl.sum(_dp4a(a, b, USE_ASM), axis=3, keep_dims=True)
 
 
 @triton.jit
-def _x_scale(x_ptr, xoff, tmask, kb, kmask):
-    """Per-32-block int8 scale of x: blocks starting at kb [CH] of the token rows at element
-    offsets xoff [TP] -> (dx [TP, CH] = amax/127, inv [TP, CH] = 127/amax or 0)."""
-    o = tl.arange(0, 32)
-    m = tmask[:, None, None] & kmask[None, :, None]
-    xa = tl.load(x_ptr + xoff[:, None, None] + kb[None, :, None] + o[None, None, :], mask=m, other=0.0)
-    amax = tl.max(tl.abs(xa.to(tl.float32)), axis=2)
+def _quant_block(v, amax):
+    """int8 codes (int32 lanes) of float32 ``v`` with its block's amax broadcast to ``v``'s shape:
+    ``round_half_even(v * 127 / amax)`` (0 where amax is 0)."""
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    return amax / 127.0, inv
+    return (v * inv + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit
-def _x_words(x_ptr, xoff, tmask, ks, kmask, inv):
-    """x values ks[c] .. ks[c]+15 quantized with inv [TP, CH] -> (words [TP, CH, 4] int32, value
-    4w+b in byte b of word w; isum [TP, CH] int32 = sum of the 16 int8 values)."""
-    i4 = tl.arange(0, 4)
-    off = ks[None, :, None, None] + (i4 * 4)[None, None, :, None] + i4[None, None, None, :]
-    m = tmask[:, None, None, None] & kmask[None, :, None, None]
-    v = tl.load(x_ptr + xoff[:, None, None, None] + off, mask=m, other=0.0).to(tl.float32)
-    v = v * inv[:, :, None, None]
-    qi = (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000   # round half to even
-    words = tl.sum((qi & 255) << (i4 * 8)[None, None, None, :], axis=3)
-    isum = tl.sum(tl.sum(qi, axis=3), axis=2)
-    return words, isum
+def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, xd_ptr, n_blocks, x_rs, xq_rs, xs_rs, xd_rs,
+                         NB: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    bm = (blk < n_blocks)[:, None, None, None]
+    i2 = tl.arange(0, 2)[None, :, None, None]
+    i4w = tl.arange(0, 4)[None, None, :, None]
+    i4b = tl.arange(0, 4)[None, None, None, :]
+    b4 = blk[:, None, None, None]
+    v = tl.load(x_ptr + t * x_rs + b4 * 32 + i2 * 16 + i4w * 4 + i4b, mask=bm, other=0.0)
+    v = v.to(tl.float32)                                             # [NB, slice, word, byte]
+    amax = tl.max(tl.max(tl.max(tl.abs(v), axis=3, keep_dims=True), axis=2, keep_dims=True),
+                  axis=1, keep_dims=True)
+    qi = _quant_block(v, amax)
+    words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)   # [NB, 2, 4, 1]
+    tl.store(xq_ptr + t * xq_rs + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
+    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [NB, 2, 1, 1]
+    packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)         # [NB, 1, 1, 1]
+    tl.store(xs_ptr + t * xs_rs + b4, packed, mask=bm)
+    tl.store(xd_ptr + t * xd_rs + b4, amax / 127.0, mask=bm)
 
 
 @triton.jit
-def _qtile(acc, c0, c_end, rows, rmask, x_ptr, xoff, tmask,
+def _ld(ptr, mask, other, EVEN: tl.constexpr):
+    """Masked load, or a plain one when the launcher proved every lane in bounds (EVEN)."""
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb, mx, EVEN: tl.constexpr):
+    """The quantized x of the 32-value blocks starting at value offsets kb [1, 1, CH, 1],
+    broadcast over the BN rows (xb4 / xsb4 / xdb4: the token rows' offsets as [TP, BN, 1, 1]):
+    words of its two 16-value slices [TP, BN, CH, 4] each, their int8 sums and the block scale
+    [TP, BN, CH, 1] each."""
+    i4 = tl.arange(0, 4)[None, None, None, :]
+    x0 = _ld(xq_ptr + xb4 + kb // 4 + i4, mx, 0, EVEN)
+    x1 = _ld(xq_ptr + xb4 + kb // 4 + 4 + i4, mx, 0, EVEN)
+    sp = _ld(xs_ptr + xsb4 + kb // 32, mx, 0, EVEN)
+    dx = _ld(xd_ptr + xdb4 + kb // 32, mx, 0.0, EVEN)
+    return x0, x1, (sp << 16) >> 16, sp >> 16, dx
+
+
+@triton.jit
+def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
            q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-           QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, USE_ASM: tl.constexpr):
-    """acc [TP, BN, CH] += the contributions of chunks c0 .. c0+CH-1 (< c_end) of rows [BN]."""
+           QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+           USE_ASM: tl.constexpr):
+    """acc [TP, BN, CH, 1] += contributions of chunks c0 .. c0+CH-1 (< c_end) of the rows4
+    [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4 / xdb4.
+
+    Every operand is loaded as a 4-D tile [TP|1, BN, CH, 4|1] (x broadcast over rows by a
+    zero-stride pointer), so all of them get the same register layout and nothing moves
+    between threads inside the loop."""
     cc = c0 + tl.arange(0, CH)
-    cm = cc < c_end
-    i4 = tl.arange(0, 4)
-    r2 = rows[:, None]
-    m2 = rmask[:, None] & cm[None, :]
-    m3 = m2[:, :, None]
-    # ---- x: int8 words of every 16-value slice of the tile's chunks --------------------------
-    kb = cc * CV
-    dx0, inv0 = _x_scale(x_ptr, xoff, tmask, kb, cm)
-    x0, s0 = _x_words(x_ptr, xoff, tmask, kb, cm, inv0)
-    x1, s1 = _x_words(x_ptr, xoff, tmask, kb + 16, cm, inv0)
+    c4 = cc[None, None, :, None]
+    cm4 = (cc < c_end)[None, None, :, None]
+    i4 = tl.arange(0, 4)[None, None, None, :]
+    mw = rmask4 & cm4
+    mx = tmask4 & cm4
+    # ---- x: int8 words + sums of each 16-value slice, one scale per 32 values ----------------
+    kb = c4 * CV
+    x0, x1, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb, mx, EVEN)
     if CV == 64:
-        dx1, inv1 = _x_scale(x_ptr, xoff, tmask, kb + 32, cm)
-        x2, s2 = _x_words(x_ptr, xoff, tmask, kb + 32, cm, inv1)
-        x3, s3 = _x_words(x_ptr, xoff, tmask, kb + 48, cm, inv1)
+        x2, x3, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb + 32, mx, EVEN)
     # ---- weights ------------------------------------------------------------------------------
     if QTYPE == _Q8_0:
-        wp = q_ptr + r2[:, :, None] * q_rs + (cc * 8)[None, :, None] + i4[None, None, :]
-        wlo = tl.load(wp, mask=m3, other=0)
-        whi = tl.load(wp + 4, mask=m3, other=0)
-        d = tl.load(d_ptr + r2 * d_rs + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+        wp = q_ptr + rows4 * q_rs + c4 * 8 + i4
+        wlo = _ld(wp, mw, 0, EVEN)
+        whi = _ld(wp + 4, mw, 0, EVEN)
+        d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
         idot = _idot(wlo, x0, USE_ASM) + _idot(whi, x1, USE_ASM)
-        acc += dx0[:, None, :] * (d[None, :, :] * idot.to(tl.float32))
+        acc += dx0 * (d * idot.to(tl.float32))
     elif CV == 32:
-        wv = tl.load(q_ptr + r2[:, :, None] * q_rs + (cc * 4)[None, :, None] + i4[None, None, :],
-                     mask=m3, other=0)
+        wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
         lo = wv & 0x0F0F0F0F
         hi = (wv >> 4) & 0x0F0F0F0F
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
-            h = tl.load(qh_ptr + r2 * qh_rs + cc[None, :], mask=m2, other=0)[:, :, None]
-            lo = lo | (((h >> i4[None, None, :]) & 0x01010101) << 4)
-            hi = hi | (((h >> (i4 + 4)[None, None, :]) & 0x01010101) << 4)
+            h = _ld(qh_ptr + rows4 * qh_rs + c4, mw, 0, EVEN)
+            lo = lo | (((h >> i4) & 0x01010101) << 4)
+            hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
         if QTYPE == _Q6_K:
-            hp = qh_ptr + r2 * qh_rs + (cc * 2)[None, :]
-            h0 = tl.load(hp, mask=m2, other=0)[:, :, None]
-            h1 = tl.load(hp + 1, mask=m2, other=0)[:, :, None]
-            lo = lo | (((h0 >> (i4 * 2)[None, None, :]) & 0x03030303) << 4)
-            hi = hi | (((h1 >> (i4 * 2)[None, None, :]) & 0x03030303) << 4)
+            hp = qh_ptr + rows4 * qh_rs + c4 * 2
+            h0 = _ld(hp, mw, 0, EVEN)
+            h1 = _ld(hp + 1, mw, 0, EVEN)
+            lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
+            hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
         i_lo = _idot(lo, x0, USE_ASM)
         i_hi = _idot(hi, x1, USE_ASM)
         if QTYPE == _Q6_K:
-            sb = cc // 8
-            d = tl.load(d_ptr + r2 * d_rs + sb[None, :], mask=m2, other=0.0).to(tl.float32)
-            sp = sc_ptr + r2 * sc_rs + (cc * 2)[None, :]
-            sc0 = tl.load(sp, mask=m2, other=0).to(tl.int32)
-            sc1 = tl.load(sp + 1, mask=m2, other=0).to(tl.int32)
-            it = sc0[None] * (i_lo - 32 * s0[:, None, :]) + sc1[None] * (i_hi - 32 * s1[:, None, :])
-            acc += dx0[:, None, :] * (d[None] * it.to(tl.float32))
+            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            sp = sc_ptr + rows4 * sc_rs + c4 * 2
+            sc0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
+            sc1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
+            it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
+            acc += dx0 * (d * it.to(tl.float32))
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            sb = cc // 8
-            d = tl.load(d_ptr + r2 * d_rs + sb[None, :], mask=m2, other=0.0).to(tl.float32)
-            dm = tl.load(dm_ptr + r2 * dm_rs + sb[None, :], mask=m2, other=0.0).to(tl.float32)
-            sc = tl.load(sc_ptr + r2 * sc_rs + cc[None, :], mask=m2, other=0).to(tl.int32)
-            mn = tl.load(mn_ptr + r2 * mn_rs + cc[None, :], mask=m2, other=0).to(tl.int32)
-            i_d = sc[None] * (i_lo + i_hi)
-            i_m = mn[None] * (s0 + s1)[:, None, :]
-            acc += dx0[:, None, :] * (d[None] * i_d.to(tl.float32) - dm[None] * i_m.to(tl.float32))
+            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            sc = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN).to(tl.int32)
+            mn = _ld(mn_ptr + rows4 * mn_rs + c4, mw, 0, EVEN).to(tl.int32)
+            acc += dx0 * (d * (sc * (i_lo + i_hi)).to(tl.float32) - dm * (mn * (s0 + s1)).to(tl.float32))
         else:
-            d = tl.load(d_ptr + r2 * d_rs + cc[None, :], mask=m2, other=0.0).to(tl.float32)
+            d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
             idot = i_lo + i_hi
             if QTYPE == _Q4_0:
-                acc += dx0[:, None, :] * (d[None] * (idot - 8 * (s0 + s1)[:, None, :]).to(tl.float32))
+                acc += dx0 * (d * (idot - 8 * (s0 + s1)).to(tl.float32))
             elif QTYPE == _Q5_0:
-                acc += dx0[:, None, :] * (d[None] * (idot - 16 * (s0 + s1)[:, None, :]).to(tl.float32))
+                acc += dx0 * (d * (idot - 16 * (s0 + s1)).to(tl.float32))
             else:  # Q4_1, Q5_1: w = d*q + m
-                m = tl.load(dm_ptr + r2 * dm_rs + cc[None, :], mask=m2, other=0.0).to(tl.float32)
-                xs = (s0 + s1).to(tl.float32)
-                acc += dx0[:, None, :] * (d[None] * idot.to(tl.float32) + m[None] * xs[:, None, :])
+                m = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN).to(tl.float32)
+                acc += dx0 * (d * idot.to(tl.float32) + m * (s0 + s1).to(tl.float32))
     else:  # CV == 64: Q2_K, Q3_K (2-bit low codes, 4 slices per chunk)
-        wv = tl.load(q_ptr + r2[:, :, None] * q_rs + (cc * 4)[None, :, None] + i4[None, None, :],
-                     mask=m3, other=0)
+        wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
         c0w = wv & 0x03030303
         c1w = (wv >> 2) & 0x03030303
         c2w = (wv >> 4) & 0x03030303
         c3w = (wv >> 6) & 0x03030303
-        sp = sc_ptr + r2 * sc_rs + (cc * 4)[None, :]
-        sb = cc // 4
-        d = tl.load(d_ptr + r2 * d_rs + sb[None, :], mask=m2, other=0.0).to(tl.float32)
+        sp = sc_ptr + rows4 * sc_rs + c4 * 4
+        d = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
         if QTYPE == _Q3_K:
-            hp = qh_ptr + r2 * qh_rs + (cc * 2)[None, :]
-            h0 = tl.load(hp, mask=m2, other=0)[:, :, None]
-            h1 = tl.load(hp + 1, mask=m2, other=0)[:, :, None]
-            c0w = c0w | (((h0 >> i4[None, None, :]) & 0x01010101) << 2)
-            c1w = c1w | (((h0 >> (i4 + 4)[None, None, :]) & 0x01010101) << 2)
-            c2w = c2w | (((h1 >> i4[None, None, :]) & 0x01010101) << 2)
-            c3w = c3w | (((h1 >> (i4 + 4)[None, None, :]) & 0x01010101) << 2)
-            a0 = tl.load(sp, mask=m2, other=0).to(tl.int32)[None]
-            a1 = tl.load(sp + 1, mask=m2, other=0).to(tl.int32)[None]
-            a2 = tl.load(sp + 2, mask=m2, other=0).to(tl.int32)[None]
-            a3 = tl.load(sp + 3, mask=m2, other=0).to(tl.int32)[None]
-            ia = a0 * (_idot(c0w, x0, USE_ASM) - 4 * s0[:, None, :]) \
-                + a1 * (_idot(c1w, x1, USE_ASM) - 4 * s1[:, None, :])
-            ib = a2 * (_idot(c2w, x2, USE_ASM) - 4 * s2[:, None, :]) \
-                + a3 * (_idot(c3w, x3, USE_ASM) - 4 * s3[:, None, :])
-            acc += d[None] * (dx0[:, None, :] * ia.to(tl.float32) + dx1[:, None, :] * ib.to(tl.float32))
+            hp = qh_ptr + rows4 * qh_rs + c4 * 2
+            h0 = _ld(hp, mw, 0, EVEN)
+            h1 = _ld(hp + 1, mw, 0, EVEN)
+            c0w = c0w | (((h0 >> i4) & 0x01010101) << 2)
+            c1w = c1w | (((h0 >> (i4 + 4)) & 0x01010101) << 2)
+            c2w = c2w | (((h1 >> i4) & 0x01010101) << 2)
+            c3w = c3w | (((h1 >> (i4 + 4)) & 0x01010101) << 2)
+            a0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
+            a1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
+            a2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
+            a3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
+            ia = a0 * (_idot(c0w, x0, USE_ASM) - 4 * s0) + a1 * (_idot(c1w, x1, USE_ASM) - 4 * s1)
+            ib = a2 * (_idot(c2w, x2, USE_ASM) - 4 * s2) + a3 * (_idot(c3w, x3, USE_ASM) - 4 * s3)
+            acc += d * (dx0 * ia.to(tl.float32) + dx1 * ib.to(tl.float32))
         else:  # Q2_K: byte = scale | min << 4
-            dm = tl.load(dm_ptr + r2 * dm_rs + sb[None, :], mask=m2, other=0.0).to(tl.float32)
-            b0 = tl.load(sp, mask=m2, other=0).to(tl.int32)[None]
-            b1 = tl.load(sp + 1, mask=m2, other=0).to(tl.int32)[None]
-            b2 = tl.load(sp + 2, mask=m2, other=0).to(tl.int32)[None]
-            b3 = tl.load(sp + 3, mask=m2, other=0).to(tl.int32)[None]
+            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
+            b0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
+            b1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
+            b2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
+            b3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
             ia = (b0 & 15) * _idot(c0w, x0, USE_ASM) + (b1 & 15) * _idot(c1w, x1, USE_ASM)
             ib = (b2 & 15) * _idot(c2w, x2, USE_ASM) + (b3 & 15) * _idot(c3w, x3, USE_ASM)
-            ma = (b0 >> 4) * s0[:, None, :] + (b1 >> 4) * s1[:, None, :]
-            mb = (b2 >> 4) * s2[:, None, :] + (b3 >> 4) * s3[:, None, :]
-            acc += dx0[:, None, :] * (d[None] * ia.to(tl.float32) - dm[None] * ma.to(tl.float32)) \
-                + dx1[:, None, :] * (d[None] * ib.to(tl.float32) - dm[None] * mb.to(tl.float32))
+            ma = (b0 >> 4) * s0 + (b1 >> 4) * s1
+            mb = (b2 >> 4) * s2 + (b3 >> 4) * s3
+            acc += dx0 * (d * ia.to(tl.float32) - dm * ma.to(tl.float32)) \
+                + dx1 * (d * ib.to(tl.float32) - dm * mb.to(tl.float32))
     return acc
+
+
+@triton.jit
+def _x_rows(xq_rs, xs_rs, xd_rs, xrow, rows4):
+    """Word / sum / scale offsets [TP, BN, 1, 1] (int64) of the x rows ``xrow`` [TP], broadcast
+    over the BN rows of ``rows4`` (a zero-stride dimension)."""
+    z = rows4 * 0
+    r = xrow.to(tl.int64)[:, None, None, None]
+    return r * xq_rs + z, r * xs_rs + z, r * xd_rs + z
 
 
 # -----------------------------------------------------------------------------------------------
@@ -252,29 +282,30 @@ def _qtile(acc, c0, c_end, rows, rmask, x_ptr, xoff, tmask,
 # -----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _quant_gemv_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                        N, T, n_chunks, split_chunks,
-                       x_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                       xq_rs, xs_rs, xd_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                       CH: tl.constexpr, ATOMIC: tl.constexpr, USE_ASM: tl.constexpr):
+                       CH: tl.constexpr, EVEN: tl.constexpr, ATOMIC: tl.constexpr,
+                       USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < N
-    rows = rows.to(tl.int64)
+    rmask4 = (rows < N)[None, :, None, None]
+    rows4 = rows.to(tl.int64)[None, :, None, None]
     tt = tl.arange(0, TP)
-    tmask = tt < T
-    xoff = tt.to(tl.int64) * x_rs
+    tmask4 = (tt < T)[:, None, None, None]
+    xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4)
     c_begin = pid_k * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    acc = tl.zeros([TP, BN, CH], dtype=tl.float32)
+    acc = tl.zeros([TP, BN, CH, 1], dtype=tl.float32)
     for c0 in range(c_begin, c_end, CH):
-        acc = _qtile(acc, c0, c_end, rows, rmask, x_ptr, xoff, tmask,
+        acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, USE_ASM)
-    out = tl.sum(acc, axis=2)
+                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)                        # [TP, BN]
     yp = y_ptr + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
-    ym = tmask[:, None] & rmask[None, :]
+    ym = (tt < T)[:, None] & (rows < N)[None, :]
     if ATOMIC:
         tl.atomic_add(yp, out, mask=ym)
     else:
@@ -284,6 +315,53 @@ def _quant_gemv_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_pt
 # -----------------------------------------------------------------------------------------------
 # launchers and twins
 # -----------------------------------------------------------------------------------------------
+
+class QuantAct(NamedTuple):
+    """Activations quantized the kernels' way (:func:`quantize_act`), ``K`` a multiple of 32.
+
+    Attributes:
+        q: int32 ``[T, K/4]``: int8 codes, value ``4w+b`` in byte ``b`` of word ``w``.
+        s: int32 ``[T, K/32]``: the sums of the codes of the two 16-value slices of each 32-value
+            block as two int16 halves (low half: values 0-15).
+        d: float32 ``[T, K/32]``: the scale of each 32-value block (``amax / 127``).
+    """
+
+    q: torch.Tensor
+    s: torch.Tensor
+    d: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1] * 4)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def rows(self, a: int, b: int) -> "QuantAct":
+        return QuantAct(self.q[a:b], self.s[a:b], self.d[a:b])
+
+    @staticmethod
+    def empty(t: int, k: int, device) -> "QuantAct":
+        return QuantAct(torch.empty((t, k // 4), dtype=torch.int32, device=device),
+                        torch.empty((t, k // 32), dtype=torch.int32, device=device),
+                        torch.empty((t, k // 32), dtype=torch.float32, device=device))
+
+
+def quantize_act(x: torch.Tensor, blocks_per_program: int = 16) -> QuantAct:
+    """Quantize ``x [T, K]`` (float, K a multiple of 32, rows contiguous) to int8 per 32-value
+    block (one launch). The torch twin is :func:`quantize_act_ref`."""
+    t, k = x.shape
+    if k % 32 or x.stride(1) != 1:
+        raise ValueError(f"quantize_act: x must be [T, K] with K % 32 == 0 and contiguous rows, "
+                         f"got {tuple(x.shape)}")
+    xa = QuantAct.empty(t, k, x.device)
+    nb = k // 32
+    _quantize_act_kernel[(t, triton.cdiv(nb, blocks_per_program))](
+        x, xa.q, xa.s, xa.d, nb, x.stride(0), xa.q.stride(0), xa.s.stride(0), xa.d.stride(0),
+        NB=blocks_per_program, num_warps=2)
+    return xa
+
 
 def plane_args(w: QuantTensor) -> tuple[list[torch.Tensor], list[int]]:
     """The six plane pointers (q, qh, d, dmin, sc, mn; a stand-in where a format has none) and
@@ -319,7 +397,13 @@ def gemv_config(n: int, k: int, t: int, qtype: int, n_sm: int | None = None) -> 
     return cfg
 
 
-def _check_x(x: torch.Tensor, k: int, what: str) -> None:
+def _check_x(x, k: int, what: str) -> None:
+    if isinstance(x, QuantAct):
+        t = x.q.shape[0]
+        if (x.q.dim() != 2 or x.shape[1] != k or x.q.dtype != torch.int32 or x.s.shape != (t, k // 32)
+                or x.d.shape != (t, k // 32)):
+            raise ValueError(f"{what}: quantized x must be q int32 [T, {k // 4}], s and d [T, {k // 32}]")
+        return
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{what}: x must be [T, {k}], got {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -328,18 +412,21 @@ def _check_x(x: torch.Tensor, k: int, what: str) -> None:
         raise ValueError(f"{what}: x rows must be contiguous")
 
 
-def quant_gemv(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
+def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
     """``x @ dequant(w).T`` for decode.
 
     Args:
-        x: ``[T, K]`` float32/float16/bfloat16 activations (rows contiguous), ``T`` >= 1
-            (the kernel is built for 1-8; more tokens run in groups of 8).
+        x: ``[T, K]`` float32/float16/bfloat16 activations (rows contiguous; quantized first by
+            one :func:`quantize_act` launch), or a :class:`QuantAct` (e.g. made once for several
+            weights, or by the kernel that produces x). ``T`` >= 1: the kernel is built for 1-8
+            tokens; more run in groups of 8.
         w: a 2-D ``[N, K]`` :class:`QuantTensor` on ``x``'s device (float weights use torch).
-        out: optional ``[T, N]`` output (dtype of your choice among the float ones).
-        config: override of :func:`gemv_config` (keys BN, CH, num_warps, split).
+        out: optional ``[T, N]`` output (any float dtype).
+        config: override of :func:`gemv_config` (keys BN, CH, num_warps, split; ``asm`` False
+            runs the plain-integer dp4a emulation, for comparisons).
     Returns:
-        ``[T, N]`` in ``x.dtype`` (or ``out``).
+        ``[T, N]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
         ValueError / TypeError: shapes, dtypes or devices that do not fit.
     """
@@ -351,21 +438,26 @@ def quant_gemv(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"quant_gemv: x on {x.device}, w on {w.device}")
     t = x.shape[0]
     if out is None:
-        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+        dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
+        out = torch.empty((t, n), dtype=dt, device=x.device)
     if w.is_float:
+        if isinstance(x, QuantAct):
+            raise ValueError("quant_gemv: float weights take float activations")
         out.copy_(x.to(w.planes["w"].dtype) @ w.planes["w"].T)
         return out
     if w.qtype not in QUANT_QTYPES:
         raise ValueError(f"quant_gemv: unsupported qtype {QTYPE_NAMES.get(w.qtype, w.qtype)}")
+    if not isinstance(x, QuantAct):
+        x = quantize_act(x)
     for t0 in range(0, t, 8):
-        _launch_gemv(x[t0:t0 + 8], w, out[t0:t0 + 8], config)
+        _launch_gemv(x.rows(t0, t0 + 8), w, out[t0:t0 + 8], config)
     return out
 
 
-def _launch_gemv(x, w, out, config):
+def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | None):
     n, k = w.shape
     t = x.shape[0]
-    cfg = dict(config) if config else gemv_config(n, k, t, w.qtype)
+    cfg = dict(gemv_config(n, k, t, w.qtype), **(config or {}))
     cv = chunk_values(w.qtype)
     n_chunks = k // cv
     split = cfg.get("split", 1)
@@ -374,14 +466,17 @@ def _launch_gemv(x, w, out, config):
     y = out
     if split > 1:
         y = out if (out.dtype == torch.float32 and out.stride(1) == 1) else \
-            torch.empty((t, n), dtype=torch.float32, device=x.device)
+            torch.empty((t, n), dtype=torch.float32, device=out.device)
         y.zero_()
     ptrs, strides = plane_args(w)
     grid = (triton.cdiv(n, cfg["BN"]), split)
     _quant_gemv_kernel[grid](
-        x, y, *ptrs, n, t, n_chunks, split_chunks, x.stride(0), y.stride(0), *strides,
+        x.q, x.s, x.d, y, *ptrs, n, t, n_chunks, split_chunks,
+        x.q.stride(0), x.s.stride(0), x.d.stride(0), y.stride(0), *strides,
         QTYPE=w.qtype, CV=cv, TP=triton.next_power_of_2(t), BN=cfg["BN"], CH=cfg["CH"],
-        ATOMIC=split > 1, USE_ASM=use_asm(), num_warps=cfg.get("num_warps", 4))
+        EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
+              and t == triton.next_power_of_2(t)),
+        ATOMIC=split > 1, USE_ASM=cfg.get("asm", use_asm()), num_warps=cfg.get("num_warps", 4))
     if y is not out:
         out.copy_(y)
 
@@ -399,9 +494,18 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).reshape(t, k)
 
 
-def quant_gemv_ref(x: torch.Tensor, w: QuantTensor, act_quant: bool = True) -> torch.Tensor:
+def dequantize_act(xa: QuantAct) -> torch.Tensor:
+    """Float32 ``[T, K]`` values of a :class:`QuantAct`."""
+    t, k = xa.shape
+    codes = xa.q.contiguous().view(torch.int8).float().reshape(t, k // 32, 32)
+    return (codes * xa.d.float()[..., None]).reshape(t, k)
+
+
+def quant_gemv_ref(x: torch.Tensor | QuantAct, w: QuantTensor, act_quant: bool = True) -> torch.Tensor:
     """Torch twin of :func:`quant_gemv`: ``x' @ dequant(w).T`` in float32, ``[T, N]``, where
     ``x' = quantize_act_ref(x)`` if ``act_quant`` (what the kernel computes for quantized
     weights) else ``x`` (the exact float product; the difference is the activation rounding)."""
+    if isinstance(x, QuantAct):
+        return dequantize_act(x) @ w.dequantize().reshape(-1, w.K).T
     xf = quantize_act_ref(x) if (act_quant and not w.is_float) else x.float()
     return xf @ w.dequantize().reshape(-1, w.K).T

@@ -19,6 +19,7 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from localmoe.kernels.quant_gemv import quantize_act  # noqa: E402
 from localmoe.kernels.qtensor import BLOCK_SIZES, QTYPE_NAMES, QuantTensor, random_gguf_blocks  # noqa: E402
 
 from tests import tolerances as tol  # noqa: E402
@@ -75,6 +76,19 @@ def test_fused_moe_matches_twin(pair, tokens):
     ref = fused_moe_ref(x, gu, wd, ids, w, slot_of=slot_of, activation=act)
     assert rel(y, ref) < TOL["twin"]
     assert rel(y, fused_moe_ref(x, gu, wd, ids, w, slot_of=slot_of, activation=act, act_quant=False)) < TOL["float"]
+
+
+def test_quantized_x_and_unmasked_tiles():
+    # x given as a QuantAct skips the quantize launch; F % BN == 0 and whole K tiles drop masks
+    gu, wd = experts(3, 8, 4, 64, 96, seed=9)
+    x = torch.randn(2, 96, device=DEV)
+    ids, w = route(2, 4, 2, seed=3)
+    xa = quantize_act(x)
+    cfg = {"gate_up": {"BN": 32, "CH": 1}, "down": {"BN": 32, "CH": 2}}
+    y = fused_moe(xa, gu, wd, ids, w, config=cfg)
+    assert y.dtype == torch.float32 and rel(y, fused_moe_ref(xa, gu, wd, ids, w)) < TOL["twin"]
+    with pytest.raises(ValueError, match="multiples of 32"):
+        fused_moe(x, gu, wd, ids, w, config={"gate_up": {"BN": 16}})
 
 
 def test_slot_table_is_read_on_the_device():

@@ -22,7 +22,9 @@ triton = pytest.importorskip("triton")
 from localmoe.kernels.qtensor import (  # noqa: E402
     BLOCK_SIZES, FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, random_gguf_blocks,
 )
-from localmoe.kernels.quant_gemv import gemv_config, quant_gemv, quant_gemv_ref  # noqa: E402
+from localmoe.kernels.quant_gemv import (  # noqa: E402
+    dequantize_act, gemv_config, quant_gemv, quant_gemv_ref, quantize_act, quantize_act_ref,
+)
 
 from tests import tolerances as tol  # noqa: E402
 
@@ -68,6 +70,15 @@ def test_gemv_matches_twin_every_qtype(qt, tokens):
     check(x, w, y)
 
 
+@pytest.mark.parametrize("qt", [12, 10, 5 + 1], ids=["Q4_K", "Q2_K", "Q5_0"])
+def test_gemv_unmasked_tiles(qt):
+    # N % BN == 0, whole K tiles, T a power of two: the kernel drops every bounds mask
+    torch.manual_seed(2)
+    w = make(qt, 16, 512, seed=qt)
+    x = torch.randn(2, 512, device=DEV)
+    check(x, w, quant_gemv(x, w, config={"BN": 8, "CH": 4, "num_warps": 4, "split": 2}))
+
+
 @pytest.mark.parametrize("qt", [8, 11, 14], ids=["Q8_0", "Q3_K", "Q6_K"])
 def test_gemv_split_k_and_half_inputs(qt):
     torch.manual_seed(1)
@@ -76,6 +87,25 @@ def test_gemv_split_k_and_half_inputs(qt):
     y = quant_gemv(x, w, config={"BN": 4, "CH": 2, "num_warps": 4, "split": 3})
     assert y.dtype == torch.float16 and y.shape == (2, 6)
     check(x, w, y)
+
+
+def test_quantize_act_matches_twin_and_is_reusable():
+    torch.manual_seed(5)
+    x = torch.randn(3, 160, device=DEV) * torch.rand(3, 160, device=DEV).pow(4) * 10
+    x[1, 32:64] = 0.0
+    xa = quantize_act(x, blocks_per_program=2)
+    assert xa.shape == (3, 160) and xa.q.dtype == torch.int32 and xa.d.shape == (3, 5)
+    assert torch.equal(dequantize_act(xa), quantize_act_ref(x))
+    codes = xa.q.view(torch.int8).reshape(3, 5, 2, 16).sum(-1)          # the packed slice sums
+    assert torch.equal((xa.s << 16) >> 16, codes[..., 0]) and torch.equal(xa.s >> 16, codes[..., 1])
+    for qt in (8, 3, 10):                                 # one QuantAct, three weights
+        w = make(qt, 9, 256 if qt == 10 else 160, seed=qt)
+        if qt == 10:
+            x256 = torch.randn(3, 256, device=DEV)
+            xa, x = quantize_act(x256), x256
+        y = quant_gemv(xa, w, config={"BN": 4, "CH": 2, "num_warps": 4, "split": 1})
+        assert y.dtype == torch.float32 and rel(y, quant_gemv_ref(x, w)) < TOL["twin"]
+        assert rel(y, quant_gemv_ref(xa, w)) < TOL["twin"]
 
 
 def test_gemv_all_zero_activation_blocks_and_float_weights():
