@@ -18,7 +18,7 @@ grouped per channel. llama.cpp's
 blocks group keys per token, so a plain ``int4`` (whose localmoe default is per-channel keys)
 runs as per-token q4_0 and the runner reports ``int4:t``; an explicit per-channel request
 (``int4:c``, ``kgroup=channel``: the spec's ``named_key_grouping``, see
-:func:`localmoe.engine.llm.parse_kv_request`) is refused.
+:func:`localmoe.engine.options.parse_kv_request`) is refused.
 
 Sequences: llama.cpp's context holds ``max_seqs`` sequences (default 1) in one KV cache of
 ``n_ctx`` tokens; ``truncate`` maps to ``llama_memory_seq_rm``.

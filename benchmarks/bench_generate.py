@@ -115,7 +115,7 @@ def main() -> None:
 
     import llama_cpp
 
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     raw = llama_cpp.Llama(model, n_ctx=512, n_threads=args.threads,
                           n_threads_batch=args.threads, verbose=False)

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     import httpx
     from openai import OpenAI
 
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     port = _free_port()
     code = ("from localmoe.serve.server import run_server; "

@@ -9,7 +9,7 @@ from localmoe.errors import LocalMoEError  # noqa: F401
 
 def __getattr__(name):  # lazy: importing localmoe must stay cheap (CLI startup)
     if name == "LLM":
-        from localmoe.engine.llm import LLM
+        from localmoe.api import LLM
 
         return LLM
     raise AttributeError(name)

@@ -174,7 +174,7 @@ def _load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, v
         if verbose:
             click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
 
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
               kv_cache_v=kv_cache_v, device=device, progress=progress, before_load=before_load)
@@ -208,9 +208,9 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     the text as is for plain completion.
     """
     sampling = _sampling_kwargs(kw)
-    from localmoe.engine.llm import _sampling_params
+    from localmoe.engine.options import make_sampling_params
 
-    _sampling_params(None, **sampling)  # out-of-range values fail before the weights load
+    make_sampling_params(None, **sampling)  # out-of-range values fail before the weights load
     if prompt is None or prompt == "-":
         if sys.stdin.isatty() and prompt is None:
             raise _UsageError("no prompt; give a PROMPT argument or pipe the prompt on stdin")
@@ -248,7 +248,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
                            f"prompt are sent as a plain 'System: ...' / 'User: ...' / "
                            f"'Assistant:' transcript (as chat and serve do); drop --system for "
                            f"a plain completion of the prompt", err=True)
-            events = llm.chat_stream(msgs, _sampling_params(llm.default_sampling(), **sampling))
+            events = llm.chat_stream(msgs, make_sampling_params(llm.default_sampling(), **sampling))
         result = None
         out = sys.stdout
         wrote_nl = True
@@ -310,7 +310,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
     KV format, device, $LOCALMOE_THREADS, model file, backend, context size. Raises the same
     LocalMoEError."""
-    from localmoe.engine.llm import check_backend_device, check_device, parse_kv_request
+    from localmoe.engine.options import check_backend_device, check_device, parse_kv_request
     from localmoe.engine.registry import env_threads, select_backend
 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
@@ -490,7 +490,7 @@ def model_info(model_file) -> dict[str, Any]:
             kv[fmt] = kvs.bytes_per_token(spec)
         except LocalMoEError:
             kv[fmt] = None
-    from localmoe.engine.llm import DEFAULT_N_CTX
+    from localmoe.engine.options import DEFAULT_N_CTX
 
     n_ctx_default = min(int(spec.n_ctx_train or DEFAULT_N_CTX), DEFAULT_N_CTX)
     return {

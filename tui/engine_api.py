@@ -64,7 +64,7 @@ def default_engine_factory(model: str, *, backend: str = "auto", n_ctx: int | No
     ``kv_cache`` is any string ``KVSpec.parse`` takes (``"int4"``, ``"k=int8,v=int4"``,
     ``"int2,sinks=4"``); ``device`` ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or None (backend's
     default)."""
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     return LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, device=device,
                progress=progress)

@@ -44,7 +44,7 @@ class Backend:
 
     def check_device(self, device: str | None) -> str | None:
         """None when ``device`` (None, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``, as
-        :func:`localmoe.engine.llm.check_device` accepts) exists here for this backend, else a reason
+        :func:`localmoe.engine.options.check_device` accepts) exists here for this backend, else a reason
         (shown to the user before weights load). Default: CUDA devices as torch sees them
         (:func:`cuda_device_problem`)."""
         return cuda_device_problem(device)

@@ -3,7 +3,7 @@
 Endpoints:
 
 * ``POST /v1/chat/completions`` -- non-stream and SSE stream, tools, tool_choice, stop, seed,
-  sampling parameters, ``stream_options.include_usage`` (see :mod:`localmoe.serve.openai_api`).
+  sampling parameters, ``stream_options.include_usage`` (see :mod:`localmoe.serve.openai`).
 * ``POST /v1/completions`` -- raw-prompt completions.
 * ``GET /v1/models`` and ``GET /v1/models/{id}``.
 * ``GET /health`` -- ``200 {"status": "ok"}`` when ready, ``503 {"status": "loading"}`` while
@@ -505,7 +505,7 @@ def create_app(llm_or_factory, api_key: str | None = None, model_name: str | Non
             pass
 
     # -- routes ----------------------------------------------------------------------------
-    import localmoe.serve.openai_api as openai_api
+    import localmoe.serve.openai as openai_api
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -618,7 +618,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     """
     import uvicorn
 
-    from localmoe.engine.llm import check_backend_device, check_device, parse_kv_request
+    from localmoe.engine.options import check_backend_device, check_device, parse_kv_request
     from localmoe.io.loader import open_model
     from localmoe.engine.registry import env_threads, select_backend
     from localmoe.io.store import resolve_model
@@ -642,7 +642,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         print(msg, file=sys.stderr)
 
     def factory():
-        from localmoe.engine.llm import LLM
+        from localmoe.api import LLM
 
         return LLM(model_file, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
                    kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)

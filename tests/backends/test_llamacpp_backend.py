@@ -63,7 +63,7 @@ def test_refusals():
 def test_explicit_per_channel_keys_and_other_options_are_refused(kv, k, ok):
     """llama.cpp's q4_0/q8_0 group keys per token: the default int4 maps onto that, an explicit
     per-channel request (and every option llama.cpp lacks) is refused, and auto skips it."""
-    from localmoe.engine.llm import parse_kv_request
+    from localmoe.engine.options import parse_kv_request
 
     spec = parse_kv_request(kv, k)
     why = backend().supports("gguf", spec)
@@ -81,7 +81,8 @@ def test_explicit_per_channel_keys_and_other_options_are_refused(kv, k, ok):
 def test_per_channel_request_refused_before_weights_load(monkeypatch, smollm2_path):
     import llama_cpp
 
-    from localmoe.engine.llm import LLM, parse_kv_request
+    from localmoe.api import LLM
+    from localmoe.engine.options import parse_kv_request
     from localmoe.io.loader import open_model
 
     real = llama_cpp.Llama
@@ -116,7 +117,7 @@ def test_unsupported_kv_refused_before_weights_load(monkeypatch, smollm2_path):
     mf = open_model(smollm2_path)
     with pytest.raises(KVCacheFormatError, match="int2"):
         backend().load(mf, n_ctx=128, kv_spec=KVSpec.parse("int2"))
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     with pytest.raises(BackendUnavailableError, match="int3"):
         LLM(str(smollm2_path), backend="llamacpp", kv_cache="int3")
@@ -206,7 +207,7 @@ def test_engine_greedy_matches_raw_llama_cpp(smollm2_path):
     """Our tokenizer + engine + this runner produce llama.cpp's own greedy continuation."""
     import llama_cpp
 
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     prompt = "The capital of France is"
     raw = llama_cpp.Llama(str(smollm2_path), n_ctx=128, n_threads=1, verbose=False)
@@ -233,7 +234,7 @@ def test_moe_model_generates_like_llama_cpp(tmp_path):
     llama.cpp's own loop over the same file."""
     import llama_cpp
 
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.testing.synthetic import write_gguf
 
     p = str(write_gguf(tmp_path / "tiny-qwen3moe.gguf", "tiny-qwen3moe", quant="mixed"))

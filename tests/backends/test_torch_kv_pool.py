@@ -19,7 +19,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("kv", ["f16", "int8", "int4", "int4:t", "int2"])
 def test_pool_holds_one_sequence_as_info_reports(tiny, kv):
     from localmoe.cli import model_info
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.io.loader import open_model
 
     llm = LLM(tiny, backend="torch", kv_cache=kv)

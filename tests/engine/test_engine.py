@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from localmoe.engine.llm import LLM, GenerationResult, StreamEvent
+from localmoe.api import LLM
+from localmoe.engine.results import GenerationResult, StreamEvent
 from localmoe.errors import ContextOverflowError, InvalidRequestError, LocalMoEError
 
 BOS, EOS = 0, 1
@@ -472,7 +473,7 @@ def test_raw_false_without_template_is_plain_completion():
 
 
 def test_context_above_training_context_is_refused_before_loading(tmp_path):
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.errors import InvalidRequestError
     from localmoe.io.loader import open_model
     from localmoe.testing.synthetic import write_gguf
@@ -535,7 +536,7 @@ def test_device_index_given_is_the_device_used_and_reported(tmp_path, monkeypatc
 
 
 def test_model_name_is_the_name_the_user_gave(tmp_path):
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.io.loader import open_model
     from localmoe.testing.synthetic import write_gguf
 
@@ -561,7 +562,7 @@ def test_non_finite_logits_are_an_error_not_an_empty_reply(tmp_path, monkeypatch
     from click.testing import CliRunner
 
     from localmoe.cli import cli
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.errors import ModelLoadError
     from localmoe.testing.synthetic import write_gguf
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from localmoe.engine.llm import LLM
+from localmoe.api import LLM
 
 from tests.engine.test_engine import BYTE0, EOS, FakeRunner, FakeTokenizer, X
 

@@ -191,7 +191,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def scripted_llm(smollm2_path):
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
 
     llm = LLM(smollm2_path, backend="scripted-test", n_ctx=512)
     yield llm
@@ -740,7 +740,7 @@ def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, ca
 
 @pytest.mark.slow
 def test_plain_chat_with_real_smollm2(smollm2_path):
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.serve.server import create_app
 
     llm = LLM(smollm2_path, backend="torch", n_ctx=512)
@@ -761,10 +761,10 @@ def test_plain_chat_with_real_smollm2(smollm2_path):
         llm.close()
 
 
-# ------------------------------------------------------ openai_api over other template families
+# ------------------------------------------- OpenAI shaping over other template families
 
 class TemplateLLM:
-    """Minimal engine stand-in (the LLM attributes openai_api uses) with a given chat template;
+    """Minimal engine stand-in (the LLM attributes the OpenAI shaping uses) with a given chat template;
     its reply is fixed text streamed in 3-character pieces."""
 
     def __init__(self, template_src: str, reply: str):
@@ -777,7 +777,7 @@ class TemplateLLM:
         self.seen = None
 
     def chat_stream(self, messages, params, tools=None, cancel=None):
-        from localmoe.engine.llm import GenerationResult, StreamEvent
+        from localmoe.engine.results import GenerationResult, StreamEvent
 
         self.seen = (messages, tools, self.template.render(messages, tools=tools))
         for i in range(0, len(self.reply), 3):
@@ -799,7 +799,7 @@ MISTRAL_TPL = ("{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{%- fo
 
 
 def test_llama3_template_gets_tools_and_json_reply_is_a_call():
-    import localmoe.serve.openai_api as openai_api
+    import localmoe.serve.openai as openai_api
 
     llm = TemplateLLM(LLAMA3_TPL, 'Checking. {"name": "get_weather", "parameters": {"city": "Lima"}}')
     r = openai_api.chat_completion(llm, {"messages": [{"role": "user", "content": "weather?"}],
@@ -821,7 +821,7 @@ def test_llama3_template_gets_tools_and_json_reply_is_a_call():
 
 
 def test_mistral_ids_survive_the_round_trip_through_its_template():
-    import localmoe.serve.openai_api as openai_api
+    import localmoe.serve.openai as openai_api
 
     llm = TemplateLLM(MISTRAL_TPL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')
     req = {"messages": [{"role": "user", "content": "weather in Rome?"}], "tools": [WEATHER_TOOL]}
@@ -843,7 +843,7 @@ def test_mistral_ids_survive_the_round_trip_through_its_template():
 
 
 def test_validation_errors_name_the_parameter_without_a_model():
-    import localmoe.serve.openai_api as openai_api
+    import localmoe.serve.openai as openai_api
     from localmoe.errors import InvalidRequestError
 
     llm = TemplateLLM(LLAMA3_TPL, "x")
@@ -880,7 +880,7 @@ QWEN3_TPL = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{{ tools | tojs
 
 
 def test_reasoning_content_split_for_think_templates_stream_and_not():
-    import localmoe.serve.openai_api as openai_api
+    import localmoe.serve.openai as openai_api
 
     reply = ('<think>\nThe user asks for weather; call get_weather.\n</think>\n\n'
              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Kyiv"}}\n</tool_call>')

@@ -727,7 +727,7 @@ def test_key_presses_handled_quickly_while_streaming(db):
 def test_end_to_end_real_smollm2(db, smollm2_path):
     """The real engine on SmolLM2-135M: load with progress, stream an answer, show stats."""
     try:
-        from localmoe.engine.llm import LLM  # noqa: F401
+        from localmoe.api import LLM  # noqa: F401
         import localmoe.engine.sampling  # noqa: F401
     except ImportError as e:  # pragma: no cover - only while the engine is being written
         pytest.skip(f"engine not available: {e}")

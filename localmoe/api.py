@@ -1,0 +1,89 @@
+"""The Python API: :class:`LLM` (``from localmoe import LLM``).
+
+``LLM`` is the :class:`~localmoe.engine.engine.Engine` as users meet it: models are named as
+the CLI names them (a path, a store name such as ``"smollm2"``, an ``hf:`` reference or None for
+the default model, resolved by :mod:`localmoe.io.store`), and :meth:`LLM.chat` answers with
+OpenAI ChatCompletion objects (shaped by :mod:`localmoe.serve.openai`, as the server does).
+Generation itself (``generate``, ``chat_stream``, ``stats``, ``close``, ...) is the engine's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from localmoe.engine.engine import Engine
+
+
+class LLM(Engine):
+    """A loaded model ready to generate (docs/INTERFACES.md, "Engine / Python API").
+
+    Args:
+        model: path to a .gguf file (any shard) or HF folder, a store name (``"smollm2"``), an
+            ``hf:OWNER/REPO/FILE`` reference, or None for the default model (pulled on first use).
+        backend: ``"auto"`` or a backend name (``localmoe backends``).
+        n_ctx: context size in tokens; default min(model's training context, 4096).
+        kv_cache: KV cache format for K and V (``f16``, ``int8``, ``int4``, ``int3``, ``int2``,
+            ``fp4``, ...); ``kv_cache_k`` / ``kv_cache_v`` override one side.
+        device: backend device (``"cpu"``, ``"cuda"``, ``"cuda:1"``); None = backend default.
+        progress: ``progress(fraction, message)`` called while loading.
+        before_load: ``before_load(llm)`` called once the tokenizer, chat template and context
+            size are known, before the weights load: ``llm.tokenizer``, ``llm.template``,
+            ``llm.n_ctx``, :meth:`prompt_ids`, :meth:`count_tokens` and :meth:`render_chat`
+            work there (generation does not yet); an exception it raises stops the load
+            (``localmoe generate`` refuses a prompt longer than the context this way).
+
+    Raises:
+        ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,
+        KVCacheFormatError, InvalidRequestError (bad n_ctx or device, a ``$LOCALMOE_THREADS``
+        that is no thread count), StoreError (pull failed).
+    """
+
+    @staticmethod
+    def _open(model: Any):
+        """The ModelFile of ``model``: a ModelFile as is, else resolved through the store."""
+        if hasattr(model, "spec") and hasattr(model, "format"):
+            return model  # already a ModelFile
+        from localmoe.io.loader import open_model
+        from localmoe.io.store import resolve_model
+
+        return open_model(resolve_model(model))
+
+    @staticmethod
+    def _model_name(model: Any, model_file: Any) -> str:
+        """The name a user knows the model by (:func:`localmoe.io.store.display_name`)."""
+        from localmoe.io.store import display_name
+
+        if model is None or isinstance(model, (str, os.PathLike)):
+            return display_name(model)
+        return display_name(getattr(model_file, "path", None) or model_file.name)
+
+    def chat(self, messages: list[dict], *, tools: list | None = None, tool_choice: Any = None,
+             stream: bool = False, cancel: threading.Event | None = None, **sampling: Any):
+        """OpenAI-style chat completion: a ChatCompletion dict, or an iterator of
+        ChatCompletionChunk dicts when ``stream`` (shaping and tool-call parsing by
+        :mod:`localmoe.serve.openai`).
+
+        Args:
+            messages: OpenAI-style message dicts.
+            tools, tool_choice: as in the OpenAI API.
+            stream: return an iterator of chunks instead of one ChatCompletion.
+            cancel: a ``threading.Event`` that stops the generation when set.
+            **sampling: OpenAI request fields (temperature, top_p, top_k, min_p, seed, stop,
+                max_tokens, ...); None values are left out.
+
+        Raises:
+            InvalidRequestError, ContextOverflowError, TemplateError: as
+            :func:`localmoe.serve.openai.chat_completion`.
+        """
+        from localmoe.serve.openai import chat_completion
+
+        request: dict[str, Any] = {"model": self.model_name, "messages": messages,
+                                   "stream": bool(stream)}
+        if tools is not None:
+            request["tools"] = tools
+        if tool_choice is not None:
+            request["tool_choice"] = tool_choice
+        request.update({k: v for k, v in sampling.items() if v is not None})
+        return chat_completion(self, request, cancel=cancel)

@@ -1,0 +1,445 @@
+"""OpenAI request parsing and validation (``/v1/chat/completions``, ``/v1/completions``).
+
+Every check raises :class:`~localmoe.errors.InvalidRequestError` with ``param`` naming the
+offending field (``messages[2].content``, ``tool_choice``, ``max_tokens``, ...) before any
+generation starts; unknown fields are ignored. No model is needed except for the token-id
+range checks and the model's sampling defaults (see :func:`validate_request`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from localmoe.errors import InvalidRequestError
+from localmoe.text.tool_calls import new_call_id
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_SAMPLING_NUM = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repeat_penalty")
+_SAMPLING_INT = ("top_k", "repeat_last_n", "seed")
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
+    """Map OpenAI request fields to ``SamplingParams`` keyword arguments.
+
+    Args:
+        req: the request body.
+        vocab_size: for checking ``logit_bias`` token ids (None: not checked).
+
+    Returns:
+        dict of SamplingParams fields present in the request (absent or null ones omitted).
+
+    Raises:
+        InvalidRequestError: a field has the wrong type or value (``param`` names it).
+    """
+    out: dict[str, Any] = {}
+    for k in _SAMPLING_NUM:
+        v = req.get(k)
+        if v is None:
+            continue
+        if not _is_num(v):
+            raise InvalidRequestError(f"{k} must be a number, got {type(v).__name__}", k)
+        out[k] = float(v)
+    for k in _SAMPLING_INT:
+        v = req.get(k)
+        if v is None:
+            continue
+        if not _is_int(v):
+            raise InvalidRequestError(f"{k} must be an integer, got {v!r}", k)
+        out[k] = v
+    # value ranges are checked by SamplingParams.validate (temperature 0..100, top_p 0..1, ...)
+    for k in ("max_completion_tokens", "max_tokens"):
+        v = req.get(k)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise InvalidRequestError(f"{k} must be a positive integer, got {v!r}", k)
+        out.setdefault("max_tokens", v)  # max_completion_tokens wins when both are given
+    stop = req.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if (not isinstance(stop, list) or len(stop) > 16
+                or not all(isinstance(s, str) and s for s in stop)):
+            raise InvalidRequestError(
+                "stop must be a non-empty string or a list of at most 16 non-empty strings", "stop")
+        out["stop"] = tuple(stop)
+    lb = req.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise InvalidRequestError("logit_bias must be an object mapping token ids to numbers",
+                                      "logit_bias")
+        bias: dict[int, float] = {}
+        for k, v in lb.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"logit_bias key {k!r} is not a token id",
+                                          "logit_bias") from None
+            if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                raise InvalidRequestError(
+                    f"logit_bias token id {tid} is outside the vocabulary (0..{vocab_size})",
+                    "logit_bias")
+            if not _is_num(v) or not -100 <= v <= 100:
+                raise InvalidRequestError(f"logit_bias value for {k} must be in [-100, 100]",
+                                          "logit_bias")
+            bias[tid] = float(v)
+        out["logit_bias"] = bias
+    return out
+
+
+def _make_params(kwargs: dict[str, Any], llm=None):
+    """SamplingParams: the model's defaults (``llm.default_sampling()``, from the file's
+    ``general.sampling.*``, else the library's) with the request's fields over them."""
+    from localmoe.engine.sampling import SamplingParams
+
+    base = None
+    fn = getattr(llm, "default_sampling", None)
+    if callable(fn):
+        try:
+            base = fn()
+        except Exception:  # noqa: BLE001 -- a broken default must not fail requests
+            base = None
+    try:
+        params = (dataclasses.replace(base, **kwargs) if isinstance(base, SamplingParams)
+                  else SamplingParams(**kwargs))
+    except TypeError as e:  # a field this SamplingParams does not know
+        raise InvalidRequestError(f"unsupported sampling parameter: {e}") from None
+    params.validate()
+    return params
+
+
+def _common_checks(req: dict) -> tuple[bool, bool]:
+    """Checks shared by both endpoints; returns (stream, include_usage)."""
+    n = req.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise InvalidRequestError("n must be 1: this server generates one choice per request", "n")
+    stream = req.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequestError("stream must be a boolean", "stream")
+    so = req.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true",
+                                      "stream_options")
+        if not isinstance(so, dict):
+            raise InvalidRequestError("stream_options must be an object", "stream_options")
+        iu = so.get("include_usage", False)
+        if not isinstance(iu, bool):
+            raise InvalidRequestError("stream_options.include_usage must be a boolean",
+                                      "stream_options.include_usage")
+        include_usage = iu
+    if req.get("logprobs"):
+        raise InvalidRequestError("logprobs are not supported by this server", "logprobs")
+    if req.get("top_logprobs"):
+        raise InvalidRequestError("top_logprobs is not supported by this server", "top_logprobs")
+    model = req.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError("model must be a string", "model")
+    return stream, include_usage
+
+
+def _text_content(content, param: str, allow_none: bool) -> str | None:
+    if content is None:
+        if allow_none:
+            return None
+        raise InvalidRequestError(f"{param} is required", param)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(
+                    f"{param}[{j}] has type {kind!r}; only text content parts are supported",
+                    f"{param}[{j}]")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{param}[{j}].text must be a string",
+                                          f"{param}[{j}].text")
+            parts.append(text)
+        return "".join(parts)
+    raise InvalidRequestError(f"{param} must be a string or a list of text parts", param)
+
+
+def _check_tools(tools) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list", "tools")
+    out = []
+    seen = set()
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise InvalidRequestError(f"{p} must be an object with type 'function'", f"{p}.type")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequestError(f"{p}.function must be an object", f"{p}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise InvalidRequestError(
+                f"{p}.function.name must be 1-64 characters of a-z, A-Z, 0-9, '_', '-', '.'",
+                f"{p}.function.name")
+        if name in seen:
+            raise InvalidRequestError(f"duplicate tool name {name!r}", f"{p}.function.name")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError(f"{p}.function.parameters must be a JSON Schema object",
+                                      f"{p}.function.parameters")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise InvalidRequestError(f"{p}.function.description must be a string",
+                                      f"{p}.function.description")
+        clean = {"name": name}
+        if desc is not None:
+            clean["description"] = desc
+        clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": clean})
+    return out
+
+
+def _check_tool_choice(tc, tools: list[dict]) -> tuple[str, str | None]:
+    """Returns (mode, name) with mode in none|auto|required|named."""
+    if tc is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise InvalidRequestError(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tc!r}",
+                "tool_choice")
+        if tc == "required" and not tools:
+            raise InvalidRequestError("tool_choice 'required' needs a non-empty tools list",
+                                      "tool_choice")
+        return (tc if tools else "none"), None
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("function"), dict):
+        name = tc["function"].get("name")
+        names = [t["function"]["name"] for t in tools]
+        if name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names function {name!r} which is not in tools ({', '.join(names) or 'none given'})",
+                "tool_choice")
+        return "named", name
+    raise InvalidRequestError(
+        "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+        "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def _check_messages(msgs) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequestError("messages must be a non-empty list", "messages")
+    out = []
+    call_ids: list[str] = []  # ids of the tool calls of the assistant messages so far
+    anonymous_calls = False   # an earlier call came without an id: any tool_call_id may be its
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        role = _check_role(p, m, call_ids, anonymous_calls)
+        msg: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = _text_content(m.get("content"), f"{p}.content",
+                                allow_none=(role == "assistant"))
+        msg["content"] = content
+        if calls is not None:
+            clean_calls, ids, anonymous = _check_message_tool_calls(p, calls)
+            call_ids += ids
+            anonymous_calls = anonymous_calls or anonymous
+            if clean_calls:
+                msg["tool_calls"] = clean_calls
+        if content is None and "tool_calls" not in msg:
+            raise InvalidRequestError(f"{p}.content is required", f"{p}.content")
+        if role == "tool":
+            tcid = m.get("tool_call_id")
+            if tcid is not None:
+                msg["tool_call_id"] = str(tcid)
+        name = m.get("name")
+        if isinstance(name, str):
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _check_role(p: str, m, call_ids: list[str], anonymous_calls: bool) -> str:
+    """The role of message ``m`` (at ``p``) as the templates know it (developer -> system,
+    function -> tool); a tool message must answer an earlier tool call by its id."""
+    if not isinstance(m, dict):
+        raise InvalidRequestError(f"{p} must be an object", p)
+    role = m.get("role")
+    if role not in _ROLES:
+        raise InvalidRequestError(
+            f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}",
+            f"{p}.role")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # OpenAI requires it
+        raise InvalidRequestError(
+            f"{p}.tool_call_id (a string) is required for a tool message: the id of the "
+            f"assistant's tool call it answers", f"{p}.tool_call_id")
+    if role == "tool" and m["tool_call_id"] not in call_ids and not anonymous_calls:
+        known = (f"the tool call ids before it: {', '.join(map(repr, call_ids))}" if call_ids
+                 else "no assistant message before it has tool_calls")
+        raise InvalidRequestError(
+            f"{p}.tool_call_id {m['tool_call_id']!r} matches no tool call of an earlier "
+            f"assistant message ({known}); a tool message answers one of the assistant's "
+            f"tool_calls by its id", f"{p}.tool_call_id")
+    if role == "developer":
+        role = "system"
+    if role == "function":  # the deprecated function role: name, no tool_call_id
+        role = "tool"
+    return role
+
+
+def _check_message_tool_calls(p: str, calls) -> tuple[list[dict], list[str], bool]:
+    """An assistant message's ``tool_calls`` (at ``p``) with arguments as dicts; returns
+    (clean calls, the ids given, whether a call came without an id)."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{p}.tool_calls must be a list", f"{p}.tool_calls")
+    clean_calls, ids, anonymous = [], [], False
+    for j, c in enumerate(calls):
+        q = f"{p}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(f"{q}.function.name is required", f"{q}.function")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise InvalidRequestError(f"{q}.function.arguments is not valid JSON",
+                                          f"{q}.function.arguments") from None
+        if not isinstance(args, dict):
+            raise InvalidRequestError(f"{q}.function.arguments must be a JSON object",
+                                      f"{q}.function.arguments")
+        if c.get("id"):
+            ids.append(str(c["id"]))
+        else:
+            anonymous = True
+        clean_calls.append({"id": c.get("id") or new_call_id(), "type": "function",
+                            "function": {"name": fn["name"], "arguments": args}})
+    return clean_calls, ids, anonymous
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    """A validated chat request.
+
+    Attributes:
+        messages: normalized messages (text content; tool-call arguments as dicts).
+        tools: normalized tool list (possibly empty).
+        tool_mode: "none" | "auto" | "required" | "named"; tool_name for "named".
+        params: SamplingParams.
+        stream, include_usage: streaming flags.
+        model: the requested model name or None.
+        parallel_tool_calls: False keeps only the first parsed call.
+    """
+
+    messages: list[dict]
+    tools: list[dict]
+    tool_mode: str
+    tool_name: str | None
+    params: Any
+    stream: bool
+    include_usage: bool
+    model: str | None
+    parallel_tool_calls: bool = True
+    reasoning_format: str = "auto"
+
+
+def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body.
+
+    Raises:
+        InvalidRequestError: naming the offending parameter.
+    """
+    if not isinstance(req, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    stream, include_usage = _common_checks(req)
+    messages = _check_messages(req.get("messages"))
+    tools = _check_tools(req.get("tools"))
+    mode, name = _check_tool_choice(req.get("tool_choice"), tools)
+    ptc = req.get("parallel_tool_calls", True)
+    if ptc is None:
+        ptc = True
+    if not isinstance(ptc, bool):
+        raise InvalidRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    rf = req.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise InvalidRequestError(
+            "response_format other than {\"type\": \"text\"} is not supported", "response_format")
+    rfmt = req.get("reasoning_format", "auto")
+    if rfmt is None:
+        rfmt = "auto"
+    if rfmt not in ("auto", "none"):
+        raise InvalidRequestError("reasoning_format must be 'auto' (split <think> blocks into "
+                                  "reasoning_content) or 'none' (keep them in content)",
+                                  "reasoning_format")
+    params = _make_params(sampling_kwargs(req, vocab_size), llm)
+    return ChatRequest(messages, tools, mode, name, params, stream, include_usage,
+                       req.get("model"), ptc, rfmt)
+
+
+def parse_completion_request(request: dict, vocab: int | None, llm=None):
+    """Validate a ``/v1/completions`` body; returns (prompt, params, stream, include_usage).
+    ``vocab`` None skips the token-id range checks; ``llm`` None uses the library's sampling
+    defaults as the base."""
+    if not isinstance(request, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    stream, include_usage = _common_checks(request)
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(t) and t >= 0 and (vocab is None or t < vocab)
+                                 for t in prompt):
+            raise InvalidRequestError(
+                "prompt must be a string, a list with one string, or a list of token ids "
+                "inside the vocabulary (one prompt per request)", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise InvalidRequestError("prompt must be a non-empty string", "prompt")
+    if request.get("echo"):
+        raise InvalidRequestError("echo is not supported by this server", "echo")
+    if request.get("suffix"):
+        raise InvalidRequestError("suffix is not supported by this server", "suffix")
+    bo = request.get("best_of")
+    if bo is not None and bo != 1:
+        raise InvalidRequestError("best_of must be 1", "best_of")
+    params = _make_params(sampling_kwargs(request, vocab), llm)
+    return prompt, params, stream, include_usage
+
+
+def validate_request(endpoint: str, request: dict) -> None:
+    """Check a request body without a model (the server does this while the model loads, so
+    a bad request gets its 400 at once instead of a 503).
+
+    Checks everything that does not need the model: JSON shape, fields, types, value ranges,
+    messages, tools, tool_choice. Token ids (``logit_bias``, token prompts) are checked against
+    the vocabulary only once the model is there.
+
+    Args:
+        endpoint: ``"chat"`` (``/v1/chat/completions``) or ``"completion"`` (``/v1/completions``).
+        request: the request body.
+
+    Raises:
+        InvalidRequestError: naming the offending parameter.
+        ValueError: unknown ``endpoint``.
+    """
+    if endpoint == "chat":
+        parse_chat_request(request)
+    elif endpoint == "completion":
+        parse_completion_request(request, None)
+    else:
+        raise ValueError(f"unknown endpoint kind {endpoint!r}")
