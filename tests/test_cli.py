@@ -113,7 +113,7 @@ def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
     every command, the Python API and the server."""
     import localmoe.tui.app as tui_app
     import localmoe.serve.server as server
-    from localmoe.api import LLM
+    from localmoe.engine.llm import LLM
     from localmoe.errors import KVCacheFormatError
 
     missing = str(tmp_path / "missing.gguf")
@@ -206,9 +206,9 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
     fake_server = types.ModuleType("localmoe.serve.server")
     fake_server.run_server = lambda model, **kw: calls.setdefault("serve", (model, kw))
     monkeypatch.setitem(sys.modules, "localmoe.serve.server", fake_server)
-    import localmoe.serve
+    import localmoe
 
-    monkeypatch.setattr(localmoe.serve, "server", fake_server, raising=False)
+    monkeypatch.setattr(localmoe, "server", fake_server, raising=False)
     r = run(["serve", "-m", "smollm2", "--port", "9001", "--api-key", "k", "--kv-cache", "int8",
              "--kv-cache-v", "int4", "-c", "2048", "--backend", "torch"])
     assert r.exit_code == 0, r.output
@@ -310,7 +310,7 @@ def test_prompt_over_the_context_is_refused_before_weights_load(monkeypatch, tmp
     a plain completion and as a chat turn (template, system message), with the count the
     generation would prefill."""
     import localmoe.backends.torch_backend as tb
-    from localmoe.api import LLM
+    from localmoe.engine.llm import LLM
     from localmoe.testing.synthetic import write_gguf
 
     loads = []
@@ -501,7 +501,7 @@ def test_info_shows_both_key_groupings(tmp_path):
 
 
 def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
-    import localmoe.cli as cli_mod
+    import localmoe.cli.options as cli_options
 
     seen = {}
 
@@ -518,7 +518,7 @@ def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: FakeLLM())
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: FakeLLM())
     r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--raw"], input="Hello there\n\n")
     assert isinstance(r.exception, StopHere)
     assert seen["prompt"] == "Hello there"
@@ -527,15 +527,15 @@ def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
 def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch):
     """--system on a model without a chat template: a clear warning and the same plain
     System:/User:/Assistant: transcript chat and serve use (no longer silently glued on)."""
-    import localmoe.cli as cli_mod
-    from localmoe.api import LLM
-    from test_engine import BYTE0, FakeRunner, FakeTokenizer
+    import localmoe.cli.options as cli_options
+    from localmoe.engine.llm import LLM
+    from tests.engine.test_engine import BYTE0, FakeRunner, FakeTokenizer
 
     seen = {}
     llm = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_name="base")
     orig = llm.render_chat
     llm.render_chat = lambda msgs, tools=None: seen.setdefault("prompt", orig(msgs, tools))
-    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: llm)
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: llm)
     r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--system", "Be brief.", "-n", "2",
                                  "Hi"])
     assert r.exit_code == 0, r.output
@@ -545,7 +545,7 @@ def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch)
     # without --system it stays a plain completion, silently
     seen.clear()
     llm2 = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_name="b")
-    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: llm2)
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: llm2)
     r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "-n", "1", "Hi"])
     assert r.exit_code == 0 and "warning" not in r.stderr
     assert llm2.runner.calls[0][1] == [0, BYTE0 + ord("H"), BYTE0 + ord("i")]
@@ -556,9 +556,9 @@ def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch)
 
 
 def test_bench_refuses_unwritable_json_path_before_loading(tmp_path, monkeypatch):
-    import localmoe.cli as cli_mod
+    import localmoe.cli.options as cli_options
 
-    monkeypatch.setattr(cli_mod, "_load_llm", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: pytest.fail("loaded the model"))
     r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json",
                                  str(tmp_path / "missing-dir" / "x.json")])
     assert r.exit_code == 1 and "cannot write" in r.output and "Traceback" not in r.output

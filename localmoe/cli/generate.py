@@ -1,0 +1,138 @@
+"""``localmoe generate``: one answer (or plain completion) streamed to stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from localmoe.cli import options
+from localmoe.cli.options import OneLineUsageError, model_options, sampling_kwargs, sampling_options
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@model_options
+@sampling_options
+@click.option("--raw", is_flag=True, help="Plain-text completion: do not apply the chat template.")
+@click.option("--system", default=None, metavar="TEXT",
+              help="System message. A model without a chat template gets a plain "
+                   "System:/User:/Assistant: transcript (with a warning); ignored with --raw.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, timings) instead of streaming.")
+@click.option("-v", "--verbose", is_flag=True, help="Print loading steps and timings on stderr.")
+def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, raw,
+             system, as_json, verbose, **kw):
+    """Generate a reply to PROMPT (or stdin) and stream it to stdout.
+
+    The model's chat template is applied when it has one (as `ollama run` does); --raw sends
+    the text as is for plain completion.
+    """
+    sampling = sampling_kwargs(kw)
+    from localmoe.engine.options import make_sampling_params
+
+    make_sampling_params(None, **sampling)  # out-of-range values fail before the weights load
+    prompt = _read_prompt(prompt)
+    if raw and system:
+        click.echo("warning: --system is ignored with --raw (plain completion sends the prompt "
+                   "as is); put the system text into the prompt instead", err=True)
+    msgs = ([{"role": "system", "content": system}] if system else []) + \
+           [{"role": "user", "content": prompt}]
+
+    def plain(llm) -> bool:  # a plain completion of the prompt (else a chat turn)
+        return raw or (llm.template is None and not system)
+
+    def fits(llm) -> None:  # a prompt over the context is refused before the weights load
+        from localmoe.errors import ContextOverflowError
+
+        n = len(llm.prompt_ids(prompt) if plain(llm) else llm.prompt_ids(messages=msgs))
+        if n > llm.n_ctx:
+            raise ContextOverflowError(n, llm.n_ctx)
+
+    llm = options.load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device,
+                           verbose, before_load=fits)
+    try:
+        if plain(llm):
+            events = llm.generate(prompt, stream=True, raw=True, **sampling)
+        else:
+            if llm.template is None:
+                # llama.cpp warns and falls back to chatml here; for a model without a template
+                # (a base model) a plain transcript is what it can continue, and it is what
+                # `chat` and `serve` send this model too
+                click.echo(f"warning: {llm.model_name} has no chat template; --system and the "
+                           f"prompt are sent as a plain 'System: ...' / 'User: ...' / "
+                           f"'Assistant:' transcript (as chat and serve do); drop --system for "
+                           f"a plain completion of the prompt", err=True)
+            events = llm.chat_stream(msgs, make_sampling_params(llm.default_sampling(), **sampling))
+        result = _stream(llm, events, as_json)
+        _report(llm, result, as_json, verbose)
+    finally:
+        llm.close()
+
+
+def _read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or stdin for none or ``-`` (without its trailing newline).
+
+    Raises:
+        OneLineUsageError: no prompt (nothing piped either) or an empty one.
+    """
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty() and prompt is None:
+            raise OneLineUsageError("no prompt; give a PROMPT argument or pipe the prompt on stdin")
+        prompt = sys.stdin.read().rstrip("\r\n")  # `echo hi |` adds a newline
+    if not prompt.strip():
+        raise OneLineUsageError("the prompt is empty; give a PROMPT argument or pipe the prompt on "
+                                "stdin")
+    return prompt
+
+
+def _header(llm) -> dict:
+    return {"model": llm.model_name, "backend": llm.backend_name, "n_ctx": llm.n_ctx,
+            "kv_cache": str(llm.kv_spec)}
+
+
+def _stream(llm, events, as_json: bool):
+    """Write the deltas of ``events`` to stdout as they come (collect them with ``as_json``)
+    and return the final result. Ctrl-C with ``as_json`` prints what was generated as one JSON
+    object (``finish_reason`` "cancelled") before the KeyboardInterrupt goes on."""
+    result = None
+    out = sys.stdout
+    wrote_nl = True
+    parts: list[str] = []
+    try:
+        for ev in events:
+            if ev.done:
+                result = ev.result
+            elif not as_json:
+                out.write(ev.delta)
+                out.flush()
+                wrote_nl = ev.delta.endswith("\n")
+            else:
+                parts.append(ev.delta)
+    except KeyboardInterrupt:
+        if as_json:  # keep what was generated: one JSON object, then exit 130
+            click.echo(json.dumps({**_header(llm), "text": "".join(parts),
+                                   "finish_reason": "cancelled"}, ensure_ascii=False))
+        raise
+    finally:
+        close = getattr(events, "close", None)
+        if close:
+            close()
+        if not as_json and not wrote_nl:
+            out.write("\n")
+            out.flush()
+    return result
+
+
+def _report(llm, result, as_json: bool, verbose: bool) -> None:
+    """The JSON object (``--json``) or, with ``--verbose``, the timings line on stderr."""
+    if as_json:
+        d = _header(llm)
+        d.update(result.to_dict())
+        click.echo(json.dumps(d, ensure_ascii=False))
+    elif verbose and result is not None:
+        t = result.timings
+        click.echo(f"[{result.finish_reason}] prompt {result.prompt_tokens} tok "
+                   f"({t.prefill_tok_s:.1f} tok/s) | {result.completion_tokens} tok, TTFT "
+                   f"{t.ttft_ms:.0f} ms, TPOT {t.tpot_ms:.1f} ms, {t.decode_tok_s:.1f} tok/s",
+                   err=True)

@@ -1,0 +1,139 @@
+"""Options, helpers and user messages shared by the ``localmoe`` commands.
+
+Nothing heavy is imported here (the engine is imported by :func:`load_llm` when it runs), so
+``localmoe --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import click
+
+from localmoe.engine.registry import MAX_THREADS
+
+KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
+KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
+# what `info` lists: every format under its plain name (its default key grouping: per token for
+# int8, per channel for int4/int3/int2) and the int formats with the other key grouping too
+KV_INFO_FORMATS = ("f16", "bf16", "int8", "int8:c", "int4", "int4:t", "int3", "int3:t", "int2",
+                   "int2:t", "fp4")
+
+
+
+class OneLineUsageError(click.UsageError):
+    """A usage error of our own (a missing or empty prompt): exit status 2 like click's, shown
+    as the one line ``error: ...`` of the project's other errors (not click's usage block and
+    ``Error:``)."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
+# what each command loads without -m: generate, serve and bench the store's DEFAULT_MODEL; chat
+# the continued chat's model, else the one it loaded last (the chat UI remembers it), else that
+MODEL_DEFAULT_HELP = "smollm2 (pulled on first use)"
+CHAT_MODEL_DEFAULT_HELP = ("with --continue the reopened chat's model, else the model chat "
+                           "loaded last, else smollm2 (pulled on first use)")
+
+
+def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
+    if f is None:  # @model_options(model_default=...)
+        return lambda g: model_options(g, model_default=model_default)
+    opts = [
+        click.option("-m", "--model", default=None, metavar="MODEL",
+                     help="Model file (.gguf, any shard), HF folder, store name, or "
+                          f"hf:OWNER/REPO/FILE. Default: {model_default}."),
+        click.option("--backend", default="auto", show_default=True, metavar="NAME",
+                     help="Backend: auto, triton, llamacpp, torch (see `localmoe backends`)."),
+        click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None,
+                     help="Context size in tokens (default: model's, at most 4096)."),
+        click.option("--kv-cache", default="f16", show_default=True, metavar="FMT",
+                     help=f"KV cache format for keys and values: {KV_CHOICES_HELP}."),
+        click.option("--kv-cache-k", default=None, metavar="FMT", help="Key cache format (overrides --kv-cache)."),
+        click.option("--kv-cache-v", default=None, metavar="FMT", help="Value cache format (overrides --kv-cache)."),
+        click.option("--device", default=None, help="Device for the backend: cpu, cuda, cuda:N."),
+        click.option("-t", "--threads", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
+                     metavar="N",
+                     expose_value=False, callback=_set_threads,
+                     help="CPU threads of the torch and llamacpp backends (sets LOCALMOE_THREADS). "
+                          "Default: torch, the physical cores minus those other processes keep "
+                          "busy while the model loads; llamacpp, half the logical CPUs."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    if value is not None:  # the backends read it when they load (the chat UI's too)
+        os.environ["LOCALMOE_THREADS"] = str(value)
+
+
+def sampling_options(f):
+    opts = [
+        click.option("--temperature", "--temp", "temperature", type=float, default=None,
+                     help="Sampling temperature (0 = greedy). Default 0.8."),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off). Default 40."),
+        click.option("--top-p", type=float, default=None, help="Nucleus sampling mass. Default 0.95."),
+        click.option("--min-p", type=float, default=None, help="Drop tokens below min_p x top probability. Default 0.05."),
+        click.option("--repeat-penalty", type=float, default=None, help="Repetition penalty (1 = off)."),
+        click.option("--repeat-last-n", type=int, default=None, help="Tokens the repetition penalty looks back."),
+        click.option("--frequency-penalty", type=float, default=None, help="OpenAI-style frequency penalty."),
+        click.option("--presence-penalty", type=float, default=None, help="OpenAI-style presence penalty."),
+        click.option("--seed", type=int, default=None, help="Random seed (same seed, same output)."),
+        click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=None,
+                     help="Stop after this many generated tokens (default: until the end or the context is full)."),
+        click.option("--stop", multiple=True, metavar="TEXT", help="Stop string (repeatable)."),
+        click.option("--greedy", is_flag=True, help="Greedy decoding (same as --temperature 0)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def sampling_kwargs(kw: dict) -> dict:
+    keys = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+            "frequency_penalty", "presence_penalty", "seed", "max_tokens")
+    out = {k: kw.pop(k) for k in keys if kw.get(k) is not None}
+    for k in keys:
+        kw.pop(k, None)
+    stop = kw.pop("stop", ())
+    if stop:
+        out["stop"] = tuple(stop)
+    if kw.pop("greedy", False):
+        out["temperature"] = 0.0
+    return out
+
+
+def interruptible() -> None:
+    """End of the start-up phase: Ctrl-C raises KeyboardInterrupt again, so generation stops
+    cleanly (the group, :class:`localmoe.cli._Group`, prints ``interrupted``, status 130)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False,
+             before_load=None):
+    """The engine for the common options (``localmoe.LLM``; loading steps on stderr with
+    ``verbose``); Ctrl-C raises KeyboardInterrupt again once it is loaded."""
+    def progress(frac: float, msg: str) -> None:
+        if verbose:
+            click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
+
+    from localmoe.api import LLM
+
+    llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
+              kv_cache_v=kv_cache_v, device=device, progress=progress, before_load=before_load)
+    interruptible()
+    if verbose:
+        st = llm.stats()
+        threads = (f" | threads {st['n_threads']}" + (f" ({st['threads_reason']})"
+                                                       if st.get("threads_reason") else "")
+                   if st.get("n_threads") else "")
+        click.echo(f"model {llm.model_name} | backend {llm.backend_reason} | context {llm.n_ctx} "
+                   f"| kv {llm.kv_spec}{threads}", err=True)
+    return llm

@@ -1,0 +1,32 @@
+"""``localmoe serve``: the OpenAI-compatible HTTP server (:mod:`localmoe.serve.server`)."""
+
+from __future__ import annotations
+
+import click
+
+from localmoe.cli.options import model_options
+from localmoe.errors import LocalMoEError
+
+
+@click.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--api-key", default=None, envvar="LOCALMOE_API_KEY",
+              help="Require this bearer token (env LOCALMOE_API_KEY).")
+def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host, port, api_key):
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)."""
+    from localmoe.kv.spec import KVSpec
+
+    KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
+    import localmoe.serve.server as server
+
+    kwargs = dict(host=host, port=port, api_key=api_key, backend=backend, n_ctx=n_ctx,
+                  kv_cache=kv_cache, kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v)
+    if device is not None:
+        kwargs["device"] = device
+    try:
+        server.run_server(model, **kwargs)
+    except OSError as e:
+        raise LocalMoEError(f"cannot serve on {host}:{port}: {e.strerror or e}; "
+                            f"pick another --port or stop the other server") from e

@@ -1,0 +1,68 @@
+"""``localmoe pull``, ``models`` and ``rm``: the model store from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.argument("source")
+@click.option("--force", is_flag=True, help="Download again even if already stored.")
+@click.option("--link", is_flag=True, help="For a local file: register it in place instead of copying.")
+def pull(source, force, link):
+    """Fetch a model into the store: NAME (smollm2, gemma3-270m), hf:OWNER/REPO/FILE.gguf or PATH."""
+    from localmoe.io.store import ModelStore, format_size
+
+    st = ModelStore()
+    m = st.pull(source, force=force, link=link)
+    click.echo(f"{m.name}: {m.path} ({format_size(m.size)}, sha256 {m.sha256[:12] or '-'})")
+
+
+@click.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_cmd(as_json):
+    """List the models in the store (and the pullable short names)."""
+    from localmoe.io.store import CATALOG, ModelStore, format_size
+
+    st = ModelStore()
+    items = st.list(include_missing=True)
+    if as_json:
+        click.echo(json.dumps([{"name": m.name, "path": str(m.path), "size": m.size,
+                                "sha256": m.sha256, "source": m.source, "missing": m.missing}
+                               for m in items], indent=1))
+        return
+    click.echo(f"store: {st.models_dir}")
+    if items:
+        w = max(len(m.name) for m in items)
+        for m in items:
+            size = "missing" if m.missing else format_size(m.size)
+            click.echo(f"  {m.name:<{w}}  {size:>10}  {m.source}")
+    else:
+        click.echo("  (empty)")
+    gone = [m.name for m in items if m.missing]
+    if gone:
+        click.echo(f"missing: the files of {', '.join(gone)} are gone; pull "
+                   f"{'it' if len(gone) == 1 else 'them'} again or `localmoe rm NAME`")
+    missing = [e for n, e in CATALOG.items() if st.find(n) is None]
+    if missing:
+        click.echo("pullable: " + ", ".join(f"{e.name} ({e.description})" for e in missing))
+
+
+@click.command()
+@click.argument("name")
+def rm(name):
+    """Delete a model from the store."""
+    from localmoe.io.store import ModelStore, format_size
+
+    m = ModelStore().remove(name)
+    if m.shared_with:
+        note = f" (files kept: also used by {', '.join(m.shared_with)})"
+    elif m.missing:
+        note = " (its files were gone already)"
+    elif m.linked:
+        note = ""
+    else:
+        note = f" ({format_size(m.size)} freed)"
+    click.echo(f"removed {m.name}{note}")
