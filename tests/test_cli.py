@@ -113,7 +113,7 @@ def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
     every command, the Python API and the server."""
     import localmoe.tui.app as tui_app
     import localmoe.serve.server as server
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.errors import KVCacheFormatError
 
     missing = str(tmp_path / "missing.gguf")
@@ -206,9 +206,9 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
     fake_server = types.ModuleType("localmoe.serve.server")
     fake_server.run_server = lambda model, **kw: calls.setdefault("serve", (model, kw))
     monkeypatch.setitem(sys.modules, "localmoe.serve.server", fake_server)
-    import localmoe
+    import localmoe.serve
 
-    monkeypatch.setattr(localmoe, "server", fake_server, raising=False)
+    monkeypatch.setattr(localmoe.serve, "server", fake_server, raising=False)
     r = run(["serve", "-m", "smollm2", "--port", "9001", "--api-key", "k", "--kv-cache", "int8",
              "--kv-cache-v", "int4", "-c", "2048", "--backend", "torch"])
     assert r.exit_code == 0, r.output
@@ -310,7 +310,7 @@ def test_prompt_over_the_context_is_refused_before_weights_load(monkeypatch, tmp
     a plain completion and as a chat turn (template, system message), with the count the
     generation would prefill."""
     import localmoe.backends.torch_backend as tb
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.testing.synthetic import write_gguf
 
     loads = []
@@ -528,7 +528,7 @@ def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch)
     """--system on a model without a chat template: a clear warning and the same plain
     System:/User:/Assistant: transcript chat and serve use (no longer silently glued on)."""
     import localmoe.cli.options as cli_options
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from tests.engine.test_engine import BYTE0, FakeRunner, FakeTokenizer
 
     seen = {}

@@ -110,7 +110,7 @@ def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, 
     import localmoe.tui.app as tui_app
     import localmoe.serve.server as server
     from localmoe.cli import cli
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.errors import InvalidRequestError
     from localmoe.testing.synthetic import write_gguf
 
@@ -149,7 +149,7 @@ def test_huge_thread_counts_are_refused_before_any_load(tmp_path, monkeypatch):
     ggml's own limit of 512 are refused as an option, an environment value and an API value."""
     import localmoe.backends.torch_backend as tb
     from localmoe.cli import cli
-    from localmoe.engine.llm import LLM
+    from localmoe.api import LLM
     from localmoe.errors import InvalidRequestError
     from localmoe.engine.registry import MAX_THREADS, check_threads, env_threads
     from localmoe.testing.synthetic import write_gguf
