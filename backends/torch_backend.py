@@ -16,7 +16,6 @@ faster backend overrides one of them and inherits batching, bookkeeping and logi
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,119 +23,8 @@ from typing import Any
 import torch
 
 from localmoe.errors import BackendUnavailableError, InvalidRequestError, LocalMoEError
-from localmoe.engine.registry import Backend, check_threads, env_threads, register_backend
-
-
-def _usable_cpus() -> set[int]:
-    """Logical CPUs this process may run on: its affinity mask, or all CPUs where the platform
-    has none."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
-
-
-def physical_cores() -> int:
-    """Physical CPU cores this process may run on (SMT siblings counted once): distinct
-    ``(physical id, core id)`` pairs of ``/proc/cpuinfo`` over the CPUs of the affinity mask;
-    elsewhere (or unreadable) the number of usable logical CPUs."""
-    cpus = _usable_cpus()
-    try:
-        cores, proc, phys = set(), None, "0"
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key, val = key.strip(), val.strip()
-                if key == "processor":
-                    proc, phys = int(val), "0"
-                elif key == "physical id":
-                    phys = val
-                elif key == "core id" and proc in cpus:
-                    cores.add((phys, val))
-        if cores:
-            return min(len(cores), len(cpus))
-    except (OSError, ValueError):
-        pass
-    return max(1, len(cpus))
-
-
-_LAST_SET = [0]  # the thread count a runner set last (so the next load may change it again)
-
-
-class _CPUBusy:
-    """Cores kept busy by *other* processes over an interval: whole-machine busy time from
-    ``/proc/stat`` (steal included) minus this process's own CPU time. ``start()`` then
-    ``cores()`` (which waits until at least ``min_s`` seconds have passed). None where
-    ``/proc/stat`` is unavailable."""
-
-    def __init__(self, min_s: float = 0.2):
-        self.min_s = min_s
-        self._t0 = None
-
-    @staticmethod
-    def _snap():
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:9]]
-        return sum(vals), vals[3] + vals[4], sum(os.times()[:2]), time.monotonic()
-
-    def start(self) -> "_CPUBusy":
-        try:
-            self._t0 = self._snap()
-        except (OSError, ValueError, IndexError):
-            self._t0 = None
-        return self
-
-    def cores(self) -> float | None:
-        if self._t0 is None:
-            return None
-        left = self.min_s - (time.monotonic() - self._t0[3])
-        if left > 0:
-            time.sleep(left)
-        try:
-            tot1, idle1, own1, w1 = self._snap()
-        except (OSError, ValueError, IndexError):
-            return None
-        tot0, idle0, own0, w0 = self._t0
-        if tot1 <= tot0 or w1 <= w0:
-            return None
-        n_cpu = os.cpu_count() or 1
-        busy = (1.0 - (idle1 - idle0) / (tot1 - tot0)) * n_cpu
-        return max(0.0, busy - (own1 - own0) / (w1 - w0))
-
-
-def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
-    """CPU threads for the torch backend when none were asked for, and why.
-
-    ``$LOCALMOE_THREADS`` when set (``--threads`` sets it), else ``$OMP_NUM_THREADS`` when set
-    (left to torch), else the physical cores minus the cores other processes keep busy
-    (``busy_elsewhere``, measured while the model loads), at least 1. OpenMP threads spin at
-    every barrier, and a thread that shares its core with another busy process holds up all the
-    others at each matmul: on the 2-core VM beside one busy process 2 threads decoded SmolLM2 at
-    12 tok/s, 1 thread at 28.5. An idle machine keeps every physical core.
-
-    A count set with ``torch.set_num_threads`` before loading (one that is neither torch's
-    own default nor the last one set here) is kept.
-
-    Returns:
-        (threads, reason) -- reason like ``"2 physical cores, 0.0 busy elsewhere"``.
-
-    Raises:
-        InvalidRequestError: ``$LOCALMOE_THREADS`` is not a whole number from 1 to 512.
-    """
-    env = env_threads()
-    if env is not None:
-        return env, "LOCALMOE_THREADS/--threads"
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
-        return torch.get_num_threads(), "OMP_NUM_THREADS"
-    phys = physical_cores()
-    now = torch.get_num_threads()
-    if now not in (phys, len(_usable_cpus()), _LAST_SET[0]):
-        return now, "torch.set_num_threads"  # the caller chose; keep it
-    if busy_elsewhere is None:
-        return phys, f"{phys} physical cores"
-    n = max(1, min(phys, phys - int(busy_elsewhere + 0.5)))
-    return n, f"{phys} physical cores, {busy_elsewhere:.1f} busy elsewhere"
+from localmoe.cpu.threads import _LAST_SET, _CPUBusy, check_threads, default_threads, env_threads
+from localmoe.engine.registry import Backend, register_backend
 
 
 @dataclass
@@ -178,7 +66,7 @@ class TorchRunner:
             in float32 with ``numerics="exact"``, ``False`` = always dequantize to float32,
             ``True`` = require it (ValueError when unavailable).
         n_threads: CPU threads (``torch.set_num_threads``, process-wide; CPU device only).
-            Default :func:`default_threads`: ``$LOCALMOE_THREADS``, else the physical cores
+            Default :func:`localmoe.cpu.threads.default_threads`: ``$LOCALMOE_THREADS``, else the physical cores
             minus the cores other processes kept busy while the model loaded.
 
     Raises:

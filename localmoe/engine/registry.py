@@ -11,10 +11,11 @@ llama-cpp-python installed) -> ``torch`` (reference, runs anywhere).
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any, Callable
 
-from localmoe.errors import BackendUnavailableError, InvalidRequestError
+# the thread-count checks live in the cpu layer; re-exported for the engine, CLI and server
+from localmoe.cpu.threads import MAX_THREADS, THREADS_ENV, check_threads, env_threads  # noqa: F401
+from localmoe.errors import BackendUnavailableError
 
 _REGISTRY: dict[str, type] = {}
 _BUILTIN_MODULES = ("localmoe.backends.triton_backend", "localmoe.backends.llamacpp_backend",
@@ -53,43 +54,6 @@ class Backend:
              device: str | None = None, **options: Any):
         """Build and return a Runner for ``model`` (a ModelFile). Raises LocalMoEError subclasses."""
         raise BackendUnavailableError(f"backend {self.name!r} cannot load models")
-
-
-THREADS_ENV = "LOCALMOE_THREADS"
-# the most CPU threads a backend is given: ggml's own limit (GGML_MAX_N_THREADS); far more
-# threads than that crash OpenMP / ggml (99999 segfaulted in libgomp) or crawl
-MAX_THREADS = 512
-
-
-def check_threads(n: Any, param: str = "n_threads") -> int:
-    """``n`` as a thread count from 1 to :data:`MAX_THREADS`.
-
-    Raises:
-        InvalidRequestError: anything else (``param``).
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS:
-        raise InvalidRequestError(
-            f"{param}={n!r} is not a thread count from 1 to {MAX_THREADS}", param=param)
-    return n
-
-
-def env_threads() -> int | None:
-    """CPU threads the user set in ``$LOCALMOE_THREADS`` (``-t/--threads`` sets it) for the
-    torch and llamacpp backends; None when it is unset or empty (the backend's default).
-
-    Raises:
-        InvalidRequestError: a value that is not a whole number from 1 to
-            :data:`MAX_THREADS` (``param="LOCALMOE_THREADS"``).
-    """
-    raw = os.environ.get(THREADS_ENV)
-    if raw is None or not raw.strip():
-        return None
-    v = raw.strip()
-    if v.isascii() and v.isdigit() and 0 < int(v) <= MAX_THREADS:
-        return int(v)
-    raise InvalidRequestError(
-        f"{THREADS_ENV}={raw!r} is not a thread count; set it to a whole number from 1 to "
-        f"{MAX_THREADS} (or unset it for the default)", param=THREADS_ENV)
 
 
 def cuda_device_problem(device: str | None) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from localmoe.backends.torch_backend import _CPUBusy, default_threads, physical_cores
+from localmoe.cpu.threads import _CPUBusy, default_threads, physical_cores
 
 
 @pytest.fixture(autouse=True)
