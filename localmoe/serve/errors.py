@@ -1,0 +1,46 @@
+"""HTTP errors in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) and
+the mapping of localmoe's exceptions onto them."""
+
+from __future__ import annotations
+
+import logging
+
+from localmoe.errors import (ContextOverflowError, InvalidRequestError, LocalMoEError,
+                             ModelNotFoundError, TemplateError)
+
+log = logging.getLogger("localmoe.serve.server")  # the server's one logger
+
+
+class HTTPError(Exception):
+    """An error answered with an OpenAI-style error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def error_from_exception(e: BaseException) -> HTTPError:
+    """Map an exception raised while handling a request to an HTTP error: 400 for a bad
+    request, a prompt over the context or a template failure, 404 for an unknown model, 500
+    for anything else (a bug is logged with its traceback, which is never sent)."""
+    if isinstance(e, HTTPError):
+        return e
+    if isinstance(e, ContextOverflowError):
+        return HTTPError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, InvalidRequestError):
+        return HTTPError(400, str(e), param=e.param, code="invalid_value" if e.param else None)
+    if isinstance(e, TemplateError):
+        return HTTPError(400, f"the chat template could not render these messages: {e}",
+                         param="messages")
+    if isinstance(e, ModelNotFoundError):
+        return HTTPError(404, str(e), param="model", code="model_not_found")
+    if isinstance(e, LocalMoEError):
+        return HTTPError(500, str(e), type_="server_error")
+    log.exception("internal error while serving a request", exc_info=e)
+    return HTTPError(500, f"internal server error ({type(e).__name__}); see the server log",
+                     type_="server_error")

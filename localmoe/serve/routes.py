@@ -1,0 +1,153 @@
+"""The server's routes (:data:`router`) and the request handling they share.
+
+Each route reads the server's :class:`~localmoe.serve.state.ServerState` from
+``request.app.state.localmoe``. Failures become OpenAI error objects
+(:mod:`localmoe.serve.errors`); every ``/v1/*`` request is counted in the metrics by endpoint
+and status.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+import localmoe.serve.openai as openai_shaping
+from localmoe.serve.errors import HTTPError, error_from_exception
+from localmoe.serve.state import ServerState
+from localmoe.serve.streaming import generate
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.localmoe
+
+
+def error_response(err: HTTPError) -> JSONResponse:
+    """The JSON response of ``err`` (a 401 carries ``WWW-Authenticate: Bearer``)."""
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _check_auth(request: Request) -> None:
+    _state(request).check_auth(request.headers.get("authorization", ""))
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not JSON or not
+    an object."""
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise HTTPError(413, f"request body is {cl} bytes; the limit is {limit}",
+                        code="request_too_large")
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes",
+                            code="request_too_large")
+        chunks.append(part)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise HTTPError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object")
+    return body
+
+
+async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str):
+    """Validate, queue, generate; returns a JSON or SSE response.
+
+    ``kind`` ("chat" | "completion") names the request shape: while the model loads (or
+    after it failed to), the body is still validated first, so a bad request gets its
+    400/404 and only a valid one gets the 503."""
+    state = _state(request)
+    t_arrival = time.perf_counter()
+    status = 500
+    try:
+        _check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        state.check_model(body)
+        if state.status != "ready":
+            openai_shaping.validate_request(kind, body)
+        llm = state.ready_llm()
+        cancel = threading.Event()
+        job = prepare(llm, body, cancel=cancel, model_name=state.model_name)
+        m = state.metrics
+        if (m.running or m.queue_depth) and m.queue_depth >= state.max_queue:
+            raise HTTPError(429, f"server busy: {m.queue_depth} requests are waiting; retry later",
+                            type_="rate_limit_error", code="queue_full")
+        resp = await generate(request, job, cancel, t_arrival, state)
+        status = resp.status_code
+        return resp
+    except Exception as e:  # noqa: BLE001 -- every failure becomes an error object
+        err = error_from_exception(e)
+        status = err.status
+        return error_response(err)
+    finally:
+        state.metrics.count_request(endpoint, status)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    return await run_job(request, "/v1/chat/completions", openai_shaping.prepare_chat, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    return await run_job(request, "/v1/completions", openai_shaping.prepare_completion,
+                         "completion")
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "localmoe"}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = _state(request)
+    try:
+        _check_auth(request)
+    except HTTPError as e:
+        state.metrics.count_request("/v1/models", e.status)
+        return error_response(e)
+    state.metrics.count_request("/v1/models", 200)
+    return {"object": "list", "data": [_model_card(state, state.model_name)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model_get(model_id: str, request: Request):
+    state = _state(request)
+    _check_auth(request)
+    if model_id not in state.accepted_names():
+        raise HTTPError(404, f"the model {model_id!r} does not exist here; this server serves "
+                        f"{state.model_name!r}", param="model", code="model_not_found")
+    return _model_card(state, model_id)
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = _state(request)
+    if state.status == "ready":
+        llm = state.llm
+        return {"status": "ok", "model": state.model_name,
+                "backend": getattr(llm, "backend_name", None),
+                "n_ctx": getattr(llm, "n_ctx", None)}
+    body: dict[str, Any] = {"status": state.status, "model": state.model_name}
+    if state.error:
+        body["error"] = state.error
+    return JSONResponse(body, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state = _state(request)
+    return PlainTextResponse(state.metrics.render(state.status == "ready"),
+                             media_type="text/plain; version=0.0.4")

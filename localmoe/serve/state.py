@@ -1,0 +1,115 @@
+"""The server's state (``app.state.localmoe``): the model (loaded, loading or failed), the names
+it is served by, the API key, limits, metrics and the one generation slot.
+
+The request checks that need only this state (API key, model name, readiness) live here and
+raise :class:`~localmoe.serve.errors.HTTPError`; nothing here knows the web framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+import time
+from typing import Any, Callable
+
+from localmoe.errors import LocalMoEError
+from localmoe.serve.errors import HTTPError, log
+from localmoe.serve.metrics import Metrics
+
+
+class ServerState:
+    """What the routes share.
+
+    Args:
+        llm_or_factory: a loaded ``LLM`` (anything with ``chat_stream``) or a zero-argument
+            callable returning one (called by :meth:`load`).
+        model_name: the model id served (default: the LLM's ``model_name``, else ``"model"``).
+        api_key: the bearer token ``/v1/*`` requires (None: none).
+        max_queue: requests allowed to wait while another generates.
+        max_body_bytes: request body limit in bytes.
+
+    Raises:
+        TypeError: ``llm_or_factory`` is neither an LLM nor callable.
+    """
+
+    def __init__(self, llm_or_factory, model_name: str | None, api_key: str | None,
+                 max_queue: int, max_body_bytes: int):
+        self.llm = None
+        self.factory: Callable[[], Any] | None = None
+        if hasattr(llm_or_factory, "chat_stream"):
+            self.llm = llm_or_factory
+        elif callable(llm_or_factory):
+            self.factory = llm_or_factory
+        else:
+            raise TypeError("create_app needs an LLM or a callable returning one")
+        self.status = "ready" if self.llm is not None else "loading"
+        self.error: str | None = None
+        self.model_name = model_name or (self.llm.model_name if self.llm is not None else "model")
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.max_body_bytes = max_body_bytes
+        self.metrics = Metrics()
+        self.slot: asyncio.Semaphore | None = None
+        self.created = int(time.time())
+        self.loader: threading.Thread | None = None
+        self.aliases: set[str] = set()  # other names users know the model by (-m, store name)
+
+    def load(self) -> None:
+        """Call the factory (in the loader thread); a failure sets ``status="error"`` and
+        ``error`` (reported by ``/health`` and 503s), never raises."""
+        try:
+            llm = self.factory()
+        except LocalMoEError as e:
+            self.error, self.status = str(e), "error"
+            log.error("model failed to load: %s", e)
+            return
+        except Exception as e:  # noqa: BLE001 -- report, never crash the server thread
+            self.error, self.status = f"{type(e).__name__}: {e}", "error"
+            log.exception("model failed to load")
+            return
+        self.llm = llm
+        self.status = "ready"
+        log.info("model ready: %s (%s)", getattr(llm, "model_name", "?"),
+                 getattr(llm, "backend_reason", "?"))
+
+    def accepted_names(self) -> set[str]:
+        """Model ids a request may name: the served id, the aliases, the LLM's own name."""
+        names = {self.model_name} | set(self.aliases)
+        if self.llm is not None:
+            names.add(str(getattr(self.llm, "model_name", self.model_name)))
+        return names
+
+    def check_auth(self, authorization: str) -> None:
+        """Raise a 401 HTTPError unless ``authorization`` (the header's value) is
+        ``Bearer <api_key>`` (no check without an API key)."""
+        if self.api_key is None:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()):
+            raise HTTPError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key")
+
+    def check_model(self, body: dict) -> None:
+        """Raise an HTTPError (400 not a string, 404 unknown) for the body's ``model`` unless it
+        is absent, empty or one of :meth:`accepted_names`."""
+        m = body.get("model")
+        if m is None or m == "":
+            return
+        if not isinstance(m, str):
+            raise HTTPError(400, "model must be a string", param="model")
+        if m not in self.accepted_names():
+            raise HTTPError(404, f"the model {m!r} does not exist here; this server serves "
+                            f"{self.model_name!r} (GET /v1/models)", param="model",
+                            code="model_not_found")
+
+    def ready_llm(self):
+        """The loaded LLM; a 503 HTTPError while it loads or after it failed to."""
+        if self.status == "loading":
+            raise HTTPError(503, "the model is still loading; retry shortly (see /health)",
+                            type_="server_error", code="model_loading")
+        if self.status == "error":
+            raise HTTPError(503, f"the model failed to load: {self.error}", type_="server_error",
+                            code="model_load_failed")
+        return self.llm

@@ -1,0 +1,179 @@
+"""Running one validated job: queueing for the generation slot, the worker thread, the hand-off
+of its output to the request task, SSE framing and cancellation on disconnect.
+
+Generation runs in a worker thread, one at a time (``state.slot``); a client that disconnects
+cancels its generation at the next token. A streamed job answers ``data: {chunk}\\n\\n`` events
+and ``data: [DONE]\\n\\n``; an error after the stream started is sent as one error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import threading
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from localmoe.serve.errors import HTTPError, error_from_exception
+from localmoe.serve.state import ServerState
+
+_END = object()  # the worker is done
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (UTF-8, not ASCII-escaped)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class _Handoff:
+    """Items from the generation thread to the request task.
+
+    Items go into a deque and the event loop is woken only when it is not already due to
+    drain it, so a fast model's tokens coalesce into fewer wake-ups and socket writes.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.wake = asyncio.Event()
+        self.pending = False
+
+    def put(self, item: Any) -> None:
+        """Called from the worker thread."""
+        self.items.append(item)
+        if not self.pending:
+            self.pending = True
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    async def take(self) -> list:
+        """All items put since the last take (at least one)."""
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            self.pending = False
+            got = []
+            while self.items:
+                got.append(self.items.popleft())
+            if got:
+                return got
+
+
+def _job_times(job, t_arrival: float) -> tuple[float | None, float | None]:
+    """(TTFT from the request's arrival, mean time per output token after the first), seconds."""
+    ttft = tpot = None
+    if job.t_first is not None:
+        ttft = job.t_first - t_arrival
+        n = getattr(job.result, "completion_tokens", 0) or 0
+        if n > 1 and job.t_end is not None:
+            tpot = (job.t_end - job.t_first) / (n - 1)
+    return ttft, tpot
+
+
+def _work(job, cancel: threading.Event, t_arrival: float, handoff: _Handoff,
+          state: ServerState) -> None:
+    """The worker thread: run ``job``, hand its SSE-encoded chunks (stream) or response dict
+    over, then an exception if it raised and ``_END``; frees the slot."""
+    m = state.metrics
+    try:
+        if job.stream:
+            it = job.chunks()
+            try:
+                for chunk in it:
+                    handoff.put(sse(chunk))
+                    if cancel.is_set():
+                        break
+            finally:
+                it.close()
+        else:
+            handoff.put(job.response())
+    except BaseException as e:  # noqa: BLE001 -- handed to the request task
+        handoff.put(e)
+    finally:
+        m.observe_generation(job.result, *_job_times(job, t_arrival))  # before the client sees the end
+        handoff.put(_END)
+
+        def done():
+            m.running -= 1
+            state.slot.release()
+
+        handoff.loop.call_soon_threadsafe(done)
+
+
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+    try:
+        while not cancel.is_set():
+            msg = await request.receive()
+            if msg.get("type") == "http.disconnect":
+                cancel.set()
+                return
+    except asyncio.CancelledError:
+        pass
+    except Exception:  # noqa: BLE001 -- receive channel closed: nothing to watch
+        pass
+
+
+async def _sse_stream(backlog: list, handoff: _Handoff, cancel: threading.Event, watcher):
+    """The body of a streamed response: the worker's events until ``_END``, an error event if
+    it raised, then ``[DONE]``; closing it cancels the generation."""
+    try:
+        batch = backlog
+        while True:
+            out = []
+            ended = False
+            for item in batch:
+                if item is _END:
+                    ended = True
+                    break
+                if isinstance(item, BaseException):
+                    out.append(sse(error_from_exception(item).body()))
+                    ended = True
+                    break
+                out.append(item)
+            if out:
+                yield b"".join(out)
+            if ended:
+                break
+            batch = await handoff.take()
+        yield b"data: [DONE]\n\n"
+    finally:
+        cancel.set()  # no-op after a finished generation; stops one still running
+        watcher.cancel()
+
+
+async def generate(request: Request, job, cancel: threading.Event, t_arrival: float,
+                   state: ServerState):
+    """Wait for the slot, run ``job`` in a worker thread; a JSONResponse or an SSE
+    StreamingResponse. An error before the first output is raised (answered as an error
+    object by the caller)."""
+    m = state.metrics
+    m.queue_depth += 1
+    try:
+        await state.slot.acquire()
+    finally:
+        m.queue_depth -= 1
+    m.running += 1
+    handoff = _Handoff(asyncio.get_running_loop())
+    watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+    threading.Thread(target=_work, args=(job, cancel, t_arrival, handoff, state),
+                     name="localmoe-gen", daemon=True).start()
+    try:
+        backlog = await handoff.take()
+    except BaseException:
+        cancel.set()
+        watcher.cancel()
+        raise
+    first = backlog[0]
+    if isinstance(first, BaseException) or first is _END:
+        watcher.cancel()
+        if first is _END:
+            raise HTTPError(500, "generation ended without output", type_="server_error")
+        raise first
+    if not job.stream:
+        watcher.cancel()
+        return JSONResponse(first)
+    return StreamingResponse(_sse_stream(backlog, handoff, cancel, watcher),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
