@@ -4,49 +4,37 @@ Every other backend is checked against this one. Weights are dequantized once at
 (``ModelFile.load_tensor``) to float32 (CPU) or the requested dtype -- except, on the CPU, GGUF
 block-quantized matmul weights, which by default stay packed and run through the exact kernel
 of :mod:`localmoe.cpu.qmatmul` (``packed_weights=False`` gives the plain-PyTorch float path); K/V
-live in a
-:class:`localmoe.kv.cache.PagedKVCache` whose format comes from the KVSpec; attention reads the
-dequantized K/V back through ``cache.read`` (the reference path).
+live in a :class:`localmoe.kv.cache.PagedKVCache` whose format comes from the KVSpec; attention
+reads the dequantized K/V back through ``cache.read`` (the reference path).
 
-Subclassing: :class:`TorchRunner` keeps the per-layer attention in two overridable methods,
-:meth:`TorchRunner.write_kv` and :meth:`TorchRunner.attend` (one call per sequence of a ragged
-batch), plus :meth:`TorchRunner.attention_layer` which loops over the sequences of a batch; a
-faster backend overrides one of them and inherits batching, bookkeeping and logits.
+The runner is the reference pieces of :mod:`localmoe.backends.reference` put together: the
+model and cache (:func:`~localmoe.backends.reference.load_paged_model`), the batch step
+(:func:`~localmoe.backends.reference.run_batch`) and the reference attention
+(:class:`~localmoe.backends.reference.PagedAttention`, reachable as :meth:`TorchRunner.write_kv`,
+:meth:`TorchRunner.attend` and :meth:`TorchRunner.attention_layer`, the per-layer hook
+``forward`` calls; a subclass may override it). CPU threads: :mod:`localmoe.cpu.threads`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from localmoe.errors import BackendUnavailableError, InvalidRequestError, LocalMoEError
-from localmoe.cpu.threads import _LAST_SET, _CPUBusy, check_threads, default_threads, env_threads
+from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlice,  # noqa: F401
+                                         load_paged_model, run_batch, runner_stats,
+                                         torch_supports)
+from localmoe.cpu.threads import RunnerThreads
 from localmoe.engine.registry import Backend, register_backend
+from localmoe.errors import BackendUnavailableError
 
 
-@dataclass
-class SeqSlice:
-    """One sequence of a ragged batch: its id, first cached position, and rows ``[lo, hi)`` of
-    the flattened token dimension."""
-
-    seq_id: int
-    start: int
-    lo: int
-    hi: int
-
-    @property
-    def n(self) -> int:
-        return self.hi - self.lo
-
-
-class TorchRunner:
+class TorchRunner(CacheSequences):
     """A loaded model on the reference backend (the Runner contract of INTERFACES.md).
 
     Args:
-        model_file: an open :class:`localmoe.io.loader.ModelFile`.
+        model_file: an open :class:`localmoe.io.model_file.ModelFile`.
         n_ctx: context size in tokens per sequence (default: min(training context, 4096)).
         kv_spec: :class:`localmoe.kv.spec.KVSpec` or a string (default ``"f16"``).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (default: cpu).
@@ -66,8 +54,9 @@ class TorchRunner:
             in float32 with ``numerics="exact"``, ``False`` = always dequantize to float32,
             ``True`` = require it (ValueError when unavailable).
         n_threads: CPU threads (``torch.set_num_threads``, process-wide; CPU device only).
-            Default :func:`localmoe.cpu.threads.default_threads`: ``$LOCALMOE_THREADS``, else the physical cores
-            minus the cores other processes kept busy while the model loaded.
+            Default :func:`localmoe.cpu.threads.default_threads`: ``$LOCALMOE_THREADS``, else
+            the physical cores minus the cores other processes kept busy while the model
+            loaded.
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
@@ -80,165 +69,40 @@ class TorchRunner:
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None):
-        from localmoe.kv.cache import PagedKVCache
-        from localmoe.kv.spec import KVSpec
-        from localmoe.model.transformer import Transformer
-
         t0 = time.perf_counter()
         self.model_file = model_file
         self.device = str(device or "cpu")
         dev = torch.device(self.device)
-        if n_threads is not None:
-            check_threads(n_threads)
-        if n_threads is None and dev.type == "cpu":
-            env_threads()  # a bad $LOCALMOE_THREADS is refused before the weights load
-        busy = _CPUBusy().start() if dev.type == "cpu" and n_threads is None else None
-        self.dtype = dtype or torch.float32
-        if dev.type == "cpu":
-            self.dtype = torch.float32   # the CPU reference computes in fp32
-        self.model = Transformer.from_model_file(model_file, device=dev, dtype=self.dtype,
-                                                 experts=experts, numerics=numerics,
-                                                 packed=packed_weights)
+        threads = RunnerThreads(n_threads, on_cpu=dev.type == "cpu")
+        self.model, self.cache, self.dtype, self.n_ctx, self.kv_spec = load_paged_model(
+            model_file, dev, dtype=dtype, n_ctx=n_ctx, kv_spec=kv_spec, max_seqs=max_seqs,
+            block_size=block_size, experts=experts, numerics=numerics,
+            packed_weights=packed_weights)
         self.spec = self.model.spec
-        self.n_ctx = int(n_ctx or min(self.spec.n_ctx_train or 4096, 4096))
-        self.kv_spec = KVSpec.parse(kv_spec if kv_spec is not None else "f16")
         self.max_seqs = int(max_seqs)
-        self.cache = PagedKVCache(self.spec, self.kv_spec, self.n_ctx, self.max_seqs,
-                                  block_size=block_size, device=dev)
-        from localmoe.kv.codec import FloatCodec
-
-        # plain float K/V on the CPU: read/write slices of the store when slots are consecutive
-        self._float_kv = (dev.type == "cpu" and type(self.cache.k_codec) is FloatCodec
-                          and type(self.cache.v_codec) is FloatCodec)
-        self._kv_range_memo: dict = {}
-        self.n_threads: int | None = None
-        self.threads_reason = ""
-        if dev.type == "cpu":
-            if n_threads is not None:
-                self.n_threads, self.threads_reason = int(n_threads), "requested"
-            else:  # the load itself was the sampling interval (at least 0.2 s)
-                self.n_threads, self.threads_reason = default_threads(busy.cores())
-            torch.set_num_threads(self.n_threads)
-            _LAST_SET[0] = self.n_threads
+        #: the reference attention over the paged cache
+        self.attn = PagedAttention(self.model, self.cache, self.kv_spec)
+        self.n_threads, self.threads_reason = threads.apply()
         self.load_s = time.perf_counter() - t0
-        self._n_forward_tokens = 0
+        self.tokens_processed = 0
 
-    # ---- sequences -------------------------------------------------------------------------
-    def new_sequence(self) -> int:
-        """Start an empty sequence; returns its id. Raises LocalMoEError when max_seqs are live."""
-        return self.cache.new_seq()
-
-    def free_sequence(self, seq_id: int) -> None:
-        """Release a sequence's KV blocks."""
-        self.cache.free_seq(seq_id)
-
-    def seq_len(self, seq_id: int) -> int:
-        """Cached tokens of ``seq_id``."""
-        return self.cache.seq_len(seq_id)
-
-    def truncate(self, seq_id: int, n_tokens: int) -> None:
-        """Keep the first ``n_tokens`` cached tokens (prefix reuse)."""
-        self.cache.truncate(seq_id, n_tokens)
-
-    # ---- attention seam (overridable) ------------------------------------------------------
-    def _float_kv_range(self, seq_id: int, start: int, end: int) -> int | None:
-        """First slot of positions ``[start, end)`` when they sit in consecutive slots of a
-        plain float K/V store on the CPU (a single sequence's blocks usually do), else None.
-        Then K/V are read and written as slices of the store (same values as through the
-        codec, without the per-layer slot gathers). Memoized per slot tensor (one per step)."""
-        if not self._float_kv:
-            return None
-        slots = self.cache.slots(seq_id, start, end)
-        hit = self._kv_range_memo.get((seq_id, start, end))
-        if hit is not None and hit[0] is slots:
-            return hit[1]
-        n = end - start
-        a = int(slots[0]) if n else 0
-        ok = n > 0 and int(slots[-1]) - a == n - 1 and (n == 1 or bool((slots.diff() == 1).all()))
-        if len(self._kv_range_memo) > 64:
-            self._kv_range_memo.clear()
-        self._kv_range_memo[(seq_id, start, end)] = (slots, a if ok else None)
-        return a if ok else None
-
+    # ---- attention (the reference PagedAttention) ------------------------------------------
     def write_kv(self, layer: int, seq: SeqSlice, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one sequence's new K ``[T, Hkv, D]`` / V ``[T, Hkv, Dv]`` at its positions."""
-        a = self._float_kv_range(seq.seq_id, seq.start, seq.start + k.shape[0])
-        if a is not None:
-            t = k.shape[0]
-            self.cache.k_stores[layer]["data"][a:a + t].copy_(k)
-            self.cache.v_stores[layer]["data"][a:a + t].copy_(v)
-            return
-        self.cache.write(layer, seq.seq_id, seq.start, k, v)
+        self.attn.write_kv(layer, seq, k, v)
 
     def attend(self, layer: int, q: torch.Tensor, seq_id: int, start: int) -> torch.Tensor:
-        """Attention of one sequence's new queries over its cached K/V (new tokens included).
-
-        Args:
-            layer: block index.
-            q: ``[T, H, D]`` queries after RoPE, at positions ``start .. start+T-1``.
-            seq_id: KV cache sequence.
-            start: position of the first query (= cached tokens before this step).
-
-        Returns:
-            ``[T, H, Dv]`` attention output.
-        """
-        from localmoe.model.transformer import attention
-
-        end = start + q.shape[0]
-        window = self.model.layer_window(layer)
-        k_start = max(0, start - window + 1) if window else 0
-        a = self._float_kv_range(seq_id, k_start, end)
-        if a is not None:
-            n = end - k_start
-            K = self.cache.k_stores[layer]["data"][a:a + n]
-            V = self.cache.v_stores[layer]["data"][a:a + n]
-            if (q.shape[0] == 1 and self.model.packed and not self.spec.attn_logit_softcap
-                    and q.dtype == torch.float32 and q.is_contiguous()
-                    and K.dtype in (torch.float32, torch.float16) and K.dtype == V.dtype):
-                # decode with the packed-weights CPU kernels: one C call over exactly the keys
-                # the query sees ([k_start, end) is the window), same function as below
-                from localmoe.cpu.qmatmul import attention_decode
-
-                try:
-                    return attention_decode(q, K, V, self.model.scale)
-                except ValueError:  # a layout the C kernel does not take: the torch path below
-                    pass
-        else:
-            K, V = self.cache.read(layer, seq_id, end, start=k_start)
-        return attention(q, K.to(q.dtype), V.to(q.dtype), q_start=start - k_start,
-                         scale=self.model.scale, window=window,
-                         softcap=self.spec.attn_logit_softcap,
-                         ggml_f16=self.model.numerics == "ggml" and self.kv_spec.k.name == "f16")
+        """Attention of one sequence's new queries ``q [T, H, D]`` (positions ``start ..
+        start+T-1``) over its cached K/V, new tokens included; returns ``[T, H, Dv]``."""
+        return self.attn.attend(layer, q, seq_id, start)
 
     def attention_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         seqs: list[SeqSlice]) -> torch.Tensor:
         """Attention of a whole ragged batch for one layer: writes each sequence's K/V, then
         attends. ``q [N, H, D]``, ``k [N, Hkv, D]``, ``v [N, Hkv, Dv]`` -> ``[N, H, Dv]``."""
-        outs = []
-        for s in seqs:
-            self.write_kv(layer, s, k[s.lo:s.hi], v[s.lo:s.hi])
-            outs.append(self.attend(layer, q[s.lo:s.hi], s.seq_id, s.start))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        return self.attn(layer, q, k, v, seqs)
 
     # ---- forward ---------------------------------------------------------------------------
-    def _validate(self, batch) -> None:
-        if not batch:
-            raise InvalidRequestError("forward() needs at least one (seq_id, tokens) pair", "batch")
-        seen = set()
-        V = self.spec.vocab_size
-        for sid, toks in batch:
-            if sid in seen:
-                raise InvalidRequestError(f"sequence {sid} appears twice in one batch", "batch")
-            seen.add(sid)
-            if len(toks) == 0:
-                raise InvalidRequestError(f"sequence {sid} has no new tokens", "batch")
-            bad = [t for t in toks if not (0 <= int(t) < V)]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {V})", "tokens")
-            self.cache.seq_len(sid)  # raises for unknown ids
-
-    @torch.inference_mode()
     def forward(self, batch: list[tuple[int, list[int]]], all_logits: bool = False
                 ) -> list[torch.Tensor]:
         """Append each sequence's new tokens after its cached ones and return logits.
@@ -255,65 +119,22 @@ class TorchRunner:
             InvalidRequestError: empty batch/sequence, token id outside the vocabulary.
             LocalMoEError: unknown sequence id, KV block pool exhausted.
         """
-        self._validate(batch)
-        for sid, toks in batch:  # check every sequence before reserving anything
-            if self.cache.seq_len(sid) + len(toks) > self.n_ctx:
-                from localmoe.errors import ContextOverflowError
-
-                raise ContextOverflowError(self.cache.seq_len(sid) + len(toks), self.n_ctx)
-        for sid, toks in batch:
-            self.cache.reserve(sid, len(toks))
-        dev = self.model.device
-        seqs, pos, ids = [], [], []
-        lo = 0
-        for sid, toks in batch:
-            start = self.cache.seq_len(sid)
-            seqs.append(SeqSlice(sid, start, lo, lo + len(toks)))
-            lo += len(toks)
-            ids.extend(int(t) for t in toks)
-            pos.extend(range(start, start + len(toks)))
-        tokens = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-
-        def attn(layer, q, k, v):
-            return self.attention_layer(layer, q, k, v, seqs)
-
-        hidden = self.model.forward_hidden(tokens, positions, attn)
-        for s in seqs:
-            self.cache.commit(s.seq_id, s.n)
-        self._n_forward_tokens += lo
-        if all_logits:
-            logits = self.model.logits(hidden).cpu()
-            return [logits[s.lo:s.hi] for s in seqs]
-        last = torch.tensor([s.hi - 1 for s in seqs], device=dev)
-        logits = self.model.logits(hidden.index_select(0, last)).cpu()
-        return [logits[i] for i in range(len(seqs))]
+        out, n = run_batch(self.model, self.cache, self.n_ctx, batch, self.attention_layer,
+                           all_logits)
+        self.tokens_processed += n
+        return out
 
     # ---- misc ------------------------------------------------------------------------------
     def stats(self) -> dict:
         """``{"device", "dtype", "kv_bytes", "kv_format", "load_s", "weights_bytes", ...}``
         (plus the expert provider's counters)."""
-        m = self.model
-        wbytes = sum(t.nbytes for L in m.layers for t in L.values())  # packed layers too
-        for t in {id(x): x for x in (m.tok_embd, m.output, m.output_t) if x is not None}.values():
-            wbytes += t.nbytes
-        out = {"device": self.device, "dtype": str(self.dtype).replace("torch.", ""),
-               "kv_bytes": self.cache.footprint(), "kv_format": str(self.kv_spec),
-               "load_s": round(self.load_s, 3), "weights_bytes": int(wbytes),
-               "tokens_processed": self._n_forward_tokens}
-        if self.n_threads is not None:
-            out["n_threads"] = self.n_threads
-            out["threads_reason"] = self.threads_reason
-        if m.experts is not None:
-            if hasattr(m.experts, "nbytes"):
-                out["expert_bytes"] = int(m.experts.nbytes())
-            out.update(m.experts.stats())
-        return out
+        return runner_stats(self)
 
     def close(self) -> None:
         """Drop weights and cache (the runner is unusable afterwards)."""
         self.model = None
         self.cache = None
+        self.attn = None
 
 
 @register_backend("torch")
@@ -330,17 +151,7 @@ class TorchBackend(Backend):
         return None
 
     def supports(self, model_format: str, kv_spec: Any = None) -> str | None:
-        if model_format not in ("gguf", "safetensors"):
-            return f"unknown model format {model_format!r}"
-        if kv_spec is not None:
-            from localmoe.kv.registry import get_codec_class
-
-            try:
-                get_codec_class(kv_spec.k.name)
-                get_codec_class(kv_spec.v.name)
-            except LocalMoEError as e:
-                return str(e)
-        return None
+        return torch_supports(model_format, kv_spec)
 
     def load(self, model, *, n_ctx: int | None = None, kv_spec: Any = None,
              device: str | None = None, **options: Any) -> TorchRunner:

@@ -18,7 +18,7 @@ from localmoe.cpu.threads import MAX_THREADS, THREADS_ENV, check_threads, env_th
 from localmoe.errors import BackendUnavailableError
 
 _REGISTRY: dict[str, type] = {}
-_BUILTIN_MODULES = ("localmoe.backends.triton_backend", "localmoe.backends.llamacpp_backend",
+_BUILTIN_MODULES = ("localmoe.backends.triton", "localmoe.backends.llamacpp_backend",
                     "localmoe.backends.torch_backend")
 AUTO_ORDER = ("triton", "llamacpp", "torch")
 _loaded = False

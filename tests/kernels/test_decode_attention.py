@@ -224,7 +224,7 @@ def test_triton_runner_decode_matches_torch_runner(smollm2_path):
     """The triton backend's runner (fused append + decode kernels; interpreter on CPU) gives
     the torch reference's logits on a real model with an int4 cache."""
     from localmoe.backends.torch_backend import TorchRunner
-    from localmoe.backends.triton_backend import TritonRunner
+    from localmoe.backends.triton.runner import TritonRunner
     from localmoe.io.loader import open_model
     from localmoe.text.tokenizer import Tokenizer
 
@@ -313,8 +313,7 @@ def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
     """A runner on ``cuda:1`` makes GPU 1 the current device for the whole forward call
     (Triton launches on the current device); ``cuda`` and ``cpu`` runners leave it alone.
     Checked with a recording stand-in for ``torch.cuda.device``, so no GPU is needed."""
-    from localmoe.backends import triton_backend
-    from localmoe.backends.torch_backend import TorchRunner
+    from localmoe.backends.triton import runner as triton_runner
 
     current = [None]
     seen = []
@@ -329,11 +328,11 @@ def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
         def __exit__(self, *exc):
             current[0] = self.prev
 
-    monkeypatch.setattr(triton_backend.torch.cuda, "device", FakeDevice)
-    monkeypatch.setattr(TorchRunner, "forward",
+    monkeypatch.setattr(triton_runner.torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(triton_runner.TritonRunner, "_forward",
                         lambda self, batch, all_logits=False: seen.append(current[0]) or "out")
     for dev, want in (("cuda:1", 1), ("cuda", None), ("cpu", None)):
-        r = triton_backend.TritonRunner.__new__(triton_backend.TritonRunner)
+        r = triton_runner.TritonRunner.__new__(triton_runner.TritonRunner)
         r.device, r._step = dev, 0
-        assert triton_backend.TritonRunner.forward(r, []) == "out"
+        assert triton_runner.TritonRunner.forward(r, []) == "out"
         assert seen[-1] == want and current[0] is None

@@ -380,9 +380,9 @@ def test_triton_routing_twin_matches_cache_write():
 def test_triton_backend_routes_channel_keys_to_codec_write():
     import inspect
 
-    from localmoe.backends import triton_backend
+    from localmoe.backends.triton.runner import TritonRunner
 
-    src = inspect.getsource(triton_backend.TritonRunner.write_kv)
+    src = inspect.getsource(TritonRunner.write_kv)
     assert 'getattr(codec, "channel", False)' in src
 
 

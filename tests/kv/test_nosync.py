@@ -175,7 +175,7 @@ def test_triton_write_kv_passes_start_to_codec_write(no_readback):
     """The triton backend's write_kv (per-channel keys and float values both go through
     ``codec.write``) issues no read-back either; run unbound on a CPU cache."""
     from localmoe.backends.torch_backend import SeqSlice
-    from localmoe.backends.triton_backend import TritonRunner
+    from localmoe.backends.triton.runner import TritonRunner
 
     class Fake:
         _fused = True

@@ -1,0 +1,47 @@
+"""Registration of the ``triton`` backend (fused GPU path) with the backend registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from localmoe.backends.reference import torch_supports
+from localmoe.engine.registry import Backend, register_backend
+from localmoe.errors import BackendUnavailableError
+
+
+@register_backend("triton")
+class TritonBackend(Backend):
+    """Fused GPU path (Triton kernels over the paged, possibly quantized KV cache)."""
+
+    description = "CUDA + Triton: fused sub-byte KV-cache decode attention (torch for the rest)"
+
+    def available(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton not installed"
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    def supports(self, model_format: str, kv_spec: Any = None) -> str | None:
+        return torch_supports(model_format, kv_spec)
+
+    def load(self, model, *, n_ctx: int | None = None, kv_spec: Any = None,
+             device: str | None = None, **options: Any):
+        """Build a :class:`localmoe.backends.triton.runner.TritonRunner` (options as for the
+        torch backend).
+
+        Raises:
+            BackendUnavailableError: no CUDA device or Triton missing, or a non-CUDA device.
+        """
+        why = self.available()
+        if why:
+            raise BackendUnavailableError(f"backend 'triton' is not available: {why}")
+        if device and not str(device).startswith("cuda"):
+            raise BackendUnavailableError("the triton backend runs on CUDA devices only")
+        from localmoe.backends.triton.runner import TritonRunner
+
+        return TritonRunner(model, n_ctx=n_ctx, kv_spec=kv_spec, device=device, **options)

@@ -1,0 +1,187 @@
+"""The ``triton`` backend's runner: the shared transformer with fused Triton KV-cache kernels on
+CUDA.
+
+The runner owns its pieces by composition (:mod:`localmoe.backends.reference`): the
+transformer and its paged KV cache (``load_paged_model``), the batch step (``run_batch``) and
+the reference attention (``PagedAttention``) for what the kernels do not cover. Its own ops:
+
+* K/V write: quantized formats are packed straight into the paged store by
+  :func:`localmoe.kernels.kv_quant_append.kv_quant_append` (float formats are a plain copy;
+  per-channel keys go through the codec's ``write``, torch ops on the GPU: a page is
+  quantized once per ``block_size`` tokens).
+* Decode (every sequence of the batch adds one token): one launch of
+  :func:`localmoe.kernels.decode_attention.decode_attention` for the whole batch, reading the
+  packed blocks and dequantizing in registers (split-K over the sequence).
+* Prefill (a sequence adds several tokens): the K/V write above, then the reference attention
+  -- K/V of the attended range dequantized by the codec (torch ops on the GPU) and fed to SDPA.
+
+Unsupported cases take the reference path per call (non power-of-two head sizes, attention
+logit softcapping, the ``ggml`` numerics mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlice,
+                                         load_paged_model, run_batch, runner_stats)
+from localmoe.cpu.threads import RunnerThreads
+
+
+class TritonRunner(CacheSequences):
+    """A loaded model on CUDA whose KV write and decode attention are Triton kernels (the
+    Runner contract of INTERFACES.md).
+
+    Same arguments as :class:`localmoe.backends.torch_backend.TorchRunner` (``device``
+    defaults to ``"cuda"`` and ``dtype`` to float16).
+
+    Raises:
+        ModelLoadError / UnsupportedModelError: the file cannot be run.
+        KVCacheFormatError: unknown KV format.
+    """
+
+    backend_name = "triton"
+
+    def __init__(self, model_file, *, n_ctx: int | None = None, kv_spec: Any = None,
+                 device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
+                 block_size: int = 16, experts: Any = None, numerics: str = "exact",
+                 packed_weights: bool | None = None, n_threads: int | None = None):
+        t0 = time.perf_counter()
+        self.model_file = model_file
+        self.device = str(device or "cuda")
+        dev = torch.device(self.device)
+        threads = RunnerThreads(n_threads, on_cpu=dev.type == "cpu")
+        self.model, self.cache, self.dtype, self.n_ctx, self.kv_spec = load_paged_model(
+            model_file, dev, dtype=dtype or torch.float16, n_ctx=n_ctx, kv_spec=kv_spec,
+            max_seqs=max_seqs, block_size=block_size, experts=experts, numerics=numerics,
+            packed_weights=packed_weights)
+        self.spec = self.model.spec
+        self.max_seqs = int(max_seqs)
+        #: the reference attention, for prefill and the cases the kernels do not cover
+        self.ref = PagedAttention(self.model, self.cache, self.kv_spec)
+        self.n_threads, self.threads_reason = threads.apply()
+        self.load_s = time.perf_counter() - t0
+        self.tokens_processed = 0
+        c = self.cache
+        pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (self.spec.head_dim, self.spec.v_head_dim))
+        self._fused = (pow2 and not self.spec.attn_logit_softcap
+                       and self.model.numerics != "ggml" and c.block_size & (c.block_size - 1) == 0)
+        self.n_fused_calls = 0
+        # per forward call: slots/positions of each sequence's new tokens and the decode
+        # launch's block table, lengths and rows, built at the first layer and reused by the
+        # others (one set of host-to-device copies per token instead of one per layer)
+        self._step = 0
+        self._memo_step = -1
+        self._memo: dict = {}
+
+    def forward(self, batch: list[tuple[int, list[int]]], all_logits: bool = False
+                ) -> list[torch.Tensor]:
+        """Append each sequence's new tokens and return logits (as
+        :meth:`localmoe.backends.torch_backend.TorchRunner.forward`); starts a new per-call memo
+        of launch metadata. Runs with the runner's GPU as the current CUDA device: Triton
+        launches on the current device, so a runner on ``cuda:1`` would otherwise launch its
+        kernels on GPU 0.
+
+        Raises:
+            ContextOverflowError, InvalidRequestError, LocalMoEError: as the torch runner.
+        """
+        self._step += 1
+        dev = torch.device(self.device)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return self._forward(batch, all_logits)
+
+    def _forward(self, batch, all_logits: bool) -> list[torch.Tensor]:
+        out, n = run_batch(self.model, self.cache, self.n_ctx, batch, self.attention_layer,
+                           all_logits)
+        self.tokens_processed += n
+        return out
+
+    def _per_call(self, key, make):
+        """``make()`` once per forward call and ``key`` (the cache's block tables only grow
+        during a call, at its first layer's writes)."""
+        if self._memo_step != self._step:
+            self._memo, self._memo_step = {}, self._step
+        val = self._memo.get(key)
+        if val is None:
+            val = self._memo[key] = make()
+        return val
+
+    # ---- KV write --------------------------------------------------------------------------
+    def write_kv(self, layer: int, seq: SeqSlice, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pack one sequence's new K ``[T, Hkv, D]`` / V ``[T, Hkv, Dv]`` with the append kernel."""
+        if not self._fused:
+            return self.ref.write_kv(layer, seq, k, v)
+        from localmoe.kernels.kv_quant_append import kv_quant_append
+
+        c = self.cache
+        n = k.shape[0]
+        slots, pos, row = self._per_call(("w", seq.seq_id, seq.start, n), lambda: (
+            c.slots(seq.seq_id, seq.start, seq.start + n),
+            torch.arange(seq.start, seq.start + n, device=c.device), c.seq_row(seq.seq_id)))
+        for codec, store, x in ((c.k_codec, c.k_stores[layer], k), (c.v_codec, c.v_stores[layer], v)):
+            if hasattr(codec, "quantize_rows") and not getattr(codec, "channel", False):
+                kv_quant_append(codec, store, slots, x, pos, row, start=seq.start)
+            else:
+                codec.write(store, slots, x, pos, seq_row=row, start=seq.start)
+
+    # ---- attention -------------------------------------------------------------------------
+    def attention_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        seqs: list[SeqSlice]) -> torch.Tensor:
+        """Write every sequence's K/V, then one fused decode launch when each sequence adds a
+        single token; otherwise the reference attention per sequence. ``q [N, H, D]``,
+        ``k [N, Hkv, D]``, ``v [N, Hkv, Dv]`` -> ``[N, H, Dv]``."""
+        if not self._fused:
+            return self.ref(layer, q, k, v, seqs)
+        if any(s.n != 1 for s in seqs):
+            outs = []
+            for s in seqs:
+                self.write_kv(layer, s, k[s.lo:s.hi], v[s.lo:s.hi])
+                outs.append(self.ref.attend(layer, q[s.lo:s.hi], s.seq_id, s.start))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        for s in seqs:
+            self.write_kv(layer, s, k[s.lo:s.hi], v[s.lo:s.hi])
+        return self._decode(layer, q, seqs)
+
+    def _decode(self, layer: int, q: torch.Tensor, seqs: list[SeqSlice]) -> torch.Tensor:
+        """One fused decode-attention launch over the batch (each sequence adds one token whose
+        K/V are already written)."""
+        from localmoe.kernels.decode_attention import decode_attention
+
+        c = self.cache
+
+        def launch_meta():
+            # block tables padded with 0 to the longest: [n_seqs, width] int32 on the device
+            bt = torch.nn.utils.rnn.pad_sequence([c.block_table(s.seq_id) for s in seqs],
+                                                 batch_first=True)
+            lens = [s.start + 1 for s in seqs]
+            rows = torch.tensor([c.seq_row(s.seq_id) for s in seqs], dtype=torch.int32)
+            return (bt, torch.tensor(lens, dtype=torch.int32, device=c.device),
+                    rows.to(c.device), max(lens))
+
+        bt, lens, rows, max_len = self._per_call(
+            ("a",) + tuple((s.seq_id, s.start) for s in seqs), launch_meta)
+        window = self.model.layer_window(layer) or 0
+        out = decode_attention(
+            q, c.k_codec, c.k_stores[layer], c.v_codec, c.v_stores[layer], bt, lens,
+            page_size=c.block_size, sm_scale=self.model.scale, seq_rows=rows,
+            sliding_window=window, max_len=max_len)
+        self.n_fused_calls += 1
+        return out.to(q.dtype)
+
+    # ---- misc ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The torch runner's stats plus ``fused_decode_calls`` and ``fused_attention``."""
+        out = runner_stats(self)
+        out["fused_decode_calls"] = self.n_fused_calls
+        out["fused_attention"] = self._fused
+        return out
+
+    def close(self) -> None:
+        """Drop weights and cache (the runner is unusable afterwards)."""
+        self.model = None
+        self.cache = None
+        self.ref = None
