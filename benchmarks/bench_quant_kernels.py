@@ -240,26 +240,21 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
 def sweep(dev):
     m = MODELS["qwen3-30b-a3b"]
     rows = []
-    # GEMV, 1 token: BN rows per program over num_warps warps (BN == num_warps: one row a warp)
-    gemv_vars = [dict(BN=bn, CH=ch, num_warps=nw, split=1)
-                 for bn, ch, nw in [(4, 32, 4), (4, 64, 4), (8, 32, 8), (8, 64, 8), (8, 32, 4),
-                                    (8, 64, 4), (16, 32, 8), (16, 64, 8), (16, 32, 4), (2, 32, 2),
-                                    (2, 64, 2), (4, 16, 4), (8, 16, 8), (4, 32, 2), (1, 64, 1)]]
-    gemv_vars += [dict(BN=4, CH=32, num_warps=4, split=1, asm=False),
-                  dict(BN=4, CH=32, num_warps=4, split=2), dict(BN=8, CH=32, num_warps=8, split=2)]
+    # GEMV, 1 token: BN rows per program over num_warps warps; xb: x loaded once per row
+    v = lambda bn, ch, nw, **kw: dict(BN=bn, CH=ch, num_warps=nw, split=1, **kw)  # noqa: E731
+    gemv_vars = [v(1, 64, 1), v(1, 32, 1), v(2, 64, 2), v(2, 64, 1), v(4, 64, 4), v(4, 64, 4, xb=True),
+                 v(2, 64, 2, xb=True), v(1, 128, 1), v(1, 64, 1, asm=False)]
     rows += bench_gemv("qwen3-30b-a3b", m, [1], dev, check=False, configs=gemv_vars, only=("qkv", "o"))
-    head_vars = [dict(BN=bn, CH=ch, num_warps=nw, split=1)
-                 for bn, ch, nw in [(4, 32, 4), (4, 64, 4), (8, 32, 8), (8, 64, 8), (16, 64, 8), (8, 64, 4)]]
+    head_vars = [v(4, 64, 4), v(2, 64, 2), v(1, 64, 1), v(4, 64, 4, xb=True), v(8, 64, 8)]
     rows += bench_gemv("qwen3-30b-a3b", m, [1], dev, check=False, configs=head_vars, only=("head",))
-    t8 = [dict(BN=bn, CH=ch, num_warps=nw, split=1)
-          for bn, ch, nw in [(4, 32, 4), (4, 16, 4), (8, 32, 8), (2, 32, 2), (8, 16, 4), (4, 64, 4)]]
+    t8 = [v(1, 64, 1), v(2, 64, 2), v(4, 32, 4), v(4, 64, 4), v(1, 32, 1)]
     rows += bench_gemv("qwen3-30b-a3b", m, [8], dev, check=False, configs=t8, only=("qkv", "o"))
-    gu_vars = [{"gate_up": dict(BN=bn, CH=ch, num_warps=nw)}
-               for bn, ch, nw in itertools.product([32, 64], [16, 32, 64], [4, 8])]
+    g = lambda bn, ch, nw, **kw: {"gate_up": dict(BN=bn, CH=ch, num_warps=nw, **kw)}  # noqa: E731
+    gu_vars = [g(32, 16, 8), g(32, 16, 8, xb=True), g(32, 32, 8, xb=True), g(32, 16, 16),
+               g(32, 8, 8), g(32, 32, 16)]
     rows += bench_moe("qwen3-30b-a3b", m, [1], dev, check=False, configs=gu_vars, stages=("gate_up",))
-    d_vars = [{"down": dict(BN=bn, CH=ch, num_warps=nw)}
-              for bn, ch, nw in [(4, 32, 4), (4, 16, 4), (8, 32, 8), (8, 16, 8), (2, 32, 2), (2, 16, 2),
-                                 (8, 32, 4), (16, 32, 8), (4, 8, 4), (1, 32, 1), (2, 8, 2)]]
+    dn = lambda bn, ch, nw, **kw: {"down": dict(BN=bn, CH=ch, num_warps=nw, **kw)}  # noqa: E731
+    d_vars = [dn(1, 32, 1), dn(1, 16, 1), dn(2, 32, 2), dn(4, 32, 4), dn(2, 16, 1), dn(2, 32, 2, xb=True)]
     rows += bench_moe("qwen3-30b-a3b", m, [1], dev, check=False, configs=d_vars, stages=("down",))
     best = {}
     for r in rows:

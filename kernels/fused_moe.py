@@ -44,8 +44,8 @@ __all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "MOE_CONFIG"
 # ---- launch choices: one dict for this kernel; to move into kernels/configs/<device>.json ----
 MOE_CONFIG = {
     # BN gate rows (+ BN up rows) per program; BN % 32 == 0 makes launch 1 write h as int8
-    "gate_up": {"BN": 32, "CH": 32, "num_warps": 4},
-    "down": {"BN": 4, "CH": 32, "num_warps": 4},   # BN rows per program, one warp a row
+    "gate_up": {"BN": 32, "CH": 16, "num_warps": 8},
+    "down": {"BN": 1, "CH": 32, "num_warps": 1},   # BN rows per program
 }
 # -----------------------------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
-                        EVEN: tl.constexpr, USE_ASM: tl.constexpr):
+                        EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
     t = pid // TOP_K
@@ -70,7 +70,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
     rows4 = (slot * (2 * F) + loc)[None, :, None, None]
     tt = tl.zeros([1], dtype=tl.int32) + t
     tmask4 = (tt >= 0)[:, None, None, None]
-    xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4)
+    xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4, XB)
     acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
     for c0 in range(0, n_chunks, CH):
         acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
@@ -109,7 +109,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
                      D, n_chunks, hq_rs, hs_rs, hd_rs, out_rs,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
-                     BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+                     BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -117,7 +117,8 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
     rmask4 = (loc < D)[None, :, None, None]
     loc4 = loc[None, :, None, None]
     total = tl.zeros([1, BN], dtype=tl.float32)
-    for j in range(TOP_K):
+    # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
+    for j in tl.static_range(TOP_K):
         pid = t * TOP_K + j
         e = tl.load(ids_ptr + pid)
         wgt = tl.load(wts_ptr + pid).to(tl.float32)
@@ -125,7 +126,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
         rows4 = slot * D + loc4
         tt = tl.zeros([1], dtype=tl.int32) + pid
         tmask4 = (tt >= 0)[:, None, None, None]
-        xb4, xsb4, xdb4 = _x_rows(hq_rs, hs_rs, hd_rs, tt, rows4)
+        xb4, xsb4, xdb4 = _x_rows(hq_rs, hs_rs, hd_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
         for c0 in range(0, n_chunks, CH):
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr, hd_ptr,
@@ -220,7 +221,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         x.q, x.s, x.d, h.q, h.s, h.d, topk_ids, slot_of, *ptrs, f, d // cv,
         x.q.stride(0), x.s.stride(0), x.d.stride(0), h.q.stride(0), h.s.stride(0), h.d.stride(0),
         *strides, TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
-        ACT=ACTIVATIONS[activation], EVEN=(f % c["BN"] == 0 and (d // cv) % ch == 0), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
+        ACT=ACTIVATIONS[activation], EVEN=(f % c["BN"] == 0 and (d // cv) % ch == 0),
+        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
     return h
 
 
@@ -241,7 +243,7 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         h.q, h.s, h.d, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
         h.q.stride(0), h.s.stride(0), h.d.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
-        EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
+        EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0), XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
     return out
 
 

@@ -52,11 +52,13 @@ __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "
 # split over K is chosen so that the grid has at least MIN_PROGRAMS programs.
 GEMV_CONFIG = {
     "tokens": {
-        1: {"BN": 4, "CH": 32, "num_warps": 4},
-        2: {"BN": 4, "CH": 32, "num_warps": 4},
-        4: {"BN": 4, "CH": 32, "num_warps": 4},
-        8: {"BN": 4, "CH": 16, "num_warps": 4},
+        1: {"BN": 1, "CH": 64, "num_warps": 1},
+        2: {"BN": 1, "CH": 64, "num_warps": 1},
+        4: {"BN": 1, "CH": 64, "num_warps": 1},
+        8: {"BN": 1, "CH": 64, "num_warps": 1},
     },
+    # large N (output heads): more rows per program
+    "large_n": {"min_n": 32768, "BN": 4, "num_warps": 4},
     "min_programs": 264,   # 2 x the H200's 132 SMs
     "max_split": 8,
 }
@@ -269,12 +271,15 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, x
 
 
 @triton.jit
-def _x_rows(xq_rs, xs_rs, xd_rs, xrow, rows4):
+def _x_rows(xq_rs, xs_rs, xd_rs, xrow, rows4, BROADCAST_ROWS: tl.constexpr = False):
     """Word / sum / scale offsets [TP, BN, 1, 1] (int64) of the x rows ``xrow`` [TP], broadcast
     over the BN rows of ``rows4`` (a zero-stride dimension)."""
-    z = rows4 * 0
     r = xrow.to(tl.int64)[:, None, None, None]
-    return r * xq_rs + z, r * xs_rs + z, r * xd_rs + z
+    if BROADCAST_ROWS:
+        z = rows4 * 0
+        return r * xq_rs + z, r * xs_rs + z, r * xd_rs + z
+    else:
+        return r * xq_rs, r * xs_rs, r * xd_rs
 
 
 # -----------------------------------------------------------------------------------------------
@@ -286,30 +291,33 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_p
                        N, T, n_chunks, split_chunks,
                        xq_rs, xs_rs, xd_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                       CH: tl.constexpr, EVEN: tl.constexpr, ATOMIC: tl.constexpr,
+                       CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
     rmask4 = (rows < N)[None, :, None, None]
     rows4 = rows.to(tl.int64)[None, :, None, None]
-    tt = tl.arange(0, TP)
-    tmask4 = (tt < T)[:, None, None, None]
-    xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4)
     c_begin = pid_k * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    acc = tl.zeros([TP, BN, CH, 1], dtype=tl.float32)
-    for c0 in range(c_begin, c_end, CH):
-        acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
-                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)                        # [TP, BN]
-    yp = y_ptr + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
-    ym = (tt < T)[:, None] & (rows < N)[None, :]
-    if ATOMIC:
-        tl.atomic_add(yp, out, mask=ym)
-    else:
-        tl.store(yp, out.to(y_ptr.dtype.element_ty), mask=ym)
+    # one pass over the K range per token: every tile then has the weights' register layout;
+    # passes after the first re-read this program's rows from L1/L2, not from HBM
+    for ti in tl.static_range(TP):
+        tt = tl.zeros([1], dtype=tl.int32) + ti
+        tmask4 = (tt < T)[:, None, None, None]
+        xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4, XB)
+        acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
+        for c0 in range(c_begin, c_end, CH):
+            acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
+                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+        out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
+        yp = y_ptr + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
+        ym = (tt < T)[:, None] & (rows < N)[None, :]
+        if ATOMIC:
+            tl.atomic_add(yp, out, mask=ym)
+        else:
+            tl.store(yp, out.to(y_ptr.dtype.element_ty), mask=ym)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -386,6 +394,9 @@ def gemv_config(n: int, k: int, t: int, qtype: int, n_sm: int | None = None) -> 
     """Launch choice for ``t`` tokens of an ``[n, k]`` weight: ``BN``, ``CH``, ``num_warps``,
     ``split`` (programs over K) from :data:`GEMV_CONFIG`."""
     cfg = dict(GEMV_CONFIG["tokens"][_bucket(t)])
+    big = GEMV_CONFIG["large_n"]
+    if n >= big["min_n"]:
+        cfg.update({k2: v for k2, v in big.items() if k2 != "min_n"})
     n_chunks = k // chunk_values(qtype)
     cfg["CH"] = min(cfg["CH"], triton.next_power_of_2(n_chunks))
     blocks = triton.cdiv(n, cfg["BN"])
@@ -423,8 +434,9 @@ def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | N
             tokens; more run in groups of 8.
         w: a 2-D ``[N, K]`` :class:`QuantTensor` on ``x``'s device (float weights use torch).
         out: optional ``[T, N]`` output (any float dtype).
-        config: override of :func:`gemv_config` (keys BN, CH, num_warps, split; ``asm`` False
-            runs the plain-integer dp4a emulation, for comparisons).
+        config: override of :func:`gemv_config` (keys BN, CH, num_warps, split; ``xb`` True
+            loads x once per row instead of once per thread; ``asm`` False runs the
+            plain-integer dp4a emulation, for comparisons).
     Returns:
         ``[T, N]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
@@ -476,7 +488,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         QTYPE=w.qtype, CV=cv, TP=triton.next_power_of_2(t), BN=cfg["BN"], CH=cfg["CH"],
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
               and t == triton.next_power_of_2(t)),
-        ATOMIC=split > 1, USE_ASM=cfg.get("asm", use_asm()), num_warps=cfg.get("num_warps", 4))
+        XB=cfg.get("xb", False), ATOMIC=split > 1, USE_ASM=cfg.get("asm", use_asm()), num_warps=cfg.get("num_warps", 4))
     if y is not out:
         out.copy_(y)
 
