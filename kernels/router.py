@@ -1,0 +1,108 @@
+"""MoE router for decode in one small kernel: logits -> softmax / sigmoid -> top-k -> weights.
+
+Semantics are exactly :func:`localmoe.model.routing.route` (llama.cpp ``build_moe_ffn`` and the
+HF references): probabilities over *all* experts (softmax, Shazeer et al. 2017; or sigmoid,
+DeepSeek-V3 style); the ``top_k`` largest selected, equal values broken toward the **lower
+expert index**; optional selection-only bias (``exp_probs_b``: added for the choice, not to the
+weights); optional renormalization of the selected weights (``norm_topk_prob``: Qwen3-MoE,
+Mixtral); a constant ``expert_weights_scale``.
+
+Algorithm: one program per token holds the token's ``E`` logits (padded to a power of two with
+-inf) in registers, computes the probabilities in float32, then selects ``top_k`` times the
+maximum (the lowest index among equal maxima) and masks it out. Expert ids (int32) and weights
+(float32) stay on the device for :func:`localmoe.kernels.fused_moe.fused_moe`.
+The twin is :func:`router_ref` (= ``route``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from localmoe.errors import UnsupportedModelError
+
+__all__ = ["router", "router_ref"]
+
+GATING = {"softmax": 0, "sigmoid": 1}
+
+
+@triton.jit
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, l_rs, ids_rs, w_rs, scale,
+                   EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    em = e < E
+    x = tl.load(logits_ptr + t * l_rs + e, mask=em, other=float("-inf")).to(tl.float32)
+    if GATE == 0:
+        z = tl.exp(x - tl.max(x, axis=0))
+        p = z / tl.sum(z, axis=0)
+    else:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    p = tl.where(em, p, 0.0)
+    sel = p
+    if HAS_BIAS:
+        sel = p + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    sel = tl.where(em, sel, float("-inf"))
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int32)
+    wts = tl.zeros([KP], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        m = tl.max(sel, axis=0)
+        idx = tl.min(tl.where(sel == m, e, EP), axis=0)       # lowest index among equal maxima
+        wj = tl.sum(tl.where(e == idx, p, 0.0), axis=0)
+        ids = tl.where(kk == j, idx, ids)
+        wts = tl.where(kk == j, wj, wts)
+        sel = tl.where(e == idx, float("-inf"), sel)
+    if NORM:
+        wts = wts / tl.maximum(tl.sum(wts, axis=0), 1.1754943508222875e-38)
+    wts = wts * scale
+    km = kk < TOP_K
+    tl.store(ids_ptr + t * ids_rs + kk, ids, mask=km)
+    tl.store(w_ptr + t * w_rs + kk, wts, mask=km)
+
+
+def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_topk_prob: bool = False,
+           expert_weights_scale: float = 1.0, selection_bias: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens to experts on the device (one launch, no host sync).
+
+    Args:
+        logits: ``[T, n_experts]`` router logits (float; rows contiguous).
+        top_k: experts per token, ``1 <= top_k <= n_experts``.
+        gating: ``"softmax"`` | ``"sigmoid"``.
+        norm_topk_prob: renormalize the selected weights to sum to 1.
+        expert_weights_scale: constant factor on the weights.
+        selection_bias: optional ``[n_experts]`` bias for the selection only.
+    Returns:
+        ``(weights [T, top_k] float32, ids [T, top_k] int32)``, in descending order of the
+        selection score, ties toward the lower expert index (as ``route``).
+    Raises:
+        UnsupportedModelError: unknown gating function. ValueError: top_k out of range.
+    """
+    if gating not in GATING:
+        raise UnsupportedModelError(f"unknown MoE gating function {gating!r}; supported: "
+                                    f"{', '.join(GATING)}")
+    t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k} must be in [1, {e}]")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    bias = selection_bias if selection_bias is not None else logits
+    _router_kernel[(t,)](
+        logits, bias, ids, w, e, logits.stride(0), ids.stride(0), w.stride(0), float(expert_weights_scale),
+        EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
+        num_warps=1 if e <= 128 else 4)
+    return w, ids
+
+
+def router_ref(logits: torch.Tensor, top_k: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`router`: :func:`localmoe.model.routing.route` (ids as int32)."""
+    from localmoe.model.routing import route
+
+    w, ids = route(logits, top_k, **kw)
+    return w, ids.to(torch.int32)
