@@ -498,8 +498,8 @@ class QuantTensor:
         if len(self.shape) != 3:
             raise ValueError(f"expert() needs a 3-D stacked tensor, shape is {self.shape}")
         n = self.shape[1]
-        return QuantTensor(self.qtype, self.shape[1:], {k: v[e * n:(e + 1) * n] for k, v in self.planes.items()},
-                           self.name)
+        planes = {k: v[e * n:(e + 1) * n] for k, v in self.planes.items()}
+        return QuantTensor(self.qtype, self.shape[1:], planes, self.name)
 
     @classmethod
     def interleave_rows(cls, a: "QuantTensor", b: "QuantTensor", name: str | None = None) -> "QuantTensor":
@@ -558,6 +558,8 @@ def random_gguf_blocks(qtype: int | str, shape: Sequence[int], seed: int = 0, sc
     n = math.prod(shape) // bs
     b = rng.integers(0, 256, size=(n, ts), dtype=np.uint8)
     for off in _F16_FIELDS[qt]:
-        v = np.abs(rng.standard_normal(n) * scale) if qt >= Q2_K or off == 0 else rng.standard_normal(n) * scale
+        v = rng.standard_normal(n) * scale
+        if qt >= Q2_K or off == 0:   # d, K-quant dmin: positive; legacy m (offset): any sign
+            v = np.abs(v)
         b[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(n, 2)
     return b.reshape(*shape[:-1], shape[-1] // bs * ts)

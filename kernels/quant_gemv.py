@@ -6,27 +6,38 @@
 Algorithm (the integer dot product of llama.cpp's CUDA ``mmvq``, written in Triton; one kernel,
 the format is the constexpr ``QTYPE``):
 
-1. The activations are quantized *in registers*, per 32-value block, to int8 with one float
-   scale (``dx = amax / 127``, ``xq = round_half_even(x * 127 / amax)``: ggml's ``q8_1`` without
-   the stored sum) and packed four to a 32-bit word. Every program quantizes the x range it
-   reads, so no extra launch and no buffer are needed.
-2. Each program owns ``BN`` weight rows and walks its K range in tiles of ``CH`` chunks
-   (``CV`` = 32 values, or 64 for Q2_K/Q3_K). The repacked planes (see
-   :mod:`localmoe.kernels.qtensor`) put the codes of one 16-value slice in 4 words, so one
-   16-byte load per (row, chunk) brings 32 (or 64) codes; a shift and a mask per word select
-   a slice, a shift/mask/or adds the high bits. Weights are never converted to float.
+1. Activations are quantized once, per 32-value block, to int8 with one float scale
+   (``dx = amax / 127``, ``xq = round_half_even(x * 127 / amax)``; ggml's ``q8_1``):
+   :func:`quantize_act` (one small launch) or the kernel that produces x returns a
+   :class:`QuantAct`: codes packed four to an int32 word ``q [T, K/4]``, the sums of each
+   16-value slice as two int16 halves ``s [T, K/32]``, scales ``d [T, K/32]``.
+2. Each program owns ``BN`` weight rows and walks its K range in tiles of ``CH`` chunks (``CV``
+   = 32 values, or 64 for Q2_K/Q3_K), once per token. The repacked planes (see
+   :mod:`localmoe.kernels.qtensor`) put the codes of a 16-value slice in 4 words: one 16-byte
+   load per (row, chunk) brings 32 (or 64) codes; a shift and a mask select a slice, a
+   shift/mask/or adds the high bits. Weights are never converted to float.
 3. ``dp4a`` (4 int8 products summed into an int32; inline PTX on the GPU, an exact emulation
-   in the interpreter) gives the integer dot of each slice with the x words; the block scales
-   are applied once per chunk: ``y += dx * d * (sum_s sc_s * (q_s . xq_s) + m_s * sum(xq_s))``
-   (integer inside the brackets where the format allows: Q4_0, Q5_0, Q8_0, Q3_K, Q6_K).
-   The per-row sums are reduced over chunks once, at the end.
-4. Split-K (``SPLIT_K > 1``, for small N): programs of one row block share the K range and add
+   in the interpreter) gives the integer dot of each slice; block scales are applied once per
+   chunk: ``y += dx * d * (sum_s sc_s * (q_s . xq_s) + m_s * sum(xq_s))`` (integer inside the
+   brackets where the format allows). Per-row sums are reduced over chunks once, at the end.
+4. Every operand of a tile is loaded as one 4-D tensor ``[1, BN, CH, 4|1]`` (x and its scales
+   broadcast over rows by a zero-stride pointer, or loaded once per thread with ``xb``), so
+   Triton gives them one register layout and no data moves between threads inside the loop
+   (checked in the PTX: no ``bar.sync``/shuffles in the K loop at BN <= num_warps).
+5. Split-K (``split > 1``, for small N): programs of one row block share the K range and add
    their partial sums into a zeroed float32 output with atomics.
 
 Numerics: exact integer products, float32 scales and accumulation; the only rounding beyond
-float32 is the int8 quantization of ``x`` (relative error of order 0.3%, the same scheme as
-llama.cpp's GPU path). The torch twin :func:`quant_gemv_ref` reproduces it
-(``act_quant=True``) or computes the plain ``x @ dequant(W).T`` in float32 (``act_quant=False``).
+float32 is the int8 quantization of ``x`` (relative error ~0.3-1% on random data, the scheme of
+llama.cpp's GPU path). The torch twin :func:`quant_gemv_ref` reproduces it (``act_quant=True``)
+or computes the plain ``x @ dequant(W).T`` in float32 (``act_quant=False``).
+
+Measured on the H200 (benchmarks/results/quant_kernels_h200-2026-12-02.json, 1 token, the
+kernel alone, CUDA graph, weights not in L2): Qwen3-30B-A3B QKV 5120x2048 Q8_0 4.9 us (53% of
+the 4.27 TB/s copy ceiling), O 2048x4096 Q8_0 4.5 us (46%), head 151936x2048 Q6_K 80 us (75%);
+Mixtral QKV 6144x4096 Q8_0 73%. Small GEMVs are bounded by the ~2 us a kernel costs in a graph
+however little it reads (cuBLAS fp16: 60% on the same QKV at twice the bytes). 8 tokens: 13-19%
+(one K pass per token re-decodes the weights; a tensor-core path is the next step).
 
 Launch choices live in :data:`GEMV_CONFIG` (to move to ``kernels/configs/<device>.json``).
 """
@@ -52,13 +63,13 @@ __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "
 # split over K is chosen so that the grid has at least MIN_PROGRAMS programs.
 GEMV_CONFIG = {
     "tokens": {
-        1: {"BN": 1, "CH": 64, "num_warps": 1},
-        2: {"BN": 1, "CH": 64, "num_warps": 1},
-        4: {"BN": 1, "CH": 64, "num_warps": 1},
-        8: {"BN": 1, "CH": 64, "num_warps": 1},
+        1: {"BN": 2, "CH": 64, "num_warps": 2},
+        2: {"BN": 2, "CH": 64, "num_warps": 2},
+        4: {"BN": 1, "CH": 32, "num_warps": 1},
+        8: {"BN": 1, "CH": 32, "num_warps": 1},
     },
-    # large N (output heads): more rows per program
-    "large_n": {"min_n": 32768, "BN": 4, "num_warps": 4},
+    # large N (output heads): more rows per program, x loaded once per row
+    "large_n": {"min_n": 32768, "BN": 4, "CH": 64, "num_warps": 4, "xb": True},
     "min_programs": 264,   # 2 x the H200's 132 SMs
     "max_split": 8,
 }
@@ -221,7 +232,9 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, x
             dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
             sc = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN).to(tl.int32)
             mn = _ld(mn_ptr + rows4 * mn_rs + c4, mw, 0, EVEN).to(tl.int32)
-            acc += dx0 * (d * (sc * (i_lo + i_hi)).to(tl.float32) - dm * (mn * (s0 + s1)).to(tl.float32))
+            i_d = (sc * (i_lo + i_hi)).to(tl.float32)
+            i_m = (mn * (s0 + s1)).to(tl.float32)
+            acc += dx0 * (d * i_d - dm * i_m)
         else:
             d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
             idot = i_lo + i_hi
@@ -411,8 +424,8 @@ def gemv_config(n: int, k: int, t: int, qtype: int, n_sm: int | None = None) -> 
 def _check_x(x, k: int, what: str) -> None:
     if isinstance(x, QuantAct):
         t = x.q.shape[0]
-        if (x.q.dim() != 2 or x.shape[1] != k or x.q.dtype != torch.int32 or x.s.shape != (t, k // 32)
-                or x.d.shape != (t, k // 32)):
+        if (x.q.dim() != 2 or x.shape[1] != k or x.q.dtype != torch.int32
+                or x.s.shape != (t, k // 32) or x.d.shape != (t, k // 32)):
             raise ValueError(f"{what}: quantized x must be q int32 [T, {k // 4}], s and d [T, {k // 32}]")
         return
     if x.dim() != 2 or x.shape[1] != k:
@@ -488,7 +501,8 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         QTYPE=w.qtype, CV=cv, TP=triton.next_power_of_2(t), BN=cfg["BN"], CH=cfg["CH"],
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
               and t == triton.next_power_of_2(t)),
-        XB=cfg.get("xb", False), ATOMIC=split > 1, USE_ASM=cfg.get("asm", use_asm()), num_warps=cfg.get("num_warps", 4))
+        XB=cfg.get("xb", False), ATOMIC=split > 1, USE_ASM=cfg.get("asm", use_asm()),
+        num_warps=cfg.get("num_warps", 4))
     if y is not out:
         out.copy_(y)
 

@@ -93,7 +93,8 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     bias = selection_bias if selection_bias is not None else logits
     _router_kernel[(t,)](
-        logits, bias, ids, w, e, logits.stride(0), ids.stride(0), w.stride(0), float(expert_weights_scale),
+        logits, bias, ids, w, e, logits.stride(0), ids.stride(0), w.stride(0),
+        float(expert_weights_scale),
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=1 if e <= 128 else 4)
