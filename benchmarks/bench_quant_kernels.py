@@ -210,16 +210,18 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
                 try:
                     if stage in ("both", "both_xq"):
                         xin = xa if stage == "both_xq" else x
-                        calls = [lambda i=i, w=w, xin=xin: fused_moe(xin, gu, wd, i, w, slot_of=slot, config=cfg)
+                        calls = [lambda i=i, w=w, xin=xin: fused_moe(xin, gu, wd, i, w, slot_of=slot,
+                                                                     config=cfg)
                                  for i, w in rts]
                         nbytes = nb
                     elif stage == "gate_up":
-                        calls = [lambda i=i: moe_gate_up(xa, gu, i, slot, "silu", (cfg or {}).get("gate_up"))
-                                 for i, _ in rts]
+                        gcfg = (cfg or {}).get("gate_up")
+                        calls = [lambda i=i: moe_gate_up(xa, gu, i, slot, "silu", gcfg) for i, _ in rts]
                         nbytes = nb_gu
                     else:
                         hs = [quantize_act(torch.randn(t * k, f, device=dev)) for _ in rts]
-                        calls = [lambda i=i, w=w, h=h: moe_down(h, wd, i, w, slot, config=(cfg or {}).get("down"))
+                        dcfg = (cfg or {}).get("down")
+                        calls = [lambda i=i, w=w, h=h: moe_down(h, wd, i, w, slot, config=dcfg)
                                  for (i, w), h in zip(rts, hs)]
                         nbytes = nb_d
                     us = time_calls(calls)

@@ -81,7 +81,8 @@ def test_interleave_rows_puts_gate_and_up_side_by_side():
     d = gu.dequantize()
     assert torch.equal(d[:, 0::2], g.dequantize()) and torch.equal(d[:, 1::2], u.dequantize())
     with pytest.raises(ValueError, match="equal qtype"):
-        QuantTensor.interleave_rows(g, QuantTensor.from_gguf(random_gguf_blocks("Q4_0", shape), "Q4_0", shape, "cpu"))
+        q4 = QuantTensor.from_gguf(random_gguf_blocks("Q4_0", shape), "Q4_0", shape, "cpu")
+        QuantTensor.interleave_rows(g, q4)
 
 
 def test_bad_input_is_reported_with_the_tensor_name():
