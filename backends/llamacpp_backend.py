@@ -33,7 +33,7 @@ from typing import Any
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
                              LocalMoEError, ModelLoadError)
-from localmoe.engine.registry import (Backend, check_threads, cuda_device_problem, env_threads,
+from localmoe.backends.registry import (Backend, check_threads, cuda_device_problem, env_threads,
                                register_backend)
 
 # localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)

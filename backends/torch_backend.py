@@ -26,7 +26,7 @@ from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlic
                                          load_paged_model, run_batch, runner_stats,
                                          torch_supports)
 from localmoe.cpu.threads import RunnerThreads
-from localmoe.engine.registry import Backend, register_backend
+from localmoe.backends.registry import Backend, register_backend
 from localmoe.errors import BackendUnavailableError
 
 

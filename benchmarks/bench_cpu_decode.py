@@ -87,7 +87,7 @@ def _child_torch(path: str, toks: list[int], n: int, threads: int, packed: bool 
 
     torch.set_num_threads(threads)
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
 
     t0 = time.perf_counter()
     runner = get_backend("torch").load(open_model(path), n_ctx=len(toks) + n + 8, max_seqs=1,

@@ -18,7 +18,7 @@ import torch
 
 from localmoe.kv.spec import KVSpec
 from localmoe.io.loader import open_model
-from localmoe.engine.registry import get_backend
+from localmoe.backends.registry import get_backend
 from localmoe.testing.synthetic import write_gguf
 
 

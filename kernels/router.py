@@ -101,9 +101,29 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
     return w, ids
 
 
-def router_ref(logits: torch.Tensor, top_k: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`router`: :func:`localmoe.model.routing.route` (ids as int32)."""
-    from localmoe.model.routing import route
+def router_ref(logits: torch.Tensor, top_k: int, *, gating: str = "softmax",
+               norm_topk_prob: bool = False, expert_weights_scale: float = 1.0,
+               selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`router`, in plain torch ops (no import of the model layer).
 
-    w, ids = route(logits, top_k, **kw)
-    return w, ids.to(torch.int32)
+    Same semantics as the model's reference ``localmoe.model.routing.route`` (the tests check
+    the two agree): probabilities over all experts in float32, the top-k by a stable descending
+    sort (ties go to the lower expert index), a selection bias that steers only the choice,
+    optional renormalization and a constant scale.
+
+    Returns:
+        ``(weights [T, top_k] float32, ids [T, top_k] int32)``.
+
+    Raises:
+        UnsupportedModelError: unknown gating function.
+    """
+    if gating not in GATING:
+        raise UnsupportedModelError(f"unknown MoE gating function {gating!r}")
+    x = logits.float()
+    probs = torch.softmax(x, dim=-1) if gating == "softmax" else torch.sigmoid(x)
+    score = probs if selection_bias is None else probs + selection_bias.float()
+    ids = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = probs.gather(-1, ids)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return w * float(expert_weights_scale), ids.to(torch.int32)

@@ -3,7 +3,7 @@
 ``LLM`` is the :class:`~localmoe.engine.engine.Engine` as users meet it: models are named as
 the CLI names them (a path, a store name such as ``"smollm2"``, an ``hf:`` reference or None for
 the default model, resolved by :mod:`localmoe.io.store`), and :meth:`LLM.chat` answers with
-OpenAI ChatCompletion objects (shaped by :mod:`localmoe.serve.openai`, as the server does).
+OpenAI ChatCompletion objects (shaped by :mod:`localmoe.openai`, as the server does).
 Generation itself (``generate``, ``chat_stream``, ``stats``, ``close``, ...) is the engine's.
 """
 
@@ -63,7 +63,7 @@ class LLM(Engine):
              stream: bool = False, cancel: threading.Event | None = None, **sampling: Any):
         """OpenAI-style chat completion: a ChatCompletion dict, or an iterator of
         ChatCompletionChunk dicts when ``stream`` (shaping and tool-call parsing by
-        :mod:`localmoe.serve.openai`).
+        :mod:`localmoe.openai`).
 
         Args:
             messages: OpenAI-style message dicts.
@@ -75,9 +75,9 @@ class LLM(Engine):
 
         Raises:
             InvalidRequestError, ContextOverflowError, TemplateError: as
-            :func:`localmoe.serve.openai.chat_completion`.
+            :func:`localmoe.openai.chat_completion`.
         """
-        from localmoe.serve.openai import chat_completion
+        from localmoe.openai import chat_completion
 
         request: dict[str, Any] = {"model": self.model_name, "messages": messages,
                                    "stream": bool(stream)}

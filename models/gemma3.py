@@ -12,7 +12,7 @@ sizes llama.cpp treats this way; the loader sets ``attn_scale`` otherwise).
 import dataclasses
 import math
 
-from localmoe.model.family import Family, register_family
+from localmoe.models.family import Family, register_family
 
 
 @register_family("gemma3")

@@ -5,7 +5,7 @@ GGUF llama Q/K rows are permuted for interleaved ("norm") RoPE (llama.cpp conver
 (llama.cpp ``build_moe_ffn(..., norm_w=true)``; HF ``MixtralSparseMoeBlock``).
 """
 
-from localmoe.model.family import Family, register_family
+from localmoe.models.family import Family, register_family
 
 
 @register_family("llama")

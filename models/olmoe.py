@@ -2,7 +2,7 @@
 split; HF ``OlmoeAttention``), routed experts without renormalization (llama.cpp
 ``build_olmoe``: ``norm_w=false``)."""
 
-from localmoe.model.family import Family, register_family
+from localmoe.models.family import Family, register_family
 
 
 @register_family("olmoe")

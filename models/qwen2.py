@@ -1,6 +1,6 @@
 """qwen2: llama block with q/k/v biases (detected from ``attn_q.bias``) and NEOX RoPE."""
 
-from localmoe.model.family import Family, register_family
+from localmoe.models.family import Family, register_family
 
 
 @register_family("qwen2")

@@ -2,7 +2,7 @@
 (llama.cpp ``build_qwen2moe``: ``norm_w=false``) + a shared expert scaled by
 ``sigmoid(x . ffn_gate_inp_shexp)`` (HF ``Qwen2MoeSparseMoeBlock``)."""
 
-from localmoe.model.family import Family, register_family
+from localmoe.models.family import Family, register_family
 
 
 @register_family("qwen2moe")

@@ -1,6 +1,6 @@
 """qwen3: per-head q/k RMSNorm before RoPE (detected from ``attn_q_norm``), NEOX RoPE."""
 
-from localmoe.model.family import Family, register_family
+from localmoe.models.family import Family, register_family
 
 
 @register_family("qwen3")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.backends.reference import torch_supports
-from localmoe.engine.registry import Backend, register_backend
+from localmoe.backends.registry import Backend, register_backend
 from localmoe.errors import BackendUnavailableError
 
 

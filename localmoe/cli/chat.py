@@ -25,7 +25,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     KV format, device, $LOCALMOE_THREADS, model file, backend, context size. Raises the same
     LocalMoEError."""
     from localmoe.engine.options import check_backend_device, check_device, parse_kv_request
-    from localmoe.engine.registry import env_threads, select_backend
+    from localmoe.backends.registry import env_threads, select_backend
 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(device)

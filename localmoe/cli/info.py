@@ -129,7 +129,7 @@ def info(model, as_json):
 @click.command()
 def backends():
     """List backends, whether each can run here, and which one `auto` picks for GGUF."""
-    from localmoe.engine.registry import list_backends, select_backend
+    from localmoe.backends.registry import list_backends, select_backend
 
     rows = list_backends()
     w = max((len(n) for n, _, _ in rows), default=4)

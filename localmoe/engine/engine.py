@@ -73,7 +73,7 @@ class Engine:
                  kv_cache_v: str | None = None, device: str | None = None,
                  progress: Callable[[float, str], None] | None = None,
                  before_load: Callable[[Any], None] | None = None, **backend_options: Any):
-        from localmoe.engine.registry import env_threads, select_backend
+        from localmoe.backends.registry import env_threads, select_backend
 
         prog = progress or (lambda f, m: None)
         check_n_ctx(n_ctx)

@@ -12,7 +12,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from localmoe.errors import ModelLoadError, UnsupportedModelError
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 if TYPE_CHECKING:
     from localmoe.io.model_file import ModelFile

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from localmoe.errors import ModelLoadError, UnsupportedModelError
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 __all__ = ["HF_ARCHS", "spec_from_hf_config"]
 

@@ -21,7 +21,7 @@ from localmoe.errors import UnsupportedModelError
 if TYPE_CHECKING:
     import numpy as np
 
-    from localmoe.model.spec import ModelSpec
+    from localmoe.io.spec import ModelSpec
 
 __all__ = ["ModelFile", "TensorInfo", "RawTensor"]
 
@@ -67,7 +67,7 @@ class ModelFile(ABC):
     Attributes:
         path: the file (GGUF: the path given, any shard) or directory (HF).
         format: ``"gguf"`` or ``"safetensors"``.
-        spec: :class:`~localmoe.model.spec.ModelSpec` read from metadata / config.json.
+        spec: :class:`~localmoe.io.spec.ModelSpec` read from metadata / config.json.
         name: display name (``general.name`` or file/dir stem).
         metadata: GGUF-style key -> python value dict (strings decoded, arrays as lists).
         chat_template: Jinja source of the default chat template, or None.

@@ -1,7 +1,7 @@
 """One shared decoder-only transformer (dense and MoE) built from a :class:`ModelSpec`.
 
 Every family runs through the same block (:meth:`Transformer.block`); ``models/<family>.py``
-only declares what differs (a :class:`~localmoe.model.family.Family` subclass). What the block
+only declares what differs (a :class:`~localmoe.models.family.Family` subclass). What the block
 computes with comes through hooks a backend supplies:
 
 * attention: a callback per forward call (``attn(layer, q, k, v) -> out``,
@@ -29,12 +29,12 @@ import torch
 from localmoe.cpu.qmatmul import PackedLinear, PackedWeight
 from localmoe.errors import ModelLoadError
 from localmoe.model.experts import ExpertProvider, ResidentExpertProvider
-from localmoe.model.family import get_family
+from localmoe.models.family import get_family
 from localmoe.model.moe import MoEFn, ReferenceMoE
 from localmoe.model.ops import (AttnFn, TorchOps, apply_rope_swapped, apply_rope_tables, attention,
                                 rope_inv_freq, rope_signed_sin, rope_tables)
 from localmoe.model.routing import shared_expert_gate
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 _NORM_SUFFIXES = ("_norm.weight",)
 #: per-layer matmul weights, stored transposed ``[in, out]`` in :attr:`Transformer.layers`
@@ -85,7 +85,7 @@ class Transformer:
     """A decoder-only transformer: embeddings, ``n_layers`` shared blocks, final norm, lm head.
 
     Args:
-        spec: the configured spec (see :meth:`localmoe.model.family.Family.configure`).
+        spec: the configured spec (see :meth:`localmoe.models.family.Family.configure`).
         weights: GGUF-named float tensors on one device (norm offsets already applied), or
             for matmul weights on the CPU a :class:`localmoe.cpu.qmatmul.PackedWeight` (kept
             packed, see ``packed`` in :meth:`from_model_file`); the constructor fuses q/k/v and

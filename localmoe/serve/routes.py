@@ -16,7 +16,7 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-import localmoe.serve.openai as openai_shaping
+import localmoe.openai as openai_shaping
 from localmoe.serve.errors import HTTPError, error_from_exception
 from localmoe.serve.state import ServerState
 from localmoe.serve.streaming import generate

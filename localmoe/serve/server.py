@@ -3,7 +3,7 @@
 Endpoints:
 
 * ``POST /v1/chat/completions`` -- non-stream and SSE stream, tools, tool_choice, stop, seed,
-  sampling parameters, ``stream_options.include_usage`` (see :mod:`localmoe.serve.openai`).
+  sampling parameters, ``stream_options.include_usage`` (see :mod:`localmoe.openai`).
 * ``POST /v1/completions`` -- raw-prompt completions.
 * ``GET /v1/models`` and ``GET /v1/models/{id}``.
 * ``GET /health`` -- ``200 {"status": "ok"}`` when ready, ``503 {"status": "loading"}`` while
@@ -106,7 +106,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     import uvicorn
 
     from localmoe.engine.options import check_backend_device, check_device, parse_kv_request
-    from localmoe.engine.registry import env_threads, select_backend
+    from localmoe.backends.registry import env_threads, select_backend
     from localmoe.io.loader import open_model
     from localmoe.io.store import display_name, resolve_model
 

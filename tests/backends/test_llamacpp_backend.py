@@ -9,7 +9,7 @@ import pytest
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError)
 from localmoe.kv.spec import KVSpec
-from localmoe.engine.registry import get_backend, select_backend
+from localmoe.backends.registry import get_backend, select_backend
 
 from tests.conftest import has_llamacpp
 

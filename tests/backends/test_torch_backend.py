@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localmoe.errors import ContextOverflowError, InvalidRequestError, LocalMoEError
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 PRESETS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-mixtral", "tiny-llama"]
 ATOL = 2e-3   # fp32 compute; only summation order differs between the paths compared
@@ -24,7 +24,7 @@ def tiny_files(tmp_path_factory):
 
 def _runner(path, **kw):
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
 
     return get_backend("torch").load(open_model(path), **kw)
 

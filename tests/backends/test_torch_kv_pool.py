@@ -41,7 +41,7 @@ def test_pool_holds_one_sequence_as_info_reports(tiny, kv):
 def test_more_sequences_on_request(tiny):
     from localmoe.errors import LocalMoEError
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
 
     one = get_backend("torch").load(open_model(tiny), n_ctx=64)
     s = one.new_sequence()

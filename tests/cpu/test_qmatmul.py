@@ -177,7 +177,7 @@ def test_kernel_says_why_it_cannot_build(monkeypatch):
 
 def _runner(path, packed, **kw):
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
 
     return get_backend("torch").load(open_model(path), n_ctx=96, max_seqs=2,
                                      packed_weights=packed, **kw)

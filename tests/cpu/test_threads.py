@@ -58,7 +58,7 @@ def test_busy_cores_of_other_processes_are_measured():
 def test_runner_applies_threads(tmp_path, monkeypatch):
     from localmoe.errors import InvalidRequestError
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
     from localmoe.testing.synthetic import write_gguf
 
     mf = open_model(write_gguf(tmp_path / "t.gguf", "tiny-llama"))
@@ -151,7 +151,7 @@ def test_huge_thread_counts_are_refused_before_any_load(tmp_path, monkeypatch):
     from localmoe.cli import cli
     from localmoe.api import LLM
     from localmoe.errors import InvalidRequestError
-    from localmoe.engine.registry import MAX_THREADS, check_threads, env_threads
+    from localmoe.backends.registry import MAX_THREADS, check_threads, env_threads
     from localmoe.testing.synthetic import write_gguf
 
     assert MAX_THREADS == 512 and check_threads(512) == 512

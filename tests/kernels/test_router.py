@@ -1,4 +1,5 @@
-"""Router kernel (softmax/sigmoid -> top-k -> weights) vs localmoe.model.routing.route.
+"""Router kernel (softmax/sigmoid -> top-k -> weights) vs its torch twin router_ref (which matches
+localmoe.model.routing.route).
 
 Without CUDA the kernel runs through the Triton interpreter (TRITON_INTERPRET=1)."""
 
@@ -43,6 +44,22 @@ def test_router_matches_route(family, t, e, k):
     rw, rids = router_ref(logits, k, **kw)
     assert ids.dtype == torch.int32 and torch.equal(ids.cpu(), rids.cpu())
     assert torch.allclose(w, rw, rtol=tol.FP32, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_twin_equals_the_model_reference_route(family):
+    """router_ref is written apart from the model layer; it must agree with model.routing.route."""
+    from localmoe.model.routing import route
+
+    kw = dict(FAMILIES[family])
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 16, generator=g) * 3
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1  # a tie inside the top-k
+    if kw.pop("bias", False):
+        kw["selection_bias"] = torch.randn(16, generator=g) * 0.1
+    rw, rids = router_ref(logits, 4, **kw)
+    w, ids = route(logits, 4, **kw)
+    assert torch.equal(rids.long(), ids) and torch.equal(rw, w)
 
 
 def test_ties_go_to_the_lower_expert_index():

@@ -7,7 +7,7 @@ from localmoe.errors import ContextOverflowError, KVCacheFormatError, LocalMoEEr
 from localmoe.kv.cache import PagedKVCache
 from localmoe.kv.formats import KVFormat
 from localmoe.kv.spec import KVSpec
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 
 def _spec():

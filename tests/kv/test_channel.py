@@ -11,7 +11,7 @@ from localmoe.kv.quant_codec import QuantCodec
 from localmoe.kv.quant_ops import (channel_error_bound, outlier_count, pack_codes, quantize_channel,
                                    unpack_codes)
 from localmoe.kv.spec import KVSpec
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 CH_FORMATS = ["int8:c", "int4:c", "int3:c", "int2:c"]
 

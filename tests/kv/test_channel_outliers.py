@@ -15,7 +15,7 @@ from localmoe.kv.quant_codec import QuantCodec
 from localmoe.kv.quant_ops import (int_error_bound, outlier_count, quantize_channel,
                                    select_channel_outliers)
 from localmoe.kv.spec import KVSpec
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 CUDA = torch.cuda.is_available()
 if not CUDA:

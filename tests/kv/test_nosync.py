@@ -14,7 +14,7 @@ import torch
 
 from localmoe.kv.cache import PagedKVCache
 from localmoe.kv.spec import KVSpec
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 # per-channel keys with and without side buffers and key outliers, per-token keys with
 # outliers + sinks + window, int3 planes, fp4 values with an odd window that wraps, int2 keys

@@ -13,7 +13,7 @@ from localmoe.kv.quant_codec import QuantCodec
 from localmoe.kv.quant_ops import (e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, fp4_error_bound,
                                    int_error_bound, pack_codes, unpack_codes)
 from localmoe.kv.spec import KVSpec
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 INT_FORMATS = ["int8", "int4", "int3", "int2"]
 ALL_FORMATS = INT_FORMATS + ["fp4"]

@@ -1,11 +1,11 @@
-"""Architecture families (localmoe.model.family, models/*.py): each one's delta from the
+"""Architecture families (localmoe.models.family, models/*.py): each one's delta from the
 shared block."""
 
 import pytest
 
 from localmoe.errors import UnsupportedModelError
-from localmoe.model.family import get_family
-from localmoe.model.spec import ModelSpec
+from localmoe.models.family import get_family
+from localmoe.io.spec import ModelSpec
 
 
 def _spec(arch, **kw):

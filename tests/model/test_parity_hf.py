@@ -22,7 +22,7 @@ def test_logits_match_transformers(tmp_path, preset, device):
     from transformers import AutoModelForCausalLM
 
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
     from localmoe.testing.synthetic import write_hf
 
     # several shards + index for one family, a single file for the others

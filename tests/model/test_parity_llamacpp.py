@@ -103,7 +103,7 @@ def _llamacpp_logits(path, text: str, flash_attn: bool = False):
 
 def _ours_logits(path, toks, numerics="exact"):
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
 
     runner = get_backend("torch").load(open_model(path), n_ctx=MAX_TOKENS + 16, kv_spec="f16",
                                        max_seqs=1, numerics=numerics)
@@ -168,7 +168,7 @@ def test_ggml_numerics_mode_reproduces_llamacpp_rounding(tmp_path):
     to float noise (a few positions differ where a tiny float difference flips one 8-bit rounding
     decision), while the exact mode differs visibly everywhere."""
     from localmoe.io.loader import open_model
-    from localmoe.engine.registry import get_backend
+    from localmoe.backends.registry import get_backend
     from localmoe.testing.synthetic import write_gguf
 
     res = {}

@@ -23,7 +23,7 @@ import torch
 openai = pytest.importorskip("openai")
 
 from localmoe.errors import ContextOverflowError  # noqa: E402
-from localmoe.engine.registry import Backend, register_backend  # noqa: E402
+from localmoe.backends.registry import Backend, register_backend  # noqa: E402
 
 WEATHER_TOOL = {
     "type": "function",
@@ -799,7 +799,7 @@ MISTRAL_TPL = ("{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{%- fo
 
 
 def test_llama3_template_gets_tools_and_json_reply_is_a_call():
-    import localmoe.serve.openai as openai_api
+    import localmoe.openai as openai_api
 
     llm = TemplateLLM(LLAMA3_TPL, 'Checking. {"name": "get_weather", "parameters": {"city": "Lima"}}')
     r = openai_api.chat_completion(llm, {"messages": [{"role": "user", "content": "weather?"}],
@@ -821,7 +821,7 @@ def test_llama3_template_gets_tools_and_json_reply_is_a_call():
 
 
 def test_mistral_ids_survive_the_round_trip_through_its_template():
-    import localmoe.serve.openai as openai_api
+    import localmoe.openai as openai_api
 
     llm = TemplateLLM(MISTRAL_TPL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]')
     req = {"messages": [{"role": "user", "content": "weather in Rome?"}], "tools": [WEATHER_TOOL]}
@@ -843,7 +843,7 @@ def test_mistral_ids_survive_the_round_trip_through_its_template():
 
 
 def test_validation_errors_name_the_parameter_without_a_model():
-    import localmoe.serve.openai as openai_api
+    import localmoe.openai as openai_api
     from localmoe.errors import InvalidRequestError
 
     llm = TemplateLLM(LLAMA3_TPL, "x")
@@ -880,7 +880,7 @@ QWEN3_TPL = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{{ tools | tojs
 
 
 def test_reasoning_content_split_for_think_templates_stream_and_not():
-    import localmoe.serve.openai as openai_api
+    import localmoe.openai as openai_api
 
     reply = ('<think>\nThe user asks for weather; call get_weather.\n</think>\n\n'
              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Kyiv"}}\n</tool_call>')

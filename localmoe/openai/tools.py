@@ -16,7 +16,7 @@ import json
 import threading
 from typing import Any, Iterator
 
-from localmoe.serve.openai.requests import ChatRequest
+from localmoe.openai.requests import ChatRequest
 from localmoe.text.reasoning import ReasoningSplitter
 from localmoe.text.tool_calls import StreamingToolParser, detect_format
 

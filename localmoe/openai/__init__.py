@@ -36,16 +36,16 @@ Request handling:
 Errors: ``InvalidRequestError`` (bad request), ``ContextOverflowError`` (prompt over the
 context; raised when the stream is first advanced for ``stream=True``), ``TemplateError``.
 
-Modules: :mod:`~localmoe.serve.openai.requests` (parsing, validation),
-:mod:`~localmoe.serve.openai.tools` (tool calls, reasoning, template adaption),
-:mod:`~localmoe.serve.openai.responses` (response objects and chunks).
+Modules: :mod:`~localmoe.openai.requests` (parsing, validation),
+:mod:`~localmoe.openai.tools` (tool calls, reasoning, template adaption),
+:mod:`~localmoe.openai.responses` (response objects and chunks).
 """
 
 from __future__ import annotations
 
-from localmoe.serve.openai.requests import (ChatRequest, parse_chat_request, sampling_kwargs,
+from localmoe.openai.requests import (ChatRequest, parse_chat_request, sampling_kwargs,
                                             validate_request)
-from localmoe.serve.openai.responses import (ChatJob, CompletionJob, chat, chat_completion,
+from localmoe.openai.responses import (ChatJob, CompletionJob, chat, chat_completion,
                                              completion, prepare_chat, prepare_completion)
 
 __all__ = ["chat_completion", "completion", "chat", "prepare_chat", "prepare_completion",

@@ -14,9 +14,9 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from localmoe.serve.openai.requests import (ChatRequest, parse_chat_request,
+from localmoe.openai.requests import (ChatRequest, parse_chat_request,
                                             parse_completion_request)
-from localmoe.serve.openai.tools import ChatGeneration
+from localmoe.openai.tools import ChatGeneration
 from localmoe.text.tool_calls import new_call_id
 
 def _now() -> int:

@@ -1,8 +1,9 @@
 """Architecture families: what each one changes relative to the shared transformer block.
 
 ``models/<family>.py`` declares one :class:`Family` subclass per GGUF architecture and registers
-it with :func:`register_family`; :func:`get_family` imports :mod:`localmoe.models` (registering
-the built-in families) and returns the one for an architecture.
+it with :func:`register_family`; importing :mod:`localmoe.models` (which this module's import
+implies) registers the built-in families, and :func:`get_family` returns the one for an
+architecture.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 from typing import Callable
 
 from localmoe.errors import UnsupportedModelError
-from localmoe.model.spec import ModelSpec
+from localmoe.io.spec import ModelSpec
 
 
 class Family:
@@ -73,8 +74,6 @@ def get_family(arch: str) -> Family:
     Raises:
         UnsupportedModelError: no family registered for ``arch``.
     """
-    from localmoe import models  # noqa: F401  (registers the built-in families)
-
     if arch not in FAMILIES:
         raise UnsupportedModelError(
             f"architecture {arch!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
