@@ -16,6 +16,7 @@ cache, the ragged-batch forward step over them, and the reference attention over
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -87,6 +88,40 @@ def load_paged_model(model_file, device: torch.device, *, dtype: torch.dtype | N
     cache = PagedKVCache(spec, kv_spec, n_ctx, int(max_seqs), block_size=block_size,
                          device=device)
     return PagedModel(model, cache, dtype, n_ctx, kv_spec)
+
+
+def load_runner(runner, model_file, *, device: str, dtype: torch.dtype | None,
+                n_threads: int | None, max_seqs: int = 1, **load_kw: Any) -> "PagedAttention":
+    """The common start of every runner over the shared transformer.
+
+    Loads ``model_file`` with :func:`load_paged_model` (``load_kw``: its ``n_ctx``, ``kv_spec``,
+    ``block_size``, ``experts``, ``numerics``, ``packed_weights``) onto ``device`` and sets on
+    ``runner``: ``model_file, device, model, cache, dtype, n_ctx, kv_spec, spec, max_seqs,
+    n_threads, threads_reason, load_s`` (seconds) and ``tokens_processed``. CPU threads are
+    checked before the load and set after it (:class:`localmoe.cpu.threads.RunnerThreads`).
+
+    Returns:
+        the reference :class:`PagedAttention` over the runner's cache.
+
+    Raises:
+        as :func:`load_paged_model`; InvalidRequestError for a bad ``n_threads``.
+    """
+    from localmoe.cpu.threads import RunnerThreads
+
+    t0 = time.perf_counter()
+    runner.model_file = model_file
+    runner.device = str(device)
+    dev = torch.device(runner.device)
+    threads = RunnerThreads(n_threads, on_cpu=dev.type == "cpu")
+    runner.model, runner.cache, runner.dtype, runner.n_ctx, runner.kv_spec = load_paged_model(
+        model_file, dev, dtype=dtype, max_seqs=max_seqs, **load_kw)
+    runner.spec = runner.model.spec
+    runner.max_seqs = int(max_seqs)
+    attn = PagedAttention(runner.model, runner.cache, runner.kv_spec)
+    runner.n_threads, runner.threads_reason = threads.apply()
+    runner.load_s = time.perf_counter() - t0
+    runner.tokens_processed = 0
+    return attn
 
 
 def _validate(batch, vocab_size: int, cache) -> None:

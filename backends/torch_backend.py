@@ -17,15 +17,13 @@ model and cache (:func:`~localmoe.backends.reference.load_paged_model`), the bat
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlice,  # noqa: F401
-                                         load_paged_model, run_batch, runner_stats,
+                                         load_paged_model, load_runner, run_batch, runner_stats,
                                          torch_supports)
-from localmoe.cpu.threads import RunnerThreads
 from localmoe.backends.registry import Backend, register_backend
 from localmoe.errors import BackendUnavailableError
 
@@ -69,22 +67,11 @@ class TorchRunner(CacheSequences):
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None):
-        t0 = time.perf_counter()
-        self.model_file = model_file
-        self.device = str(device or "cpu")
-        dev = torch.device(self.device)
-        threads = RunnerThreads(n_threads, on_cpu=dev.type == "cpu")
-        self.model, self.cache, self.dtype, self.n_ctx, self.kv_spec = load_paged_model(
-            model_file, dev, dtype=dtype, n_ctx=n_ctx, kv_spec=kv_spec, max_seqs=max_seqs,
-            block_size=block_size, experts=experts, numerics=numerics,
-            packed_weights=packed_weights)
-        self.spec = self.model.spec
-        self.max_seqs = int(max_seqs)
         #: the reference attention over the paged cache
-        self.attn = PagedAttention(self.model, self.cache, self.kv_spec)
-        self.n_threads, self.threads_reason = threads.apply()
-        self.load_s = time.perf_counter() - t0
-        self.tokens_processed = 0
+        self.attn = load_runner(self, model_file, device=device or "cpu", dtype=dtype,
+                                n_threads=n_threads, max_seqs=max_seqs, n_ctx=n_ctx,
+                                kv_spec=kv_spec, block_size=block_size, experts=experts,
+                                numerics=numerics, packed_weights=packed_weights)
 
     # ---- attention (the reference PagedAttention) ------------------------------------------
     def write_kv(self, layer: int, seq: SeqSlice, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -22,14 +22,12 @@ logit softcapping, the ``ggml`` numerics mode).
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import torch
 
 from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlice,
-                                         load_paged_model, run_batch, runner_stats)
-from localmoe.cpu.threads import RunnerThreads
+                                         load_paged_model, load_runner, run_batch, runner_stats)
 
 
 class TritonRunner(CacheSequences):
@@ -50,22 +48,12 @@ class TritonRunner(CacheSequences):
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None):
-        t0 = time.perf_counter()
-        self.model_file = model_file
-        self.device = str(device or "cuda")
-        dev = torch.device(self.device)
-        threads = RunnerThreads(n_threads, on_cpu=dev.type == "cpu")
-        self.model, self.cache, self.dtype, self.n_ctx, self.kv_spec = load_paged_model(
-            model_file, dev, dtype=dtype or torch.float16, n_ctx=n_ctx, kv_spec=kv_spec,
-            max_seqs=max_seqs, block_size=block_size, experts=experts, numerics=numerics,
-            packed_weights=packed_weights)
-        self.spec = self.model.spec
-        self.max_seqs = int(max_seqs)
         #: the reference attention, for prefill and the cases the kernels do not cover
-        self.ref = PagedAttention(self.model, self.cache, self.kv_spec)
-        self.n_threads, self.threads_reason = threads.apply()
-        self.load_s = time.perf_counter() - t0
-        self.tokens_processed = 0
+        self.ref = load_runner(self, model_file, device=device or "cuda",
+                               dtype=dtype or torch.float16, n_threads=n_threads,
+                               max_seqs=max_seqs, n_ctx=n_ctx, kv_spec=kv_spec,
+                               block_size=block_size, experts=experts, numerics=numerics,
+                               packed_weights=packed_weights)
         c = self.cache
         pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (self.spec.head_dim, self.spec.v_head_dim))
         self._fused = (pow2 and not self.spec.attn_logit_softcap
