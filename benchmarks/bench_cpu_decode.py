@@ -150,7 +150,7 @@ def _child(args) -> None:
     print("RESULT " + json.dumps(res))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | path to a .gguf")
     ap.add_argument("--tokens", type=int, default=64, help="tokens to decode")
@@ -163,41 +163,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-tokens", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        _child(args)
-        return 0
-    path = _resolve_model(args.model)
-    toks = _tokens(path)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    runs = []
-    for rep in range(max(1, args.repeats)):
-        for be in backends:
-            load_avg = os.getloadavg()[0]
-            cmd = [sys.executable, __file__, "--child", be, "--model-path", path, "--tokens",
-                   str(args.tokens), "--threads", str(args.threads), "--child-tokens",
-                   json.dumps(toks)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if p.returncode or not line:
-                runs.append({"backend": be, "repeat": rep,
-                             "error": (p.stderr or p.stdout)[-800:]})
-                continue
-            r = json.loads(line[-1][7:])
-            n = args.tokens
-            row = {
-                "backend": be, "repeat": rep, "dtype": r["dtype"], "kv": r["kv"],
-                "load_s": round(r["load_s"], 2), "peak_rss_mb": round(r["peak_rss_mb"], 1),
-                "prefill_tok_s": round(len(toks) / r["prefill_s"], 1),
-                "decode_tok_s": round(n / r["decode_s"], 2),
-                "decode_cpu_ms_per_tok": round(1000 * r["decode_cpu_s"] / n, 1),
-                "load_avg": round(load_avg, 2), "generated": r["generated"]}
-            if "weights_mb" in r:
-                row["weights_mb"] = round(r["weights_mb"], 1)
-            runs.append(row)
-            print(f"# {be} run {rep}: {row['decode_tok_s']} tok/s "
-                  f"({row['decode_cpu_ms_per_tok']} ms CPU/tok), load avg {row['load_avg']}",
-                  file=sys.stderr)
+    return ap.parse_args(argv)
+
+
+def _run_one(be: str, rep: int, path: str, toks: list[int], args) -> dict:
+    """One backend run in a child process: its row (rates rounded), or ``{"error": ...}``."""
+    load_avg = os.getloadavg()[0]
+    cmd = [sys.executable, __file__, "--child", be, "--model-path", path, "--tokens",
+           str(args.tokens), "--threads", str(args.threads), "--child-tokens",
+           json.dumps(toks)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not line:
+        return {"backend": be, "repeat": rep, "error": (p.stderr or p.stdout)[-800:]}
+    r = json.loads(line[-1][7:])
+    n = args.tokens
+    row = {
+        "backend": be, "repeat": rep, "dtype": r["dtype"], "kv": r["kv"],
+        "load_s": round(r["load_s"], 2), "peak_rss_mb": round(r["peak_rss_mb"], 1),
+        "prefill_tok_s": round(len(toks) / r["prefill_s"], 1),
+        "decode_tok_s": round(n / r["decode_s"], 2),
+        "decode_cpu_ms_per_tok": round(1000 * r["decode_cpu_s"] / n, 1),
+        "load_avg": round(load_avg, 2), "generated": r["generated"]}
+    if "weights_mb" in r:
+        row["weights_mb"] = round(r["weights_mb"], 1)
+    print(f"# {be} run {rep}: {row['decode_tok_s']} tok/s "
+          f"({row['decode_cpu_ms_per_tok']} ms CPU/tok), load avg {row['load_avg']}",
+          file=sys.stderr)
+    return row
+
+
+def _medians(runs: list[dict], backends: list[str]) -> list[dict]:
+    """Per backend: the median of each number over its good runs, or its first error."""
     results = []
     num = ["load_s", "peak_rss_mb", "prefill_tok_s", "decode_tok_s", "decode_cpu_ms_per_tok",
            "load_avg", "weights_mb"]
@@ -211,24 +208,21 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"backend": be, "dtype": good[0]["dtype"], "kv": good[0]["kv"],
                         "n_runs": len(good), **med, "generated": good[0]["generated"],
                         "decode_tok_s_all": [r["decode_tok_s"] for r in good]})
+    return results
+
+
+def _identical_prefix(results: list[dict]) -> dict | None:
+    """First position where each backend's greedy tokens leave the first one's (None: < 2)."""
     gens = {r["backend"]: r["generated"] for r in results if "generated" in r}
-    same = None
-    if len(gens) >= 2:  # first position where each backend's greedy tokens leave the first one's
-        names = list(gens)
-        ref = gens[names[0]]
-        same = {b: next((i for i, (a, c) in enumerate(zip(ref, gens[b])) if a != c), len(ref))
-                for b in names[1:]}
-    doc = {"model": os.path.basename(path), "prompt_tokens": len(toks), "decode_tokens": args.tokens,
-           "threads": args.threads, "machine": f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cpus, {platform.system()}", "greedy_tokens_identical_prefix": same,
-           "repeats": max(1, args.repeats), "statistic": "median over repeats",
-           "results": [{k: v for k, v in r.items() if k != "generated"} for r in results],
-           "runs": [{k: v for k, v in r.items() if k != "generated"} for r in runs]}
-    txt = json.dumps(doc, indent=1)
-    print(txt)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(txt)
+    if len(gens) < 2:
+        return None
+    names = list(gens)
+    ref = gens[names[0]]
+    return {b: next((i for i, (a, c) in enumerate(zip(ref, gens[b])) if a != c), len(ref))
+            for b in names[1:]}
+
+
+def _print_table(doc: dict) -> None:
     cols = ["backend", "dtype", "load_s", "peak_rss_mb", "prefill_tok_s", "decode_tok_s",
             "decode_cpu_ms_per_tok", "load_avg"]
     print()
@@ -238,6 +232,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['backend']:>12} | error: {r['error'].splitlines()[-1] if r['error'] else '?'}")
             continue
         print(" | ".join(f"{str(r.get(c, '')):>12}" for c in cols))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    path = _resolve_model(args.model)
+    toks = _tokens(path)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    runs = [_run_one(be, rep, path, toks, args)
+            for rep in range(max(1, args.repeats)) for be in backends]
+    results = _medians(runs, backends)
+    doc = {"model": os.path.basename(path), "prompt_tokens": len(toks), "decode_tokens": args.tokens,
+           "threads": args.threads, "machine": f"{platform.processor() or platform.machine()}, "
+           f"{os.cpu_count()} cpus, {platform.system()}",
+           "greedy_tokens_identical_prefix": _identical_prefix(results),
+           "repeats": max(1, args.repeats), "statistic": "median over repeats",
+           "results": [{k: v for k, v in r.items() if k != "generated"} for r in results],
+           "runs": [{k: v for k, v in r.items() if k != "generated"} for r in runs]}
+    txt = json.dumps(doc, indent=1)
+    print(txt)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(txt)
+    _print_table(doc)
     return 0
 
 

@@ -208,11 +208,7 @@ def markdown(path):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--table":
-        for p in sys.argv[2:]:
-            print(markdown(p) + "\n")
-        return 0
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
@@ -235,6 +231,153 @@ def main(argv=None):
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out (same model, text and lengths) and "
                          "add or replace this run's; KL/top-1 are against this run's f16")
+    return ap
+
+
+def _run_key_error(a, mf, text_ids, paths) -> int:
+    """``--key-error N``: each configuration's key reconstruction error, written to ``--out``."""
+    from localmoe.kv.spec import KVSpec
+
+    r = make_runner(mf, "f16", a.key_error + 16)
+    res = key_error(r, mf, text_ids, [c for c in a.configs if c != "f16"], a.key_error)
+    for name, row in res.items():
+        row["bits_k"] = KVSpec.parse(name).bits_per_value("k", r.spec.head_dim, 16)
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(
+            model=mf.name, file=Path(a.model).name, text=[p.name for p in paths],
+            n_tokens=min(a.key_error, len(text_ids)), n_layers=r.spec.n_layers,
+            key_error=res), indent=1))
+    return 0
+
+
+def _needle_ids(tok, text_ids, a):
+    """``(ids, n_question)``: BOS (when the model adds one), the first ``--ppl-tokens`` document
+    tokens with the needle at ``--depth``, then the question's ``n_question`` tokens."""
+    body = text_ids[1:] if (tok.add_bos and text_ids and text_ids[0] == tok.bos_id) else text_ids
+    nids, n_q = needle_prompt(tok, body, a.ppl_tokens, a.passkey, a.depth)
+    if tok.add_bos and tok.bos_id is not None:
+        nids = [tok.bos_id] + nids
+    return nids, n_q
+
+
+def _stored_results(ap, a, n_prompt: int) -> dict:
+    """With ``--append``, the rows already in ``--out`` (which must match this run), else {}."""
+    if not (a.append and a.out and Path(a.out).is_file()):
+        return {}
+    old = json.loads(Path(a.out).read_text())
+    if (old.get("file"), old.get("prompt_tokens"), old.get("gen"), old.get("depth", 0.4),
+            old.get("passkey", "48213")) != (Path(a.model).name, n_prompt, a.gen, a.depth,
+                                             a.passkey):
+        ap.error(f"--append: {a.out} holds another model, prompt or --gen")
+    return old["results"]
+
+
+def _ppl_and_answer(r, nids, n_text, a, ref_tokens):
+    """Perplexity over the document (needle sentence included), fed chunk by chunk, then
+    ``--gen`` steps after the question: greedy, or teacher-forced along ``ref_tokens``.
+
+    Returns ``(ppl, n_scored, lps, toks)``: ``lps`` the per-step log-probabilities ([vocab]
+    float32 tensors), ``toks`` the per-step argmax token ids.
+    """
+    sid = r.new_sequence()
+    nll, n = 0.0, 0
+    for i in range(0, n_text, a.chunk):
+        part = nids[i:min(i + a.chunk, n_text)]
+        logits = r.forward([(sid, part)], all_logits=True)[0]
+        tgt = nids[i + 1:i + 1 + len(part)]
+        lp = torch.log_softmax(logits[:len(tgt)].float(), -1)
+        nll -= lp.gather(1, torch.tensor(tgt)[:, None]).sum().item()
+        n += len(tgt)
+    ppl = math.exp(nll / n)
+    logits = r.forward([(sid, nids[n_text:])])[0]
+    lps, toks = [], []
+    for step in range(a.gen):
+        lp = torch.log_softmax(logits.float(), -1)
+        lps.append(lp)
+        t = int(lp.argmax()) if ref_tokens is None else ref_tokens[step]
+        toks.append(int(lp.argmax()))
+        if step + 1 < a.gen:
+            logits = r.forward([(sid, [t])])[0]
+    return ppl, n, lps, toks
+
+
+def _score(r, a, tok, ppl, lps, toks, ref) -> dict:
+    """One configuration's row. The first call (f16) fills ``ref`` (``lp``, ``tokens``,
+    ``span``); later ones are compared against it (KL, top-1, needle)."""
+    row = {"kv_spec": str(r.kv_spec), "ppl": ppl,
+           "kv_bytes_per_token": r.kv_spec.bytes_per_token(r.spec, a.block_size),
+           "bits_k": r.kv_spec.bits_per_value("k", r.spec.head_dim, a.block_size),
+           "bits_v": r.kv_spec.bits_per_value("v", r.spec.v_head_dim, a.block_size)}
+    if a.block_size != 16:
+        row["block_size"] = a.block_size
+    if ref.get("tokens") is None:
+        ref.update(lp=torch.stack(lps), tokens=toks, span=passkey_span(tok, toks, a.passkey))
+        answer = tok.decode(toks)
+        row.update(kl_mean=0.0, kl_max=0.0, top1=1.0)
+    else:
+        lp = torch.stack(lps)
+        kl = (ref["lp"].exp() * (ref["lp"] - lp)).sum(-1).clamp(min=0)
+        agree = [int(x == y) for x, y in zip(toks, ref["tokens"])]
+        row.update(kl_mean=kl.mean().item(), kl_max=kl.max().item(),
+                   top1=sum(agree) / len(agree))
+        first_miss = agree.index(0) if 0 in agree else len(agree)
+        answer = tok.decode(ref["tokens"][:first_miss] + toks[first_miss:first_miss + 1])
+    row["needle_answer"] = answer[:60]
+    row["needle_found"] = a.passkey in answer
+    span = ref["span"]
+    if span is not None:
+        # teacher-forced probability of the fp16 answer's passkey tokens: a continuous
+        # retrieval measure next to the all-or-nothing greedy check
+        lp = torch.stack(lps)
+        row["needle_p"] = math.exp(sum(lp[i, ref["tokens"][i]].item()
+                                       for i in range(span[0], span[1] + 1)))
+    return row
+
+
+def _print_row(name, row) -> None:
+    print(f"{name:24s} ppl {row['ppl']:8.3f}  KL {row['kl_mean']:.4f} (max {row['kl_max']:.3f})  "
+          f"top1 {row['top1']*100:5.1f}%  needle {row['needle_found']!s:5s} "
+          f"p {row.get('needle_p', float('nan')):.2f}  "
+          f"bits K/V {row['bits_k']:.2f}/{row['bits_v']:.2f}  [{row['seconds']} s]",
+          flush=True)
+
+
+def _run_configs(ap, a, mf, tok, paths, nids, n_q) -> int:
+    """f16 first, then every other configuration: one row each, ``--out`` rewritten after each."""
+    n_ctx = len(nids) + a.gen + 16
+    results = _stored_results(ap, a, len(nids))
+    ref = {}
+    configs = ["f16"] + [c for c in a.configs if c != "f16"]
+    n_text = len(nids) - n_q
+    for name in configs:
+        t0 = time.time()
+        r = make_runner(mf, name, n_ctx, a.block_size)
+        ppl, n, lps, toks = _ppl_and_answer(r, nids, n_text, a, ref.get("tokens"))
+        row = _score(r, a, tok, ppl, lps, toks, ref)
+        row["seconds"] = round(time.time() - t0, 1)
+        key = name if (a.block_size == 16 or name == "f16") else f"{name} (page {a.block_size})"
+        if key in results and name == "f16" and abs(results[key]["ppl"] / ppl - 1) > 1e-4:
+            print(f"warning: f16 ppl {ppl:.4f} differs from the stored {results[key]['ppl']:.4f} "
+                  "(KL of the stored rows is against that run)", flush=True)
+        results[key] = row
+        _print_row(name, row)
+        r.close()
+        if a.out:
+            Path(a.out).write_text(json.dumps(dict(model=mf.name, file=Path(a.model).name,
+                                                   text=[p.name for p in paths],
+                                                   ppl_tokens=n, prompt_tokens=len(nids),
+                                                   gen=a.gen, chunk=a.chunk, depth=a.depth,
+                                                   passkey=a.passkey, results=results),
+                                              indent=1))
+    return 0
+
+
+def main(argv=None):
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--table":
+        for p in sys.argv[2:]:
+            print(markdown(p) + "\n")
+        return 0
+    ap = _parser()
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     if a.threads:
@@ -248,111 +391,13 @@ def main(argv=None):
     paths = [Path(p) for p in a.text] if a.text else [TEXT]
     text_ids = tok.encode("\n\n".join(p.read_text() for p in paths))
     if a.key_error:
-        from localmoe.kv.spec import KVSpec
-
-        r = make_runner(mf, "f16", a.key_error + 16)
-        res = key_error(r, mf, text_ids, [c for c in a.configs if c != "f16"], a.key_error)
-        for name, row in res.items():
-            row["bits_k"] = KVSpec.parse(name).bits_per_value("k", r.spec.head_dim, 16)
-        if a.out:
-            Path(a.out).write_text(json.dumps(dict(
-                model=mf.name, file=Path(a.model).name, text=[p.name for p in paths],
-                n_tokens=min(a.key_error, len(text_ids)), n_layers=r.spec.n_layers,
-                key_error=res), indent=1))
-        return 0
+        return _run_key_error(a, mf, text_ids, paths)
     if len(text_ids) < a.ppl_tokens:
         print(f"warning: the text has only {len(text_ids)} tokens (< --ppl-tokens)", flush=True)
-    passkey = a.passkey
-    body = text_ids[1:] if (tok.add_bos and text_ids and text_ids[0] == tok.bos_id) else text_ids
-    nids, n_q = needle_prompt(tok, body, a.ppl_tokens, passkey, a.depth)
-    if tok.add_bos and tok.bos_id is not None:
-        nids = [tok.bos_id] + nids
-    n_ctx = len(nids) + a.gen + 16
+    nids, n_q = _needle_ids(tok, text_ids, a)
     print(f"model {mf.name}: document {len(nids) - n_q} tokens (needle at {a.depth:.0%}), question "
           f"{n_q}, gen {a.gen}", flush=True)
-
-    results = {}
-    if a.append and a.out and Path(a.out).is_file():
-        old = json.loads(Path(a.out).read_text())
-        if (old.get("file"), old.get("prompt_tokens"), old.get("gen"), old.get("depth", 0.4),
-                old.get("passkey", "48213")) != (Path(a.model).name, len(nids), a.gen, a.depth,
-                                                 passkey):
-            ap.error(f"--append: {a.out} holds another model, prompt or --gen")
-        results = old["results"]
-    ref_lp, ref_tokens, span = None, None, None
-    configs = ["f16"] + [c for c in a.configs if c != "f16"]
-    n_text = len(nids) - n_q
-    for name in configs:
-        t0 = time.time()
-        r = make_runner(mf, name, n_ctx, a.block_size)
-        sid = r.new_sequence()
-        # perplexity over the document (needle sentence included), chunk by chunk
-        nll, n = 0.0, 0
-        for i in range(0, n_text, a.chunk):
-            part = nids[i:min(i + a.chunk, n_text)]
-            logits = r.forward([(sid, part)], all_logits=True)[0]
-            tgt = nids[i + 1:i + 1 + len(part)]
-            lp = torch.log_softmax(logits[:len(tgt)].float(), -1)
-            nll -= lp.gather(1, torch.tensor(tgt)[:, None]).sum().item()
-            n += len(tgt)
-        ppl = math.exp(nll / n)
-        logits = r.forward([(sid, nids[n_text:])])[0]
-        lps, toks = [], []
-        for step in range(a.gen):
-            lp = torch.log_softmax(logits.float(), -1)
-            lps.append(lp)
-            t = int(lp.argmax()) if ref_tokens is None else ref_tokens[step]
-            toks.append(int(lp.argmax()))
-            if step + 1 < a.gen:
-                logits = r.forward([(sid, [t])])[0]
-        row = {"kv_spec": str(r.kv_spec), "ppl": ppl,
-               "kv_bytes_per_token": r.kv_spec.bytes_per_token(r.spec, a.block_size),
-               "bits_k": r.kv_spec.bits_per_value("k", r.spec.head_dim, a.block_size),
-               "bits_v": r.kv_spec.bits_per_value("v", r.spec.v_head_dim, a.block_size)}
-        if a.block_size != 16:
-            row["block_size"] = a.block_size
-        if ref_tokens is None:
-            ref_lp = torch.stack(lps)
-            ref_tokens = toks
-            span = passkey_span(tok, toks, passkey)
-            answer = tok.decode(toks)
-            row.update(kl_mean=0.0, kl_max=0.0, top1=1.0)
-        else:
-            lp = torch.stack(lps)
-            kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp(min=0)
-            agree = [int(x == y) for x, y in zip(toks, ref_tokens)]
-            row.update(kl_mean=kl.mean().item(), kl_max=kl.max().item(),
-                       top1=sum(agree) / len(agree))
-            first_miss = agree.index(0) if 0 in agree else len(agree)
-            answer = tok.decode(ref_tokens[:first_miss] + toks[first_miss:first_miss + 1])
-        row["needle_answer"] = answer[:60]
-        row["needle_found"] = passkey in answer
-        if span is not None:
-            # teacher-forced probability of the fp16 answer's passkey tokens: a continuous
-            # retrieval measure next to the all-or-nothing greedy check
-            lp = torch.stack(lps)
-            row["needle_p"] = math.exp(sum(lp[i, ref_tokens[i]].item()
-                                           for i in range(span[0], span[1] + 1)))
-        row["seconds"] = round(time.time() - t0, 1)
-        key = name if (a.block_size == 16 or name == "f16") else f"{name} (page {a.block_size})"
-        if key in results and name == "f16" and abs(results[key]["ppl"] / ppl - 1) > 1e-4:
-            print(f"warning: f16 ppl {ppl:.4f} differs from the stored {results[key]['ppl']:.4f} "
-                  "(KL of the stored rows is against that run)", flush=True)
-        results[key] = row
-        print(f"{name:24s} ppl {ppl:8.3f}  KL {row['kl_mean']:.4f} (max {row['kl_max']:.3f})  "
-              f"top1 {row['top1']*100:5.1f}%  needle {row['needle_found']!s:5s} "
-              f"p {row.get('needle_p', float('nan')):.2f}  "
-              f"bits K/V {row['bits_k']:.2f}/{row['bits_v']:.2f}  [{row['seconds']} s]",
-              flush=True)
-        r.close()
-        if a.out:
-            Path(a.out).write_text(json.dumps(dict(model=mf.name, file=Path(a.model).name,
-                                                   text=[p.name for p in paths],
-                                                   ppl_tokens=n, prompt_tokens=len(nids),
-                                                   gen=a.gen, chunk=a.chunk, depth=a.depth,
-                                                   passkey=passkey, results=results),
-                                              indent=1))
-    return 0
+    return _run_configs(ap, a, mf, tok, paths, nids, n_q)
 
 
 if __name__ == "__main__":
