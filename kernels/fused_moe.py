@@ -33,7 +33,9 @@ Mixtral 43%; 8 tokens 22-32%. Both launches are latency-bound: launch 1 has only
 ``T*top_k*F/32`` programs (192 for Qwen3) of 64 rows, each starting with a serial
 id -> slot -> weights chain, and Triton does not pipeline the K loop's loads.
 
-Launch choices live in :data:`MOE_CONFIG` (to move to ``kernels/configs/<device>.json``).
+Launch choices (BN, CH, warps, xb of each launch) come from the ``moe_gate_up`` and
+``moe_down`` knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config`,
+tuned by ``benchmarks/bench_quant_kernels.py --sweep --write-config``): :func:`moe_config`.
 The twin is :func:`fused_moe_ref` (float32, from ``QuantTensor.dequantize`` of the routed
 experts).
 """
@@ -44,23 +46,30 @@ import torch
 import triton
 import triton.language as tl
 
+from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qtile, _quant_block, _x_rows, dequantize_act, plane_args, quantize_act,
     quantize_act_ref, use_asm,
 )
 
-__all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "MOE_CONFIG", "ACTIVATIONS"]
-
-# ---- launch choices: one dict for this kernel; to move into kernels/configs/<device>.json ----
-MOE_CONFIG = {
-    # BN gate rows (+ BN up rows) per program; BN % 32 == 0 makes launch 1 write h as int8
-    "gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True},
-    "down": {"BN": 1, "CH": 32, "num_warps": 1},   # BN rows per program
-}
-# -----------------------------------------------------------------------------------------------
+__all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "moe_config", "ACTIVATIONS"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}
+
+
+def moe_config(stage: str, tokens: int, top_k: int, n_experts: int, d_model: int, d_ff: int,
+               qtype: int, device=None) -> dict:
+    """Launch choice of one launch of :func:`fused_moe` (``stage`` ``"gate_up"`` or ``"down"``)
+    for ``tokens`` tokens routed to ``top_k`` of ``n_experts`` experts of width ``d_model`` and
+    ``d_ff`` (per expert), weights of GGUF type ``qtype``, on ``device`` (a torch device or its
+    name; None: the table of a CUDA device without a file of its own, the H200's): ``BN`` rows
+    per program (gate_up: a multiple of 32, so launch 1 writes h as int8 blocks), ``CH``
+    chunks per tile, ``num_warps``, ``xb``, from the ``moe_gate_up`` / ``moe_down`` knob of
+    the device's launch table (:mod:`localmoe.kernels.launch_config`)."""
+    return device_table(device).lookup(
+        f"moe_{stage}", tokens=tokens, top_k=top_k, n_experts=n_experts, d_model=d_model,
+        d_ff=d_ff, qtype=QTYPE_NAMES[qtype])
 
 
 @triton.jit
@@ -191,7 +200,7 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         slot_of: int32 ``[E]`` expert -> slot in the stacked tensors (identity when None).
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh approximation).
         out: optional ``[T, D]`` output.
-        config: overrides of :data:`MOE_CONFIG` (``{"gate_up": {...}, "down": {...}}``).
+        config: overrides of :func:`moe_config` (``{"gate_up": {...}, "down": {...}}``).
     Returns:
         ``[T, D]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
@@ -200,7 +209,7 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
     _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of)
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    cfg = {k: dict(v) for k, v in MOE_CONFIG.items()}
+    cfg = {"gate_up": {}, "down": {}}
     for k, v in (config or {}).items():
         cfg[k].update(v)
     if slot_of is None:
@@ -218,10 +227,11 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
     (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them)."""
-    c = dict(MOE_CONFIG["gate_up"], **(config or {}))
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
+    c = dict(moe_config("gate_up", t, top_k, e, d, f, w_gate_up.qtype, topk_ids.device),
+             **(config or {}))
     if c["BN"] % 32 or f % 32:
         raise ValueError(f"moe_gate_up: BN ({c['BN']}) and d_ff ({f}) must be multiples of 32")
     cv = chunk_values(w_gate_up.qtype)
@@ -242,9 +252,10 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
              dtype: torch.dtype = torch.float32, config: dict | None = None) -> torch.Tensor:
     """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
     @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`."""
-    c = dict(MOE_CONFIG["down"], **(config or {}))
     e, d, f = w_down.shape
     t, top_k = topk_ids.shape
+    c = dict(moe_config("down", t, top_k, e, d, f, w_down.qtype, topk_ids.device),
+             **(config or {}))
     cv = chunk_values(w_down.qtype)
     if out is None:
         out = torch.empty((t, d), dtype=dtype, device=topk_ids.device)

@@ -1,9 +1,12 @@
-"""Launch choices of the decode-attention kernel, read from data (``kernels/configs/*.json``).
+"""Launch choices of the Triton kernels, read from data (``kernels/configs/*.json``).
 
-Tile size, warps, programs per SM, transposed products and the other launch choices of
-:func:`localmoe.kernels.decode_attention.decode_attention` are measured per device and kept as
-ordered rule lists in one JSON file per device, not as code. A file is picked by the device's
-name, normalized by :func:`device_key` (``torch.cuda.get_device_name`` ``"NVIDIA H200"`` ->
+Tile sizes, warps, programs per SM and the other launch choices of decode attention
+(:func:`localmoe.kernels.decode_attention.decode_attention`), the quantized GEMV
+(:func:`localmoe.kernels.quant_gemv.gemv_config`), the two launches of the fused MoE
+(:func:`localmoe.kernels.fused_moe.moe_config`) and the MoE router
+(:func:`localmoe.kernels.router.router_config`) are measured per device and kept as ordered rule
+lists in one JSON file per device, not as code. A file is picked by the device's name,
+normalized by :func:`device_key` (``torch.cuda.get_device_name`` ``"NVIDIA H200"`` ->
 ``nvidia_h200.json``); a CUDA device without a file of its own uses ``default.json``; every
 other device (CPU tensors, run through the Triton interpreter) uses ``cpu.json``.
 
@@ -15,29 +18,50 @@ File layout::
                ...,
                {"block_n": 128, "num_warps": 4, "waves": 2.0}],      # last: no "when"
      "swap_ab": [...], "sz_pre": [...], "v_join": [...], "num_stages": [...],
-     "fused_reduce": [...]}
+     "fused_reduce": [...],
+     "gemv": [{"when": {"n": {"min": 32768}}, "BN": 4, "CH": 64, "num_warps": 4, "xb": true},
+              {"BN": 1, "CH": 32, "num_warps": 1, "xb": false}],
+     "gemv_split": [...], "moe_gate_up": [...], "moe_down": [...], "router": [...]}
 
 Each knob (:data:`KNOBS`) is a list of rules; the first rule whose ``when`` matches gives the
-knob's fields, and the last rule has no ``when`` (the fallback). ``why`` is a free-text note
-(where the choice was measured). Conditions (all must hold) test the features of one launch
-(:func:`launch_features`):
+knob's fields (every rule gives all of them), and the last rule has no ``when`` (the fallback).
+``why`` is a free-text note (where the choice was measured). Conditions (all must hold) test
+features of one launch; each knob names the features it may test:
 
-* ``k_fmt``, ``v_fmt``: storage format of keys / values, ``"float"`` (f16/bf16/f32), ``"int8"``,
-  ``"int4"``, ``"int3"``, ``"int2"`` or ``"fp4"`` (:func:`codec_format`);
-* ``k_chan``: keys grouped per channel (KIVI) rather than per token;
-* ``extras``: a side that reads outliers (per-token), sink or window buffers (per-token), or
-  rotated keys;
-* ``pairs``: batch x kv heads, the (sequence, kv head) pairs of the launch;
-* ``max_len``: longest sequence in tokens (None, unknown, counts as longer than any bound).
+* decode attention, knobs ``tile`` (``block_n`` tokens per tile, ``num_warps``, ``waves``
+  programs per SM), ``swap_ab``, ``sz_pre``, ``v_join``, ``num_stages``, ``fused_reduce`` (the
+  fields of :class:`LaunchChoice`), features (:func:`launch_features`):
 
-A condition's value is a value (equal), a list (any of) or ``{"min": a, "max": b}`` (bounds
-inclusive, either may be left out).
+  - ``k_fmt``, ``v_fmt``: storage format of keys / values, ``"float"`` (f16/bf16/f32),
+    ``"int8"``, ``"int4"``, ``"int3"``, ``"int2"`` or ``"fp4"`` (:func:`codec_format`);
+  - ``k_chan``: keys grouped per channel (KIVI) rather than per token;
+  - ``extras``: a side that reads outliers (per-token), sink or window buffers (per-token),
+    or rotated keys;
+  - ``pairs``: batch x kv heads, the (sequence, kv head) pairs of the launch;
+  - ``max_len``: longest sequence in tokens (None, unknown, counts as longer than any bound).
+
+* quantized GEMV of ``tokens`` rows of x against an ``[n, k]`` weight of GGUF type ``qtype``
+  (the name, ``"Q8_0"``, ``"Q6_K"``, ...): knob ``gemv`` (``BN`` weight rows per program,
+  ``CH`` chunks per K tile, ``num_warps``, ``xb``: x loaded once per row rather than per
+  thread) and knob ``gemv_split`` (``min_programs``, ``max_split``: K is split in two, four,
+  ... while the grid has fewer than ``min_programs`` programs, at most ``max_split`` ways).
+
+* fused MoE, knobs ``moe_gate_up`` (launch 1) and ``moe_down`` (launch 2), fields ``BN``,
+  ``CH``, ``num_warps``, ``xb`` as for the GEMV; features ``tokens``, ``top_k``,
+  ``n_experts``, ``d_model``, ``d_ff`` (per expert), ``qtype`` (of that launch's weights).
+
+* MoE router, knob ``router`` (``num_warps``); features ``tokens``, ``n_experts``, ``top_k``.
+
+A condition's value is a value (equal), a list (any of) or, for the numeric features
+(:data:`NUMERIC`), ``{"min": a, "max": b}`` (bounds inclusive, either may be left out).
+Lookups are cached per bucket of the bounds the rules use, so a launch costs one dict lookup.
 
 Raises :class:`~localmoe.errors.LocalMoEError` for a file that does not follow this layout.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -49,30 +73,58 @@ from localmoe.errors import LocalMoEError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
-KNOBS: dict[str, tuple[str, ...]] = {
-    "tile": ("block_n", "num_warps", "waves"),
-    "swap_ab": ("swap_ab",),
-    "sz_pre": ("sz_pre",),
-    "v_join": ("v_join",),
-    "num_stages": ("num_stages",),
-    "fused_reduce": ("fused_reduce",),
-}
-"""Knob -> the fields of :class:`LaunchChoice` its rules give."""
 
-CHOICE_FIELDS = tuple(f for fields in KNOBS.values() for f in fields)
+@dataclass(frozen=True)
+class Knob:
+    """One knob: the ``fields`` each of its rules gives and the ``features`` its conditions
+    may test."""
+
+    fields: tuple[str, ...]
+    features: tuple[str, ...]
+
+
+ATTENTION_FEATURES = ("k_fmt", "v_fmt", "k_chan", "extras", "pairs", "max_len")
+GEMV_FEATURES = ("tokens", "n", "k", "qtype")
+MOE_FEATURES = ("tokens", "top_k", "n_experts", "d_model", "d_ff", "qtype")
+ROUTER_FEATURES = ("tokens", "n_experts", "top_k")
+_QUANT_TILE = ("BN", "CH", "num_warps", "xb")
+
+KNOBS: dict[str, Knob] = {
+    "tile": Knob(("block_n", "num_warps", "waves"), ATTENTION_FEATURES),
+    "swap_ab": Knob(("swap_ab",), ATTENTION_FEATURES),
+    "sz_pre": Knob(("sz_pre",), ATTENTION_FEATURES),
+    "v_join": Knob(("v_join",), ATTENTION_FEATURES),
+    "num_stages": Knob(("num_stages",), ATTENTION_FEATURES),
+    "fused_reduce": Knob(("fused_reduce",), ATTENTION_FEATURES),
+    "gemv": Knob(_QUANT_TILE, GEMV_FEATURES),
+    "gemv_split": Knob(("min_programs", "max_split"), GEMV_FEATURES),
+    "moe_gate_up": Knob(_QUANT_TILE, MOE_FEATURES),
+    "moe_down": Knob(_QUANT_TILE, MOE_FEATURES),
+    "router": Knob(("num_warps",), ROUTER_FEATURES),
+}
+"""Knob name -> its fields and features; every configuration file (with what it extends)
+gives rules for all of them."""
+
+ATTENTION_KNOBS = ("tile", "swap_ab", "sz_pre", "v_join", "num_stages", "fused_reduce")
+"""The knobs :meth:`LaunchTable.choose` combines into one :class:`LaunchChoice`."""
+
+CHOICE_FIELDS = tuple(f for knob in ATTENTION_KNOBS for f in KNOBS[knob].fields)
 """Every field of :class:`LaunchChoice`, in knob order."""
 
-FEATURES = ("k_fmt", "v_fmt", "k_chan", "extras", "pairs", "max_len")
-_BOUNDED = ("pairs", "max_len")  # numeric features: cached by the bucket of the bounds used
+FEATURES = ATTENTION_FEATURES
+
+NUMERIC = frozenset({"pairs", "max_len", "tokens", "n", "k", "top_k", "n_experts", "d_model",
+                     "d_ff"})
+"""Features with numbers for values: their conditions may give bounds."""
 
 
 @dataclass(frozen=True)
 class LaunchChoice:
-    """One launch's choices: ``block_n`` tokens per tile, ``num_warps`` per program, ``waves``
-    programs per SM the split count aims for, ``swap_ab`` products transposed, ``sz_pre`` sides
-    (``"k"``/``"v"``) whose per-token scales are loaded once per tile, ``v_join`` one dot over
-    the joined 2/3-bit value planes, ``num_stages`` software pipeline stages, ``fused_reduce``
-    splits merged in the same launch."""
+    """One decode-attention launch's choices: ``block_n`` tokens per tile, ``num_warps`` per
+    program, ``waves`` programs per SM the split count aims for, ``swap_ab`` products
+    transposed, ``sz_pre`` sides (``"k"``/``"v"``) whose per-token scales are loaded once per
+    tile, ``v_join`` one dot over the joined 2/3-bit value planes, ``num_stages`` software
+    pipeline stages, ``fused_reduce`` splits merged in the same launch."""
 
     block_n: int
     num_warps: int
@@ -103,7 +155,7 @@ def _has_extras(codec: Any) -> bool:
 
 def launch_features(k_codec: Any, v_codec: Any, batch: int = 1, n_kv_heads: int = 1,
                     max_len: int | None = None) -> dict[str, Any]:
-    """The features rules test (see the module docstring) of one launch."""
+    """The features attention rules test (see the module docstring) of one launch."""
     return {"k_fmt": codec_format(k_codec), "v_fmt": codec_format(v_codec),
             "k_chan": bool(getattr(k_codec, "channel", False)),
             "extras": _has_extras(k_codec) or _has_extras(v_codec),
@@ -129,8 +181,32 @@ def _bounds(cond: Any) -> list[int]:
     return [t for v in values for t in (v, v + 1)]  # value == v: v >= v and not v >= v + 1
 
 
+def _cuts(rule_lists: list[list[dict]]) -> dict[str, tuple[int, ...]]:
+    """Numeric feature -> the sorted thresholds its conditions in ``rule_lists`` use."""
+    cuts: dict[str, set[int]] = {}
+    for rules in rule_lists:
+        for rule in rules:
+            for f, cond in rule.get("when", {}).items():
+                if f in NUMERIC:
+                    cuts.setdefault(f, set()).update(_bounds(cond))
+    return {f: tuple(sorted(c)) for f, c in cuts.items()}
+
+
+def _bucket_key(cuts: dict[str, tuple[int, ...]], names: tuple[str, ...],
+                feats: dict[str, Any]) -> tuple:
+    """Cache key of ``feats``: numeric features by the bucket of ``cuts`` they fall in (None
+    stays None: unknown, longer than any bound), the others by value."""
+    key = []
+    for f in names:
+        v = feats[f]
+        if f in NUMERIC and v is not None:
+            v = bisect.bisect_right(cuts.get(f, ()), v)
+        key.append(v)
+    return tuple(key)
+
+
 class LaunchTable:
-    """The rules of one configuration file (with what it extends) and a per-bucket cache.
+    """The rules of one configuration file (with what it extends) and per-bucket caches.
 
     Args:
         name: file stem (``"default"``, ``"cpu"``, ``"nvidia_h200"``).
@@ -140,34 +216,43 @@ class LaunchTable:
     def __init__(self, name: str, knobs: dict[str, list[dict]]):
         self.name = name
         self.knobs = knobs
-        cuts: dict[str, set[int]] = {f: set() for f in _BOUNDED}
-        for rules in knobs.values():
-            for rule in rules:
-                for f, cond in rule.get("when", {}).items():
-                    if f in cuts:
-                        cuts[f].update(_bounds(cond))
-        self._cuts = {f: tuple(sorted(c)) for f, c in cuts.items()}
+        self._knob_cuts = {knob: _cuts([rules]) for knob, rules in knobs.items()}
+        self._attn_cuts = _cuts([knobs[k] for k in ATTENTION_KNOBS if k in knobs])
         self._cache: dict[tuple, LaunchChoice] = {}
+        self._picks: dict[tuple, dict[str, Any]] = {}
 
     def pick(self, knob: str, feats: dict[str, Any]) -> dict[str, Any]:
-        """Fields of the first rule of ``knob`` that matches ``feats``."""
+        """Fields of the first rule of ``knob`` that matches ``feats`` (uncached)."""
         for rule in self.knobs[knob]:
             if all(_matches(c, feats[f]) for f, c in rule.get("when", {}).items()):
-                return {k: rule[k] for k in KNOBS[knob]}
+                return {k: rule[k] for k in KNOBS[knob].fields}
         raise LocalMoEError(f"launch config {self.name}: no rule of {knob} matches {feats}")
+
+    def lookup(self, knob: str, **feats: Any) -> dict[str, Any]:
+        """Fields of ``knob`` for one launch (a new dict), cached per bucket; ``feats`` gives
+        every feature of the knob (:data:`KNOBS`), e.g. ``lookup("gemv", tokens=1, n=5120,
+        k=2048, qtype="Q8_0")``.
+
+        Raises:
+            KeyError: a feature of the knob is missing.
+        """
+        key = (knob,) + _bucket_key(self._knob_cuts[knob], KNOBS[knob].features, feats)
+        hit = self._picks.get(key)
+        if hit is None:
+            hit = self._picks[key] = self.pick(knob, feats)
+        return dict(hit)
 
     def choose(self, k_codec: Any, v_codec: Any, batch: int = 1, n_kv_heads: int = 1,
                max_len: int | None = None) -> LaunchChoice:
-        """The :class:`LaunchChoice` for keys/values stored by ``k_codec``/``v_codec``,
-        ``batch`` sequences, ``n_kv_heads`` and ``max_len`` tokens (None: unknown, long)."""
+        """The decode-attention :class:`LaunchChoice` for keys/values stored by
+        ``k_codec``/``v_codec``, ``batch`` sequences, ``n_kv_heads`` and ``max_len`` tokens
+        (None: unknown, long)."""
         feats = launch_features(k_codec, v_codec, batch, n_kv_heads, max_len)
-        key = tuple(feats[f] for f in FEATURES if f not in _BOUNDED) + tuple(
-            None if feats[f] is None else tuple(feats[f] >= t for t in self._cuts[f])
-            for f in _BOUNDED)
+        key = _bucket_key(self._attn_cuts, ATTENTION_FEATURES, feats)
         hit = self._cache.get(key)
         if hit is None:
             fields: dict[str, Any] = {}
-            for knob in KNOBS:
+            for knob in ATTENTION_KNOBS:
                 fields.update(self.pick(knob, feats))
             hit = self._cache[key] = LaunchChoice(**fields)
         return hit
@@ -177,6 +262,36 @@ def device_key(name: str) -> str:
     """File stem for a device name: lower case, runs of other characters as ``_``
     (``"NVIDIA H200"`` -> ``"nvidia_h200"``)."""
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _numeric_cond(cond: Any) -> bool:
+    if isinstance(cond, dict):
+        return bool(cond) and set(cond) <= {"min", "max"} and all(map(_is_number, cond.values()))
+    if isinstance(cond, list):
+        return bool(cond) and all(map(_is_number, cond))
+    return _is_number(cond)
+
+
+def _check_rule(name: str, knob: str, i: int, last: bool, rule: Any) -> None:
+    spec = KNOBS[knob]
+    if not isinstance(rule, dict) or not isinstance(rule.get("when", {}), dict):
+        raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is not an object "
+                            f"with a 'when' object")
+    when = rule.get("when", {})
+    bad = (set(rule) - set(spec.fields) - {"when", "why"}
+           or set(spec.fields) - set(rule) or set(when) - set(spec.features))
+    if bad or ("when" in rule) == last:
+        raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is malformed "
+                            f"({sorted(bad) if bad else 'only the last rule has no when'})")
+    for f, cond in when.items():
+        if f in NUMERIC and not _numeric_cond(cond):
+            raise LocalMoEError(f"launch config {name}: rule {i} of {knob}: the condition on "
+                                f"{f} must be a number, a list of numbers or "
+                                f"{{\"min\": a, \"max\": b}}, got {cond!r}")
 
 
 def _check(name: str, data: Any) -> None:
@@ -189,20 +304,18 @@ def _check(name: str, data: Any) -> None:
             raise LocalMoEError(f"launch config {name}: {knob!r} is not a knob with rules "
                                 f"(knobs: {', '.join(KNOBS)})")
         for i, rule in enumerate(rules):
-            when = rule.get("when", {})
-            bad = (set(rule) - set(KNOBS[knob]) - {"when", "why"}
-                   or set(KNOBS[knob]) - set(rule) or set(when) - set(FEATURES))
-            if bad or ("when" in rule) == (i == len(rules) - 1):
-                raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is malformed "
-                                    f"({sorted(bad) if bad else 'only the last rule has no when'})")
+            _check_rule(name, knob, i, i == len(rules) - 1, rule)
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LocalMoEError(f"cannot read launch config {path}: {e}") from None
 
 
 def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, list[dict]]:
-    path = CONFIG_DIR / f"{name}.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise LocalMoEError(f"cannot read launch config {path}: {e}") from None
+    data = _load_json(CONFIG_DIR / f"{name}.json")
     _check(name, data)
     base = data.get("extends")
     if base in seen + (name,):
@@ -244,3 +357,15 @@ def table_for(device: Any) -> LaunchTable:
             table = load_table(device_key(torch.cuda.get_device_name(device)))
         _BY_DEVICE[key] = table
     return table
+
+
+def device_table(device: Any = None) -> LaunchTable:
+    """:func:`table_for` of ``device`` (a torch device or its name); None: ``default.json``
+    (a CUDA device without a file of its own)."""
+    if device is None:
+        return load_table("default")
+    if isinstance(device, str):
+        import torch
+
+        device = torch.device(device)
+    return table_for(device)

@@ -39,7 +39,9 @@ Mixtral QKV 6144x4096 Q8_0 73%. Small GEMVs are bounded by the ~2 us a kernel co
 however little it reads (cuBLAS fp16: 60% on the same QKV at twice the bytes). 8 tokens: 13-19%
 (one K pass per token re-decodes the weights; a tensor-core path is the next step).
 
-Launch choices live in :data:`GEMV_CONFIG` (to move to ``kernels/configs/<device>.json``).
+Launch choices (BN, CH, warps, xb, the split over K) come from the ``gemv`` and ``gemv_split``
+knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config`, tuned by
+``benchmarks/bench_quant_kernels.py --sweep --write-config``): :func:`gemv_config`.
 """
 
 from __future__ import annotations
@@ -51,29 +53,13 @@ import torch
 import triton
 import triton.language as tl
 
+from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.qtensor import (
     FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
 )
 
 __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "QuantAct",
-           "GEMV_CONFIG", "gemv_config"]
-
-# ---- launch choices: one dict for this kernel; to move into kernels/configs/<device>.json ----
-# keyed by the token bucket (1, 2, 4, 8): BN rows per program, CH chunks per tile, warps; the
-# split over K is chosen so that the grid has at least MIN_PROGRAMS programs.
-GEMV_CONFIG = {
-    "tokens": {
-        1: {"BN": 2, "CH": 64, "num_warps": 2},
-        2: {"BN": 2, "CH": 64, "num_warps": 2},
-        4: {"BN": 1, "CH": 32, "num_warps": 1},
-        8: {"BN": 1, "CH": 32, "num_warps": 1},
-    },
-    # large N (output heads): more rows per program, x loaded once per row
-    "large_n": {"min_n": 32768, "BN": 4, "CH": 64, "num_warps": 4, "xb": True},
-    "min_programs": 264,   # 2 x the H200's 132 SMs
-    "max_split": 8,
-}
-# -----------------------------------------------------------------------------------------------
+           "gemv_config"]
 
 _Q4_0 = tl.constexpr(2)
 _Q4_1 = tl.constexpr(3)
@@ -396,25 +382,23 @@ def plane_args(w: QuantTensor) -> tuple[list[torch.Tensor], list[int]]:
     return ptrs, strides
 
 
-def _bucket(t: int) -> int:
-    for b in (1, 2, 4, 8):
-        if t <= b:
-            return b
-    return 8
-
-
-def gemv_config(n: int, k: int, t: int, qtype: int, n_sm: int | None = None) -> dict:
-    """Launch choice for ``t`` tokens of an ``[n, k]`` weight: ``BN``, ``CH``, ``num_warps``,
-    ``split`` (programs over K) from :data:`GEMV_CONFIG`."""
-    cfg = dict(GEMV_CONFIG["tokens"][_bucket(t)])
-    big = GEMV_CONFIG["large_n"]
-    if n >= big["min_n"]:
-        cfg.update({k2: v for k2, v in big.items() if k2 != "min_n"})
+def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
+    """Launch choice for ``t`` tokens of an ``[n, k]`` weight of GGUF type ``qtype`` on
+    ``device`` (a torch device or its name; None: the table of a CUDA device without a file of
+    its own, the H200's): ``BN`` rows per program, ``CH`` chunks per tile (at most the K chunks
+    rounded up to a power of two), ``num_warps``, ``xb``, and ``split`` programs over K
+    (doubled while the grid has fewer than ``min_programs`` programs, at most ``max_split``
+    ways, each part keeping at least ``CH`` chunks), from the ``gemv`` and ``gemv_split``
+    knobs of the device's launch table (:mod:`localmoe.kernels.launch_config`)."""
+    table = device_table(device)
+    feats = {"tokens": t, "n": n, "k": k, "qtype": QTYPE_NAMES[qtype]}
+    cfg = table.lookup("gemv", **feats)
+    sp = table.lookup("gemv_split", **feats)
     n_chunks = k // chunk_values(qtype)
     cfg["CH"] = min(cfg["CH"], triton.next_power_of_2(n_chunks))
     blocks = triton.cdiv(n, cfg["BN"])
     split = 1
-    while (blocks * split < GEMV_CONFIG["min_programs"] and split < GEMV_CONFIG["max_split"]
+    while (blocks * split < sp["min_programs"] and split < sp["max_split"]
            and n_chunks // (split * 2) >= cfg["CH"]):
         split *= 2
     cfg["split"] = split
@@ -482,7 +466,7 @@ def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | N
 def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | None):
     n, k = w.shape
     t = x.shape[0]
-    cfg = dict(gemv_config(n, k, t, w.qtype), **(config or {}))
+    cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device), **(config or {}))
     cv = chunk_values(w.qtype)
     n_chunks = k // cv
     split = cfg.get("split", 1)

@@ -11,7 +11,8 @@ Algorithm: one program per token holds the token's ``E`` logits (padded to a pow
 -inf) in registers, computes the probabilities in float32, then selects ``top_k`` times the
 maximum (the lowest index among equal maxima) and masks it out. Expert ids (int32) and weights
 (float32) stay on the device for :func:`localmoe.kernels.fused_moe.fused_moe`.
-The twin is :func:`router_ref` (= ``route``).
+The twin is :func:`router_ref` (= ``route``). Warps per program come from the ``router`` knob of
+``kernels/configs/<device>.json`` (:func:`router_config`, :mod:`localmoe.kernels.launch_config`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import triton
 import triton.language as tl
 
 from localmoe.errors import UnsupportedModelError
+from localmoe.kernels.launch_config import device_table
 
-__all__ = ["router", "router_ref"]
+__all__ = ["router", "router_ref", "router_config"]
 
 GATING = {"softmax": 0, "sigmoid": 1}
 
@@ -63,9 +65,16 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, l_rs, ids_rs, w_rs, 
     tl.store(w_ptr + t * w_rs + kk, wts, mask=km)
 
 
+def router_config(tokens: int, n_experts: int, top_k: int, device=None) -> dict:
+    """Launch choice (``num_warps``) of :func:`router` for ``tokens`` rows of ``n_experts``
+    logits and ``top_k`` on ``device`` (a torch device or its name; None: the table of a CUDA
+    device without a file of its own), from the ``router`` knob of the device's launch table."""
+    return device_table(device).lookup("router", tokens=tokens, n_experts=n_experts, top_k=top_k)
+
+
 def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_topk_prob: bool = False,
-           expert_weights_scale: float = 1.0, selection_bias: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           expert_weights_scale: float = 1.0, selection_bias: torch.Tensor | None = None,
+           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Route tokens to experts on the device (one launch, no host sync).
 
     Args:
@@ -75,6 +84,7 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
         norm_topk_prob: renormalize the selected weights to sum to 1.
         expert_weights_scale: constant factor on the weights.
         selection_bias: optional ``[n_experts]`` bias for the selection only.
+        config: override of :func:`router_config` (``{"num_warps": 4}``).
     Returns:
         ``(weights [T, top_k] float32, ids [T, top_k] int32)``, in descending order of the
         selection score, ties toward the lower expert index (as ``route``).
@@ -92,12 +102,13 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     bias = selection_bias if selection_bias is not None else logits
+    cfg = dict(router_config(t, e, top_k, logits.device), **(config or {}))
     _router_kernel[(t,)](
         logits, bias, ids, w, e, logits.stride(0), ids.stride(0), w.stride(0),
         float(expert_weights_scale),
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
-        num_warps=1 if e <= 128 else 4)
+        num_warps=cfg["num_warps"])
     return w, ids
 
 

@@ -228,6 +228,20 @@ def test_lookup_cache_keeps_bucket_boundaries():
         assert cached.choose(kc, vc, batch, 1, max_len) == fresh.choose(kc, vc, batch, 1, max_len)
 
 
+def test_knob_lookup_cache_keeps_bucket_boundaries():
+    """:meth:`LaunchTable.lookup` (the quantized kernels' knobs) caches per bucket of the
+    numeric bounds its rules use: both sides of each bound give what a fresh table gives."""
+    cached = lc.load_table("nvidia_h200")
+    for tokens, n, e in itertools.product([1, 2, 3, 8, 9], [1, 32767, 32768, 10**6], [127, 128, 129]):
+        fresh = lc.LaunchTable("fresh", cached.knobs)
+        for knob, feats in (("gemv", dict(tokens=tokens, n=n, k=2048, qtype="Q8_0")),
+                            ("router", dict(tokens=tokens, n_experts=e, top_k=8))):
+            assert cached.lookup(knob, **feats) == fresh.lookup(knob, **feats) == fresh.pick(knob, feats)
+    first = cached.lookup("gemv", tokens=1, n=64, k=64, qtype="Q8_0")
+    first["BN"] = 99                                       # callers get their own dict
+    assert cached.lookup("gemv", tokens=1, n=64, k=64, qtype="Q8_0")["BN"] != 99
+
+
 def test_device_files():
     import torch
 
@@ -261,6 +275,10 @@ def test_wrappers_read_the_default_table():
                {"block_n": 1, "num_warps": 1, "waves": 1.0}]}, "batch"),
     ({"tile": [{"block_n": 1, "num_warps": 1}]}, "waves"),
     ({"tiles": []}, "tiles"),
+    ({"router": [{"when": {"pairs": 1}, "num_warps": 1}, {"num_warps": 4}]}, "pairs"),
+    ({"gemv": [{"when": {"n": "big"}, "BN": 1, "CH": 32, "num_warps": 1, "xb": False},
+               {"BN": 1, "CH": 32, "num_warps": 1, "xb": False}]}, "condition on n"),
+    ({"gemv": [{"BN": 1, "CH": 32, "num_warps": 1}]}, "xb"),
 ])
 def test_malformed_files_are_refused(tmp_path, monkeypatch, data, why):
     import json

@@ -1,0 +1,118 @@
+"""Launch choices of the quantized GEMV, the fused MoE and the router, read from
+``kernels/configs/*.json`` (:mod:`localmoe.kernels.launch_config`), are the choices the kernels
+made when they were code.
+
+RECORDED expectations: :data:`OLD_GEMV`, :data:`OLD_MOE` and :data:`OLD_ROUTER` were generated
+once, before the choices moved into data (after commit bfdb399), from ``gemv_config`` of
+kernels/quant_gemv.py (its ``GEMV_CONFIG`` dict: per token bucket 1/2/4/8, a large-N override
+at N >= 32768, split over K up to 8 ways until 264 programs), ``MOE_CONFIG`` of
+kernels/fused_moe.py and the router's ``num_warps=1 if e <= 128 else 4``, over the grid below;
+the same choices held on the H200, on any other GPU and on the CPU (the interpreter), since
+the code knew no device. They are recorded, not derived: do not regenerate them from the new
+lookup.
+
+GEMV grid: each key is "QTYPE K"; each value holds one group per N of :data:`NS` of 8 letters,
+one per token count 1..8, each letter a (BN, CH, num_warps, xb, split) of :data:`GEMV_CHOICES`.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from localmoe.kernels import launch_config as lc  # noqa: E402
+from localmoe.kernels.fused_moe import moe_config  # noqa: E402
+from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES  # noqa: E402
+from localmoe.kernels.quant_gemv import gemv_config  # noqa: E402
+from localmoe.kernels.router import router_config  # noqa: E402
+
+NS = [32, 64, 768, 2048, 5120, 32767, 32768, 151936]
+GEMV_CHOICES = {
+    "A": (2, 8, 2, False, 1), "B": (1, 8, 1, False, 1), "C": (4, 8, 4, True, 1),
+    "D": (2, 16, 2, False, 1), "E": (1, 16, 1, False, 1), "F": (4, 16, 4, True, 1),
+    "G": (2, 64, 2, False, 1), "H": (1, 32, 1, False, 2), "I": (1, 32, 1, False, 1),
+    "J": (4, 64, 4, True, 1), "K": (2, 64, 2, False, 2), "L": (1, 32, 1, False, 4),
+    "M": (2, 64, 2, False, 4), "N": (1, 32, 1, False, 8), "O": (2, 4, 2, False, 1),
+    "P": (1, 4, 1, False, 1), "Q": (4, 4, 4, True, 1), "R": (2, 32, 2, False, 1),
+    "S": (4, 32, 4, True, 1),
+}
+_LEGACY = {  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K, Q5_K, Q6_K (32-value chunks)
+    256: "AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB CCCCCCCC CCCCCCCC",
+    512: "DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE FFFFFFFF FFFFFFFF",
+    2048: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+    4096: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+    14336: "MMNNNNNN MMNNNNNN GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+}
+_K64 = {  # Q2_K, Q3_K (64-value chunks)
+    256: "OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP QQQQQQQQ QQQQQQQQ",
+    512: "AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB CCCCCCCC CCCCCCCC",
+    2048: "RRIIIIII RRIIIIII RRIIIIII RRIIIIII RRIIIIII RRIIIIII SSSSSSSS SSSSSSSS",
+    4096: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+    14336: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+}
+OLD_GEMV = {f"{q} {k}": (_K64 if q in ("Q2_K", "Q3_K") else _LEGACY)[k]
+            for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+            for k in _LEGACY}
+OLD_MOE = {"gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True},
+           "down": {"BN": 1, "CH": 32, "num_warps": 1, "xb": False}}   # xb: absent meant False
+OLD_ROUTER = {2: 1, 8: 1, 60: 1, 64: 1, 128: 1, 129: 4, 160: 4, 256: 4, 512: 4}
+
+TABLES = ["nvidia_h200", "default", "nvidia_a100_sxm4_80gb", "cpu"]
+DEVICES = [None, "cpu"] + (["cuda"] if CUDA else [])
+
+
+def test_the_recorded_gemv_grid_covers_every_qtype():
+    assert {k.split()[0] for k in OLD_GEMV} == {QTYPE_NAMES[q] for q in QUANT_QTYPES}
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_gemv_tables_give_the_old_choices(table, monkeypatch):
+    """Every table (the H200's, the default for other GPUs, the CPU's) over the whole grid:
+    qtypes x K x N (small, around and past 32768) x tokens 1..8."""
+    t = lc.load_table(table)
+    monkeypatch.setattr("localmoe.kernels.quant_gemv.device_table", lambda device: t)
+    for key, groups in OLD_GEMV.items():
+        qname, k = key.split()
+        qt = next(q for q in QUANT_QTYPES if QTYPE_NAMES[q] == qname)
+        for (n, group), tokens in itertools.product(zip(NS, groups.split()), range(1, 9)):
+            c = gemv_config(n, int(k), tokens, qt)
+            got = (c["BN"], c["CH"], c["num_warps"], c["xb"], c["split"])
+            assert got == GEMV_CHOICES[group[tokens - 1]], (table, key, n, tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_config_by_device(device):
+    """The lookup through the device's file (None: default.json) on a few shapes."""
+    assert gemv_config(151936, 2048, 1, 14, device=device)["split"] == 1
+    assert gemv_config(5120, 2048, 1, 8, device=device) == dict(
+        BN=2, CH=64, num_warps=2, xb=False, split=1)
+    assert gemv_config(64, 8192, 8, 8, device=device)["split"] == 8
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_moe_and_router_tables_give_the_old_choices(table):
+    t = lc.load_table(table)
+    for tokens, top_k, e, (d, f), qt in itertools.product(
+            range(1, 9), [1, 2, 8], [8, 64, 128, 256], [(2048, 768), (4096, 14336), (256, 32)],
+            ["Q4_K", "Q8_0", "Q2_K", "Q6_K"]):
+        for stage in ("gate_up", "down"):
+            got = t.lookup(f"moe_{stage}", tokens=tokens, top_k=top_k, n_experts=e,
+                           d_model=d, d_ff=f, qtype=qt)
+            assert got == OLD_MOE[stage], (table, stage, tokens, top_k, e, d, f, qt)
+    for (e, warps), tokens, top_k in itertools.product(OLD_ROUTER.items(), range(1, 9), [1, 8]):
+        assert t.lookup("router", tokens=tokens, n_experts=e, top_k=top_k) == {"num_warps": warps}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_and_router_config_by_device(device):
+    assert moe_config("gate_up", 1, 8, 128, 2048, 768, 12, device) == OLD_MOE["gate_up"]
+    assert moe_config("down", 8, 8, 128, 2048, 768, 12, device) == OLD_MOE["down"]
+    assert router_config(1, 128, 8, device) == {"num_warps": 1}
+    assert router_config(4, 256, 8, device) == {"num_warps": 4}
