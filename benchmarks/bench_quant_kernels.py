@@ -19,29 +19,42 @@ measured on this H200). A cuBLAS fp16 GEMV of the same logical shape (torch.matm
 rotation) is the reference row. Before timing, every kernel is checked against its torch twin
 on the GPU at the benchmarked shape.
 
-``--sweep`` times launch variants (BN, CH, num_warps, split) at the Qwen3 shapes and prints
-the best per shape; winners go into the kernels' launch dicts (to move to
-``kernels/configs/<device>.json``).
+``--sweep`` re-tunes the launch choices at the Qwen3 shapes: it times candidate choices
+(:data:`GEMV_CANDIDATES`, ... : BN, CH, num_warps, xb; the router's num_warps) of the knobs
+``gemv`` (projections, and output heads at N >= :data:`LARGE_N` as their own class),
+``moe_gate_up``, ``moe_down`` (per token count of ``--tune-tokens``) and ``router`` (per expert
+count of :data:`ROUTER_EXPERTS`), takes the fastest per point (summed over the shapes of a
+class), merges neighbouring points with the same winner into one rule
+(:func:`localmoe.kernels.launch_config.tuned_rules`) and prints the rules; ``gemv_split`` is
+2 programs per SM, at most 8 ways (not swept). With ``--write-config [FILE]`` it writes them
+into the device's file (default ``kernels/configs/<device_key>.json``; an existing file keeps
+its other knobs, a new one extends ``default.json``), each rule's ``why`` naming the
+measurement. So a new GPU gets its file by running this one script (decode attention's knobs
+are tuned by bench_attention.py).
 
-Usage: ``python benchmarks/bench_quant_kernels.py [--out FILE] [--sweep] [--tiny]``
+Usage: ``python benchmarks/bench_quant_kernels.py [--out FILE] [--tiny]``, or
+``... --sweep [--write-config [FILE]] [--tune-tokens 1 2 4 8] [--tune-knobs gemv router ...]``
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import datetime
 import json
 import math
 import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from localmoe.kernels import launch_config as lc
 from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref, moe_down, moe_gate_up
-from localmoe.kernels.qtensor import QTYPE_NAMES, QuantTensor, qtype_id, random_gguf_blocks
+from localmoe.kernels.qtensor import QuantTensor, qtype_id, random_gguf_blocks
 from localmoe.kernels.quant_gemv import gemv_config, quant_gemv, quant_gemv_ref, quantize_act
+from localmoe.kernels.router import router
 
 CEILING = 4.27e12
 L2_DEFEAT = 256 << 20
@@ -119,15 +132,20 @@ def row(kind, model, name, qtype, shape, tokens, us, nbytes, ggml_bytes=None, **
 
 
 # ---------------------------------------------------------------------------------------------
+def gemv_weights(qt, n, k, dev):
+    """One ``[n, k]`` weight and row-disjoint copies of it, >= 256 MiB in all on CUDA."""
+    w1 = make(qt, (n, k), 1, dev)
+    c = max(1, min(32, math.ceil(L2_DEFEAT / w1.nbytes))) if dev == "cuda" else 2
+    return w1, copies(make(qt, (c * n, k), 2, dev), n, c)
+
+
 def bench_gemv(model, m, tokens_list, dev, check=True, configs=None, only=None):
     rows = []
     for name, qt, n, k in gemv_shapes(m):
         if only and name not in only:
             continue
-        w1 = make(qt, (n, k), 1, dev)
-        c = max(1, min(32, math.ceil(L2_DEFEAT / w1.nbytes))) if dev == "cuda" else 2
-        big = make(qt, (c * n, k), 2, dev)
-        ws = copies(big, n, c)
+        w1, ws = gemv_weights(qt, n, k, dev)
+        c = len(ws)
         for t in tokens_list:
             x = torch.randn(t, k, device=dev, dtype=torch.bfloat16)
             if check:
@@ -146,7 +164,7 @@ def bench_gemv(model, m, tokens_list, dev, check=True, configs=None, only=None):
                 except Exception as ex:  # a variant that does not compile/run: report, go on
                     print(f"  variant {var} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                     continue
-                used = dict(gemv_config(n, k, t, qtype_id(qt)), **cfg)
+                used = dict(gemv_config(n, k, t, qtype_id(qt), device=dev), **cfg)
                 rows.append(row("gemv" if mode == "xq" else "quant+gemv", model, name, qt, (n, k), t,
                                 us, ws[0].nbytes, ws[0].ggml_nbytes, config=used))
             if configs is None:
@@ -155,7 +173,7 @@ def bench_gemv(model, m, tokens_list, dev, check=True, configs=None, only=None):
                 xf = x.to(torch.float16)
                 us = time_calls([lambda w=w: torch.matmul(xf, w.T) for w in wfs])
                 rows.append(row("cublas_fp16", model, name, "F16", (n, k), t, us, n * k * 2))
-        del big, ws, w1
+        del ws, w1
         torch.cuda.empty_cache() if dev == "cuda" else None
     return rows
 
@@ -176,24 +194,33 @@ def routings(m, t, r, gen):
     return out
 
 
+def moe_weights(m, dev):
+    """Q4_K experts of model ``m``: fused gate/up ``[E, 2F, D]``, down ``[E, D, F]``, slots."""
+    e, f, d = m["e"], m["f"], m["d"]
+    gu = QuantTensor.interleave_rows(make("Q4_K", (e, f, d), 3, dev), make("Q4_K", (e, f, d), 4, dev))
+    return gu, make("Q4_K", (e, d, f), 5, dev), torch.arange(e, dtype=torch.int32, device=dev)
+
+
+def moe_routings(m, t, gu, wd, dev, gen):
+    """Routings of ``t`` tokens for one timed rotation: enough that the weights they read
+    exceed the L2 (disjoint expert sets at T=1)."""
+    e, f, d, k = m["e"], m["f"], m["d"], m["k"]
+    per_call = (2 * f * (gu.nbytes // gu.rows) + d * (wd.nbytes // wd.rows)) * k * t
+    r = max(2, min(64, math.ceil(L2_DEFEAT / per_call))) if dev == "cuda" else 2
+    if t == 1:
+        r = max(r, e // k)
+    return [(i.to(dev), w.to(dev)) for i, w in routings(m, t, r, gen)]
+
+
 def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("both", "both_xq")):
     rows = []
     e, f, d, k = m["e"], m["f"], m["d"], m["k"]
-    g = make("Q4_K", (e, f, d), 3, dev)
-    u = make("Q4_K", (e, f, d), 4, dev)
-    gu = QuantTensor.interleave_rows(g, u)
-    del g, u
-    wd = make("Q4_K", (e, d, f), 5, dev)
-    slot = torch.arange(e, dtype=torch.int32, device=dev)
+    gu, wd, slot = moe_weights(m, dev)
     gen = torch.Generator().manual_seed(0)
     row_gu, row_d = gu.nbytes // gu.rows, wd.nbytes // wd.rows
     grow_gu, grow_d = gu.ggml_nbytes // gu.rows, wd.ggml_nbytes // wd.rows
     for t in tokens_list:
-        per_call = (2 * f * row_gu + d * row_d) * k * t
-        r = max(2, min(64, math.ceil(L2_DEFEAT / per_call))) if dev == "cuda" else 2
-        if t == 1:
-            r = max(r, e // k)
-        rts = [(i.to(dev), w.to(dev)) for i, w in routings(m, t, r, gen)]
+        rts = moe_routings(m, t, gu, wd, dev, gen)
         distinct = [len(set(i.flatten().tolist())) for i, _ in rts]
         nb = statistics.mean(distinct) * (2 * f * row_gu + d * row_d)
         nb_gu = statistics.mean(distinct) * 2 * f * row_gu
@@ -238,49 +265,194 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
-def sweep(dev):
-    m = MODELS["qwen3-30b-a3b"]
-    rows = []
-    # GEMV, 1 token: BN rows per program over num_warps warps; xb: x loaded once per row
-    v = lambda bn, ch, nw, **kw: dict(BN=bn, CH=ch, num_warps=nw, split=1, **kw)  # noqa: E731
-    gemv_vars = [v(1, 64, 1), v(1, 32, 1), v(2, 64, 2), v(2, 64, 1), v(4, 64, 4), v(4, 64, 4, xb=True),
-                 v(2, 64, 2, xb=True), v(1, 128, 1), v(1, 64, 1, asm=False)]
-    rows += bench_gemv("qwen3-30b-a3b", m, [1], dev, check=False, configs=gemv_vars, only=("qkv", "o"))
-    head_vars = [v(4, 64, 4), v(2, 64, 2), v(1, 64, 1), v(4, 64, 4, xb=True), v(8, 64, 8)]
-    rows += bench_gemv("qwen3-30b-a3b", m, [1], dev, check=False, configs=head_vars, only=("head",))
-    t8 = [v(1, 64, 1), v(2, 64, 2), v(4, 32, 4), v(4, 64, 4), v(1, 32, 1)]
-    rows += bench_gemv("qwen3-30b-a3b", m, [8], dev, check=False, configs=t8, only=("qkv", "o"))
-    g = lambda bn, ch, nw, **kw: {"gate_up": dict(BN=bn, CH=ch, num_warps=nw, **kw)}  # noqa: E731
-    gu_vars = [g(32, 16, 8), g(32, 16, 8, xb=True), g(32, 32, 8, xb=True), g(32, 16, 16),
-               g(32, 8, 8), g(32, 32, 16)]
-    rows += bench_moe("qwen3-30b-a3b", m, [1], dev, check=False, configs=gu_vars, stages=("gate_up",))
-    dn = lambda bn, ch, nw, **kw: {"down": dict(BN=bn, CH=ch, num_warps=nw, **kw)}  # noqa: E731
-    d_vars = [dn(1, 32, 1), dn(1, 16, 1), dn(2, 32, 2), dn(4, 32, 4), dn(2, 16, 1), dn(2, 32, 2, xb=True)]
-    rows += bench_moe("qwen3-30b-a3b", m, [1], dev, check=False, configs=d_vars, stages=("down",))
-    best = {}
-    for r in rows:
-        key = (r["kernel"], r["name"], r["tokens"])
-        if key not in best or r["us"] < best[key]["us"]:
-            best[key] = r
-    print("\nbest per shape:")
-    for key, r in best.items():
-        print(f"  {key}: {r['us']} us {r['gbps']} GB/s {r['pct']}%  {r['config']}")
-    return rows
+# ---- tuning (--sweep): candidate launch choices, the timer, rules for kernels/configs ----------
+def _q(bn, ch, nw, xb=False):
+    return {"BN": bn, "CH": ch, "num_warps": nw, "xb": xb}
 
+
+GEMV_CANDIDATES = [_q(1, 64, 1), _q(1, 32, 1), _q(2, 64, 2), _q(2, 64, 1), _q(4, 64, 4), _q(4, 32, 4),
+                   _q(4, 64, 4, True), _q(2, 64, 2, True), _q(1, 128, 1)]
+"""``gemv`` candidates for projections (N < LARGE_N): BN rows per program, CH chunks per tile,
+warps, xb (x loaded once per row)."""
+HEAD_CANDIDATES = [_q(4, 64, 4), _q(2, 64, 2), _q(1, 64, 1), _q(4, 64, 4, True), _q(8, 64, 8)]
+"""``gemv`` candidates for output heads (N >= LARGE_N)."""
+GATE_UP_CANDIDATES = [_q(32, 16, 8), _q(32, 16, 8, True), _q(32, 32, 8, True), _q(32, 16, 16),
+                      _q(32, 8, 8), _q(32, 32, 16)]
+DOWN_CANDIDATES = [_q(1, 32, 1), _q(1, 16, 1), _q(2, 32, 2), _q(4, 32, 4), _q(2, 16, 1),
+                   _q(2, 32, 2, True)]
+ROUTER_CANDIDATES = [{"num_warps": w} for w in (1, 2, 4, 8)]
+ROUTER_EXPERTS = (8, 64, 128, 256)
+LARGE_N = 32768
+"""Weights with at least this many rows (output heads, vocab rows) are their own GEMV class."""
+TUNED_KNOBS = ("gemv", "moe_gate_up", "moe_down", "router")
+TUNE_MODEL = "qwen3-30b-a3b"
+
+
+class SweepTimer:
+    """The sweep's timer: ``timer(knob, case, candidates)`` -> microseconds per call of each
+    candidate (None: it failed to compile or run), by :func:`time_calls` (a CUDA graph over
+    weights out of the L2); each timing is also kept as a result row in ``rows``.
+    Cases: ``gemv`` ``{model, name, qtype, n, k, tokens}``, ``moe_gate_up``/``moe_down``
+    ``{model, tokens}`` (Q4_K experts), ``router`` ``{tokens, n_experts, top_k}``."""
+
+    def __init__(self, dev):
+        self.dev, self.rows, self._cache = dev, [], {}
+        self._gen = torch.Generator().manual_seed(0)
+
+    def __call__(self, knob, case, cands):
+        fn = self._gemv if knob == "gemv" else self._router if knob == "router" else self._moe
+        return fn(knob, case, cands)
+
+    def _weights(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def _time(self, knob, cand, calls, record):
+        try:
+            us = time_calls(calls)
+        except Exception as ex:  # a candidate that does not compile/run: report, go on
+            print(f"  {knob} {cand} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            return None
+        self.rows.append(record(us))
+        return us
+
+    def _gemv(self, knob, case, cands):
+        qt, n, k, t = case["qtype"], case["n"], case["k"], case["tokens"]
+        _, ws = self._weights(("gemv", qt, n, k), lambda: gemv_weights(qt, n, k, self.dev))
+        xa = quantize_act(torch.randn(t, k, device=self.dev, dtype=torch.bfloat16))
+        outs = [torch.empty(t, n, device=self.dev, dtype=torch.bfloat16) for _ in ws]
+        res = []
+        for cand in cands:
+            cfg = dict(cand, split=1)
+            calls = [lambda w=w, o=o, cfg=cfg: quant_gemv(xa, w, out=o, config=cfg) for w, o in zip(ws, outs)]
+            res.append(self._time(knob, cand, calls, lambda us, cfg=cfg: row(
+                "gemv", case["model"], case["name"], qt, (n, k), t, us, ws[0].nbytes, ws[0].ggml_nbytes,
+                config=cfg)))
+        return res
+
+    def _moe(self, knob, case, cands):
+        m, t = MODELS[case["model"]], case["tokens"]
+        gu, wd, slot = self._weights(("moe", case["model"]), lambda: moe_weights(m, self.dev))
+        rts = moe_routings(m, t, gu, wd, self.dev, self._gen)
+        distinct = statistics.mean(len(set(i.flatten().tolist())) for i, _ in rts)
+        if knob == "moe_gate_up":
+            xa = quantize_act(torch.randn(t, m["d"], device=self.dev, dtype=torch.bfloat16))
+            nbytes = distinct * 2 * m["f"] * (gu.nbytes // gu.rows)
+
+            def calls(c):
+                return [lambda i=i: moe_gate_up(xa, gu, i, slot, "silu", c) for i, _ in rts]
+        else:
+            hs = [quantize_act(torch.randn(t * m["k"], m["f"], device=self.dev)) for _ in rts]
+            nbytes = distinct * m["d"] * (wd.nbytes // wd.rows)
+
+            def calls(c):
+                return [lambda i=i, w=w, h=h: moe_down(h, wd, i, w, slot, config=c)
+                        for (i, w), h in zip(rts, hs)]
+        shape = (m["e"], m["f"], m["d"], m["k"])
+        return [self._time(knob, c, calls(c), lambda us, c=c: row(
+            knob, case["model"], "experts", "Q4_K", shape, t, us, int(nbytes), config=c,
+            experts_touched=distinct)) for c in cands]
+
+    def _router(self, knob, case, cands):
+        t, e, k = case["tokens"], case["n_experts"], case["top_k"]
+        logits = [torch.randn(t, e, device=self.dev) for _ in range(64 if self.dev == "cuda" else 2)]
+        return [self._time(knob, c, [lambda x=x, c=c: router(x, k, config=c) for x in logits],
+                           lambda us, c=c: row("router", "-", f"E={e}", "F32", (t, e), t, us, t * e * 4,
+                                               config=c, top_k=k)) for c in cands]
+
+
+def _points(timer, knob, values, cases_at, cands):
+    """``(value, [(candidate, us summed over the cases at value)])`` per value."""
+    points = []
+    for v in values:
+        total = [0.0] * len(cands)
+        for case in cases_at(v):
+            for i, us in enumerate(timer(knob, case, cands)):
+                total[i] = None if us is None or total[i] is None else total[i] + us
+        points.append((v, list(zip(cands, total))))
+    return points
+
+
+def tune(timer, tokens=(1, 2, 4, 8), knobs=TUNED_KNOBS, device="", n_sm=132, model=TUNE_MODEL):
+    """Launch rules (knob -> rule list, the layout of kernels/configs) from ``timer``'s timings
+    (:class:`SweepTimer`, or a fake in the tests) of the candidates at ``model``'s shapes:
+    ``gemv`` per token count of ``tokens`` for the projections and, as a class of their own
+    (N >= LARGE_N), the output head; ``gemv_split`` 2 programs per SM of ``n_sm``;
+    ``moe_gate_up``/``moe_down`` per token count; ``router`` per expert count of
+    :data:`ROUTER_EXPERTS`. ``device`` names the GPU in the rules' ``why``."""
+    m = MODELS[model]
+    ctx = f"{device} {datetime.date.today()}, bench_quant_kernels.py --sweep: "
+    tokens = sorted(tokens)
+    out = {}
+    if "gemv" in knobs:
+        out["gemv"] = []
+        for cands, when in ((HEAD_CANDIDATES, {"n": {"min": LARGE_N}}), (GEMV_CANDIDATES, None)):
+            shapes = [s for s in gemv_shapes(m) if (s[2] >= LARGE_N) == (when is not None)]
+            if not shapes:
+                continue
+            label = model + " " + " + ".join(f"{nm} {n}x{k} {qt}" for nm, qt, n, k in shapes)
+            pts = _points(timer, "gemv", tokens, lambda t, shapes=shapes: [
+                dict(model=model, name=nm, qtype=qt, n=n, k=k, tokens=t) for nm, qt, n, k in shapes],
+                cands)
+            out["gemv"] += lc.tuned_rules("gemv", "tokens", pts, label, when=when,
+                                          fallback=when is None, context=ctx)
+        out["gemv_split"] = [{"min_programs": 2 * n_sm, "max_split": 8, "why": (
+            f"{ctx}small N: K split until 2 programs per SM ({n_sm} SMs), at most 8 ways (not swept)")}]
+    for knob, cands in (("moe_gate_up", GATE_UP_CANDIDATES), ("moe_down", DOWN_CANDIDATES)):
+        if knob in knobs:
+            label = f"{model} experts Q4_K ({m['e']} x {m['f']} x {m['d']}, top-{m['k']})"
+            pts = _points(timer, knob, tokens, lambda t: [dict(model=model, tokens=t)], cands)
+            out[knob] = lc.tuned_rules(knob, "tokens", pts, label, context=ctx)
+    if "router" in knobs:
+        pts = _points(timer, "router", ROUTER_EXPERTS, lambda e: [
+            dict(tokens=1, n_experts=e, top_k=max(1, min(8, e // 2)))], ROUTER_CANDIDATES)
+        out["router"] = lc.tuned_rules("router", "n_experts", pts, "router, 1 token, top-k min(8, E/2)",
+                                       context=ctx)
+    return out
+
+
+def run_sweep(dev, tokens, knobs, write_config=None):
+    """Re-tune on ``dev`` (prints the rules; ``write_config``: a path, or "auto" for
+    kernels/configs/<device_key>.json, to write them to). Returns (result rows, rules)."""
+    cuda = dev == "cuda"
+    name = torch.cuda.get_device_name() if cuda else "cpu (interpreter)"
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132
+    timer = SweepTimer(dev)
+    rules = tune(timer, tokens, knobs, name, n_sm)
+    print("\ntuned rules:\n" + lc.format_config(rules), flush=True)
+    if write_config:
+        path = (lc.CONFIG_DIR / f"{lc.device_key(name)}.json" if write_config == "auto"
+                else Path(write_config))
+        lc.write_config(path, rules, about=(
+            f"Launch choices tuned on {name} by benchmarks/bench_quant_kernels.py --sweep "
+            f"--write-config ({datetime.date.today()}); knobs not given here come from default.json."))
+        print(f"wrote {path}", flush=True)
+    return timer.rows, rules
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="results JSON path")
-    ap.add_argument("--sweep", action="store_true", help="time launch variants at the Qwen3 shapes")
+    ap.add_argument("--sweep", action="store_true",
+                    help="re-tune the launch choices (kernels/configs) at the Qwen3 shapes")
+    ap.add_argument("--write-config", nargs="?", const="auto", default=None, metavar="FILE",
+                    help="with --sweep: write the tuned rules into FILE (default: "
+                         "kernels/configs/<device>.json; an existing file keeps its other knobs)")
+    ap.add_argument("--tune-tokens", nargs="*", type=int, default=[1, 2, 4, 8],
+                    help="token counts the sweep times (default 1 2 4 8)")
+    ap.add_argument("--tune-knobs", nargs="*", default=list(TUNED_KNOBS), choices=TUNED_KNOBS,
+                    help="knobs the sweep tunes (default all)")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (a smoke test; CPU interpreter ok)")
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 8])
     a = ap.parse_args(argv)
+    if a.write_config and not a.sweep:
+        ap.error("--write-config needs --sweep")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
+    rules = None
     if a.sweep:
-        rows = sweep(dev)
+        rows, rules = run_sweep(dev, a.tune_tokens, a.tune_knobs, a.write_config)
     else:
         rows = []
         models = {"tiny": TINY} if a.tiny else {k: MODELS[k] for k in a.models}
@@ -298,6 +470,8 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - t0, 1),
         "rows": rows,
     }
+    if rules is not None:
+        res["tuned_rules"] = rules
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -56,6 +56,10 @@ A condition's value is a value (equal), a list (any of) or, for the numeric feat
 (:data:`NUMERIC`), ``{"min": a, "max": b}`` (bounds inclusive, either may be left out).
 Lookups are cached per bucket of the bounds the rules use, so a launch costs one dict lookup.
 
+:func:`write_config` writes rule lists into a file of this layout (the tuning script
+``benchmarks/bench_quant_kernels.py --sweep --write-config``); :func:`tuned_rules` turns
+measured timings of candidate choices into rules with their ``why`` notes.
+
 Raises :class:`~localmoe.errors.LocalMoEError` for a file that does not follow this layout.
 """
 
@@ -369,3 +373,120 @@ def device_table(device: Any = None) -> LaunchTable:
 
         device = torch.device(device)
     return table_for(device)
+
+
+# ---- writing (the tuning scripts) -----------------------------------------------------------
+def format_config(data: dict[str, Any]) -> str:
+    """JSON text of a configuration: one line per top-level entry and per rule."""
+    parts = []
+    for key, value in data.items():
+        if isinstance(value, list):
+            rules = ",\n".join(f"    {json.dumps(r, ensure_ascii=False)}" for r in value)
+            parts.append(f"  {json.dumps(key)}: [\n{rules}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def write_config(path: str | Path, knobs: dict[str, list[dict]], about: str = "",
+                 extends: str | None = "default") -> dict[str, Any]:
+    """Write the rule lists ``knobs`` (knob -> rules) into the configuration file ``path``.
+
+    An existing file keeps its other knobs, ``about`` and ``extends``; the given knobs replace
+    its own. A new file gets ``about`` and ``extends`` (None: none; a new device's file takes
+    the knobs it does not give from ``default.json``). The result is checked before anything
+    is written and :func:`load_table`'s cache is cleared.
+
+    Returns:
+        The data written.
+    Raises:
+        LocalMoEError: malformed rules, or an existing file that cannot be read.
+    """
+    path = Path(path)
+    if path.is_file():
+        data = _load_json(path)
+        _check(path.stem, data)
+    else:
+        data = {"about": about} if about else {}
+        if extends:
+            data["extends"] = extends
+    data.update(knobs)
+    _check(path.stem, data)
+    path.write_text(format_config(data), encoding="utf-8")
+    load_table.cache_clear()
+    _BY_DEVICE.clear()
+    return data
+
+
+def _fmt_fields(fields: dict[str, Any]) -> str:
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in fields.items())
+
+
+def _point_note(axis: str, value: int, win: tuple[dict, float],
+                ranked: list[tuple[dict, float]]) -> str:
+    note = f"{axis}={value}: {_fmt_fields(win[0])} {win[1]:.2f} us"
+    other = next((c for c in ranked if c[0] != win[0]), None)
+    if other is not None:
+        what = "fastest" if other[1] < win[1] else "next"
+        note += f" ({what} {_fmt_fields(other[0])} {other[1]:.2f} us)"
+    return note
+
+
+def tuned_rules(knob: str, axis: str, points: list[tuple[int, list[tuple[dict, float | None]]]],
+                label: str = "", when: dict[str, Any] | None = None, fallback: bool = True,
+                context: str = "", tie: float = 0.02) -> list[dict]:
+    """Rules of ``knob`` from timings of candidate choices at several values of one numeric
+    feature (what the tuning scripts measure).
+
+    Args:
+        knob: a knob of :data:`KNOBS`; each candidate gives exactly its fields.
+        axis: the numeric feature the points vary (``"tokens"``, ``"n_experts"``).
+        points: ``(value, candidates)`` in ascending order of value, ``candidates`` a list of
+            ``(fields, us)``: the time of that choice, summed over the cases measured at that
+            value, None where it failed or did not run.
+        label: what was measured (shapes, types), for the notes.
+        when: conditions every rule adds (e.g. ``{"n": {"min": 32768}}`` for output heads).
+        fallback: the last rule has no ``when`` (the knob's last rule); else it keeps ``when``.
+        context: the notes' prefix (device, date, script).
+        tie: candidates within this fraction of the fastest time count as equally fast; the
+            first of them in the candidate list wins (lists put the current or simplest choice
+            first), so timing noise neither flips a choice nor splits a rule.
+    Returns:
+        The fastest candidate (see ``tie``) at each value as rules; neighbouring values with
+        the same winner share a rule. A rule covers values up to its last point (``{"max": v}``), the last
+        rule every larger value. ``why`` names the measurement: ``context``, ``label``, then
+        per point the winner's time and the runner-up's.
+    Raises:
+        LocalMoEError: no points, a value where no candidate ran, or candidates whose fields
+        are not the knob's.
+    """
+    groups: list[tuple[int, dict, list[str]]] = []   # (last value, fields, notes)
+    if not points:
+        raise LocalMoEError(f"tuned_rules {knob}: no measurements")
+    for value, cands in points:
+        ran = [(f, us) for f, us in cands if us is not None]
+        if not ran:
+            raise LocalMoEError(f"tuned_rules {knob}: no candidate ran at {axis}={value} {label}")
+        ranked = sorted(ran, key=lambda c: c[1])
+        win = next(c for c in ran if c[1] <= ranked[0][1] * (1 + tie))
+        if set(win[0]) != set(KNOBS[knob].fields):
+            raise LocalMoEError(f"tuned_rules {knob}: candidate {win[0]} does not give "
+                                f"exactly {KNOBS[knob].fields}")
+        note = _point_note(axis, value, win, ranked)
+        if groups and groups[-1][1] == win[0]:
+            groups[-1] = (value, groups[-1][1], groups[-1][2] + [note])
+        else:
+            groups.append((value, dict(win[0]), [note]))
+    rules = []
+    for i, (last, fields, notes) in enumerate(groups):
+        cond = dict(when or {})
+        if i < len(groups) - 1:
+            cond[axis] = {"max": last}
+        why = context + (f"{label}: " if label else "") + "; ".join(notes)
+        rule = ({"when": cond} if cond else {}) | fields | {"why": why}
+        rules.append(rule)
+    if fallback:
+        rules[-1].pop("when", None)
+    elif "when" not in rules[-1]:
+        raise LocalMoEError(f"tuned_rules {knob}: a rule that is not the fallback needs a when")
+    return rules

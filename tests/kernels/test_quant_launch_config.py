@@ -1,6 +1,6 @@
 """Launch choices of the quantized GEMV, the fused MoE and the router, read from
 ``kernels/configs/*.json`` (:mod:`localmoe.kernels.launch_config`), are the choices the kernels
-made when they were code.
+made when they were code; the tuning script's rules and file writing (with a fake timer).
 
 RECORDED expectations: :data:`OLD_GEMV`, :data:`OLD_MOE` and :data:`OLD_ROUTER` were generated
 once, before the choices moved into data (after commit bfdb399), from ``gemv_config`` of
@@ -15,8 +15,11 @@ GEMV grid: each key is "QTYPE K"; each value holds one group per N of :data:`NS`
 one per token count 1..8, each letter a (BN, CH, num_warps, xb, split) of :data:`GEMV_CHOICES`.
 """
 
+import importlib.util
 import itertools
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ if not CUDA:
 
 pytest.importorskip("triton")
 
+from localmoe.errors import LocalMoEError  # noqa: E402
 from localmoe.kernels import launch_config as lc  # noqa: E402
 from localmoe.kernels.fused_moe import moe_config  # noqa: E402
 from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES  # noqa: E402
@@ -116,3 +120,104 @@ def test_moe_and_router_config_by_device(device):
     assert moe_config("down", 8, 8, 128, 2048, 768, 12, device) == OLD_MOE["down"]
     assert router_config(1, 128, 8, device) == {"num_warps": 1}
     assert router_config(4, 256, 8, device) == {"num_warps": 4}
+
+
+# ---- the tuning script: rules from timings, the file it writes ---------------------------------
+def _bench():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_quant_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_quant_kernels_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def fake_timer(calls):
+    """Deterministic 'timings' of the sweep's candidates, no kernel run: BN=2 wins the small
+    GEMVs at 1-2 tokens, BN=1 from 4 tokens, xb the output head, num_warps 2 the router up
+    to 64 experts, and the moe candidates in their list order; one candidate always fails."""
+    def timer(knob, case, cands):
+        calls.append((knob, case["tokens"], len(cands)))
+        out = []
+        for i, c in enumerate(cands):
+            if knob == "gemv":
+                big = case["n"] >= 32768
+                score = (0 if c["xb"] else 5) if big else abs(
+                    c["BN"] - (2 if case["tokens"] <= 2 else 1)) + (c["CH"] != 64) + c["xb"]
+                us = 10.0 + score + 0.01 * i
+            elif knob == "router":
+                us = 2.0 + abs(c["num_warps"] - (2 if case["n_experts"] <= 64 else 4))
+            else:
+                us = 20.0 + i
+            out.append(None if c.get("num_warps") == 16 else us)
+        return out
+    return timer
+
+
+def test_tuning_writes_a_device_file_from_timings(tmp_path, monkeypatch):
+    """``--sweep --write-config`` on CPU with an injected timer: the rules pick the fastest
+    candidate per token bucket, merge equal neighbours, name the measurement, and the file
+    written loads (a new device's file extends default.json) and gives those choices."""
+    bench = _bench()
+    calls = []
+    rules = bench.tune(fake_timer(calls), tokens=[1, 2, 4, 8], knobs=bench.TUNED_KNOBS,
+                       device="Fake GPU 9000", n_sm=100)
+    assert {k for k, _, _ in calls} == {"gemv", "moe_gate_up", "moe_down", "router"}
+    assert [r.get("when") for r in rules["gemv"]] == [
+        {"n": {"min": 32768}}, {"tokens": {"max": 2}}, None]
+    assert "Fake GPU 9000" in rules["gemv"][1]["why"] and "tokens=2" in rules["gemv"][1]["why"]
+    assert rules["gemv_split"] == [dict(rules["gemv_split"][0], min_programs=200, max_split=8)]
+    assert [r.get("when") for r in rules["router"]] == [{"n_experts": {"max": 64}}, None]
+
+    for name, src in (("cpu", "cpu.json"), ("default", "default.json"),
+                      ("nvidia_h200", "nvidia_h200.json")):
+        (tmp_path / src).write_text((lc.CONFIG_DIR / src).read_text())
+    monkeypatch.setattr(lc, "CONFIG_DIR", tmp_path)
+    lc.load_table.cache_clear()
+    try:
+        key = lc.device_key("Fake GPU 9000")
+        data = lc.write_config(tmp_path / f"{key}.json", rules, about="tuned", extends="default")
+        assert data["extends"] == "default" and json.loads((tmp_path / f"{key}.json").read_text()) == data
+        t = lc.load_table(key)
+        assert t.name == "fake_gpu_9000"
+        assert t.lookup("gemv", tokens=2, n=5120, k=2048, qtype="Q8_0") == dict(
+            BN=2, CH=64, num_warps=2, xb=False)
+        assert t.lookup("gemv", tokens=3, n=5120, k=2048, qtype="Q8_0")["BN"] == 1
+        assert t.lookup("gemv", tokens=8, n=151936, k=2048, qtype="Q6_K")["xb"] is True
+        assert t.lookup("moe_down", tokens=1, top_k=8, n_experts=128, d_model=2048, d_ff=768,
+                        qtype="Q4_K") == bench.DOWN_CANDIDATES[0]
+        assert t.lookup("router", tokens=1, n_experts=60, top_k=8) == {"num_warps": 2}
+        assert t.knobs["tile"] == lc.load_table("nvidia_h200").knobs["tile"]   # from default
+
+        # re-tuning an existing file replaces those knobs and keeps the others
+        old = json.loads((tmp_path / "nvidia_h200.json").read_text())
+        lc.write_config(tmp_path / "nvidia_h200.json", {"router": rules["router"]})
+        new = json.loads((tmp_path / "nvidia_h200.json").read_text())
+        assert new == dict(old, router=rules["router"]) and list(new) == list(old)
+    finally:
+        lc.load_table.cache_clear()
+
+
+def test_tuned_rules_ties_and_bounds():
+    """Within 2% the earlier candidate wins (the H200 sweep's router at 8 experts: 4 warps
+    1.69 us, 1 warp 1.71 us); neighbours with one winner share a rule bounded by the last."""
+    one, four = {"num_warps": 1}, {"num_warps": 4}
+    pts = [(8, [(one, 1.71), (four, 1.69)]), (64, [(one, 2.31), (four, 3.79)]),
+           (256, [(one, 9.0), (four, 4.35)])]
+    rules = lc.tuned_rules("router", "n_experts", pts, "router", context="GPU: ")
+    assert rules == [
+        {"when": {"n_experts": {"max": 64}}, "num_warps": 1, "why": (
+            "GPU: router: n_experts=8: num_warps=1 1.71 us (fastest num_warps=4 1.69 us); "
+            "n_experts=64: num_warps=1 2.31 us (next num_warps=4 3.79 us)")},
+        {"num_warps": 4, "why": "GPU: router: n_experts=256: num_warps=4 4.35 us (next num_warps=1 9.00 us)"}]
+    strict = lc.tuned_rules("router", "n_experts", pts[:1], tie=0.0)
+    assert strict[0]["num_warps"] == 4
+
+
+def test_tuned_rules_refuses_what_cannot_be_a_rule():
+    fields = {"num_warps": 1}
+    with pytest.raises(LocalMoEError, match="no candidate ran"):
+        lc.tuned_rules("router", "n_experts", [(8, [(fields, None)])])
+    with pytest.raises(LocalMoEError, match="exactly"):
+        lc.tuned_rules("router", "n_experts", [(8, [({"BN": 1}, 1.0)])])
+    with pytest.raises(LocalMoEError, match="malformed"):
+        lc.write_config("/nonexistent-dir/x.json", {"router": [{"num_warps": 1, "when": {"n": 1}}]})
