@@ -32,7 +32,7 @@ ALLOWED = {
     "api": {"engine", "io", "openai"},
     "serve": {"api", "openai", "engine", "backends", "io", "text", "kv"},
     "tui": {"api", "engine", "io", "text"},
-    "cli": {"api", "engine", "backends", "io", "kv", "serve", "tui", "text"},
+    "cli": {"api", "engine", "backends", "cpu", "io", "kv", "serve", "tui", "text"},
     "testing": {"io", "text", "model", "models", "kv", "cpu", "kernels", "backends"},
     "__main__": {"cli"},
 }

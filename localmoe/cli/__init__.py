@@ -8,11 +8,14 @@ with status 130; usage errors exit with status 2 (click's convention).
 
 One module per command family: :mod:`.generate`, :mod:`.chat`, :mod:`.serve`,
 :mod:`.store_cmds` (pull, models, rm), :mod:`.info` (info, backends), :mod:`.bench`; the
-options and helpers they share are in :mod:`.options`.
+options and helpers they share are in :mod:`.options`. A command's module is imported when the
+command is looked up (``localmoe generate`` imports only :mod:`.generate`), so importing this
+package stays as cheap as one module.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -22,19 +25,44 @@ from typing import Any
 import click
 
 from localmoe import __version__
-from localmoe.cli.bench import bench
-from localmoe.cli.chat import chat
-from localmoe.cli.generate import generate
-from localmoe.cli.info import backends, info, model_info
-from localmoe.cli.serve import serve
-from localmoe.cli.store_cmds import models_cmd, pull, rm
 from localmoe.errors import LocalMoEError
 
 __all__ = ["cli", "main", "model_info"]
 
+#: command name -> (module of localmoe.cli, attribute): imported on first lookup
+COMMANDS = {
+    "backends": ("info", "backends"),
+    "bench": ("bench", "bench"),
+    "chat": ("chat", "chat"),
+    "generate": ("generate", "generate"),
+    "info": ("info", "info"),
+    "models": ("store_cmds", "models_cmd"),
+    "pull": ("store_cmds", "pull"),
+    "rm": ("store_cmds", "rm"),
+    "serve": ("serve", "serve"),
+}
+
+
+def __getattr__(name: str) -> Any:  # `from localmoe.cli import model_info` (tests, tools)
+    if name == "model_info":
+        from localmoe.cli.info import model_info
+
+        return model_info
+    raise AttributeError(name)
+
 
 class _Group(click.Group):
-    """Click group that turns user errors into one line and Ctrl-C into exit status 130."""
+    """Click group that turns user errors into one line and Ctrl-C into exit status 130, and
+    imports a command's module only when the command is looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[cmd_name]
+        return getattr(importlib.import_module(f"localmoe.cli.{module}"), attr)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -67,10 +95,6 @@ def cli() -> None:
       localmoe info MODEL                           architecture, experts, quant mix, KV sizes
       localmoe backends                             which backends run here, and why not
     """
-
-
-for _command in (generate, chat, serve, pull, models_cmd, rm, info, backends, bench):
-    cli.add_command(_command)
 
 
 def _stop_now(signum, frame) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from localmoe.backends.registry import MAX_THREADS
+from localmoe.cpu.threads import MAX_THREADS
 
 KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
 KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
