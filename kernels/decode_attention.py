@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from localmoe.kernels.launch_config import CHOICE_FIELDS, load_table, table_for
+from localmoe.kernels.launch_config import CHOICE_FIELDS, device_table
 
 LOG2E = 1.4426950408889634
 
@@ -787,25 +787,21 @@ def default_tile(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1,
     """(block_n, num_warps, waves) of ``device``'s launch table (:mod:`.launch_config`;
     default: the table of a CUDA device without a file of its own, which holds the H200's
     measurements, ``configs/nvidia_h200.json``). ``max_len`` None counts as long."""
-    c = _table(device).choose(k_codec, v_codec, batch, n_kv_heads, max_len)
+    c = device_table(device).choose(k_codec, v_codec, batch, n_kv_heads, max_len)
     return c.block_n, c.num_warps, c.waves
 
 
 def default_swap(k_codec, v_codec, device=None) -> bool:
     """Whether :func:`decode_attention` computes its products transposed (``swap_ab``) by
     ``device``'s launch table (default as :func:`default_tile`): with 2/3-bit or fp4 values."""
-    return _table(device).choose(k_codec, v_codec).swap_ab
+    return device_table(device).choose(k_codec, v_codec).swap_ab
 
 
 def default_sz_pre(k_codec, v_codec, batch: int = 1, n_kv_heads: int = 1, device=None) -> str:
     """Sides (``"k"``, ``"v"``) whose per-token scales and zeros are loaded once per tile as
     [BLOCK_N, D/G] rows instead of one narrow strided load per plane, by ``device``'s launch
     table (default as :func:`default_tile`)."""
-    return _table(device).choose(k_codec, v_codec, batch, n_kv_heads).sz_pre
-
-
-def _table(device):
-    return load_table("default") if device is None else table_for(torch.device(device))
+    return device_table(device).choose(k_codec, v_codec, batch, n_kv_heads).sz_pre
 
 
 def _check_inputs(q, k_codec, v_codec, page_size: int) -> None:
@@ -826,7 +822,7 @@ def _check_inputs(q, k_codec, v_codec, page_size: int) -> None:
 def _choices(k_codec, v_codec, B: int, max_len: int, dev, given: dict) -> dict:
     """Launch options: each one the caller gave (not None), else the device's launch table's
     (:mod:`.launch_config`). ``given`` maps :data:`~.launch_config.CHOICE_FIELDS` to values."""
-    c = table_for(dev).choose(k_codec, v_codec, B, k_codec.n_kv_heads, max_len)
+    c = device_table(dev).choose(k_codec, v_codec, B, k_codec.n_kv_heads, max_len)
     out = {f: (getattr(c, f) if given.get(f) is None else given[f]) for f in CHOICE_FIELDS}
     for f in ("block_n", "num_warps", "waves"):  # 0 meant "default" before the table
         out[f] = given.get(f) or getattr(c, f)
