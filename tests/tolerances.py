@@ -15,7 +15,8 @@ FP32                    1e-5     fp32 kernel against its twin: quantized GEMV an
                                  in the interpreter (tests/kernels/test_quant_gemv.py,
                                  test_fused_moe.py); ``atol`` of the decode-attention twin
                                  against attention over the cache's own read
-                                 (tests/kv/test_channel.py)
+                                 (tests/kv/test_channel.py); the CPU C kernel (matmul, RMSNorm,
+                                 attention) against torch (tests/cpu/test_qmatmul.py)
 FP32_DEVICE             1e-4     the same fp32 comparisons in tests that run on the GPU when
                                  there is one: GEMV and fused MoE on the GPU; ``atol`` of
                                  the attention twin in tests/kv/test_channel_outliers.py
