@@ -1,0 +1,162 @@
+"""Routers, gating and output scales for a split FFN (one layer at a time).
+
+Notation: ``x [N, d_model]`` FFN inputs (after the pre-FFN norm), ``h [N, d_ff]`` the GLU hidden
+``act(gate x) * up x``, ``groups [E, d_ff/E]`` the experts' neurons, ``down [d_model, d_ff]``.
+Expert ``e``'s output is ``E_e(x) = down[:, groups[e]] @ h[groups[e]]``; the dense FFN is
+``sum_e E_e(x)``.
+
+* Router targets: the ``top_k`` experts with the largest ``||E_e(x)||`` (MoEfication's
+  "which experts matter for this token", with outputs instead of ReLU activation sums since
+  GLU activations are signed).
+* :func:`train_router`: a linear router ``logits = x @ R.T`` fitted with binary cross-entropy to
+  those multi-hot targets (full batch, Adam, seeded, float32).
+* :func:`centroid_router`: the untrained baseline, each expert's mean gate-weight row (MoEfication's
+  "parameter center" router), needs no data.
+* Gating is the one llama.cpp's Mixtral-style ``llama`` and ``gemma4`` MoE layers compute:
+  softmax over all experts, top-k, renormalized over the selected ones (= softmax over the
+  selected logits). Ties go to the lower expert index (:func:`localmoe.model.routing.route`).
+* :func:`fit_output`: makes the sparse mixture reproduce the dense FFN on the calibration tokens:
+  a router temperature (grid search) and per-expert output scales (least squares, an ``E x E``
+  system), or with ``refit_down`` the whole down projection by ridge regression on the gated
+  hidden units (``d_ff x d_ff`` system; the selected experts' down weights absorb part of what
+  the unselected experts would have added). Both are folded into the down weights, so the
+  written model needs no scale the file format lacks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["expert_norms", "topk_targets", "train_router", "centroid_router", "route",
+           "gate_matrix", "fit_output", "relative_error"]
+
+
+def _col_expert(groups: torch.Tensor, d_ff: int) -> torch.Tensor:
+    col = torch.empty(d_ff, dtype=torch.int64)
+    for e in range(groups.shape[0]):
+        col[groups[e]] = e
+    return col
+
+
+def expert_norms(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor, batch: int = 2048
+                 ) -> torch.Tensor:
+    """``||E_e(x)||`` for every token and expert: ``[N, E]`` float32."""
+    out = []
+    for s in range(0, h.shape[0], batch):
+        hb = h[s:s + batch]
+        out.append(torch.stack([(hb[:, g] @ down[:, g].t()).norm(dim=-1) for g in groups], 1))
+    return torch.cat(out)
+
+
+def topk_targets(norms: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Multi-hot ``[N, E]`` float32 of each token's ``top_k`` largest expert outputs."""
+    idx = torch.sort(norms, dim=1, descending=True, stable=True).indices[:, :top_k]
+    return torch.zeros_like(norms).scatter_(1, idx, 1.0)
+
+
+def train_router(x: torch.Tensor, targets: torch.Tensor, seed: int, steps: int = 300,
+                 lr: float = 1e-2) -> torch.Tensor:
+    """Linear router fitted to multi-hot ``targets [N, E]`` with BCE: ``[E, d_model]`` float32."""
+    g = torch.Generator().manual_seed(seed)
+    R = (torch.randn(targets.shape[1], x.shape[1], generator=g) * 1e-3).requires_grad_()
+    opt = torch.optim.Adam([R], lr=lr)
+    xf = x.float()
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(xf @ R.t(), targets)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return R.detach()
+
+
+def centroid_router(gate: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Untrained router: row ``e`` = mean of expert ``e``'s gate rows, ``[E, d_model]``."""
+    return torch.stack([gate[g].mean(0) for g in groups])
+
+
+def route(x: torch.Tensor, R: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [N, k] int64, weights [N, k] float32)``: softmax over all experts, top-k (ties to
+    the lower index), renormalized (llama.cpp ``build_moe_ffn`` with ``norm_w``)."""
+    from localmoe.model.routing import route as _route
+
+    w, ids = _route(x.float() @ R.t(), top_k, gating="softmax", norm_topk_prob=True)
+    return ids, w
+
+
+def gate_matrix(ids: torch.Tensor, w: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Dense ``[N, E]`` gating weights (0 for unselected experts)."""
+    return torch.zeros(ids.shape[0], n_experts).scatter_(1, ids, w)
+
+
+def _mixture(h, down, col, gm):
+    return (h * gm[:, col]) @ down.t()
+
+
+def relative_error(h: torch.Tensor, down_dense: torch.Tensor, down_moe: torch.Tensor,
+                   groups: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> float:
+    """``||moe - dense|| / ||dense||`` over the tokens (Frobenius), where ``moe`` uses the gating
+    ``(ids, w)`` and ``down_moe [d_model, d_ff]`` (neuron order of ``h``)."""
+    col = _col_expert(groups, h.shape[1])
+    gm = gate_matrix(ids, w, groups.shape[0])
+    y = h @ down_dense.t()
+    return float((_mixture(h, down_moe, col, gm) - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def _fit_scales(h, down, groups, col, gm, y, batch=2048):
+    """Least-squares per-expert scales ``s [E]`` for ``sum_e s_e g_e E_e(x) ~ y``."""
+    E = groups.shape[0]
+    M = torch.zeros(E, E, dtype=torch.float64)
+    b = torch.zeros(E, dtype=torch.float64)
+    for s in range(0, h.shape[0], batch):
+        hb, gb, yb = h[s:s + batch], gm[s:s + batch], y[s:s + batch]
+        outs = torch.stack([(hb[:, g] @ down[:, g].t()) for g in groups], 1) * gb[..., None]
+        M += torch.einsum("nid,njd->ij", outs, outs).double()
+        b += torch.einsum("nid,nd->i", outs, yb).double()
+    M += 1e-6 * M.diagonal().mean() * torch.eye(E, dtype=torch.float64)
+    return torch.linalg.solve(M, b).float()
+
+
+def _refit_down(h, col, gm, y, ridge):
+    z = h * gm[:, col]
+    zz = (z.t() @ z).double()
+    zy = (z.t() @ y).double()
+    zz += ridge * zz.diagonal().mean() * torch.eye(zz.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(zz, zy).t().float()
+
+
+def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor,
+               R: torch.Tensor, top_k: int, *, refit_down: bool = False, ridge: float = 0.1,
+               temperatures: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 1e3)
+               ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Choose the router temperature and the down weights of the sparse layer.
+
+    Args:
+        x: ``[N, d_model]`` calibration FFN inputs; h: ``[N, d_ff]`` their GLU hidden units.
+        down: ``[d_model, d_ff]`` dense down projection; groups, R: the split and the router.
+        top_k: experts per token the weights are fitted for.
+        refit_down: ridge-refit the whole down projection (else per-expert scales only).
+        ridge: ridge strength relative to the mean diagonal of the normal equations.
+        temperatures: router logit divisors tried (1e3 ~ uniform weights over the top-k).
+
+    Returns:
+        ``(R_scaled [E, d_model], down_moe [d_model, d_ff], info)``: the router divided by the
+        chosen temperature, the down weights (neuron order of ``h``) with scales folded in, and
+        ``info`` (temperature, calibration relative error).
+    """
+    y = h @ down.t()
+    col = _col_expert(groups, h.shape[1])
+    best = None
+    for t in temperatures:
+        ids, w = route(x, R / t, top_k)
+        gm = gate_matrix(ids, w, groups.shape[0])
+        s = _fit_scales(h, down, groups, col, gm, y)
+        d = down * s[col][None, :]
+        err = float((_mixture(h, d, col, gm) - y).norm() / y.norm())
+        if best is None or err < best[0]:
+            best = (err, t, d, gm)
+    err, t, d, gm = best
+    if refit_down:
+        d = _refit_down(h, col, gm, y, ridge)
+        err = float((_mixture(h, d, col, gm) - y).norm() / y.norm())
+    return R / t, d, {"temperature": t, "calib_rel_err": err}
