@@ -66,7 +66,6 @@ def _layer_tensors(model_file, layer, plan, st, q, attn_scale, eps, fused):
     E, Fe = lp.groups.shape
     D = lp.router.shape[1]
     alpha = math.sqrt(eps) * 2.0 ** -q
-    import os; alpha = float(os.environ.get("H7_ALPHA", alpha))
     ffn_norm = load("ffn_norm.weight")
     wo = mf.raw_tensor(p + "attn_output.weight")
     wo_q = mf.tensor_info(p + "attn_output.weight").qtype
@@ -118,7 +117,6 @@ def write_gemma4_moe(model_file, plan, stored: dict, out: str | Path, *, v_expon
     pattern = spec.sliding_window_pattern or 6
     swa = [bool((i + 1) % pattern) for i in range(n)]
     attn_scale = spec.attn_scale or 1.0 / math.sqrt(spec.head_dim)
-    import os; attn_scale = float(os.environ.get("H7_AS", attn_scale))
     src_name = str(model_file.metadata.get("general.name", Path(plan.source).stem))
     kvs = gguf_out.source_kvs(model_file.path, "gemma3", "gemma4",
                               drop={"gemma4.feed_forward_length", "general.name"})
