@@ -571,3 +571,29 @@ def test_unknown_backend_lists_auto_too(tmp_path):
     r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "foo", "hi"])
     assert r.exit_code == 1 and "unknown backend 'foo'" in r.output
     assert "auto, " in r.output and "torch" in r.output
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["backends"], ["--help"], ["models"]])
+def test_output_to_a_full_disk_is_one_error_line(args, tmp_path):
+    """`localmoe ... > /dev/full` (no space left) prints one error line, no traceback."""
+    env = dict(os.environ, LOCALMOE_HOME=str(tmp_path / "home"))
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "localmoe", *args], stdout=full,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == ["error: cannot write the output: No space left on device"]
+
+
+def test_generate_with_stdout_closed_is_refused_before_loading(tmp_path):
+    """`localmoe generate ... >&-` says stdout is closed (exit 1) instead of a traceback after
+    the model loaded."""
+    env = dict(os.environ, LOCALMOE_HOME=str(tmp_path / "home"))
+    r = subprocess.run([sys.executable, "-c",
+                        "import os, sys; os.close(1); sys.stdout = None; "
+                        "from localmoe.cli import main; main(['generate', '-n', '2', 'hi'])"],
+                       stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "error: standard output is closed: there is nowhere to write the answer"]
+    assert not (tmp_path / "home" / "models").exists()  # nothing was pulled or loaded

@@ -15,6 +15,7 @@ package stays as cheap as one module.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import signal
@@ -106,6 +107,25 @@ def _stop_now(signum, frame) -> None:
         os._exit(130)
 
 
+#: errors of writing the output that a user can cause (a full disk, a closed or broken file)
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
+
+
+def _output_failed(e: OSError) -> None:
+    """One ``error:`` line for output that cannot be written (``> /dev/full``), exit status 1;
+    stdout is pointed at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
+    try:
+        sys.stderr.write(f"error: cannot write the output: {e.strerror or e}\n")
+        sys.stderr.flush()
+    except (OSError, AttributeError, ValueError):
+        pass
+    sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``localmoe``).
 
@@ -116,4 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _stop_now)
-    cli.main(args=argv, prog_name="localmoe")
+    try:
+        cli.main(args=argv, prog_name="localmoe")
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        _output_failed(e)

@@ -9,6 +9,7 @@ import click
 
 from localmoe.cli import options
 from localmoe.cli.options import OneLineUsageError, model_options, sampling_kwargs, sampling_options
+from localmoe.errors import LocalMoEError
 
 
 @click.command()
@@ -28,6 +29,8 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     The model's chat template is applied when it has one (as `ollama run` does); --raw sends
     the text as is for plain completion.
     """
+    if sys.stdout is None:  # `localmoe generate ... >&-`: refuse before the weights load
+        raise LocalMoEError("standard output is closed: there is nowhere to write the answer")
     sampling = sampling_kwargs(kw)
     from localmoe.engine.options import make_sampling_params
 
