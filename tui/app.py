@@ -28,6 +28,7 @@ Keys (also in the footer, under ``?`` / F1, and as Ctrl+P commands)::
 
 from __future__ import annotations
 
+import sys
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -38,6 +39,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar
 
+from localmoe.errors import LocalMoEError
 from localmoe.io.store import DEFAULT_MODEL
 
 from .actions import ChatActions
@@ -275,6 +277,13 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
             self._cancel.set()
 
 
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None = None,
              kv_cache: str = "f16", continue_last: bool = False,
              device: str | None = None) -> None:
@@ -288,7 +297,13 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
         kv_cache: KV cache format (any string ``KVSpec.parse`` takes).
         continue_last: reopen the most recent chat (``--continue``).
         device: backend device (``cpu``, ``cuda``, ``cuda:N``; None: backend default).
+
+    Raises:
+        LocalMoEError: stdin or stdout is not a terminal (nothing is pulled or loaded).
     """
+    if not (_isatty(sys.stdin) and _isatty(sys.stdout)):
+        raise LocalMoEError("localmoe chat needs a terminal (stdin and stdout); from a script or "
+                            "a pipe use `localmoe generate` or `localmoe serve`")
     app = ChatApp(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
                   continue_last=continue_last, device=device)
     try:

@@ -838,3 +838,21 @@ def test_sampling_defaults_and_expert_stats():
     assert expert_stats({"expert_cache_hits": 0, "expert_cache_misses": 0}) == (None, None)
     assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
     assert format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+def test_chat_without_a_terminal_is_one_error_line(tmp_path):
+    """`localmoe chat < /dev/null | cat` refuses at once instead of drawing the UI into a pipe
+    (and pulling the default model first)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LOCALMOE_HOME=str(tmp_path / "home"))
+    r = subprocess.run([sys.executable, "-m", "localmoe", "chat"], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "error: localmoe chat needs a terminal (stdin and stdout); from a script or a pipe use "
+        "`localmoe generate` or `localmoe serve`"]
+    assert not (tmp_path / "home" / "models").exists()
