@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DenseFFN", "load_dense", "token_chunks", "collect_ffn_inputs", "dense_ffn"]
+__all__ = ["DenseFFN", "load_dense", "token_chunks", "collect_ffn_inputs", "dense_ffn", "LayerStreams"]
 
 
 @dataclass
@@ -106,3 +106,88 @@ def collect_ffn_inputs(model, chunks: list[torch.Tensor], layers: list[int] | No
     finally:
         del model.ffn
     return {l: torch.cat(v) for l, v in rec.items()}
+
+
+class LayerStreams:
+    """Calibration sequences walked through the model one layer at a time, twice: the dense
+    model's residual stream and the moefied model's (layers before the current one already
+    replaced), so each layer is fitted on the inputs it will see and can be asked to bring the
+    stream back to the dense one (sequential calibration, as GPTQ does for quantization).
+
+    The RoPE tables and the first block's input of every sequence are taken from one cheap
+    ``forward_hidden`` pass whose blocks are replaced by the identity; the blocks then run
+    through ``model.block`` with the model's own tables, attention and FFN hooks.
+
+    Args:
+        model: the dense Transformer (its ``ffn`` is wrapped on the instance while a step runs).
+        chunks: token sequences (``[n]`` int64 each).
+        v_stats: optional dict filled like :func:`collect_ffn_inputs`' (dense stream).
+    """
+
+    def __init__(self, model, chunks: list[torch.Tensor], v_stats: dict | None = None):
+        self.model = model
+        self.v_stats = v_stats
+        self.ropes: list[dict] = []
+        start: list[torch.Tensor] = []
+        for c in chunks:
+            ropes: dict = {}
+
+            def capture(layer, x, rope, attn, ropes=ropes):
+                if layer == 0:
+                    start.append(x)
+                ropes[layer] = rope
+                return x
+
+            model.block = capture
+            try:
+                with torch.no_grad():
+                    model.forward_hidden(c, torch.arange(c.shape[0]), self._attn)
+            finally:
+                del model.block
+            self.ropes.append(ropes)
+        self.dense = start
+        self.moe = [x.clone() for x in start]
+
+    def _attn(self, layer, q, k, v):
+        from localmoe.model.ops import attention
+
+        if self.v_stats is not None:
+            m = float(v.float().pow(2).mean(-1).max())
+            self.v_stats[layer] = max(self.v_stats.get(layer, 0.0), m)
+        m = self.model
+        return attention(q, k, v, q_start=0, scale=m.scale, window=m.layer_window(layer),
+                         softcap=m.spec.attn_logit_softcap)
+
+    @torch.no_grad()
+    def _run(self, layer: int, streams: list[torch.Tensor], ffn) -> list[torch.Tensor]:
+        m = self.model
+        if ffn is not None:
+            m.ffn = ffn
+        try:
+            return [m.block(layer, x, self.ropes[i][layer], self._attn)
+                    for i, x in enumerate(streams)]
+        finally:
+            if ffn is not None:
+                del m.ffn
+
+    def dense_step(self, layer: int) -> None:
+        """Advance the dense stream through block ``layer`` (the dense FFN)."""
+        self.dense = self._run(layer, self.dense, None)
+
+    def moe_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``layer`` on the moefied stream up to its FFN: ``(x [N, d_model], a [N,
+        d_model])``, the FFN input (after its norm) and the residual the FFN output is added to
+        (all sequences concatenated)."""
+        xs: list[torch.Tensor] = []
+        zero = lambda l, x: (xs.append(x.clone()), torch.zeros_like(x))[1]  # noqa: E731
+        a = self._run(layer, self.moe, zero)
+        return torch.cat(xs), torch.cat(a)
+
+    def moe_step(self, layer: int, ffn) -> None:
+        """Advance the moefied stream through block ``layer`` with ``ffn(x) -> [n, d_model]`` as
+        its FFN (the block applies any post-FFN norm itself)."""
+        self.moe = self._run(layer, self.moe, lambda l, x: ffn(x))
+
+    def dense_residual(self) -> torch.Tensor:
+        """The dense stream after the last :meth:`dense_step`, concatenated ``[N, d_model]``."""
+        return torch.cat(self.dense)

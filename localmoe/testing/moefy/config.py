@@ -25,6 +25,9 @@ class MoefyConfig:
             row per expert; no training).
         refit_down: least-squares refit of the down projections for the sparse mixture (else
             per-expert output scales only).
+        target: what each layer is fitted to reproduce on the moefied model's own inputs:
+            ``"residual"`` (the dense model's residual stream after the layer: corrects errors
+            of earlier layers) or ``"local"`` (the dense FFN's output).
         calib_tokens: calibration tokens (from ``calib_corpus``), in sequences of ``seq_len``.
         seed: seeds every random choice (split, k-means initialization, router init).
     """
@@ -34,6 +37,7 @@ class MoefyConfig:
     split: str = "cluster"
     router: str = "trained"
     refit_down: bool = True
+    target: str = "local"
     calib_tokens: int = 8192
     seq_len: int = 512
     seed: int = 0
@@ -43,9 +47,9 @@ class MoefyConfig:
         return replace(self, **kw)
 
     def tag(self) -> str:
-        """Short name, e.g. ``16x4-cluster-trained-refit-s0``."""
+        """Short name, e.g. ``16x4-cluster-trained-refit-residual-s0``."""
         return (f"{self.n_experts}x{self.top_k}-{self.split}-{self.router}"
-                f"{'-refit' if self.refit_down else ''}-s{self.seed}")
+                f"{'-refit' if self.refit_down else ''}-{self.target}-s{self.seed}")
 
 
 #: preset -> (source model short name in the store, config)
@@ -87,5 +91,7 @@ def check_request(spec, cfg: MoefyConfig, tensor_names=None) -> None:
         raise ValueError(f"split must be 'cluster' or 'random', got {cfg.split!r}")
     if cfg.router not in ("trained", "centroid"):
         raise ValueError(f"router must be 'trained' or 'centroid', got {cfg.router!r}")
+    if cfg.target not in ("residual", "local"):
+        raise ValueError(f"target must be 'residual' or 'local', got {cfg.target!r}")
     if cfg.calib_tokens <= 0 or cfg.seq_len < 2:
         raise ValueError("calib_tokens must be positive and seq_len at least 2")

@@ -21,7 +21,7 @@ import torch
 
 from localmoe.testing.moefy.config import TARGET_ARCH
 
-__all__ = ["moe_transformer", "PostNormedMoE", "set_top_k"]
+__all__ = ["moe_transformer", "moe_runner", "PostNormedMoE", "set_top_k"]
 
 
 class PostNormedMoE:
@@ -76,3 +76,14 @@ def moe_transformer(model_file, plan, stored: dict, *, dense=None):
     if TARGET_ARCH[plan.source_arch] == "gemma4":
         model.moe = PostNormedMoE(model.moe, model)
     return model
+
+
+def moe_runner(model_file, plan, stored: dict, *, n_ctx: int = 2048, n_threads: int | None = None):
+    """A torch-backend runner (paged KV cache) whose model is the plan's MoE: the dense source
+    loaded with float weights, then converted in place (:func:`moe_transformer`). Works for the
+    gemma4 target too, which the project's loader does not read (docs/MOEFY.md)."""
+    from localmoe.backends.torch_backend import TorchRunner
+
+    runner = TorchRunner(model_file, n_ctx=n_ctx, n_threads=n_threads, packed_weights=False)
+    moe_transformer(model_file, plan, stored, dense=runner.model)
+    return runner

@@ -1,9 +1,9 @@
 """The moefication of one dense model: split, router and down weights of every layer.
 
-:func:`build_plan` runs the dense model over the calibration text once (teacher forcing: every
-layer is fitted on the dense model's own FFN inputs), then per layer: the GLU hidden units of
-the calibration tokens, the split (:mod:`.partition`), the router and the output fit
-(:mod:`.router`). A :class:`MoePlan` is saved as one ``.npz`` so the GGUF writers and the
+:func:`build_plan` walks the calibration text through the dense model and through the model
+being built, one layer at a time (:class:`.collect.LayerStreams`); per layer: the GLU hidden
+units of the moefied model's FFN inputs, the split (:mod:`.partition`), the router and the
+output fit (:mod:`.router`) towards the dense model's residual stream. A :class:`MoePlan` is saved as one ``.npz`` so the GGUF writers and the
 evaluation reuse it without recomputing.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from localmoe.testing.moefy.config import MoefyConfig, check_request
 
-__all__ = ["LayerPlan", "MoePlan", "build_plan", "glu_hidden"]
+__all__ = ["LayerPlan", "MoePlan", "build_plan", "glu_hidden", "sparse_ffn"]
 
 
 @dataclass
@@ -83,7 +83,9 @@ def glu_hidden(model, ffn, x: torch.Tensor) -> torch.Tensor:
     return model.ops.act(x @ ffn.gate.t()) * (x @ ffn.up.t())
 
 
-def _fit_layer(model, layer: int, x: torch.Tensor, cfg: MoefyConfig) -> LayerPlan:
+def _fit_layer(model, layer: int, x: torch.Tensor, y: torch.Tensor | None, cfg: MoefyConfig
+               ) -> LayerPlan:
+    """Split, router and output fit of one layer on inputs ``x`` with target output ``y``."""
     from localmoe.testing.moefy import partition, router as rt
     from localmoe.testing.moefy.collect import dense_ffn
 
@@ -94,58 +96,107 @@ def _fit_layer(model, layer: int, x: torch.Tensor, cfg: MoefyConfig) -> LayerPla
         groups = partition.coactivation_split(h, cfg.n_experts, seed)
     else:
         groups = partition.random_split(h.shape[1], cfg.n_experts, seed)
-    targets = rt.topk_targets(rt.expert_norms(h, w.down, groups), cfg.top_k)
+    stats = rt.expert_stats(h, w.down, groups, y)
+    targets = rt.topk_targets(stats[0], cfg.top_k)
     if cfg.router == "trained":
         R = rt.train_router(x, targets, seed)
     else:
         R = rt.centroid_router(w.gate, groups)
-    R, down, info = rt.fit_output(x, h, w.down, groups, R, cfg.top_k, refit_down=cfg.refit_down)
+    R, down, info = rt.fit_output(x, h, w.down, groups, R, cfg.top_k, y=y, stats=stats,
+                                  refit_down=cfg.refit_down)
     ids, _ = rt.route(x, R, cfg.top_k)
     hit = torch.zeros_like(targets).scatter_(1, ids, 1.0)
     info["router_recall"] = float((hit * targets).sum() / targets.sum())
     return LayerPlan(groups, R.contiguous(), down.contiguous(), info)
 
 
-def build_plan(model_file, cfg: MoefyConfig, *, dense=None, inputs=None, progress=None) -> MoePlan:
-    """Moefy every layer of the dense model in ``model_file``.
+def _post_norm(model, layer: int):
+    """The block's post-FFN norm weight (Gemma), or None."""
+    return model.layers[layer].get("post_ffw_norm")
+
+
+def _target(model, layer: int, x: torch.Tensor, a: torch.Tensor, dense_next: torch.Tensor,
+            how: str) -> torch.Tensor | None:
+    """What layer ``layer``'s FFN should output on the moefied stream's inputs ``x``:
+    ``local`` -> None (the dense FFN's own output on ``x``); ``residual`` -> the output that
+    brings the moefied stream back to the dense one, ``dense_next - a`` (through the post-FFN
+    norm when the block has one: its direction ``z / w``, at the dense FFN's per-token RMS)."""
+    if how == "local":
+        return None
+    z = dense_next - a
+    w = _post_norm(model, layer)
+    if w is None:
+        return z
+    from localmoe.testing.moefy.collect import dense_ffn
+
+    f = dense_ffn(model, layer)
+    ref = glu_hidden(model, f, x) @ f.down.t()
+    u = z / w
+    rms = lambda t: t.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30)  # noqa: E731
+    return u * (rms(ref) / rms(u))
+
+
+def sparse_ffn(model, layer: int, lp: LayerPlan, top_k: int, post_normed: bool):
+    """The fitted sparse FFN of ``layer`` as a function ``x [n, d_model] -> [n, d_model]`` (float
+    down weights; with ``post_normed`` its output is RMS-normalized as gemma4's MoE branch)."""
+    from localmoe.testing.moefy import router as rt
+    from localmoe.testing.moefy.collect import dense_ffn
+
+    w = dense_ffn(model, layer)
+    col = rt.col_expert(lp.groups, w.gate.shape[0])
+
+    def f(x):
+        h = glu_hidden(model, w, x)
+        ids, wts = rt.route(x, lp.router, top_k)
+        out = (h * rt.gate_matrix(ids, wts, lp.groups.shape[0])[:, col]) @ lp.down.t()
+        return model.ops.norm(out, None, model.spec.norm_eps) if post_normed else out
+    return f
+
+
+def build_plan(model_file, cfg: MoefyConfig, *, dense=None, progress=None) -> MoePlan:
+    """Moefy every layer of the dense model in ``model_file``, one layer at a time.
+
+    The calibration sequences run through the dense model and through the model being built
+    (:class:`.collect.LayerStreams`): layer ``l`` is fitted on the FFN inputs the moefied model
+    produces after its first ``l`` layers were replaced, towards ``cfg.target`` (``residual``:
+    what brings its residual stream back to the dense one; ``local``: the dense FFN's output).
 
     Args:
         model_file: the opened dense source (:func:`localmoe.io.loader.open_model`).
         cfg: what to build (checked first, see :func:`.config.check_request`).
-        dense: an already loaded ``(Transformer, Tokenizer)`` of the same file (optional).
-        inputs: already collected ``{layer: [N, d_model]}`` calibration FFN inputs (optional;
-            must come from ``cfg.calib_corpus``).
+        dense: an already loaded ``(Transformer, Tokenizer)`` of the same file (optional; not
+            modified).
         progress: ``progress(message)`` called per stage/layer.
 
     Returns:
-        the :class:`MoePlan` (``stats``: seconds per stage, calibration token count).
+        the :class:`MoePlan` (``stats``: seconds, calibration tokens, largest mean V^2).
 
     Raises:
         UnsupportedModelError, ValueError: see :func:`.config.check_request`.
     """
     from localmoe.testing.moefy import collect, texts
+    from localmoe.testing.moefy.config import TARGET_ARCH
 
     check_request(model_file.spec, cfg, model_file.tensor_names())
     say = progress or (lambda m: None)
     t0 = time.perf_counter()
     model, tok = dense if dense is not None else collect.load_dense(model_file)
-    stats: dict = {}
-    if inputs is None:
-        add_bos = bool(model_file.metadata.get("tokenizer.ggml.add_bos_token", False))
-        chunks = collect.token_chunks(tok, texts.corpus(cfg.calib_corpus), cfg.calib_tokens,
-                                      cfg.seq_len, add_bos)
-        vs: dict = {}
-        inputs = collect.collect_ffn_inputs(model, chunks, v_stats=vs)
-        stats["max_mean_v2"] = max(vs.values())
-    stats["calib_tokens"] = int(next(iter(inputs.values())).shape[0])
-    stats["collect_s"] = round(time.perf_counter() - t0, 2)
-    say(f"calibration: {stats['calib_tokens']} tokens in {stats['collect_s']} s")
+    add_bos = bool(model_file.metadata.get("tokenizer.ggml.add_bos_token", False))
+    chunks = collect.token_chunks(tok, texts.corpus(cfg.calib_corpus), cfg.calib_tokens,
+                                  cfg.seq_len, add_bos)
+    vs: dict = {}
+    streams = collect.LayerStreams(model, chunks, v_stats=vs)
+    post_normed = TARGET_ARCH[model.spec.arch] == "gemma4"
     layers = []
-    t1 = time.perf_counter()
     for l in range(model.spec.n_layers):
-        layers.append(_fit_layer(model, l, inputs[l], cfg))
+        streams.dense_step(l)
+        x, a = streams.moe_inputs(l)
+        y = _target(model, l, x, a, streams.dense_residual(), cfg.target)
+        layers.append(_fit_layer(model, l, x, y, cfg))
+        streams.moe_step(l, sparse_ffn(model, l, layers[-1], cfg.top_k, post_normed))
         i = layers[-1].info
-        say(f"layer {l}: recall {i['router_recall']:.3f} calib rel err {i['calib_rel_err']:.3f} "
-            f"T {i['temperature']}")
-    stats["fit_s"] = round(time.perf_counter() - t1, 2)
+        say(f"layer {l}: router recall {i['router_recall']:.3f}, calibration rel. error "
+            f"{i['calib_rel_err']:.3f}, T {i['temperature']} ({time.perf_counter() - t0:.0f} s)")
+    stats = {"calib_tokens": int(sum(len(c) for c in chunks)), "max_mean_v2": max(vs.values()),
+             "plan_s": round(time.perf_counter() - t0, 2)}
     return MoePlan(str(model_file.path), model.spec.arch, cfg, layers, stats)

@@ -15,7 +15,8 @@ Expert ``e``'s output is ``E_e(x) = down[:, groups[e]] @ h[groups[e]]``; the den
 * Gating is the one llama.cpp's Mixtral-style ``llama`` and ``gemma4`` MoE layers compute:
   softmax over all experts, top-k, renormalized over the selected ones (= softmax over the
   selected logits). Ties go to the lower expert index (:func:`localmoe.model.routing.route`).
-* :func:`fit_output`: makes the sparse mixture reproduce the dense FFN on the calibration tokens:
+* :func:`fit_output`: makes the sparse mixture reproduce a target on the calibration tokens (the
+  dense FFN's output, or what the dense model's residual stream needs, see :mod:`.plan`):
   a router temperature (grid search) and per-expert output scales (least squares, an ``E x E``
   system), or with ``refit_down`` the whole down projection by ridge regression on the gated
   hidden units (``d_ff x d_ff`` system; the selected experts' down weights absorb part of what
@@ -27,11 +28,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["expert_norms", "topk_targets", "train_router", "centroid_router", "route",
-           "gate_matrix", "fit_output", "relative_error"]
+__all__ = ["expert_norms", "expert_stats", "topk_targets", "train_router", "centroid_router", "route",
+           "gate_matrix", "col_expert", "fit_output", "relative_error"]
 
 
-def _col_expert(groups: torch.Tensor, d_ff: int) -> torch.Tensor:
+def col_expert(groups: torch.Tensor, d_ff: int) -> torch.Tensor:
+    """``[d_ff]`` int64: the expert of each neuron."""
     col = torch.empty(d_ff, dtype=torch.int64)
     for e in range(groups.shape[0]):
         col[groups[e]] = e
@@ -41,11 +43,34 @@ def _col_expert(groups: torch.Tensor, d_ff: int) -> torch.Tensor:
 def expert_norms(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor, batch: int = 2048
                  ) -> torch.Tensor:
     """``||E_e(x)||`` for every token and expert: ``[N, E]`` float32."""
-    out = []
+    return expert_stats(h, down, groups, batch)[0]
+
+
+def expert_stats(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor,
+                 y: torch.Tensor | None = None, batch: int = 2048
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token expert statistics in one pass over the expert outputs.
+
+    Args:
+        y: ``[N, d_model]`` target the layer should produce (default: the dense output
+            ``sum_e E_e(x)``).
+
+    Returns:
+        ``(norms [N, E], gram [N, E, E], proj [N, E], yy [N])``: ``||E_e(x)||``,
+        ``<E_i(x), E_j(x)>``, ``<E_e(x), y>`` and ``||y||^2`` (float32; the Gram matrices make
+        every later least-squares fit of per-expert scales independent of ``d_model``).
+    """
+    norms, gram, proj, yy = [], [], [], []
     for s in range(0, h.shape[0], batch):
         hb = h[s:s + batch]
-        out.append(torch.stack([(hb[:, g] @ down[:, g].t()).norm(dim=-1) for g in groups], 1))
-    return torch.cat(out)
+        outs = torch.stack([hb[:, g] @ down[:, g].t() for g in groups], 1)     # [n, E, D]
+        yb = outs.sum(1) if y is None else y[s:s + batch]
+        g = torch.einsum("nid,njd->nij", outs, outs)
+        gram.append(g)
+        norms.append(g.diagonal(dim1=1, dim2=2).clamp_min(0).sqrt())
+        proj.append(torch.einsum("nid,nd->ni", outs, yb))
+        yy.append((yb * yb).sum(-1))
+    return torch.cat(norms), torch.cat(gram), torch.cat(proj), torch.cat(yy)
 
 
 def topk_targets(norms: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -55,15 +80,17 @@ def topk_targets(norms: torch.Tensor, top_k: int) -> torch.Tensor:
 
 
 def train_router(x: torch.Tensor, targets: torch.Tensor, seed: int, steps: int = 300,
-                 lr: float = 1e-2) -> torch.Tensor:
-    """Linear router fitted to multi-hot ``targets [N, E]`` with BCE: ``[E, d_model]`` float32."""
+                 lr: float = 1e-2, batch: int = 2048) -> torch.Tensor:
+    """Linear router fitted to multi-hot ``targets [N, E]`` with BCE (Adam, minibatches of
+    ``batch`` tokens drawn with ``seed``): ``[E, d_model]`` float32."""
     g = torch.Generator().manual_seed(seed)
     R = (torch.randn(targets.shape[1], x.shape[1], generator=g) * 1e-3).requires_grad_()
     opt = torch.optim.Adam([R], lr=lr)
     xf = x.float()
     with torch.enable_grad():
         for _ in range(steps):
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(xf @ R.t(), targets)
+            idx = torch.randint(0, xf.shape[0], (min(batch, xf.shape[0]),), generator=g)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(xf[idx] @ R.t(), targets[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -97,24 +124,24 @@ def relative_error(h: torch.Tensor, down_dense: torch.Tensor, down_moe: torch.Te
                    groups: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> float:
     """``||moe - dense|| / ||dense||`` over the tokens (Frobenius), where ``moe`` uses the gating
     ``(ids, w)`` and ``down_moe [d_model, d_ff]`` (neuron order of ``h``)."""
-    col = _col_expert(groups, h.shape[1])
+    col = col_expert(groups, h.shape[1])
     gm = gate_matrix(ids, w, groups.shape[0])
     y = h @ down_dense.t()
     return float((_mixture(h, down_moe, col, gm) - y).norm() / y.norm().clamp_min(1e-30))
 
 
-def _fit_scales(h, down, groups, col, gm, y, batch=2048):
-    """Least-squares per-expert scales ``s [E]`` for ``sum_e s_e g_e E_e(x) ~ y``."""
-    E = groups.shape[0]
-    M = torch.zeros(E, E, dtype=torch.float64)
-    b = torch.zeros(E, dtype=torch.float64)
-    for s in range(0, h.shape[0], batch):
-        hb, gb, yb = h[s:s + batch], gm[s:s + batch], y[s:s + batch]
-        outs = torch.stack([(hb[:, g] @ down[:, g].t()) for g in groups], 1) * gb[..., None]
-        M += torch.einsum("nid,njd->ij", outs, outs).double()
-        b += torch.einsum("nid,nd->i", outs, yb).double()
-    M += 1e-6 * M.diagonal().mean() * torch.eye(E, dtype=torch.float64)
-    return torch.linalg.solve(M, b).float()
+def _fit_scales(stats, gm):
+    """Least-squares per-expert scales ``s [E]`` for ``sum_e s_e g_e E_e(x) ~ y`` and the
+    relative error they leave, from :func:`expert_stats` and the gating ``gm [N, E]``."""
+    _, gram, proj, yy = stats
+    gmd = gm.double()
+    M = torch.einsum("ni,nj,nij->ij", gmd, gmd, gram.double())
+    b = torch.einsum("ni,ni->i", gmd, proj.double())
+    M += 1e-6 * M.diagonal().mean().clamp_min(1e-30) * torch.eye(M.shape[0], dtype=torch.float64)
+    s = torch.linalg.solve(M, b)
+    tot = yy.double().sum()
+    err2 = (tot - 2 * s @ b + s @ M @ s).clamp_min(0)
+    return s.float(), float((err2 / tot.clamp_min(1e-30)).sqrt())
 
 
 def _refit_down(h, col, gm, y, ridge):
@@ -126,7 +153,9 @@ def _refit_down(h, col, gm, y, ridge):
 
 
 def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor,
-               R: torch.Tensor, top_k: int, *, refit_down: bool = False, ridge: float = 0.1,
+               R: torch.Tensor, top_k: int, *, y: torch.Tensor | None = None, stats=None,
+               refit_down: bool = False,
+               ridge: float = 0.1,
                temperatures: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 1e3)
                ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Choose the router temperature and the down weights of the sparse layer.
@@ -135,6 +164,8 @@ def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: tor
         x: ``[N, d_model]`` calibration FFN inputs; h: ``[N, d_ff]`` their GLU hidden units.
         down: ``[d_model, d_ff]`` dense down projection; groups, R: the split and the router.
         top_k: experts per token the weights are fitted for.
+        y: ``[N, d_model]`` what the layer should output (default: the dense FFN's output).
+        stats: :func:`expert_stats` of ``(h, down, groups, y)`` if already computed.
         refit_down: ridge-refit the whole down projection (else per-expert scales only).
         ridge: ridge strength relative to the mean diagonal of the normal equations.
         temperatures: router logit divisors tried (1e3 ~ uniform weights over the top-k).
@@ -144,19 +175,19 @@ def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: tor
         chosen temperature, the down weights (neuron order of ``h``) with scales folded in, and
         ``info`` (temperature, calibration relative error).
     """
-    y = h @ down.t()
-    col = _col_expert(groups, h.shape[1])
+    stats = stats if stats is not None else expert_stats(h, down, groups, y)
+    col = col_expert(groups, h.shape[1])
     best = None
     for t in temperatures:
         ids, w = route(x, R / t, top_k)
         gm = gate_matrix(ids, w, groups.shape[0])
-        s = _fit_scales(h, down, groups, col, gm, y)
-        d = down * s[col][None, :]
-        err = float((_mixture(h, d, col, gm) - y).norm() / y.norm())
+        s, err = _fit_scales(stats, gm)
         if best is None or err < best[0]:
-            best = (err, t, d, gm)
-    err, t, d, gm = best
+            best = (err, t, s, gm)
+    err, t, s, gm = best
+    d = down * s[col][None, :]
     if refit_down:
+        y = h @ down.t() if y is None else y
         d = _refit_down(h, col, gm, y, ridge)
         err = float((_mixture(h, d, col, gm) - y).norm() / y.norm())
     return R / t, d, {"temperature": t, "calib_rel_err": err}
