@@ -2,9 +2,9 @@
 
 The grammar engine is `llguidance <https://github.com/guidance-ai/llguidance>`_ (chosen over
 xgrammar by measurement on our two tokenizers: ``benchmarks/bench_grammar.py``, results in
-``benchmarks/results/grammar_engines_cpu.json``). It is an optional dependency
-(``pip install localmoe[structured]``); without it a constrained request is refused with one
-line saying what to install.
+``benchmarks/results/grammar_engines_cpu.json``). It is a small dependency
+(one 3 MB wheel, no dependencies of its own); a broken install makes constrained requests fail
+with one line saying what to install, not the server.
 
 Pieces:
 
@@ -45,7 +45,7 @@ COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer to compile is refused
 _CACHE_SIZE = 128
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _INSTALL_HINT = ("structured output (JSON schema, JSON mode, required tool calls) needs the "
-                 "llguidance package: pip install 'localmoe[structured]'")
+                 "llguidance package, which did not import: pip install llguidance")
 
 
 def available() -> str | None:
