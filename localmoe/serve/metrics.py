@@ -1,100 +1,88 @@
 """Server metrics (``GET /metrics``): request counts, tokens, TTFT/TPOT histograms, queue
-depth, rendered as Prometheus text exposition."""
+depth, in the Prometheus text exposition format, kept and rendered by ``prometheus_client``.
+
+Each :class:`Metrics` has its own ``CollectorRegistry`` (not the process-wide default one), so
+two servers in one process (tests, an application embedding the server) count apart.
+"""
 
 from __future__ import annotations
 
 import threading
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.sum = 0.0
-        self.n = 0
-
-    def observe(self, v: float) -> None:
-        self.sum += v
-        self.n += 1
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-
-    def render(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum {self.sum:.6f}")
-        out.append(f"{name}_count {self.n}")
-        return out
+#: seconds; request arrival to the first token (queueing included)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: seconds; mean time per generated token after the first
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class Metrics:
-    """Server counters, rendered as Prometheus text exposition (version 0.0.4).
+    """The server's counters, histograms and gauges.
 
-    Times are seconds; counts are tokens or requests. Thread-safe.
+    Metric names (stable; dashboards use them): ``localmoe_requests_total{endpoint,status}``,
+    ``localmoe_prompt_tokens_total``, ``localmoe_generation_tokens_total``,
+    ``localmoe_cancelled_generations_total``, the histograms
+    ``localmoe_time_to_first_token_seconds`` and ``localmoe_time_per_output_token_seconds``
+    (``_bucket``/``_sum``/``_count``), and the gauges ``localmoe_queue_depth``,
+    ``localmoe_requests_running`` and ``localmoe_model_ready``.
+
+    ``queue_depth`` and ``running`` are plain ints the server's request path updates (under
+    its event loop); the gauges read them when scraped. Times are seconds; counts are tokens
+    or requests. Thread-safe.
+
+    Attributes:
+        registry: the ``prometheus_client.CollectorRegistry`` holding these metrics.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cancelled = 0
-        self.ttft = _Histogram(_TTFT_BUCKETS)
-        self.tpot = _Histogram(_TPOT_BUCKETS)
         self.queue_depth = 0
         self.running = 0
+        self._ready = False
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("localmoe_requests", "HTTP requests by endpoint and status code.",
+                                ("endpoint", "status"), registry=r)
+        self.prompt_tokens = Counter("localmoe_prompt_tokens", "Prompt tokens processed.",
+                                     registry=r)
+        self.generation_tokens = Counter("localmoe_generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.cancelled = Counter("localmoe_cancelled_generations",
+                                 "Generations cancelled by a client disconnect.", registry=r)
+        self.ttft = Histogram("localmoe_time_to_first_token_seconds",
+                              "Request arrival to first token, queueing included.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("localmoe_time_per_output_token_seconds",
+                              "Mean time per generated token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        Gauge("localmoe_queue_depth", "Requests waiting for the model.",
+              registry=r).set_function(lambda: self.queue_depth)
+        Gauge("localmoe_requests_running", "Requests generating now.",
+              registry=r).set_function(lambda: self.running)
+        Gauge("localmoe_model_ready", "1 when the model is loaded.",
+              registry=r).set_function(lambda: 1 if self._ready else 0)
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, int(status))
-            self.requests[key] = self.requests.get(key, 0) + 1
+        """One finished HTTP request to ``endpoint`` answered with ``status``."""
+        self.requests.labels(endpoint=endpoint, status=str(int(status))).inc()
 
     def observe_generation(self, result, ttft_s: float | None, tpot_s: float | None) -> None:
-        with self._lock:
-            if result is not None:
-                self.prompt_tokens += int(result.prompt_tokens)
-                self.generation_tokens += int(result.completion_tokens)
-                if result.finish_reason == "cancelled":
-                    self.cancelled += 1
-            if ttft_s is not None:
-                self.ttft.observe(ttft_s)
-            if tpot_s is not None:
-                self.tpot.observe(tpot_s)
+        """A finished generation: its token counts (``result``, a GenerationResult or None) and
+        its TTFT / TPOT in seconds (None when not measured)."""
+        if result is not None:
+            self.prompt_tokens.inc(int(result.prompt_tokens))
+            self.generation_tokens.inc(int(result.completion_tokens))
+            if result.finish_reason == "cancelled":
+                self.cancelled.inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
 
     def render(self, ready: bool) -> str:
+        """The exposition text (Prometheus text format 0.0.4; counters also carry the
+        ``_created`` timestamps prometheus_client adds); ``ready``: whether the model is
+        loaded."""
         with self._lock:
-            lines = ["# HELP localmoe_requests_total HTTP requests by endpoint and status code.",
-                     "# TYPE localmoe_requests_total counter"]
-            for (ep, st), n in sorted(self.requests.items()):
-                lines.append(f'localmoe_requests_total{{endpoint="{ep}",status="{st}"}} {n}')
-            lines += [
-                "# HELP localmoe_prompt_tokens_total Prompt tokens processed.",
-                "# TYPE localmoe_prompt_tokens_total counter",
-                f"localmoe_prompt_tokens_total {self.prompt_tokens}",
-                "# HELP localmoe_generation_tokens_total Tokens generated.",
-                "# TYPE localmoe_generation_tokens_total counter",
-                f"localmoe_generation_tokens_total {self.generation_tokens}",
-                "# HELP localmoe_cancelled_generations_total Generations cancelled by a client disconnect.",
-                "# TYPE localmoe_cancelled_generations_total counter",
-                f"localmoe_cancelled_generations_total {self.cancelled}",
-                "# HELP localmoe_time_to_first_token_seconds Request arrival to first token, queueing included.",
-                "# TYPE localmoe_time_to_first_token_seconds histogram",
-                *self.ttft.render("localmoe_time_to_first_token_seconds"),
-                "# HELP localmoe_time_per_output_token_seconds Mean time per generated token after the first.",
-                "# TYPE localmoe_time_per_output_token_seconds histogram",
-                *self.tpot.render("localmoe_time_per_output_token_seconds"),
-                "# HELP localmoe_queue_depth Requests waiting for the model.",
-                "# TYPE localmoe_queue_depth gauge",
-                f"localmoe_queue_depth {self.queue_depth}",
-                "# HELP localmoe_requests_running Requests generating now.",
-                "# TYPE localmoe_requests_running gauge",
-                f"localmoe_requests_running {self.running}",
-                "# HELP localmoe_model_ready 1 when the model is loaded.",
-                "# TYPE localmoe_model_ready gauge",
-                f"localmoe_model_ready {1 if ready else 0}",
-            ]
-            return "\n".join(lines) + "\n"
+            self._ready = bool(ready)
+            return generate_latest(self.registry).decode("utf-8")
