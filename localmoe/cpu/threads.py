@@ -1,9 +1,9 @@
 """CPU thread counts: the user's request (``--threads`` / ``$LOCALMOE_THREADS``), checked, and the
 torch backend's default (the physical cores minus the cores other processes keep busy).
 
-The counts come from ``/proc/cpuinfo`` (physical cores of the affinity mask) and ``/proc/stat``
-(busy time of the whole machine over the load); where those are unavailable the usable logical
-CPUs stand in. Torch is imported only where a count is read or set.
+The counts come from psutil (physical cores of the affinity mask; busy time of the whole machine
+over the load); where it cannot count physical cores the usable logical CPUs stand in. Torch is
+imported only where a count is read or set.
 """
 
 from __future__ import annotations
@@ -51,81 +51,87 @@ def env_threads() -> int | None:
         f"{MAX_THREADS} (or unset it for the default)", param=THREADS_ENV)
 
 
-def _usable_cpus() -> set[int]:
-    """Logical CPUs this process may run on: its affinity mask, or all CPUs where the platform
-    has none."""
+def _usable_cpus() -> int:
+    """Logical CPUs this process may run on: its affinity mask (psutil), or all CPUs where the
+    platform has none."""
+    import psutil  # imported here: `localmoe --help` reads MAX_THREADS only
+
     try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
+        return max(1, len(psutil.Process().cpu_affinity()))
+    except (AttributeError, NotImplementedError, psutil.Error, OSError):
+        return _logical_cpus()
 
 
 def physical_cores() -> int:
-    """Physical CPU cores this process may run on (SMT siblings counted once): distinct
-    ``(physical id, core id)`` pairs of ``/proc/cpuinfo`` over the CPUs of the affinity mask;
-    elsewhere (or unreadable) the number of usable logical CPUs."""
-    cpus = _usable_cpus()
-    try:
-        cores, proc, phys = set(), None, "0"
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key, val = key.strip(), val.strip()
-                if key == "processor":
-                    proc, phys = int(val), "0"
-                elif key == "physical id":
-                    phys = val
-                elif key == "core id" and proc in cpus:
-                    cores.add((phys, val))
-        if cores:
-            return min(len(cores), len(cpus))
-    except (OSError, ValueError):
-        pass
-    return max(1, len(cpus))
+    """Physical CPU cores this process may run on (SMT siblings counted once), at least 1.
+
+    psutil's physical and logical counts give the machine's threads per core; the usable
+    logical CPUs (the affinity mask) divided by it are the cores of the mask. Where psutil
+    cannot count physical cores, the usable logical CPUs."""
+    import psutil
+
+    usable = _usable_cpus()
+    phys = psutil.cpu_count(logical=False)
+    logical = psutil.cpu_count(logical=True)
+    if not phys or not logical:
+        return usable
+    return max(1, min(phys, round(usable * phys / logical)))
 
 
 _LAST_SET = [0]  # the thread count a runner set last (so the next load may change it again)
 
 
 class _CPUBusy:
-    """Cores kept busy by *other* processes over an interval: whole-machine busy time from
-    ``/proc/stat`` (steal included) minus this process's own CPU time. ``start()`` then
-    ``cores()`` (which waits until at least ``min_s`` seconds have passed). None where
-    ``/proc/stat`` is unavailable."""
+    """Cores kept busy by *other* processes over an interval: the whole machine's busy time
+    (``psutil.cpu_times``: everything but idle and iowait, steal included) minus this process's
+    own CPU time. ``start()`` then ``cores()`` (which waits until at least ``min_s`` seconds
+    have passed). None where the counters cannot be read."""
 
     def __init__(self, min_s: float = 0.2):
         self.min_s = min_s
         self._t0 = None
 
     @staticmethod
-    def _snap():
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:9]]
-        return sum(vals), vals[3] + vals[4], sum(os.times()[:2]), time.monotonic()
+    def _snap() -> tuple[float, float, float, float] | None:
+        """(machine CPU seconds, of them idle, this process's CPU seconds, monotonic time), or
+        None where psutil cannot read them."""
+        import psutil
+
+        try:
+            t = psutil.cpu_times()
+            own = psutil.Process().cpu_times()
+        except (psutil.Error, OSError, NotImplementedError):
+            return None
+        # guest time is counted inside user time already (as psutil's own percentages do)
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        return total, idle, own.user + own.system, time.monotonic()
 
     def start(self) -> "_CPUBusy":
-        try:
-            self._t0 = self._snap()
-        except (OSError, ValueError, IndexError):
-            self._t0 = None
+        self._t0 = self._snap()
         return self
 
     def cores(self) -> float | None:
+        """Cores other processes kept busy since ``start()`` (a float >= 0), or None."""
         if self._t0 is None:
             return None
         left = self.min_s - (time.monotonic() - self._t0[3])
         if left > 0:
             time.sleep(left)
-        try:
-            tot1, idle1, own1, w1 = self._snap()
-        except (OSError, ValueError, IndexError):
+        now = self._snap()
+        if now is None:
             return None
-        tot0, idle0, own0, w0 = self._t0
+        (tot0, idle0, own0, w0), (tot1, idle1, own1, w1) = self._t0, now
         if tot1 <= tot0 or w1 <= w0:
             return None
-        n_cpu = os.cpu_count() or 1
-        busy = (1.0 - (idle1 - idle0) / (tot1 - tot0)) * n_cpu
+        busy = (1.0 - (idle1 - idle0) / (tot1 - tot0)) * _logical_cpus()
         return max(0.0, busy - (own1 - own0) / (w1 - w0))
+
+
+def _logical_cpus() -> int:
+    import psutil
+
+    return psutil.cpu_count() or os.cpu_count() or 1
 
 
 def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
@@ -157,7 +163,7 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
         return torch.get_num_threads(), "OMP_NUM_THREADS"
     phys = physical_cores()
     now = torch.get_num_threads()
-    if now not in (phys, len(_usable_cpus()), _LAST_SET[0]):
+    if now not in (phys, _usable_cpus(), _LAST_SET[0]):
         return now, "torch.set_num_threads"  # the caller chose; keep it
     if busy_elsewhere is None:
         return phys, f"{phys} physical cores"

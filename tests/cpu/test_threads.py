@@ -170,3 +170,61 @@ def test_huge_thread_counts_are_refused_before_any_load(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "1<=x<=512" in r.output
     with pytest.raises(InvalidRequestError, match="n_threads=600"):
         tb.TorchRunner(write_gguf(tmp_path / "m2.gguf", "tiny-llama"), n_threads=600)
+
+
+def test_physical_cores_come_from_psutil_and_the_affinity_mask(monkeypatch):
+    """psutil's physical/logical counts give the threads per core; the affinity mask's share
+    of them is what this process may use (SMT siblings counted once)."""
+    import psutil
+
+    from localmoe.cpu import threads
+
+    class P:
+        def __init__(self, cpus):
+            self.cpus = cpus
+
+        def cpu_affinity(self):
+            return list(range(self.cpus))
+
+    def machine(phys, logical, mask):
+        monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: logical_n if logical else phys)
+        monkeypatch.setattr(psutil, "Process", lambda *a: P(mask))
+        logical_n = logical
+        return threads.physical_cores()
+
+    assert machine(8, 16, 16) == 8      # SMT 2, whole machine
+    assert machine(8, 16, 4) == 2       # 4 logical CPUs of the mask = 2 cores
+    assert machine(4, 4, 3) == 3        # no SMT, 3 CPUs allowed
+    assert machine(8, 16, 1) == 1       # never 0
+    assert machine(None, 16, 6) == 6    # psutil cannot tell: the usable logical CPUs
+
+
+def test_busy_cores_read_psutil_counters(monkeypatch):
+    """Busy cores are the machine's non-idle time over the interval minus our own CPU time."""
+    import psutil
+    from collections import namedtuple
+
+    from localmoe.cpu import threads
+
+    T = namedtuple("T", "user nice system idle iowait irq softirq steal guest guest_nice")
+    O = namedtuple("O", "user system")
+    snaps = iter([(T(10, 0, 0, 90, 0, 0, 0, 0, 5, 0), O(1, 0)),
+                  # 4 CPUs over 1 s: 4 CPU-seconds, 1.5 of them idle -> 2.5 busy, 0.5 ours
+                  (T(12, 0, 0.5, 91.5, 0, 0, 0, 0, 7, 0), O(1.5, 0))])
+    cur = {}
+    clock = iter([100.0, 101.0, 101.0])
+
+    def cpu_times():
+        cur["s"] = next(snaps)
+        return cur["s"][0]
+
+    class P:
+        def cpu_times(self):
+            return cur["s"][1]
+
+    monkeypatch.setattr(psutil, "cpu_times", cpu_times)
+    monkeypatch.setattr(psutil, "Process", lambda *a: P())
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 4)
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    busy = threads._CPUBusy(min_s=0.0).start().cores()
+    assert busy == pytest.approx(2.0)
