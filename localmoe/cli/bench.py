@@ -7,7 +7,7 @@ import os
 
 import click
 
-from localmoe.cli import options
+from localmoe.cli import options, routing
 from localmoe.cli.options import model_options
 from localmoe.errors import LocalMoEError
 
@@ -19,9 +19,13 @@ from localmoe.errors import LocalMoEError
 @click.option("-r", "--repeat", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Also write the results to this JSON file.")
+@routing.record_routing_option
 def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, prompt_tokens,
-          gen_tokens, repeat, json_out):
-    """Measure prefill and decode speed (greedy, fixed lengths, median of repeats)."""
+          gen_tokens, repeat, json_out, record_routing):
+    """Measure prefill and decode speed (greedy, fixed lengths, median of repeats).
+
+    With --record-routing, one more run of the same prompt after the timed ones is recorded
+    (the timings do not include the recording)."""
     import platform
     import statistics
 
@@ -29,7 +33,10 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
         parent = os.path.dirname(os.path.abspath(json_out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise LocalMoEError(f"cannot write {json_out}: {parent} is not a writable folder")
-    llm = options.load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device)
+    if record_routing:
+        backend = routing.check_request(record_routing, backend)
+    llm = options.load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device,
+                           before_load=routing.check_model if record_routing else None)
     try:
         # ~10 tokens per sentence: enough sentences for any --prompt-tokens
         text = ("The quick brown fox jumps over the lazy dog. " * max(400, prompt_tokens // 5))
@@ -59,6 +66,14 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
             "prefill_tok_s": med([r.timings.prefill_tok_s for r in runs]),
             "kv_bytes_per_token": llm.kv_spec.bytes_per_token(llm.spec) if llm.spec else None,
         }
+        if record_routing:  # one more, untimed run with the recorder installed
+            rec = routing.recorder(llm)
+            llm.reset()
+            with rec:
+                r = llm.generate(ids, max_tokens=gen_tokens, temperature=0.0,
+                                 logit_bias={i: -100.0 for i in llm.tokenizer.eog_ids})
+            routing.write(record_routing, llm, rec, [rec.take_trace("bench", "bench", r.text)],
+                          "bench")
     finally:
         llm.close()
     for k, v in res.items():

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from localmoe.cli import options
+from localmoe.cli import options, routing
 from localmoe.cli.options import OneLineUsageError, model_options, sampling_kwargs, sampling_options
 from localmoe.errors import LocalMoEError
 
@@ -22,8 +22,9 @@ from localmoe.errors import LocalMoEError
                    "System:/User:/Assistant: transcript (with a warning); ignored with --raw.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, timings) instead of streaming.")
 @click.option("-v", "--verbose", is_flag=True, help="Print loading steps and timings on stderr.")
+@routing.record_routing_option
 def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, raw,
-             system, as_json, verbose, **kw):
+             system, as_json, verbose, record_routing, **kw):
     """Generate a reply to PROMPT (or stdin) and stream it to stdout.
 
     The model's chat template is applied when it has one (as `ollama run` does); --raw sends
@@ -35,6 +36,8 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     from localmoe.engine.options import make_sampling_params
 
     make_sampling_params(None, **sampling)  # out-of-range values fail before the weights load
+    if record_routing:  # an unwritable file or a backend that cannot record: before any work
+        backend = routing.check_request(record_routing, backend)
     prompt = _read_prompt(prompt)
     if raw and system:
         click.echo("warning: --system is ignored with --raw (plain completion sends the prompt "
@@ -51,10 +54,16 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         n = len(llm.prompt_ids(prompt) if plain(llm) else llm.prompt_ids(messages=msgs))
         if n > llm.n_ctx:
             raise ContextOverflowError(n, llm.n_ctx)
+        if record_routing:
+            routing.check_model(llm)
 
     llm = options.load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device,
                            verbose, before_load=fits)
+    rec = result = None
     try:
+        if record_routing:
+            rec = routing.recorder(llm)
+            rec.__enter__()
         if plain(llm):
             events = llm.generate(prompt, stream=True, raw=True, **sampling)
         else:
@@ -68,9 +77,21 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
                            f"a plain completion of the prompt", err=True)
             events = llm.chat_stream(msgs, make_sampling_params(llm.default_sampling(), **sampling))
         result = _stream(llm, events, as_json)
+        if rec is not None:
+            _write_routing(llm, rec, record_routing, result)
+            rec = None
         _report(llm, result, as_json, verbose)
     finally:
+        if rec is not None:  # interrupted: keep what was routed so far
+            _write_routing(llm, rec, record_routing, result)
         llm.close()
+
+
+def _write_routing(llm, rec, path: str, result) -> None:
+    rec.__exit__(None, None, None)
+    if rec.steps:
+        trace = rec.take_trace("generate", "generate", result.text if result is not None else "")
+        routing.write(path, llm, rec, [trace], "generate")
 
 
 def _read_prompt(prompt: str | None) -> str:

@@ -57,9 +57,10 @@ class Engine:
         progress: ``progress(fraction, message)`` called while loading.
         before_load: ``before_load(engine)`` called once the tokenizer, chat template and
             context size are known, before the weights load: ``.tokenizer``, ``.template``,
-            ``.n_ctx``, :meth:`prompt_ids`, :meth:`count_tokens` and :meth:`render_chat`
-            work there (generation does not yet); an exception it raises stops the load
-            (``localmoe generate`` refuses a prompt longer than the context this way).
+            ``.n_ctx``, ``.model_file``, ``.backend_name``, :meth:`prompt_ids`,
+            :meth:`count_tokens` and :meth:`render_chat` work there (generation does not yet);
+            an exception it raises stops the load (``localmoe generate`` refuses a prompt
+            longer than the context this way).
         **backend_options: passed to the backend's ``load`` (``n_threads``, ...).
 
     Raises:
@@ -94,6 +95,7 @@ class Engine:
         template = ChatTemplate.from_model(model_file, tokenizer)
         if before_load is not None:  # what the text helpers need; _setup sets them again
             self.tokenizer, self.template, self.n_ctx = tokenizer, template, ctx
+            self.model_file, self.backend_name = model_file, be.name
             before_load(self)
         prog(0.2, f"loading weights ({be.name} backend)")
         runner = be.load(model_file, n_ctx=ctx, kv_spec=kv_spec, device=device, **backend_options)
