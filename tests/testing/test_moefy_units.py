@@ -52,6 +52,25 @@ def test_bad_request_fails_before_any_work(tmp_path, monkeypatch):
     assert not called and not (tmp_path / "o.gguf").exists()
 
 
+@pytest.mark.parametrize("preset, args, words", [
+    ("tiny-qwen3", ["--experts", "4", "--top-k", "2"], "moefy handles dense llama, gemma3"),
+    ("tiny-llama", ["--experts", "6", "--top-k", "2"], "does not divide the FFN width"),
+    ("tiny-llama", ["--experts", "4", "--top-k", "5"], "top_k=5 must be between 1 and"),
+])
+def test_cli_bad_request_is_one_line_before_work(tmp_path, monkeypatch, capsys, preset, args, words):
+    """``python -m localmoe.testing.moefy``: unsupported family, an expert count that does not
+    divide d_ff, top-k > n_experts: one ``error:`` line, status 2, nothing built or written."""
+    from localmoe.testing import synthetic
+    from localmoe.testing.moefy import __main__ as cli, plan
+
+    src = synthetic.write_gguf(tmp_path / "d.gguf", preset, seed=0)
+    monkeypatch.setattr(plan, "build_plan", lambda *a, **k: pytest.fail("work started"))
+    rc = cli.main(["--source", str(src), "--out", str(tmp_path / "o.gguf"), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert not (tmp_path / "o.gguf").exists()
+
+
 def test_splits_are_equal_and_deterministic():
     torch.manual_seed(0)
     acts = torch.randn(300, 64) * torch.linspace(0.1, 3, 64)
