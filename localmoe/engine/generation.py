@@ -2,8 +2,15 @@
 
 :class:`Generation` runs while :class:`~localmoe.engine.engine.Engine` holds its lock::
 
-    prefill (new suffix only) -> decode loop { logits -> Sampler -> token -> StopChecker ->
-    IncrementalDetokenizer -> StreamEvent; runner.forward([token]) } -> flush held-back text
+    prefill (new suffix only) -> decode loop { logits -> [grammar mask] -> Sampler -> token ->
+    StopChecker -> IncrementalDetokenizer -> StreamEvent; runner.forward([token]) } -> flush
+    held-back text
+
+A grammar (``params.grammar``: JSON schema, JSON object, tool calls) masks the logits of every
+step on the host, so it works the same on every backend; when the grammar is complete and
+allows nothing but an end-of-generation token, the generation ends there (finish ``"stop"``)
+without another forward pass. A cut by ``max_tokens`` or the context end inside the grammar
+leaves incomplete output with finish ``"length"``.
 
 It updates the engine's record of the cached tokens (``Engine._cached``) as the runner's KV
 state grows; error handling and the lock stay with the engine.
@@ -35,6 +42,8 @@ class Generation:
         from localmoe.text.detokenizer import IncrementalDetokenizer
 
         tok = engine.tokenizer
+        if hasattr(p, "with_grammar"):
+            p = p.with_grammar(tok)  # json_schema / json_object -> grammar (cached)
         self.engine, self.ids, self.p, self.cancel = engine, ids, p, cancel
         self.n_prompt = len(ids)
         self.budget = engine.n_ctx - self.n_prompt
@@ -53,10 +62,18 @@ class Generation:
         self.t_prefill_end: float | None = None
         self.n_reused = 0
         self.n_prefilled = 0
+        self.constraint = p.grammar.start() if getattr(p, "grammar", None) is not None else None
+        self.want_lp = getattr(p, "logprobs", None) is not None
+        self.token_logprobs: list = []   # TokenLogprob per generated token
+        self.prompt_logprobs: list | None = None
+        self._lp_sent = 0  # token_logprobs already attached to an event
+        self._plp_pending: list | None = None  # prompt logprobs for the first event
 
     def events(self) -> Iterator[StreamEvent]:
         """The text events (not the final ``done`` one; see :meth:`result`)."""
         if self.budget <= 0:
+            if getattr(self.p, "prompt_logprobs", False) and self.n_prompt:
+                self._prefill()  # scoring only (echo with max_tokens 0)
             return
         logits = self._prefill()
         yield from self._decode(logits)
@@ -71,7 +88,18 @@ class Generation:
             completion_tokens=n_gen, finish_reason=self.finish,
             timings=measure_timings(self.t0, self.t_p0, self.t_prefill_end, self.t_first,
                                     time.perf_counter(), self.n_prefilled, n_gen),
-            cached_tokens=self.n_reused)
+            cached_tokens=self.n_reused,
+            logprobs=list(self.token_logprobs) if self.want_lp else None,
+            prompt_logprobs=self.prompt_logprobs)
+
+    def _event(self, text: str, t_id) -> StreamEvent:
+        """A text event carrying the log-probabilities of the tokens since the last one."""
+        lps = None
+        if self.want_lp:
+            lps = self.token_logprobs[self._lp_sent:]
+            self._lp_sent = len(self.token_logprobs)
+        plp, self._plp_pending = self._plp_pending, None
+        return StreamEvent(text, t_id, logprobs=lps, prompt_logprobs=plp)
 
     def _cancelled(self) -> bool:
         return (self.cancel is not None and self.cancel.is_set()) or self.engine._abort.is_set()
@@ -82,6 +110,8 @@ class Generation:
         eng, ids = self.engine, self.ids
         runner, seq = eng.runner, eng._seq
         n_reused = min(_common_prefix(eng._cached, ids), self.n_prompt - 1)
+        if getattr(self.p, "prompt_logprobs", False):
+            n_reused = 0  # every prompt position's logits are needed
         if n_reused < len(eng._cached):
             runner.truncate(seq, n_reused)
             eng._cached = eng._cached[:n_reused]
@@ -100,7 +130,13 @@ class Generation:
         self.n_reused = self._reuse_prefix()
         new = self.ids[self.n_reused:]
         self.t_p0 = time.perf_counter()
-        logits = eng.runner.forward([(eng._seq, new)])[0]
+        want_all = bool(getattr(self.p, "prompt_logprobs", False))
+        logits = eng.runner.forward([(eng._seq, new)], all_logits=want_all)[0]
+        if want_all:
+            rows = logits.reshape(len(new), -1)
+            self.prompt_logprobs = self._prompt_logprobs(rows)
+            self._plp_pending = self.prompt_logprobs
+            logits = rows[-1]
         if not bool(logits.isfinite().all()):  # torch tensors from every runner
             # a greedy argmax over NaN picks token 0 (often end-of-text): an empty reply with
             # finish "stop" would hide the damaged file
@@ -113,19 +149,37 @@ class Generation:
         self.t_prefill_end = time.perf_counter()
         return logits
 
+    def _prompt_logprobs(self, rows) -> list:
+        """Log-probabilities of prompt tokens 1..n-1 from the logits rows (``[T, vocab]``,
+        the raw model distribution: no penalties or constraint); None for the first token."""
+        import torch
+
+        from localmoe.engine.sampling import token_logprob
+
+        n_top = int(self.p.logprobs or 0)
+        vocab = self.engine.tokenizer.vocab_size
+        x = rows[:, :vocab].to("cpu", torch.float32).numpy()
+        return [None] + [token_logprob(x[i - 1], self.ids[i], n_top)
+                         for i in range(1, self.n_prompt)]
+
     def _decode(self, logits) -> Iterator[StreamEvent]:
         """Sample, stop-check, detokenize and step until a stop, the budget or a cancel."""
-        eng, stopper = self.engine, self.stopper
+        eng, stopper, cons = self.engine, self.stopper, self.constraint
         history = list(self.ids)
         while True:
             if self._cancelled():
                 self.finish = "cancelled"
                 return
-            t_id = int(self.sampler.sample(logits, history))
+            allowed = cons.allowed() if cons is not None else None
+            t_id = int(self.sampler.sample(logits, history, allowed))
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             self.generated.append(t_id)
             history.append(t_id)
+            if self.want_lp:
+                self.token_logprobs.append(self.sampler.last_logprob)
+            if cons is not None:
+                cons.accept(t_id)  # masked: always allowed (an end token included)
             if stopper.push_token(t_id):
                 self.finish = "stop"
                 return
@@ -133,9 +187,12 @@ class Generation:
             emit, stopped = stopper.push_text(delta) if delta else ("", False)
             if emit:
                 self.parts.append(emit)
-                yield StreamEvent(emit, t_id)
+                yield self._event(emit, t_id)
             if stopped:
                 self.finish, self.string_stop = "stop", True
+                return
+            if cons is not None and cons.done:  # complete: only an end token could follow
+                self.finish = "stop"
                 return
             if len(self.generated) >= self.budget:
                 self.finish = "length"
@@ -168,7 +225,7 @@ class Generation:
                 emit += stopper.flush()
         if emit:
             self.parts.append(emit)
-            yield StreamEvent(emit, self.generated[-1] if self.generated else None)
+            yield self._event(emit, self.generated[-1] if self.generated else None)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

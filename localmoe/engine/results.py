@@ -44,6 +44,11 @@ class GenerationResult:
             (max_tokens or context full) or ``"cancelled"``.
         timings: :class:`Timings`.
         cached_tokens: prompt tokens reused from the previous request's KV cache.
+        logprobs: with ``SamplingParams.logprobs`` set, one
+            :class:`~localmoe.engine.sampling.TokenLogprob` per entry of ``token_ids``; else
+            None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one per prompt token (the
+            first is None: nothing predicts it); else None.
     """
 
     text: str
@@ -53,6 +58,8 @@ class GenerationResult:
     finish_reason: str
     timings: Timings = field(default_factory=Timings)
     cached_tokens: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "finish_reason": self.finish_reason,
@@ -68,12 +75,19 @@ class StreamEvent:
     ``token_id`` that completed it (a delta may cover several tokens when bytes or a possible
     stop-string prefix were held back). The last event has ``done=True``, ``delta=""`` and the
     :class:`GenerationResult`. Concatenating all deltas gives ``result.text``.
+    With ``SamplingParams.logprobs`` set, ``logprobs`` lists the
+    :class:`~localmoe.engine.sampling.TokenLogprob` of the tokens sampled since the previous
+    event (tokens that add no text, like an end-of-generation token, are only in
+    ``result.logprobs``). The first text event also carries ``prompt_logprobs`` when they
+    were asked for (as ``result.prompt_logprobs``).
     """
 
     delta: str
     token_id: int | None = None
     done: bool = False
     result: GenerationResult | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 def measure_timings(t0, t_p0, t_prefill_end, t_first, t_end, n_prefilled, n_gen) -> Timings:

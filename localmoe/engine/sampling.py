@@ -9,6 +9,11 @@ Sampler order (the same chain as llama.cpp's default sampler, minus DRY/XTC/typi
    ``exempt_ids`` (end-of-turn and control tokens, given by the engine) are never penalized.
 2. **logit bias**: ``logit[id] += bias`` (OpenAI ``logit_bias``, -100..100; -100 effectively
    bans a token).
+2b. **constraint**: tokens a grammar forbids at this step (``allowed`` mask from
+   :class:`localmoe.text.grammar.Constraint`: JSON schema, JSON mode, forced tool calls) get
+   ``-inf``. Log-probabilities (``logprobs``) are taken here: log-softmax at temperature 1 of
+   the logits after penalties, bias and the constraint, before truncation and temperature (the
+   distribution the model and the request's constraints define, as OpenAI reports it).
 3. **greedy short-cut**: ``temperature <= 1e-5``, ``top_k == 1`` or ``top_p == 0`` -> argmax
    (lowest id on ties). Nothing random happens, so the seed does not matter.
 4. **top_k**: keep the k largest logits (0 = off).
@@ -38,9 +43,27 @@ import torch
 
 from localmoe.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "Sampler", "GREEDY_TEMPERATURE"]
+__all__ = ["SamplingParams", "Sampler", "TokenLogprob", "GREEDY_TEMPERATURE", "MAX_TOP_LOGPROBS"]
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures at or below this sample greedily
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """The log-probability of one token and the most likely alternatives at its position.
+
+    Attributes:
+        token_id: the token (int).
+        logprob: its natural-log probability (float, <= 0; ``-inf`` when the constraint or a
+            -100 bias excluded it, e.g. a prompt token).
+        top: ``[(token_id, logprob), ...]``, the ``n`` most likely tokens, most likely first
+            (ties: lowest id first); empty when no alternatives were asked for.
+    """
+
+    token_id: int
+    logprob: float
+    top: list = dataclasses.field(default_factory=list)
 
 
 def _num(name: str, v: Any, lo: float | None = None, hi: float | None = None,
@@ -84,8 +107,18 @@ class SamplingParams:
         frequency_penalty / presence_penalty: OpenAI penalties, -2..2 (0 = off).
         logit_bias: ``{token_id: bias}``, bias in -100..100; keys may be strings of ints (JSON).
         seed: int for reproducible sampling, None for fresh randomness per request.
-        max_tokens: cap on generated tokens (>= 1), None = until the context is full.
+        max_tokens: cap on generated tokens (>= 1; 0 with ``prompt_logprobs`` scores the
+            prompt only), None = until the context is full.
         stop: stop strings (a string or a sequence of non-empty strings).
+        logprobs: None = off; an int 0..20 = report each generated token's log-probability
+            and that many most likely alternatives (``GenerationResult.logprobs``).
+        prompt_logprobs: also report the prompt tokens' log-probabilities (the first token
+            has none); needs a prefill of the whole prompt (no prefix reuse).
+        grammar: a :class:`localmoe.text.grammar.Grammar` the output must match (JSON
+            schema, JSON object, tool calls), or None.
+        json_schema: a JSON Schema (dict or JSON text) the output must be valid under
+            (compiled into ``grammar`` with the model's tokenizer when generation starts).
+        json_object: True = the output must be one JSON object (OpenAI's JSON mode).
     """
 
     temperature: float = 0.8
@@ -100,6 +133,11 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: Sequence[str] | str = ()
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    grammar: Any = None
+    json_schema: Any = None
+    json_object: bool = False
 
     @classmethod
     def greedy(cls, **overrides: Any) -> "SamplingParams":
@@ -126,6 +164,26 @@ class SamplingParams:
                 continue
             out[field] = int(v) if field in ("top_k", "repeat_last_n") else float(v)
         return out
+
+    def with_grammar(self, tokenizer: Any) -> "SamplingParams":
+        """These params with ``json_schema`` / ``json_object`` compiled into ``grammar`` for
+        ``tokenizer`` (self when there is nothing to compile; compiled grammars are cached
+        per schema).
+
+        Raises:
+            InvalidRequestError: an invalid or unsupported schema (naming the keyword), a
+                compile that timed out, or both a grammar and a schema given.
+        """
+        if self.json_schema is None and not self.json_object:
+            return self
+        if self.grammar is not None:
+            raise InvalidRequestError("give grammar or json_schema/json_object, not both",
+                                      param="grammar")
+        from localmoe.text.grammar import Grammar
+
+        g = (Grammar.json_object(tokenizer, param="json_object") if self.json_object else
+             Grammar.json_schema(tokenizer, self.json_schema, param="json_schema"))
+        return dataclasses.replace(self, grammar=g, json_schema=None, json_object=False)
 
     @property
     def is_greedy(self) -> bool:
@@ -169,7 +227,9 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
         if self.max_tokens is not None:
-            self.max_tokens = _int("max_tokens", self.max_tokens, 1)
+            # 0 only to score a prompt (prompt_logprobs; OpenAI's echo with max_tokens 0)
+            self.max_tokens = _int("max_tokens", self.max_tokens,
+                                   0 if self.prompt_logprobs is True else 1)
         stop = self.stop
         if stop is None:
             stop = ()
@@ -184,6 +244,27 @@ class SamplingParams:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}",
                                           param="stop")
         self.stop = stop
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(
+                    f"logprobs asks for {self.logprobs} alternatives; at most "
+                    f"{MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise InvalidRequestError("prompt_logprobs must be true or false",
+                                      param="prompt_logprobs")
+        if self.grammar is not None and not callable(getattr(self.grammar, "start", None)):
+            raise InvalidRequestError(
+                "grammar must be a localmoe.text.grammar.Grammar (use json_schema= or "
+                "json_object=True)", param="grammar")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError("json_object must be true or false", param="json_object")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str, bool)):
+            raise InvalidRequestError("json_schema must be a JSON Schema (an object or its JSON "
+                                      "text)", param="json_schema")
+        if self.json_object and self.json_schema is not None:
+            raise InvalidRequestError("give json_schema or json_object, not both",
+                                      param="json_schema")
         return self
 
 
@@ -223,6 +304,7 @@ class Sampler:
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
         self.seed = seed
+        self.last_logprob: TokenLogprob | None = None
         self.rng = np.random.Generator(np.random.PCG64(seed & ((1 << 128) - 1) if seed >= 0
                                                        else (-seed) | (1 << 127)))
 
@@ -251,16 +333,26 @@ class Sampler:
         x[ids] = sel.astype(np.float32)
         return logits
 
-    def sample(self, logits, history: Sequence[int] = ()) -> int:
+    def sample(self, logits, history: Sequence[int] = (), allowed=None) -> int:
         """Pick the next token id.
 
         Args:
             logits: ``[vocab]`` (or ``[1, vocab]``) float tensor / NumPy array, any float dtype.
             history: token ids so far (prompt + generated), for the penalties.
+            allowed: None, or a bool ``[vocab_size]`` NumPy mask (a grammar's next step):
+                only True ids can be picked (if it allows none, the lowest id is returned).
         Returns:
-            token id in ``[0, vocab_size)``.
+            token id in ``[0, vocab_size)``. With ``params.logprobs`` set, its
+            :class:`TokenLogprob` is in :attr:`last_logprob` afterwards.
         """
-        p = self.params
+        x, nan = self._processed(logits, history, allowed)
+        t = self._pick(x, nan, allowed)
+        if self.params.logprobs is not None:
+            self.last_logprob = token_logprob(x, t, self.params.logprobs)
+        return t
+
+    def _processed(self, logits, history, allowed):
+        """Float32 NumPy logits after NaN removal, penalties, bias and the mask (a copy)."""
         if isinstance(logits, torch.Tensor):
             x = logits.detach().reshape(-1)[: self.vocab_size].to("cpu", torch.float32).numpy().copy()
         else:
@@ -275,10 +367,21 @@ class Sampler:
         self.apply_penalties(x, history)
         if self._bias_ids is not None:
             x[self._bias_ids] += self._bias_vals
+        if allowed is not None:
+            n = min(x.size, allowed.size)
+            np.putmask(x[:n], ~allowed[:n], -np.inf)
+            if n < x.size:
+                x[n:] = -np.inf
+        return x, nan
+
+    def _pick(self, x, nan, allowed) -> int:
+        p = self.params
         top = int(np.argmax(x))  # lowest id on ties
         if not np.isfinite(x[top]):
             if x[top] == np.inf:  # +inf logits: only those can win
                 x = np.where(x == np.inf, 0.0, -np.inf).astype(np.float32)
+            elif allowed is not None:  # nothing allowed is finite: the first allowed id
+                return int(np.argmax(allowed[: x.size])) if allowed[: x.size].any() else top
             else:  # nothing finite left
                 return top if nan is None or not nan[top] else int(np.argmin(nan))
         if p.is_greedy:
@@ -358,6 +461,20 @@ def _top_m(x, m: int, xmax: float):
     if cand.size > m:
         cand = cand[np.argpartition(x[cand], cand.size - m)[cand.size - m:]]
     return cand[np.argsort(-x[cand], kind="stable")]
+
+
+def token_logprob(x, token_id: int, n_top: int) -> TokenLogprob:
+    """:class:`TokenLogprob` of ``token_id`` under logits ``x`` (float32 NumPy ``[vocab]``,
+    ``-inf`` = excluded) at temperature 1, with the ``n_top`` most likely alternatives."""
+    lse = _logsumexp(x)
+    if not math.isfinite(lse):  # nothing finite: no distribution to report
+        return TokenLogprob(int(token_id), -math.inf, [])
+    lp = float(x[token_id]) - lse
+    top = []
+    if n_top > 0:
+        idx = _top_m(x, min(n_top, x.size), float(np.max(x)))
+        top = [(int(i), float(x[i]) - lse) for i in idx if np.isfinite(x[i])]
+    return TokenLogprob(int(token_id), lp if math.isfinite(lp) else -math.inf, top)
 
 
 def _logsumexp(v) -> float:
