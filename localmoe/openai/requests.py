@@ -144,14 +144,107 @@ def _common_checks(req: dict) -> tuple[bool, bool]:
             raise InvalidRequestError("stream_options.include_usage must be a boolean",
                                       "stream_options.include_usage")
         include_usage = iu
-    if req.get("logprobs"):
-        raise InvalidRequestError("logprobs are not supported by this server", "logprobs")
-    if req.get("top_logprobs"):
-        raise InvalidRequestError("top_logprobs is not supported by this server", "top_logprobs")
     model = req.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequestError("model must be a string", "model")
     return stream, include_usage
+
+
+def _chat_logprobs(req: dict) -> int | None:
+    """``logprobs`` (bool) and ``top_logprobs`` (0..20) of a chat request as the sampler's
+    ``logprobs`` count: None = off, else the number of alternatives."""
+    from localmoe.engine.sampling import MAX_TOP_LOGPROBS
+
+    lp = req.get("logprobs")
+    top = req.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise InvalidRequestError("logprobs must be true or false (top_logprobs sets how many "
+                                  "alternatives)", "logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}",
+                "top_logprobs")
+        if not lp:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if lp else None
+
+
+def _completion_logprobs(req: dict) -> int | None:
+    """``logprobs`` of a ``/v1/completions`` request (an integer 0..20: alternatives per
+    token; OpenAI allows at most 5, lm-evaluation-harness asks for up to 10)."""
+    from localmoe.engine.sampling import MAX_TOP_LOGPROBS
+
+    lp = req.get("logprobs")
+    if lp is None or lp is False:
+        return None
+    if not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per "
+            f"token), got {lp!r}", "logprobs")
+    return lp
+
+
+def _response_format(rf) -> tuple[str, Any, bool]:
+    """(kind, schema, strict) of a ``response_format``: kind ``text``, ``json_object`` or
+    ``json_schema``; the schema is checked for shape and against the grammar engine (no
+    model needed), so a bad one gets its 400 before anything is queued."""
+    if rf is None:
+        return "text", None, False
+    if not isinstance(rf, dict):
+        raise InvalidRequestError("response_format must be an object with a type",
+                                  "response_format")
+    kind = rf.get("type")
+    if kind == "text":
+        return "text", None, False
+    if kind == "json_object":
+        return "json_object", None, False
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise InvalidRequestError(
+                "response_format.json_schema must be an object {\"name\", \"schema\", "
+                "\"strict\"}", "response_format.json_schema")
+        name = js.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequestError("response_format.json_schema.name must be a string",
+                                      "response_format.json_schema.name")
+        strict = js.get("strict", False)
+        if strict is None:
+            strict = False
+        if not isinstance(strict, bool):
+            raise InvalidRequestError("response_format.json_schema.strict must be a boolean",
+                                      "response_format.json_schema.strict")
+        schema = js.get("schema", {})
+        from localmoe.text.grammar import validate_schema
+
+        schema = validate_schema(schema, strict, "response_format.json_schema.schema")
+        return "json_schema", schema, strict
+    raise InvalidRequestError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format.type")
+
+
+def _refuse_other_shapes(req: dict) -> None:
+    """A clear 400 for the deprecated ``functions`` fields and the Responses API's fields,
+    which this endpoint does not read (silently ignoring them would drop the constraint)."""
+    if req.get("functions") is not None or req.get("function_call") is not None:
+        which = "functions" if req.get("functions") is not None else "function_call"
+        raise InvalidRequestError(
+            f"{which} is the deprecated function-calling API; send tools "
+            f"([{{\"type\": \"function\", \"function\": {{...}}}}]) and tool_choice instead",
+            which)
+    text = req.get("text")
+    if isinstance(text, dict) and "format" in text:
+        raise InvalidRequestError(
+            "text.format is the Responses API's field; /v1/chat/completions takes "
+            "response_format ({\"type\": \"json_schema\", \"json_schema\": {\"name\", "
+            "\"schema\", \"strict\"}})", "text.format")
+    for k in ("input", "instructions", "max_output_tokens"):
+        if req.get(k) is not None:
+            raise InvalidRequestError(
+                f"{k} is a Responses API field (/v1/responses is not served); send messages "
+                f"to /v1/chat/completions", k)
 
 
 def _text_content(content, param: str, allow_none: bool) -> str | None:
@@ -344,7 +437,12 @@ class ChatRequest:
         params: SamplingParams.
         stream, include_usage: streaming flags.
         model: the requested model name or None.
-        parallel_tool_calls: False keeps only the first parsed call.
+        parallel_tool_calls: False keeps only the first parsed call. A required tool call
+            is constrained to one call unless the request set ``parallel_tool_calls: true``
+            (``parallel_tool_calls_given``), as llama.cpp's server does: small models
+            otherwise repeat calls until max_tokens; a named function is always one call.
+        response_format: ``"text"``, ``"json_object"`` or ``"json_schema"`` (with
+            ``json_schema``, ``json_strict``).
     """
 
     messages: list[dict]
@@ -357,6 +455,10 @@ class ChatRequest:
     model: str | None
     parallel_tool_calls: bool = True
     reasoning_format: str = "auto"
+    response_format: str = "text"
+    json_schema: Any = None
+    json_strict: bool = False
+    parallel_tool_calls_given: bool = False
 
 
 def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> ChatRequest:
@@ -368,6 +470,7 @@ def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> Ch
     if not isinstance(req, dict):
         raise InvalidRequestError("request body must be a JSON object")
     stream, include_usage = _common_checks(req)
+    _refuse_other_shapes(req)
     messages = _check_messages(req.get("messages"))
     tools = _check_tools(req.get("tools"))
     mode, name = _check_tool_choice(req.get("tool_choice"), tools)
@@ -376,10 +479,11 @@ def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> Ch
         ptc = True
     if not isinstance(ptc, bool):
         raise InvalidRequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    rf = req.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+    rf_kind, rf_schema, rf_strict = _response_format(req.get("response_format"))
+    if rf_kind != "text" and mode in ("required", "named"):
         raise InvalidRequestError(
-            "response_format other than {\"type\": \"text\"} is not supported", "response_format")
+            "response_format json_object/json_schema cannot be combined with a required or "
+            "named tool_choice: the reply is either a tool call or the JSON", "response_format")
     rfmt = req.get("reasoning_format", "auto")
     if rfmt is None:
         rfmt = "auto"
@@ -387,15 +491,24 @@ def parse_chat_request(req: dict, vocab_size: int | None = None, llm=None) -> Ch
         raise InvalidRequestError("reasoning_format must be 'auto' (split <think> blocks into "
                                   "reasoning_content) or 'none' (keep them in content)",
                                   "reasoning_format")
-    params = _make_params(sampling_kwargs(req, vocab_size), llm)
+    kw = sampling_kwargs(req, vocab_size)
+    lp = _chat_logprobs(req)
+    if lp is not None:
+        kw["logprobs"] = lp
+    params = _make_params(kw, llm)
     return ChatRequest(messages, tools, mode, name, params, stream, include_usage,
-                       req.get("model"), ptc, rfmt)
+                       req.get("model"), ptc, rfmt, rf_kind, rf_schema, rf_strict,
+                       req.get("parallel_tool_calls") is not None)
 
 
 def parse_completion_request(request: dict, vocab: int | None, llm=None):
-    """Validate a ``/v1/completions`` body; returns (prompt, params, stream, include_usage).
-    ``vocab`` None skips the token-id range checks; ``llm`` None uses the library's sampling
-    defaults as the base."""
+    """Validate a ``/v1/completions`` body; returns (prompt, params, stream, include_usage,
+    echo). ``vocab`` None skips the token-id range checks; ``llm`` None uses the library's
+    sampling defaults as the base.
+
+    ``echo`` puts the prompt before the completion; with ``logprobs`` the prompt tokens get
+    log-probabilities too (the first token's is null), and ``max_tokens: 0`` then scores the
+    prompt without generating (lm-evaluation-harness's loglikelihood requests)."""
     if not isinstance(request, dict):
         raise InvalidRequestError("request body must be a JSON object")
     stream, include_usage = _common_checks(request)
@@ -410,15 +523,35 @@ def parse_completion_request(request: dict, vocab: int | None, llm=None):
                 "inside the vocabulary (one prompt per request)", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise InvalidRequestError("prompt must be a non-empty string", "prompt")
-    if request.get("echo"):
-        raise InvalidRequestError("echo is not supported by this server", "echo")
+    echo = request.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise InvalidRequestError("echo must be a boolean", "echo")
     if request.get("suffix"):
         raise InvalidRequestError("suffix is not supported by this server", "suffix")
     bo = request.get("best_of")
     if bo is not None and bo != 1:
         raise InvalidRequestError("best_of must be 1", "best_of")
-    params = _make_params(sampling_kwargs(request, vocab), llm)
-    return prompt, params, stream, include_usage
+    lp = _completion_logprobs(request)
+    score_only = echo and lp is not None and request.get("max_tokens") == 0
+    kw = sampling_kwargs(dict(request, max_tokens=None) if score_only else request, vocab)
+    if lp is not None:
+        kw["logprobs"] = lp
+        if echo:
+            kw["prompt_logprobs"] = True
+    if score_only:
+        kw["max_tokens"] = 0
+    elif request.get("max_tokens") == 0:
+        raise InvalidRequestError("max_tokens 0 is only for scoring a prompt: give echo: true "
+                                  "and logprobs", "max_tokens")
+    rf_kind, rf_schema, rf_strict = _response_format(request.get("response_format"))
+    if rf_kind == "json_object":
+        kw["json_object"] = True
+    elif rf_kind == "json_schema":
+        kw["json_schema"] = rf_schema
+    params = _make_params(kw, llm)
+    return prompt, params, stream, include_usage, echo
 
 
 def validate_request(endpoint: str, request: dict) -> None:

@@ -53,6 +53,50 @@ def _finish(result, n_calls: int) -> str:
     return "length" if fr == "length" else "stop"
 
 
+_LP_FLOOR = -9999.0  # OpenAI's stand-in for an excluded token's -inf (JSON has no infinity)
+
+
+def _lp(v: float) -> float:
+    return max(float(v), _LP_FLOOR)
+
+
+def _token_str(tok, tid: int) -> tuple[str, list[int]]:
+    b = tok.token_bytes(int(tid)) if tok is not None else b""
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(tok, lps: list) -> list[dict]:
+    """OpenAI chat ``logprobs.content`` entries for TokenLogprobs ``lps``: ``token``,
+    ``logprob``, ``bytes`` and ``top_logprobs`` (``-inf`` reported as -9999.0)."""
+    out = []
+    for lp in lps:
+        text, b = _token_str(tok, lp.token_id)
+        top = []
+        for tid, v in lp.top:
+            t2, b2 = _token_str(tok, tid)
+            top.append({"token": t2, "logprob": _lp(v), "bytes": b2})
+        out.append({"token": text, "logprob": _lp(lp.logprob), "bytes": b, "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(tok, lps: list, offset: int = 0) -> dict:
+    """The legacy ``/v1/completions`` logprobs object for TokenLogprobs ``lps`` (None entries:
+    a prompt's first token): ``tokens``, ``token_logprobs``, ``top_logprobs`` (dicts token ->
+    logprob) and ``text_offset`` (character offsets from ``offset``)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for lp in lps:
+        text, _ = _token_str(tok, lp.token_id)
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+        token_lps.append(lp.logprob if lp.logprob is None else _lp(lp.logprob))
+        tops.append(None if lp.logprob is None else {_token_str(tok, t)[0]: _lp(v)
+                                                     for t, v in lp.top})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 def _fingerprint(llm) -> str:
     from localmoe import __version__
 
@@ -72,6 +116,8 @@ class ChatJob:
 
     def __init__(self, llm, creq: ChatRequest, cancel, model: str):
         self.gen = ChatGeneration(llm, creq, cancel)
+        self.tok = getattr(llm, "tokenizer", None)
+        self.want_lp = getattr(creq.params, "logprobs", None) is not None
         self.stream = creq.stream
         self.include_usage = creq.include_usage
         self.model = model
@@ -99,7 +145,10 @@ class ChatJob:
         content: list[str] = []
         reasoning: list[str] = []
         calls: list[dict] = []
+        lps: list = []
         for kind, val in self._events():
+            if self.want_lp:
+                lps += self.gen.take_logprobs()
             if kind == "content":
                 content.append(val)
             elif kind == "reasoning":
@@ -107,18 +156,26 @@ class ChatJob:
             elif kind == "call":
                 calls.append({"id": new_call_id(self.gen.fmt), "type": "function",
                               "function": {"name": val.name, "arguments": val.arguments}})
+        if self.want_lp:
+            lps += self.gen.take_logprobs()
         text = "".join(content)
         msg: dict[str, Any] = {"role": "assistant",
                                "content": text if (text or not calls) else None}
+        if self.gen.error is not None:
+            msg["content"] = None
         if reasoning:
             msg["reasoning_content"] = "".join(reasoning)
         if calls:
             msg["tool_calls"] = calls
         out = {"id": self.id, "object": "chat.completion", "created": self.created,
                "model": self.model, "system_fingerprint": self.fp,
-               "choices": [{"index": 0, "message": msg, "logprobs": None,
+               "choices": [{"index": 0, "message": msg,
+                            "logprobs": ({"content": chat_logprobs(self.tok, lps),
+                                          "refusal": None} if self.want_lp else None),
                             "finish_reason": _finish(self.result, len(calls))}],
                "usage": _usage(self.result)}
+        if self.gen.error is not None:
+            out["error"] = self.gen.error
         t = _timings_dict(self.result)
         if t is not None:
             out["timings"] = t
@@ -129,9 +186,13 @@ class ChatJob:
         usage_field = {"usage": None} if self.include_usage else {}
 
         def chunk(delta: dict, finish=None) -> dict:
+            lp = None
+            if self.want_lp:
+                lp = {"content": chat_logprobs(self.tok, self.gen.take_logprobs()),
+                      "refusal": None}
             return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model, "system_fingerprint": self.fp,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                  "finish_reason": finish}], **usage_field}
 
         events = self._events()
@@ -156,6 +217,8 @@ class ChatJob:
             t = _timings_dict(self.result)
             if t is not None:
                 last["timings"] = t
+            if self.gen.error is not None:
+                last["error"] = self.gen.error
             yield last
             if self.include_usage:
                 yield {"id": self.id, "object": "chat.completion.chunk",
@@ -211,8 +274,12 @@ class CompletionJob:
     """A validated ``/v1/completions`` request bound to an LLM (see :class:`ChatJob`)."""
 
     def __init__(self, llm, prompt, params, stream: bool, include_usage: bool, cancel,
-                 model: str):
+                 model: str, echo: bool = False):
         self.llm, self.prompt, self.params, self.cancel = llm, prompt, params, cancel
+        self.echo = echo
+        self.tok = getattr(llm, "tokenizer", None)
+        self.want_lp = getattr(params, "logprobs", None) is not None
+        self._offset = 0  # characters of text sent so far (text_offset)
         self.stream, self.include_usage, self.model = stream, include_usage, model
         self.id = "cmpl-" + uuid.uuid4().hex[:24]
         self.created = _now()
@@ -221,20 +288,55 @@ class CompletionJob:
         self.t_first: float | None = None
         self.t_end: float | None = None
 
-    def _chunk(self, text: str, finish=None) -> dict:
+    def _chunk(self, text: str, finish=None, lps: list | None = None) -> dict:
+        lp = None
+        if self.want_lp:
+            lp = completion_logprobs(self.tok, lps or [], self._offset)
+        self._offset += len(text)
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "system_fingerprint": self.fp,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": 0, "text": text, "logprobs": lp,
                              "finish_reason": finish}]}
 
-    def _events(self):
+    def _prompt_ids(self) -> list[int]:
         prompt = self.prompt
         if isinstance(prompt, str):
             # like llama.cpp's server: special-token text in a raw prompt (<|im_start|>, ...)
             # becomes those tokens, so hand-written chat markup works
             tok = self.llm.tokenizer
-            prompt = tok.encode(prompt, add_special=True,
-                                parse_special=True)
+            return tok.encode(prompt, add_special=True, parse_special=True)
+        return list(prompt)
+
+    def _echo_text(self, ids: list[int]) -> str:
+        """The prompt as echoed: the given string, or the decoded token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.tok.decode(ids)
+
+    def _tail_logprobs(self, seen: int) -> list:
+        """Log-probabilities of the generated tokens no event carried (the end token
+        excluded)."""
+        lps = getattr(self.result, "logprobs", None) or []
+        eog = set(getattr(self.tok, "eog_ids", ()) or ())
+        return [lp for lp in lps[seen:] if lp.token_id not in eog]
+
+    def _prompt_lps(self, ids: list[int], lps: list | None) -> list:
+        """The prompt's TokenLogprobs as echoed: the first token's logprob is None (nothing
+        predicts it); a BOS the tokenizer added to a string prompt is left out (it is not
+        part of the echoed text), so the first echoed token has the logprob given BOS."""
+        from localmoe.engine.sampling import TokenLogprob
+
+        lps = list(lps or [])
+        if lps and lps[0] is None and ids:
+            lps[0] = TokenLogprob(ids[0], None, [])
+        if (isinstance(self.prompt, str) and ids and getattr(self.tok, "add_bos", False)
+                and ids[0] == getattr(self.tok, "bos_id", None) and lps):
+            lps = lps[1:]
+        return lps
+
+    def _events(self):
+        prompt = self._prompt_ids()
+        self._ids = prompt
         it = iter(self.llm.generate(prompt, stream=True, raw=True, cancel=self.cancel,
                                     params=self.params))
         try:
@@ -253,8 +355,17 @@ class CompletionJob:
 
     def response(self) -> dict:
         """Run to completion; the ``text_completion`` dict."""
-        parts = [ev.delta or "" for ev in self._events()]
-        out = self._chunk("".join(parts), _finish(self.result, 0))
+        parts, lps = [], []
+        for ev in self._events():
+            parts.append(ev.delta or "")
+            lps += ev.logprobs or []
+        text = "".join(parts)
+        if self.want_lp:
+            lps += self._tail_logprobs(len(lps))
+        if self.echo:
+            text = self._echo_text(self._ids) + text
+            lps = self._prompt_lps(self._ids, getattr(self.result, "prompt_logprobs", None)) + lps
+        out = self._chunk(text, _finish(self.result, 0), lps)
         out["usage"] = _usage(self.result)
         t = _timings_dict(self.result)
         if t is not None:
@@ -265,10 +376,28 @@ class CompletionJob:
         """Run as a stream of ``text_completion`` chunks; closing it cancels generation."""
         events = self._events()
         try:
+            n_lp = 0
             for ev in events:
+                if self.echo and not ev.done:
+                    # the prompt (and with logprobs its scores, known once it was computed)
+                    head = self._echo_text(self._ids)
+                    self.echo = False
+                    plp = (self._prompt_lps(self._ids, ev.prompt_logprobs or
+                                            getattr(ev.result, "prompt_logprobs", None))
+                           if self.want_lp else None)
+                    if head:
+                        yield self._chunk(head, lps=plp)
                 if ev.delta:
-                    yield self._chunk(ev.delta)
-            last = self._chunk("", _finish(self.result, 0))
+                    n_lp += len(ev.logprobs or [])
+                    yield self._chunk(ev.delta, lps=ev.logprobs)
+            if self.echo:  # no event came before the end: the prompt alone
+                head = self._echo_text(self._ids)
+                if head:
+                    yield self._chunk(head, lps=self._prompt_lps(
+                        self._ids, getattr(self.result, "prompt_logprobs", None))
+                        if self.want_lp else None)
+            last = self._chunk("", _finish(self.result, 0),
+                               self._tail_logprobs(n_lp) if self.want_lp else None)
             t = _timings_dict(self.result)
             if t is not None:
                 last["timings"] = t
@@ -292,9 +421,9 @@ def prepare_completion(llm, request: dict, *, cancel: threading.Event | None = N
         InvalidRequestError: naming the offending parameter.
     """
     vocab = getattr(getattr(llm, "tokenizer", None), "vocab_size", None)
-    prompt, params, stream, include_usage = parse_completion_request(request, vocab, llm)
+    prompt, params, stream, include_usage, echo = parse_completion_request(request, vocab, llm)
     model = model_name or request.get("model") or getattr(llm, "model_name", "localmoe")
-    return CompletionJob(llm, prompt, params, stream, include_usage, cancel, model)
+    return CompletionJob(llm, prompt, params, stream, include_usage, cancel, model, echo)
 
 
 def completion(llm, request: dict, *, cancel: threading.Event | None = None,

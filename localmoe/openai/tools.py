@@ -5,13 +5,21 @@ events into content, reasoning and tool-call events.
 The tool-call syntax is chosen from the chat template (:mod:`localmoe.text.tool_calls`).
 Templates without tool support get the tool list as a Hermes-style system prompt, and past
 assistant tool calls / ``tool`` results are rewritten as ``<tool_call>`` / ``<tool_response>``
-text so any template can render them. ``tool_choice="required"`` or a named function is
-enforced by starting the assistant turn with the call's opening text (e.g.
-``<tool_call>\\n{"name": "get_weather", "arguments": ``) and letting the model complete it.
+text so any template can render them.
+
+``tool_choice="required"`` or a named function is enforced by constrained decoding
+(:meth:`localmoe.text.grammar.Grammar.tool_calls`): the reply can only be calls, in the
+template's syntax, to the declared tools with arguments valid under their parameter schemas.
+Without the grammar engine the turn is started with the call's opening text instead (e.g.
+``<tool_call>\\n{"name": "get_weather", "arguments": ``). In both modes markup that does not
+parse (a call cut by ``max_tokens``) never reaches ``content``: the reply then has no tool
+calls, ``content`` null, and :attr:`ChatGeneration.error` says why.
+``response_format`` json_object / json_schema constrain the reply the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from typing import Any, Iterator
@@ -150,8 +158,14 @@ class ChatGeneration:
         self.result = None
         self.n_calls = 0
         self.splitter = None
+        self.forced = creq.tool_mode in ("required", "named")
+        self.unparsed: list[str] = []  # markup of a forced call that did not parse
+        self.error: dict | None = None
+        self._lp_pending: list = []
+        self._lp_seen = 0
+        self.params, self.constrained = self._constrain(creq)
         if (src and "<think>" in src and creq.reasoning_format != "none"
-                and creq.tool_mode not in ("required", "named")):
+                and not self.forced and creq.response_format == "text"):
             try:  # a template whose generation prompt opens the block itself
                 prompt = self.llm.render_chat(self.messages, tools=self.tpl_tools)
                 opened = prompt.rstrip().endswith("<think>")
@@ -159,15 +173,60 @@ class ChatGeneration:
                 opened = False
             self.splitter = ReasoningSplitter(start_in_think=opened)
 
+    def _constrain(self, creq: ChatRequest):
+        """(params with the request's grammar, whether a grammar constrains the reply).
+
+        Raises:
+            InvalidRequestError: a schema the grammar engine refuses (naming the field).
+        """
+        from localmoe.text import grammar as g
+
+        tok = getattr(self.llm, "tokenizer", None)
+        if tok is None or not hasattr(tok, "token_bytes"):
+            gram = None
+        elif self.forced:
+            if g.available() is not None:
+                return creq.params, False  # the forced-prefix fallback
+            gram = g.Grammar.tool_calls(tok, creq.tools, fmt=self.fmt,
+                                        name=creq.tool_name if creq.tool_mode == "named" else None,
+                                        parallel=(creq.tool_mode == "required"
+                                                  and creq.parallel_tool_calls
+                                                  and creq.parallel_tool_calls_given))
+        elif creq.response_format == "json_object":
+            gram = g.Grammar.json_object(tok)
+        elif creq.response_format == "json_schema":
+            gram = g.Grammar.json_schema(tok, creq.json_schema, strict=creq.json_strict)
+        else:
+            gram = None
+        if gram is None:
+            return creq.params, False
+        return dataclasses.replace(creq.params, grammar=gram), True
+
     def _engine_events(self):
         creq = self.creq
-        if creq.tool_mode in ("required", "named"):
+        if self.forced and not self.constrained:
             prefix = _forced_prefix(self.fmt, creq.tool_mode, creq.tool_name)
             ids = _forced_prompt_ids(self.llm, self.messages, self.tpl_tools, prefix)
             self.parser.push(prefix)  # nothing can be settled inside an open call
-            return self.llm.generate(ids, stream=True, cancel=self.cancel, params=creq.params)
-        return self.llm.chat_stream(self.messages, creq.params, tools=self.tpl_tools,
+            return self.llm.generate(ids, stream=True, cancel=self.cancel, params=self.params)
+        return self.llm.chat_stream(self.messages, self.params, tools=self.tpl_tools,
                                     cancel=self.cancel)
+
+    def take_logprobs(self) -> list:
+        """The TokenLogprobs of the tokens behind the events yielded so far (each once)."""
+        out, self._lp_pending = self._lp_pending, []
+        return out
+
+    def _note_logprobs(self, ev) -> None:
+        lps = getattr(ev, "logprobs", None)
+        if lps:
+            self._lp_pending.extend(lps)
+            self._lp_seen += len(lps)
+        if ev.done and ev.result is not None and ev.result.logprobs is not None:
+            # tokens that made no text event: held back, cut by a stop string; not the end token
+            eog = set(getattr(getattr(self.llm, "tokenizer", None), "eog_ids", ()) or ())
+            self._lp_pending.extend(lp for lp in ev.result.logprobs[self._lp_seen:]
+                                    if lp.token_id not in eog)
 
     def events(self) -> Iterator[tuple[str, Any]]:
         """Yields ("start", None) once the engine produced its first event (so prompt errors
@@ -179,6 +238,7 @@ class ChatGeneration:
                 if not started:
                     started = True
                     yield ("start", None)
+                self._note_logprobs(ev)
                 if ev.delta:
                     if self.splitter is None:
                         yield from self._content(ev.delta)
@@ -201,6 +261,8 @@ class ChatGeneration:
                         yield from self._content(text)
             if self.parser is not None:
                 yield from self._filter(self.parser.finish())
+            if self.forced and not self.n_calls:
+                self.error = self._forced_error()
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -212,8 +274,25 @@ class ChatGeneration:
         else:
             yield from self._filter(self.parser.push(text))
 
+    def _forced_error(self) -> dict:
+        """The error object of a required/named tool call that did not come out whole."""
+        fr = getattr(self.result, "finish_reason", "stop")
+        if fr == "length":
+            why = ("the tool call was cut by max_tokens (or the context end) before it was "
+                   "complete; raise max_tokens")
+        elif fr == "cancelled":
+            why = "the generation was cancelled before the tool call was complete"
+        else:
+            why = ("the model's output did not parse as a tool call (a stop string may have "
+                   "cut it)")
+        return {"message": why, "type": "invalid_response_error", "param": "tool_choice",
+                "code": "tool_call_incomplete"}
+
     def _filter(self, evs):
         for kind, val in evs:
+            if kind == "content" and self.forced:
+                self.unparsed.append(val)  # raw markup never goes to content
+                continue
             if kind == "call":
                 if self.n_calls and not self.creq.parallel_tool_calls:
                     continue

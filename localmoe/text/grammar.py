@@ -39,7 +39,7 @@ import numpy as np
 from localmoe.errors import InvalidRequestError, LocalMoEError
 
 __all__ = ["Grammar", "Constraint", "grammar_tokenizer", "available", "COMPILE_TIMEOUT_S",
-           "tool_call_schema"]
+           "tool_call_schema", "validate_schema", "check_schema"]
 
 COMPILE_TIMEOUT_S = 10.0  # a schema that takes longer to compile is refused
 _CACHE_SIZE = 128
@@ -172,6 +172,28 @@ def _check_types(node: Any, path: str, depth: int) -> None:
                 _check_types(v, path, depth + 1)
 
 
+def validate_schema(schema: Any, strict: bool = True, param: str = "json_schema") -> dict:
+    """Check ``schema`` for constrained decoding without a tokenizer (the server does this
+    before the model is needed): shape, types, and that the grammar engine accepts it.
+
+    Returns:
+        the schema as a dict.
+    Raises:
+        InvalidRequestError: invalid or unsupported (naming the keyword); llguidance missing.
+    """
+    ll = _ll()
+    schema = check_schema(schema, param)
+    try:
+        text = ll.LLMatcher.grammar_from_json_schema(
+            schema, overrides=dict(_JSON_OPTIONS, lenient=not strict))
+    except (ValueError, TypeError) as e:
+        raise _explain(str(e), param) from None
+    err = ll.LLMatcher.validate_grammar(text, None, limits=_limits(ll))
+    if err and not err.startswith("WARNING"):
+        raise _explain(err, param)
+    return schema
+
+
 _UNIMPL = re.compile(r"Unimplemented keys?: \[([^\]]*)\]")
 
 
@@ -182,11 +204,8 @@ def _explain(err: str, param: str) -> InvalidRequestError:
         keys = [k.strip().strip('"') for k in m.group(1).split(",") if k.strip()]
         return InvalidRequestError(
             f"{param}: unsupported JSON Schema keyword{'s' if len(keys) > 1 else ''} "
-            f"{', '.join(map(repr, keys))}; constrained decoding supports type, properties, "
-            f"required, additionalProperties, items, prefixItems, minItems, maxItems, enum, "
-            f"const, anyOf, oneOf, allOf, $ref/$defs, minimum, maximum, exclusiveMinimum, "
-            f"exclusiveMaximum, multipleOf (integers), minLength, maxLength, pattern, format",
-            param=param)
+            f"{', '.join(map(repr, keys))} (docs/STRUCTURED_OUTPUT.md lists the supported "
+            f"ones; a non-strict json_schema ignores unsupported keywords)", param=param)
     first = err.strip().splitlines()[0] if err.strip() else "unknown error"
     return InvalidRequestError(f"{param}: the schema cannot be used for constrained decoding: "
                                f"{first[:300]}", param=param)

@@ -44,11 +44,17 @@ SLOW_TEXT = " ".join(f"s{i}" for i in range(200))  # ~400 tokens at >= 50 ms: >=
 
 def script(prompt: str) -> tuple[str, float]:
     """The scripted model: reply text (and per-token delay in s) for a rendered prompt."""
-    if prompt.endswith('"arguments": '):  # forced named call
+    if prompt.endswith('"arguments": '):  # forced named call (no grammar engine)
         return '{"city": "Oslo"}}\n</tool_call>', 0.0
-    if prompt.endswith('<tool_call>\n{"name": "'):  # forced "required" call
+    if prompt.endswith('<tool_call>\n{"name": "'):  # forced "required" call (no grammar engine)
         return 'get_time", "arguments": {"tz": "UTC"}}\n</tool_call>', 0.0
     last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+    if "call oslo" in last_user:  # the grammar of a named / required call lets these through
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', 0.0
+    if "call time" in last_user:
+        return '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>', 0.0
+    if "call undeclared" in last_user:  # masked by the grammar under required / named
+        return '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', 0.0
     m = re.search(r"<tool_response>\n(.*?)\n</tool_response>", last_user, re.S)
     if m:
         data = json.loads(m.group(1))
@@ -357,7 +363,7 @@ def test_tool_choice_none_required_named(client):
     assert r.choices[0].message.tool_calls is None  # not parsed: stays text
     assert CALL_TEXT in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
-    hi = [{"role": "user", "content": "hi"}]
+    hi = [{"role": "user", "content": "hi, call oslo"}]
     r = client.chat.completions.create(
         model="scripted", messages=hi, tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -365,6 +371,7 @@ def test_tool_choice_none_required_named(client):
     assert r.choices[0].finish_reason == "tool_calls"
     assert [(t.function.name, json.loads(t.function.arguments)) for t in tc] == [
         ("get_weather", {"city": "Oslo"})]
+    hi = [{"role": "user", "content": "hi, call time"}]
     r = client.chat.completions.create(model="scripted", messages=hi,
                                        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
     tc = r.choices[0].message.tool_calls
@@ -855,8 +862,10 @@ def test_validation_errors_name_the_parameter_without_a_model():
              ({**base, "seed": 1.5}, "seed"),
              ({**base, "top_p": 1.5}, "top_p"),
              ({**base, "tool_choice": "required"}, "tool_choice"),
-             ({**base, "logprobs": True}, "logprobs"),
-             ({**base, "response_format": {"type": "json_schema"}}, "response_format"),
+             ({**base, "logprobs": 1}, "logprobs"),
+             ({**base, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+             ({**base, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+             ({**base, "response_format": {"type": "xml"}}, "response_format.type"),
              ({**base, "messages": [{"role": "assistant", "content": None, "tool_calls": [
                  {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
               "messages[0].tool_calls[0].function.arguments"),
