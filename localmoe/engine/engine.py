@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from localmoe.engine.options import (check_backend_device, check_device, check_n_ctx,
                                      context_size, make_sampling_params, parse_kv_request)
+from localmoe.engine.limits import check_text_fits, check_token_ids, message_chars
 from localmoe.engine.results import StreamEvent
 from localmoe.errors import ContextOverflowError, InvalidRequestError, LocalMoEError
 
@@ -217,8 +218,11 @@ class Engine:
                     f"{type(prompt).__name__}", param="prompt") from None
             if not ids:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
+            check_token_ids(ids, int(self.runner.spec.vocab_size) if self.runner is not None
+                            else int(self.tokenizer.vocab_size))
             return ids
         tok = self.tokenizer
+        check_text_fits(len(prompt), self.n_ctx, tok)
         if templated:
             # The template writes the control tokens (and maybe BOS) itself: parse them; add a
             # BOS only when the template does not render one.
@@ -247,7 +251,9 @@ class Engine:
                 ``"cancelled"`` after the current token.
             params: a SamplingParams (keyword arguments override its fields).
             **sampling: SamplingParams fields (temperature, top_k, top_p, min_p, seed,
-                max_tokens, stop, repeat_penalty, ...).
+                max_tokens, stop, repeat_penalty, ...; ``json_schema=`` a JSON Schema dict or
+                text / ``json_object=True`` constrain the output, ``logprobs=N`` (0..20) and
+                ``prompt_logprobs=True`` fill ``result.logprobs`` / ``prompt_logprobs``).
 
         Returns:
             GenerationResult, or Iterator[StreamEvent] when ``stream``.
@@ -285,6 +291,7 @@ class Engine:
     def _chat_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
         """Token ids of a chat prompt: control tokens only from the template (the same text
         inside a message stays plain text), one BOS at most."""
+        check_text_fits(message_chars(messages), self.n_ctx, self.tokenizer, "conversation")
         if self.template is not None and hasattr(self.template, "encode"):
             ids = list(self.template.encode(self.tokenizer, messages, tools=tools,
                                             add_generation_prompt=True))
@@ -303,6 +310,8 @@ class Engine:
             raise ContextOverflowError(len(ids), self.n_ctx)
         if self._closed:
             raise LocalMoEError("this model was closed; create a new LLM")
+        if hasattr(p, "with_grammar"):  # a bad json_schema fails here, also for streams
+            p = p.with_grammar(self.tokenizer)
         gen = self._run(ids, p, cancel, t0)
         if stream:
             return gen

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from localmoe.errors import InvalidRequestError, LocalMoEError
+from localmoe.errors import InvalidRequestError
 
 __all__ = ["Grammar", "Constraint", "grammar_tokenizer", "available", "COMPILE_TIMEOUT_S",
            "tool_call_schema", "validate_schema", "check_schema"]
@@ -172,6 +172,33 @@ def _check_types(node: Any, path: str, depth: int) -> None:
                 _check_types(v, path, depth + 1)
 
 
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` in which every object schema that lists ``properties`` and says
+    nothing of ``additionalProperties`` / ``patternProperties`` gets
+    ``"additionalProperties": false``.
+
+    The output stays valid under the original schema (a subset of what it allows); without it
+    small models keep inventing keys until max_tokens. xgrammar's strict mode and OpenAI's
+    strict structured outputs do the same. Say ``"additionalProperties": true`` to allow more.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            out[k] = {name: closed_objects(sub) for name, sub in v.items()}
+        elif k in ("enum", "const", "default", "examples", "required"):
+            out[k] = v  # values, not schemas
+        else:
+            out[k] = closed_objects(v)
+    if ("properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def validate_schema(schema: Any, strict: bool = True, param: str = "json_schema") -> dict:
     """Check ``schema`` for constrained decoding without a tokenizer (the server does this
     before the model is needed): shape, types, and that the grammar engine accepts it.
@@ -230,6 +257,7 @@ def tool_call_schema(tools: list[dict], name: str | None = None, args_key: str =
         params = fn.get("parameters")
         if not isinstance(params, dict) or not params:
             params = {"type": "object", "properties": {}}
+        params = closed_objects(params)
         alts.append({"type": "object",
                      "properties": {"name": {"const": fn["name"]}, args_key: params},
                      "required": ["name", args_key], "additionalProperties": False})
@@ -275,7 +303,7 @@ class Grammar:
             InvalidRequestError: invalid or unsupported schema (naming the keyword), a compile
                 over :data:`COMPILE_TIMEOUT_S`, or llguidance missing.
         """
-        schema = check_schema(schema, param)
+        schema = closed_objects(check_schema(schema, param))
         opts = dict(_JSON_OPTIONS, lenient=not strict)
         return cls._build(tok, ("schema", json.dumps(schema, sort_keys=True), strict), "json_schema",
                           lambda ll: ll.LLMatcher.grammar_from_json_schema(schema, overrides=opts),
@@ -425,12 +453,15 @@ class Constraint:
         """The next step's mask: bool ``[vocab_size]``, True = the token may be sampled.
 
         Raises:
-            LocalMoEError: the engine failed (an internal error; never for user input).
+            InvalidRequestError: the grammar needed more work for one step than its limit
+                allows (a pathological schema); the generation cannot go on.
         """
         t0 = time.perf_counter()
         self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self.m.is_error():
-            raise LocalMoEError(f"constrained decoding failed: {self.m.get_error()}")
+            raise InvalidRequestError(
+                f"the schema's grammar could not compute the next token: "
+                f"{self.m.get_error()[:200]}; simplify the schema", param="response_format")
         ok = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size]
         self.mask_s += time.perf_counter() - t0
         self.n_masks += 1
