@@ -154,6 +154,18 @@ class Tokenizer:
             raise IndexError(f"token id {token_id} outside the vocabulary (0..{self.vocab_size - 1})")
         return self._bytes[token_id]
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (the byte length of the longest token's
+        text, at least 1): a text of more than ``n * max_token_chars`` characters cannot be
+        encoded in ``n`` tokens."""
+        m = getattr(self, "_max_chars", None)
+        if m is None:
+            m = max([1] + [len(b) for b in self._bytes] + [len(t.encode("utf-8", "replace"))
+                                                            for t in self._tokens])
+            self._max_chars = m
+        return m
+
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of a token as stored (byte-level / U+2581 form)."""
         return self._tokens[token_id]
