@@ -33,6 +33,7 @@ import numpy as np
 from localmoe.errors import ModelLoadError, UnsupportedModelError
 from localmoe.io.gguf_spec import spec_from_gguf_metadata
 from localmoe.io.model_file import ModelFile, RawTensor, TensorInfo
+from localmoe.io.validate import MAX_METADATA_DEPTH, check_gguf_metadata, check_tensor_shapes
 
 __all__ = ["GGUFModelFile", "qtype_name"]
 
@@ -123,6 +124,8 @@ class _Header:
             fh.close()
         self.pos = 0
         self.metadata: dict[str, Any] = {}
+        #: key -> index of the first string-array entry that is not valid UTF-8
+        self.bad_utf8: dict[str, int] = {}
         self.tensors: list[_GGUFTensor] = []
         try:
             self._parse()
@@ -159,12 +162,11 @@ class _Header:
         self.pos += n
         if as_bytes:
             return b
-        try:
-            return b.decode("utf-8")
-        except UnicodeDecodeError:
-            return b.decode("utf-8", errors="surrogateescape")
+        # a single string (a name, a chat template): invalid bytes become U+FFFD, so the text
+        # can always be printed, rendered and tokenized
+        return b.decode("utf-8", errors="replace")
 
-    def _value(self, vtype: int, key: str):
+    def _value(self, vtype: int, key: str, depth: int = 0):
         if vtype in _SCALAR:
             return self._scalar(vtype, f"value of key {key!r}")
         if vtype == _T_STRING:
@@ -186,9 +188,13 @@ class _Header:
                     self._need(count * 8, f"string array of key {key!r} ({count} items)")
                 return self._string_array(count, key)
             if etype == _T_ARRAY:
+                if depth + 1 >= MAX_METADATA_DEPTH:
+                    raise ModelLoadError(
+                        f"{self.path.name}: key {key!r} nests arrays more than {MAX_METADATA_DEPTH} "
+                        f"levels deep; the file is corrupt or hostile")
                 if count > self.size - self.pos:
                     self._need(count, f"nested array of key {key!r}")
-                return [self._value(_T_ARRAY, key) for _ in range(count)]
+                return [self._value(_T_ARRAY, key, depth + 1) for _ in range(count)]
             raise ModelLoadError(
                 f"{self.path.name}: key {key!r} is an array of unknown value type {etype}; the file "
                 f"is corrupt or from a newer GGUF version"
@@ -217,6 +223,7 @@ class _Header:
             try:
                 append(b.decode("utf-8"))
             except UnicodeDecodeError:
+                self.bad_utf8.setdefault(key, len(out))
                 append(b.decode("utf-8", errors="surrogateescape"))
         self.pos = pos
         return out
@@ -357,7 +364,8 @@ class GGUFModelFile(ModelFile):
         except ModelLoadError:
             self.close()
             raise
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError, struct.error, UnicodeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, struct.error, UnicodeError,
+                RecursionError, MemoryError) as e:
             # safety net: a corrupt header must never surface as a bare traceback
             self.close()
             raise ModelLoadError(
@@ -390,6 +398,8 @@ class GGUFModelFile(ModelFile):
             raise ModelLoadError(f"{p} is a directory; open_model() takes HF directories only when they hold config.json")
         for q in paths:
             self._headers.append(_Header(q))
+        #: every file of the model, first shard first (``[path]`` for a single file)
+        self.shards: list[Path] = list(paths)
         h0 = self._headers[0]
         md = h0.metadata
         self.metadata = dict(md)
@@ -417,7 +427,9 @@ class GGUFModelFile(ModelFile):
                     f"of these (e.g. Q4_K_M, Q8_0)"
                 )
         self._legacy_experts = self._find_legacy_experts()
+        check_gguf_metadata(self.metadata, p.name, h0.bad_utf8)
         self.spec = spec_from_gguf_metadata(self.metadata, self)
+        check_tensor_shapes(self.spec, self)
         self.name = str(md.get("general.name") or self.spec.name or p.stem)
         if not self.spec.name:
             self.spec.name = self.name

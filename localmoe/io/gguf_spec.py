@@ -69,6 +69,14 @@ def _num(md: dict[str, Any], key: str, default: float) -> float:
     return float(v)
 
 
+def _pos_num(md: dict[str, Any], key: str, default: float, zero_ok: bool = False) -> float:
+    """A finite number above zero (or zero with ``zero_ok``): rope bases and norm epsilons."""
+    v = _num(md, key, default)
+    if v < 0 or (v == 0 and not zero_ok):
+        raise ModelLoadError(f"metadata {key!r} = {v!r} must be {'>= 0' if zero_ok else '> 0'}; the file is corrupt")
+    return v
+
+
 def spec_from_gguf_metadata(md: dict[str, Any], model: ModelFile | None = None) -> ModelSpec:
     """Build a :class:`ModelSpec` from GGUF metadata (+ tensor presence when ``model`` is given).
 
@@ -135,9 +143,10 @@ def _base_spec(md: dict[str, Any], arch: str, model: ModelFile | None) -> ModelS
         vocab_size=int(vocab),
         d_ff=_pos_int(md, a + "feed_forward_length", required=False, default=0),
         n_ctx_train=_pos_int(md, a + "context_length", required=False, default=2048) or 2048,
-        norm_eps=_num(md, a + "attention.layer_norm_rms_epsilon", _num(md, a + "attention.layer_norm_epsilon", 1e-5)),
+        norm_eps=_pos_num(md, a + "attention.layer_norm_rms_epsilon",
+                          _pos_num(md, a + "attention.layer_norm_epsilon", 1e-5), zero_ok=True),
         norm_type="rms" if (a + "attention.layer_norm_epsilon") not in md or (a + "attention.layer_norm_rms_epsilon") in md else "layer",
-        rope_base=_num(md, a + "rope.freq_base", 10000.0),
+        rope_base=_pos_num(md, a + "rope.freq_base", 10000.0),
         name=str(md.get("general.name", "")),
     )
     for k, v in _ARCH_DEFAULTS[arch].items():

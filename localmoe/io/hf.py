@@ -27,6 +27,7 @@ from typing import Any
 from localmoe.errors import ModelLoadError, UnsupportedModelError
 from localmoe.io.hf_spec import HF_ARCHS, spec_from_hf_config
 from localmoe.io.model_file import ModelFile, TensorInfo
+from localmoe.io.validate import check_tensor_shapes
 
 __all__ = ["HFModelFile"]
 
@@ -102,6 +103,7 @@ class HFModelFile(ModelFile):
         self.name = self.config.get("_name_or_path") or self.path.name
         self.spec.name = self.spec.name or self.name
         self.metadata = self._synth_metadata()
+        check_tensor_shapes(self.spec, self, source="config.json")
 
     # --- files -------------------------------------------------------------------------------
     def _find_files(self) -> list[Path]:
