@@ -32,7 +32,7 @@ import os
 from typing import Any
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
-                             LocalMoEError, ModelLoadError)
+                             LocalMoEError, ModelLoadError, UnsupportedModelError)
 from localmoe.backends.registry import (Backend, check_threads, cuda_device_problem, env_threads,
                                register_backend)
 
@@ -88,11 +88,19 @@ def _as_run(kv_spec: Any) -> Any:
 
 
 _LOG_CB = None
+#: llama.cpp's recent error lines, kept while a model loads (its load errors name the cause:
+#: "tensor 'x' has wrong shape", "key y has wrong type", ...) to put them in our error message
+_LOAD_LOG: list[str] | None = None
+
+#: limits of the llama.cpp llama-cpp-python ships (src/llama-hparams.h), asserted (abort) on load
+LLAMA_MAX_EXPERTS = 512
+LLAMA_MAX_LAYERS = 512
 
 
 def _quiet_llama_logs(llama_cpp: Any) -> None:
     """Route llama.cpp's log lines: errors only (all with ``$LOCALMOE_DEBUG``), so they do not
-    interleave with streamed text on the terminal."""
+    interleave with streamed text on the terminal. While a model loads they are collected
+    instead (see :func:`_load_llama`)."""
     global _LOG_CB
     if _LOG_CB is not None or os.environ.get("LOCALMOE_DEBUG"):
         return
@@ -103,12 +111,68 @@ def _quiet_llama_logs(llama_cpp: Any) -> None:
     def _cb(level, text, user_data):
         if level == 4:
             try:
-                sys.stderr.write(text.decode("utf-8", "replace"))
+                msg = text.decode("utf-8", "replace")
+                if _LOAD_LOG is not None:
+                    _LOAD_LOG.append(msg)
+                    del _LOAD_LOG[:-20]
+                else:
+                    sys.stderr.write(msg)
             except Exception:
                 pass
 
     _LOG_CB = _cb  # keep the ctypes callback alive
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+
+
+def _llama_limits(model: Any) -> str | None:
+    """Why llama.cpp would refuse or abort on ``model`` (None when it would not): the
+    hyper-parameters it asserts on while loading (a failed assert kills the process, so they
+    are checked here first) and the vocabulary size it requires of the embedding."""
+    s = model.spec
+    if s.n_experts > LLAMA_MAX_EXPERTS:
+        return (f"the model has {s.n_experts} experts, above llama.cpp's limit of {LLAMA_MAX_EXPERTS} "
+                f"(LLAMA_MAX_EXPERTS)")
+    if s.n_layers > LLAMA_MAX_LAYERS:
+        return f"the model has {s.n_layers} layers, above llama.cpp's limit of {LLAMA_MAX_LAYERS}"
+    if s.rope_dim is not None and s.rope_dim != s.head_dim:
+        return (f"its rope dimension ({s.rope_dim}) differs from the head size ({s.head_dim}), which "
+                f"llama.cpp's {s.arch} graph asserts on")
+    if s.v_head_dim != s.head_dim and s.arch == "gemma3":
+        return f"key and value head sizes differ ({s.head_dim} vs {s.v_head_dim})"
+    n_tok = len(getattr(model, "metadata", {}).get("tokenizer.ggml.tokens") or [])
+    if n_tok and n_tok != s.vocab_size:
+        return (f"its vocabulary has {n_tok} entries but the embedding {s.vocab_size} rows "
+                f"(llama.cpp needs them equal)")
+    return None
+
+
+def _load_llama(llama_cpp: Any, path: str, **kw: Any) -> Any:
+    """``llama_cpp.Llama(path, **kw)`` with llama.cpp's own error lines in the exception.
+
+    llama-cpp-python sends stdout/stderr to /dev/null while loading (``verbose=False``), which
+    also swallows the message of a native abort. Here the descriptors stay, its Python-side
+    prints are captured, and llama.cpp's error log lines are collected for the message.
+
+    Raises:
+        ModelLoadError: llama.cpp could not load the file (with what llama.cpp said).
+    """
+    import contextlib
+    import io
+
+    global _LOAD_LOG
+    # a failed GGML_ASSERT must print its one line and stop, not attach a debugger first
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+    _LOAD_LOG = []
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            return llama_cpp.Llama(model_path=path, verbose=True, **kw)
+    except (ValueError, RuntimeError, OSError) as e:
+        said = " ".join(" ".join(_LOAD_LOG).split())
+        said = f" (llama.cpp: {said[-400:]})" if said else ""
+        raise ModelLoadError(f"llama.cpp could not load {path}: {e}{said}") from e
+    finally:
+        _LOAD_LOG = None
 
 
 def _no_offload_reason(device: str | None) -> str:
@@ -216,16 +280,24 @@ class LlamaCppBackend(Backend):
         tk, tv = KV_TYPE_MAP[kv_spec.k.name][0], KV_TYPE_MAP[kv_spec.v.name][0]
         flash = not (kv_spec.k.is_float and kv_spec.v.is_float)
         threads = check_threads(n_threads) if n_threads is not None else _default_threads()
-        path = str(getattr(model, "path"))
+        # llama.cpp opens a split set by its first shard only
+        path = str((getattr(model, "shards", None) or [getattr(model, "path")])[0])
         nb = max(1, min(int(n_batch), ctx))
+        why = _llama_limits(model)
+        if why:
+            raise UnsupportedModelError(f"llama.cpp cannot run {os.path.basename(path)}: {why}; "
+                                        f"try --backend torch")
+        if not (kv_spec.k.is_float and kv_spec.v.is_float):
+            for side, dim in (("K", spec.head_dim), ("V", spec.v_head_dim)):
+                if dim % 32:
+                    raise KVCacheFormatError(
+                        f"llama.cpp's quantized KV cache needs a head size that is a multiple of 32 "
+                        f"({side} heads are {dim}); use --kv-cache f16 or --backend torch")
         _quiet_llama_logs(llama_cpp)
-        try:
-            llm = llama_cpp.Llama(
-                model_path=path, n_ctx=ctx, n_batch=nb, n_ubatch=nb, n_threads=threads,
-                n_threads_batch=threads, n_gpu_layers=n_gpu_layers, type_k=tk, type_v=tv,
-                flash_attn=flash, logits_all=False, verbose=False, **options)
-        except (ValueError, RuntimeError, OSError) as e:
-            raise ModelLoadError(f"llama.cpp could not load {path}: {e}") from e
+        llm = _load_llama(
+            llama_cpp, path, n_ctx=ctx, n_batch=nb, n_ubatch=nb, n_threads=threads,
+            n_threads_batch=threads, n_gpu_layers=n_gpu_layers, type_k=tk, type_v=tv,
+            flash_attn=flash, logits_all=False, **options)
         return LlamaCppRunner(llm, spec, ctx, _as_run(kv_spec), dev,
                               threads=threads, n_batch=nb, flash_attn=flash,
                               max_seqs=max(1, int(max_seqs)))
