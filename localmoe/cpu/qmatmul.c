@@ -327,10 +327,17 @@ void lm_rms_norm(const float *x, int64_t M, int64_t K, const float *w, float eps
     }
 }
 
-/* out[r, :] = dequantized row idx[r] (idx NULL: rows 0..R-1); plain float ops, no contraction */
-void lm_dequant_rows(int kind, const void *q, const float *s, const float *m, int64_t gs,
-                     int64_t K, const int64_t *idx, int64_t R, float *out, int nt) {
+/* out[r, :] = dequantized row idx[r] (idx NULL: rows 0..R-1) of an N-row weight; plain float
+   ops, no contraction. Returns 0, or 1 + the position of the first row index outside [0, N) (nothing written). */
+int64_t lm_dequant_rows(int kind, const void *q, const float *s, const float *m, int64_t gs,
+                        int64_t K, const int64_t *idx, int64_t R, int64_t N, float *out, int nt) {
     const int64_t G = K / gs;
+    if (idx) {
+        for (int64_t r = 0; r < R; r++)
+            if (idx[r] < 0 || idx[r] >= N) return r + 1;
+    } else if (R > N) {
+        return N + 1;
+    }
     #pragma omp parallel for num_threads(nt) if(nt > 1 && R >= 64) schedule(static)
     for (int64_t r = 0; r < R; r++) {
         int64_t n = idx ? idx[r] : r;
@@ -352,4 +359,5 @@ void lm_dequant_rows(int kind, const void *q, const float *s, const float *m, in
             }
         }
     }
+    return 0;
 }

@@ -154,8 +154,8 @@ def _build() -> tuple[ctypes.CDLL | None, str | None]:
     i64, vp, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.lm_qmatmul.argtypes = [i32, vp, i64, i64, vp, vp, vp, i64, i64, vp, i64, i32]
     lib.lm_qmatmul.restype = None
-    lib.lm_dequant_rows.argtypes = [i32, vp, vp, vp, i64, i64, vp, i64, vp, i32]
-    lib.lm_dequant_rows.restype = None
+    lib.lm_dequant_rows.argtypes = [i32, vp, vp, vp, i64, i64, vp, i64, i64, vp, i32]
+    lib.lm_dequant_rows.restype = i64
     lib.lm_rms_norm.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp]
     lib.lm_rms_norm.restype = None
     lib.lm_attn_decode.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i32, i64,
@@ -281,7 +281,11 @@ class PackedWeight:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[R, K]`` of the rows ``rows`` (int64 ``[R]``; None: all ``N`` rows),
-        bit-identical to :func:`localmoe.io.dequant.dequantize` of the source tensor."""
+        bit-identical to :func:`localmoe.io.dequant.dequantize` of the source tensor.
+
+        Raises:
+            IndexError: a row index outside ``[0, N)`` (checked in the kernel before any read).
+        """
         lib = _get_lib()
         K = self.shape[1]
         if rows is not None:
@@ -291,9 +295,12 @@ class PackedWeight:
             R = self.shape[0]
         out = torch.empty(R, K, dtype=torch.float32)
         q, s, m = self._ptrs()
-        lib.lm_dequant_rows(self._k, q, s, m, self.group, K,
-                            rows.data_ptr() if rows is not None else None, R, out.data_ptr(),
-                            torch.get_num_threads())
+        bad = lib.lm_dequant_rows(self._k, q, s, m, self.group, K,
+                                  rows.data_ptr() if rows is not None else None, R, self.shape[0],
+                                  out.data_ptr(), torch.get_num_threads())
+        if bad:
+            i = int(rows[bad - 1]) if rows is not None else R - 1
+            raise IndexError(f"row {i} is outside the {self.shape[0]}-row weight")
         return out
 
     @staticmethod
