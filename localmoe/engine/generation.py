@@ -12,12 +12,17 @@ allows nothing but an end-of-generation token, the generation ends there (finish
 without another forward pass. A cut by ``max_tokens`` or the context end inside the grammar
 leaves incomplete output with finish ``"length"``.
 
+Greedy requests (temperature 0) do not reuse a cached prefix unless
+``$LOCALMOE_GREEDY_PREFIX_REUSE=1``: K/V computed in other batch shapes round differently and
+could change the answer (docs/LIMITS.md).
+
 It updates the engine's record of the cached tokens (``Engine._cached``) as the runner's KV
 state grows; error handling and the lock stay with the engine.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Iterator, Sequence
 
@@ -112,6 +117,11 @@ class Generation:
         n_reused = min(_common_prefix(eng._cached, ids), self.n_prompt - 1)
         if getattr(self.p, "prompt_logprobs", False):
             n_reused = 0  # every prompt position's logits are needed
+        if _greedy(self.p) and not greedy_prefix_reuse():
+            # cached K/V were computed in other batch shapes (decode steps of one token, other
+            # prefill chunks), whose float sums round differently: reusing them can change a
+            # greedy answer, so greedy requests prefill from scratch (docs/LIMITS.md)
+            n_reused = 0
         if n_reused < len(eng._cached):
             runner.truncate(seq, n_reused)
             eng._cached = eng._cached[:n_reused]
@@ -226,6 +236,20 @@ class Generation:
         if emit:
             self.parts.append(emit)
             yield self._event(emit, self.generated[-1] if self.generated else None)
+
+
+def greedy_prefix_reuse() -> bool:
+    """Whether greedy requests reuse cached prompt prefixes (``$LOCALMOE_GREEDY_PREFIX_REUSE=1``;
+    off by default so that temperature 0 gives the same tokens for the same request)."""
+    return os.environ.get("LOCALMOE_GREEDY_PREFIX_REUSE", "") not in ("", "0")
+
+
+def _greedy(p: Any) -> bool:
+    """True when ``p`` samples greedily (see :mod:`localmoe.engine.sampling`)."""
+    from localmoe.engine.sampling import GREEDY_TEMPERATURE
+
+    return (float(getattr(p, "temperature", 1.0)) <= GREEDY_TEMPERATURE
+            or getattr(p, "top_k", 0) == 1 or getattr(p, "top_p", 1.0) == 0)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

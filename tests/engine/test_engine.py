@@ -259,7 +259,9 @@ def test_one_generation_at_a_time():
     assert all(r.text == " the" * 5 for r in results)
 
 
-def test_prefix_reuse_prefills_only_the_suffix():
+def test_prefix_reuse_prefills_only_the_suffix(monkeypatch):
+    # greedy requests reuse prefixes only when asked to (docs/LIMITS.md)
+    monkeypatch.setenv("LOCALMOE_GREEDY_PREFIX_REUSE", "1")
     llm = make_llm(chain={}, default_next=9)
     r1 = llm.generate("abc", temperature=0, max_tokens=2)
     n_calls = len(llm.runner.calls)
