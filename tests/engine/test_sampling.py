@@ -272,3 +272,67 @@ def test_top_k_on_wide_logit_ranges():
     assert {s.sample(y) for _ in range(200)} == {3, 500}
     z = -torch.arange(5000, dtype=torch.float32) * 100.0  # huge gaps
     assert Sampler(_plain(top_k=3, temperature=100.0), 5000).sample(z) in (0, 1, 2)
+
+
+# ------------------------------------------------------------------ grammar mask, logprobs
+
+def test_mask_restricts_every_mode_to_allowed_ids():
+    import numpy as np
+
+    allowed = np.array([False, True, False, True])
+    greedy = Sampler(SamplingParams.greedy(), 4)
+    assert greedy.sample(_logits(P4), allowed=allowed) == 1  # the argmax 0 is forbidden
+    for kw in (dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+               dict(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0),
+               dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0),
+               dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2)):
+        s = Sampler(SamplingParams(seed=3, **kw), 4)
+        picks = {s.sample(_logits(P4), allowed=allowed) for _ in range(300)}
+        assert picks <= {1, 3} and 1 in picks, (kw, picks)
+    # nothing allowed is finite (a -100 bias is still finite; -inf logits are not)
+    x = torch.tensor([0.0, -math.inf, 1.0, -math.inf])
+    assert greedy.sample(x, allowed=allowed) == 1  # the first allowed id, never a banned one
+    # a mask shorter than padded logits: the padding is never picked
+    assert Sampler(SamplingParams.greedy(), 4).sample(torch.tensor([0., 0., 0., 0., 9.]),
+                                                      allowed=allowed) in (1, 3)
+
+
+def test_logprobs_are_log_softmax_after_penalties_bias_and_mask():
+    import numpy as np
+
+    p = SamplingParams.greedy(logprobs=3, presence_penalty=1.0, logit_bias={2: 0.5})
+    s = Sampler(p, 4)
+    x = _logits(P4)
+    allowed = np.array([True, True, True, False])
+    t = s.sample(x, history=[0], allowed=allowed)
+    ref = x.clone().double()
+    ref[0] -= 1.0          # presence penalty on the history token
+    ref[2] += 0.5          # bias
+    ref[3] = -math.inf     # mask
+    lsm = torch.log_softmax(ref, 0)
+    lp = s.last_logprob
+    assert t == int(torch.argmax(ref)) == lp.token_id
+    assert lp.logprob == pytest.approx(float(lsm[t]), abs=1e-5)
+    assert [i for i, _ in lp.top] == [int(i) for i in torch.argsort(-lsm)[:3]]
+    assert [v for _, v in lp.top] == pytest.approx([float(lsm[i]) for i, _ in lp.top], abs=1e-5)
+    assert 3 not in [i for i, _ in lp.top]  # a masked token is no alternative
+    # sampled (not greedy) picks report their own logprob; temperature does not change it
+    s2 = Sampler(SamplingParams(seed=1, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0,
+                                logprobs=0), 4)
+    for _ in range(20):
+        t = s2.sample(_logits(P4))
+        assert s2.last_logprob.logprob == pytest.approx(math.log(P4[t]), abs=1e-5)
+        assert s2.last_logprob.top == []
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(logprobs=21), "top_logprobs"), (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=1.5), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"),
+    (dict(max_tokens=0), "max_tokens"), (dict(grammar="json"), "grammar"),
+    (dict(json_schema=3), "json_schema"), (dict(json_object="yes"), "json_object"),
+    (dict(json_object=True, json_schema={}), "json_schema")])
+def test_structured_and_logprob_params_are_validated(kw, param):
+    with pytest.raises(InvalidRequestError) as ei:
+        SamplingParams(**kw).validate()
+    assert ei.value.param == param
+    SamplingParams(max_tokens=0, prompt_logprobs=True).validate()  # scoring only

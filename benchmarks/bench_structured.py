@@ -1,0 +1,186 @@
+"""Structured output on a real model: validity rate over the schema bank, required tool calls,
+and the per-token cost of the grammar mask against the time per output token.
+
+* ``schemas``: for each schema of ``localmoe.testing.schema_bank.SCHEMAS``, ``--n`` chat
+  requests (``response_format`` json_schema, strict, temperature 1, seeds 0..n-1); the reply
+  must parse and validate with ``jsonschema``. Records valid / n, finish reasons, tokens.
+* ``tools``: ``--n`` requests with ``tool_choice: "required"`` over the bank's tools and
+  prompts; every call must name a declared tool with arguments valid under its schema.
+* ``mask``: the engine's extra work per token under a constraint, measured by replaying each
+  constrained reply's tokens through a fresh :class:`~localmoe.text.grammar.Constraint`
+  (mask computation + applying it to a logits vector, as the sampler does), against the TPOT
+  of the same generations; and the TPOT of unconstrained replies to the same prompts.
+
+Run: ``python benchmarks/bench_structured.py --model smollm2 --n 100
+--out benchmarks/results/structured_smollm2_cpu.json`` (``LOCALMOE_HOME`` as for the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+
+def run_schemas(llm, n: int, max_tokens: int) -> dict:
+    import jsonschema
+
+    from localmoe.testing.schema_bank import SCHEMAS
+
+    out = {}
+    for name, prompt, schema in SCHEMAS:
+        valid, finishes, toks, tpots, fails, replies = 0, collections.Counter(), [], [], [], []
+        t0 = time.perf_counter()
+        for seed in range(n):
+            r = llm.chat([{"role": "user", "content": prompt}], seed=seed, temperature=1.0,
+                         max_tokens=max_tokens,
+                         response_format={"type": "json_schema", "json_schema": {
+                             "name": name, "schema": schema, "strict": True}})
+            c = r["choices"][0]
+            finishes[c["finish_reason"]] += 1
+            toks.append(r["usage"]["completion_tokens"])
+            tpots.append(r["timings"]["tpot_ms"])
+            try:
+                jsonschema.validate(json.loads(c["message"]["content"]), schema)
+                valid += 1
+                if len(replies) < 2:
+                    replies.append(c["message"]["content"])
+            except Exception as e:  # noqa: BLE001 -- recorded
+                fails.append({"seed": seed, "finish": c["finish_reason"],
+                              "content": (c["message"]["content"] or "")[:300],
+                              "error": str(e)[:200]})
+        out[name] = {"n": n, "valid": valid, "rate": valid / n, "finish": dict(finishes),
+                     "mean_tokens": statistics.mean(toks), "mean_tpot_ms": statistics.mean(tpots),
+                     "seconds": round(time.perf_counter() - t0, 1), "examples": replies,
+                     "failures": fails[:5]}
+        print(name, {k: v for k, v in out[name].items() if k not in ("examples", "failures")},
+              flush=True)
+    return out
+
+
+def run_tools(llm, n: int, max_tokens: int) -> dict:
+    import jsonschema
+
+    from localmoe.testing.schema_bank import TOOL_PROMPTS, TOOLS, tool_schema
+
+    names = {t["function"]["name"] for t in TOOLS}
+    declared = valid = calls = 0
+    finishes, fails = collections.Counter(), []
+    for i in range(n):
+        prompt = TOOL_PROMPTS[i % len(TOOL_PROMPTS)]
+        r = llm.chat([{"role": "user", "content": prompt}], tools=TOOLS, tool_choice="required",
+                     seed=i, temperature=1.0, max_tokens=max_tokens)
+        c = r["choices"][0]
+        finishes[c["finish_reason"]] += 1
+        ok_decl = ok_valid = bool(c["message"].get("tool_calls"))
+        for tc in c["message"].get("tool_calls") or []:
+            calls += 1
+            name = tc["function"]["name"]
+            ok_decl &= name in names
+            try:
+                jsonschema.validate(json.loads(tc["function"]["arguments"]), tool_schema(name))
+            except Exception as e:  # noqa: BLE001 -- recorded
+                ok_valid = False
+                fails.append({"seed": i, "call": tc["function"], "error": str(e)[:200]})
+        declared += ok_decl
+        valid += ok_valid
+        if not c["message"].get("tool_calls"):
+            fails.append({"seed": i, "finish": c["finish_reason"], "error": r.get("error")})
+    res = {"n": n, "declared_only": declared, "args_valid": valid, "calls": calls,
+           "rate_declared": declared / n, "rate_valid": valid / n, "finish": dict(finishes),
+           "failures": fails[:5]}
+    print("tools", res, flush=True)
+    return res
+
+
+def run_mask(llm, n: int, max_tokens: int) -> dict:
+    import numpy as np
+
+    from localmoe.testing.schema_bank import SCHEMAS
+    from localmoe.text.grammar import Grammar
+
+    tok = llm.tokenizer
+    mask_us, tpot_c, tpot_free = [], [], []
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(tok.vocab_size).astype(np.float32)
+    for k in range(n):
+        name, prompt, schema = SCHEMAS[k % len(SCHEMAS)]
+        msgs = [{"role": "user", "content": prompt}]
+        r = llm.generate(prompt, raw=False, json_schema=schema, seed=k, temperature=1.0,
+                         max_tokens=max_tokens)
+        if r.completion_tokens > 1:
+            tpot_c.append(r.timings.tpot_ms)
+        free = llm.generate(prompt, raw=False, seed=k, temperature=1.0,
+                            max_tokens=max(r.completion_tokens, 2))
+        if free.completion_tokens > 1:
+            tpot_free.append(free.timings.tpot_ms)
+        c = Grammar.json_schema(tok, schema).start()
+        for t in r.token_ids:
+            t0 = time.perf_counter()
+            allowed = c.allowed()
+            x = logits.copy()
+            np.putmask(x, ~allowed, -np.inf)
+            mask_us.append((time.perf_counter() - t0) * 1e6)
+            if not c.accept(t):
+                break
+        del msgs
+    copy_us = []
+    for _ in range(200):  # the logits copy is not extra work (the sampler copies anyway)
+        t0 = time.perf_counter()
+        logits.copy()
+        copy_us.append((time.perf_counter() - t0) * 1e6)
+    per_tok = statistics.mean(mask_us) - statistics.mean(copy_us)
+    tpot = statistics.median(tpot_c)
+    res = {"requests": n, "tokens": len(mask_us), "mask_us_mean": round(per_tok, 1),
+           "mask_us_p50": round(statistics.median(mask_us), 1),
+           "mask_us_p99": round(sorted(mask_us)[int(0.99 * len(mask_us))], 1),
+           "tpot_ms_constrained_median": round(tpot, 2),
+           "tpot_ms_unconstrained_median": round(statistics.median(tpot_free), 2),
+           "overhead_pct_of_tpot": round(100 * per_tok / 1000 / tpot, 3)}
+    print("mask", res, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--n", type=int, default=100, help="requests per schema and tool requests")
+    ap.add_argument("--mask-n", type=int, default=24, help="requests for the mask overhead")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--parts", default="schemas,tools,mask")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from localmoe import LLM
+    from localmoe.testing.schema_bank import MAX_TOKENS
+
+    llm = LLM(a.model, backend=a.backend, n_ctx=1024, n_threads=a.threads)
+    res = {"machine": platform.node() or "vm", "cpu": platform.machine(),
+           "cpu_count": os.cpu_count(), "load_avg_start": list(os.getloadavg()),
+           "command": "python " + " ".join(sys.argv), "model": a.model,
+           "backend": llm.backend_name, "max_tokens": MAX_TOKENS}
+    parts = a.parts.split(",")
+    if "schemas" in parts:
+        res["schemas"] = run_schemas(llm, a.n, MAX_TOKENS)
+        tot = sum(v["n"] for v in res["schemas"].values())
+        ok = sum(v["valid"] for v in res["schemas"].values())
+        res["schemas_total"] = {"n": tot, "valid": ok, "rate": ok / tot}
+    if "tools" in parts:
+        res["tools"] = run_tools(llm, a.n, MAX_TOKENS)
+    if "mask" in parts:
+        res["mask"] = run_mask(llm, a.mask_n, MAX_TOKENS)
+    res["load_avg_end"] = list(os.getloadavg())
+    llm.close()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
