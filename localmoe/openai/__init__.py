@@ -15,14 +15,21 @@ Request handling:
   repeat_penalty, repeat_last_n, seed, logit_bias, stop, max_tokens / max_completion_tokens``
   map onto :class:`~localmoe.engine.sampling.SamplingParams`; unspecified fields keep the model's
   defaults (``LLM.default_sampling()``: the file's ``general.sampling.*`` over the library's).
-  ``n`` must be 1; ``logprobs``, ``echo``, ``suffix``, ``best_of > 1`` and non-text
-  ``response_format`` are refused with a 400-style error rather than silently ignored.
+  ``n`` must be 1; ``suffix``, ``best_of > 1``, the deprecated ``functions`` /
+  ``function_call`` and Responses-API fields are refused with a 400-style error rather than
+  silently ignored.
+* Structured output (docs/STRUCTURED_OUTPUT.md): ``response_format`` ``json_object`` /
+  ``json_schema`` (strict and not) constrain the reply by a grammar mask; a schema the engine
+  cannot enforce is refused naming the keyword.
+* Log-probabilities: chat ``logprobs`` / ``top_logprobs`` (<= 20), completions ``logprobs``
+  (<= 20) and ``echo`` (prompt tokens scored; ``max_tokens: 0`` scores only), streamed too.
 * Tools: the tool-call syntax is chosen from the chat template (:mod:`localmoe.text.tool_calls`).
   Templates without tool support get the tool list as a Hermes-style system prompt, and past
   assistant tool calls / ``tool`` results are rewritten as ``<tool_call>`` / ``<tool_response>``
   text so any template can render them. ``tool_choice="required"`` or a named function is
-  enforced by starting the assistant turn with the call's opening text (e.g.
-  ``<tool_call>\\n{"name": "get_weather", "arguments": ``) and letting the model complete it.
+  enforced by constrained decoding: only calls to the declared tools, with arguments valid
+  under their schemas, in the template's syntax; a call cut by ``max_tokens`` never leaks
+  into ``content`` (an ``error`` object explains it).
 * Streaming and non-streaming go through the same incremental parser, so the concatenated
   stream equals the non-streamed message, tool calls included (ids aside).
 * Reasoning: with a template that knows ``<think>`` (Qwen3, DeepSeek-R1 style), a leading
