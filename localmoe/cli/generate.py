@@ -32,6 +32,9 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     """
     if sys.stdout is None:  # `localmoe generate ... >&-`: refuse before the weights load
         raise LocalMoEError("standard output is closed: there is nowhere to write the answer")
+    piped = prompt in (None, "-") and not sys.stdin.isatty()
+    if piped or (prompt not in (None, "-") and prompt.strip()):  # a prompt, not typed in
+        options.start_loading(model)  # on a terminal: a spinner from now (imports take seconds)
     sampling = sampling_kwargs(kw)
     from localmoe.engine.options import make_sampling_params
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -116,18 +117,116 @@ def interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+class LoadIndicator:
+    """A spinner on stderr while a model loads, on a terminal only (rich's status line; it
+    leaves nothing behind when stopped). Off a terminal it does nothing.
+
+    Args:
+        label: the text beside the spinner, e.g. ``"loading smollm2"``.
+    """
+
+    def __init__(self, label: str):
+        self.label = label
+        self._live = None
+        try:
+            tty = sys.stderr is not None and sys.stderr.isatty()
+        except (AttributeError, ValueError, OSError):
+            tty = False
+        if tty:
+            from rich.console import Console
+            from rich.live import Live
+            from rich.spinner import Spinner
+
+            self._spinner = Spinner("dots", text=label)
+            # no stdout/stderr redirection: nothing but the spinner is drawn while it runs
+            self._live = Live(self._spinner, console=Console(stderr=True, highlight=False),
+                              transient=True, refresh_per_second=10, redirect_stdout=False,
+                              redirect_stderr=False)
+            self._live.start()
+
+    @property
+    def active(self) -> bool:
+        return self._live is not None
+
+    def update(self, text: str) -> None:
+        """Show ``label: text`` beside the spinner."""
+        if self._live is not None:
+            self._spinner.update(text=f"{self.label}: {text}")
+
+    def print(self, line: str) -> None:
+        """One line on stderr above the spinner (plain text, no markup)."""
+        if self._live is not None:
+            self._live.console.print(line, markup=False, highlight=False)
+        else:
+            click.echo(line, err=True)
+
+    def stop(self) -> None:
+        """Remove the spinner (again: nothing)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+_ACTIVE: list[LoadIndicator] = []  # the load spinner running now (at most one)
+
+
+def start_loading(model: str | None) -> LoadIndicator:
+    """Start the load spinner for ``model`` (None: the default model) as soon as a command
+    knows it will load one (imports and checks before the load take seconds too); the
+    command group stops it before printing an error, :func:`load_llm` once loaded."""
+    from localmoe.io.store.names import display_name
+
+    stop_loading()
+    spinner = LoadIndicator(f"loading {display_name(model)}")
+    _ACTIVE.append(spinner)
+    return spinner
+
+
+def stop_loading() -> None:
+    """Remove the load spinner, if one runs."""
+    while _ACTIVE:
+        _ACTIVE.pop().stop()
+
+
 def load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False,
              before_load=None):
     """The engine for the common options (``localmoe.LLM``; loading steps on stderr with
-    ``verbose``); Ctrl-C raises KeyboardInterrupt again once it is loaded."""
+    ``verbose``); Ctrl-C raises KeyboardInterrupt again once it is loaded.
+
+    On a terminal a spinner runs on stderr until the model is loaded (:class:`LoadIndicator`),
+    except while a model not in the store yet is pulled (the pull draws its own bar).
+    """
+    from localmoe.errors import LocalMoEError
+    from localmoe.io.store import ModelStore
+
+    try:
+        ModelStore().resolve(model, pull=False)
+    except LocalMoEError:  # to be pulled (or missing: the load says so, after its own checks)
+        stop_loading()  # the pull draws its own bar; the spinner comes back once it is done
+    else:
+        if not _ACTIVE:
+            start_loading(model)
+
     def progress(frac: float, msg: str) -> None:
+        if frac > 0 and not _ACTIVE:  # the model file is there now (pulled)
+            start_loading(model)
+        spinner = _ACTIVE[0] if _ACTIVE else None
         if verbose:
-            click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
+            if spinner is not None:
+                spinner.print(f"[{frac * 100:3.0f}%] {msg}")
+            else:
+                click.echo(f"[{frac * 100:3.0f}%] {msg}", err=True)
+        if spinner is not None:
+            spinner.update(msg)
 
-    from localmoe.api import LLM
+    try:
+        from localmoe.api import LLM
 
-    llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
-              kv_cache_v=kv_cache_v, device=device, progress=progress, before_load=before_load)
+        llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
+                  kv_cache_v=kv_cache_v, device=device, progress=progress,
+                  before_load=before_load)
+    finally:
+        stop_loading()
     interruptible()
     if verbose:
         st = llm.stats()
