@@ -597,3 +597,39 @@ def test_generate_with_stdout_closed_is_refused_before_loading(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "error: standard output is closed: there is nowhere to write the answer"]
     assert not (tmp_path / "home" / "models").exists()  # nothing was pulled or loaded
+
+
+def test_generate_json_schema_and_json_object(smollm2_path, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"},
+                                               "sure": {"type": "boolean"}},
+              "required": ["answer", "sure"]}
+    f = tmp_path / "schema.json"
+    f.write_text(json.dumps(schema))
+    r = lm("generate", "-m", str(smollm2_path), "--json-schema", str(f), "-n", "40", "--seed",
+           "1", "What is 2+2? Answer as JSON.")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), schema)
+    r = lm("generate", "-m", str(smollm2_path), "--json-object", "--json", "-n", "60",
+           "--greedy", "Describe a cat.")
+    d = json.loads(r.stdout)
+    assert d["text"].startswith("{")
+    if d["finish_reason"] == "stop":
+        assert isinstance(json.loads(d["text"]), dict)
+
+
+def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
+    missing_model = str(tmp_path / "missing.gguf")  # the schema is checked before the model
+    r = run(["generate", "-m", missing_model, "--json-schema", '{"type": "array", '
+             '"uniqueItems": true}', "hi"])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          "--json-schema", "'uniqueItems'")
+    r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "nope.json"), "hi"])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          "cannot read the JSON schema", "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "bad.json"), "hi"])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          "not valid JSON")
+    r = run(["generate", "-m", missing_model, "--json-object", "--json-schema", "{}", "hi"])
+    assert r.exit_code == 2 and "not both" in r.stderr

@@ -21,14 +21,20 @@ from localmoe.errors import LocalMoEError
               help="System message. A model without a chat template gets a plain "
                    "System:/User:/Assistant: transcript (with a warning); ignored with --raw.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, tokens, finish reason, timings) instead of streaming.")
+@click.option("--json-schema", "json_schema", default=None, metavar="FILE",
+              help="Constrain the answer to JSON valid under the JSON Schema in FILE (or "
+                   "given inline as JSON text starting with '{').")
+@click.option("--json-object", "json_object", is_flag=True,
+              help="Constrain the answer to one JSON object (JSON mode).")
 @click.option("-v", "--verbose", is_flag=True, help="Print loading steps and timings on stderr.")
 @routing.record_routing_option
 def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, raw,
-             system, as_json, verbose, record_routing, **kw):
+             system, as_json, json_schema, json_object, verbose, record_routing, **kw):
     """Generate a reply to PROMPT (or stdin) and stream it to stdout.
 
     The model's chat template is applied when it has one (as `ollama run` does); --raw sends
-    the text as is for plain completion.
+    the text as is for plain completion. --json-schema / --json-object constrain the answer
+    (docs/STRUCTURED_OUTPUT.md); --json is the output format of this command.
     """
     if sys.stdout is None:  # `localmoe generate ... >&-`: refuse before the weights load
         raise LocalMoEError("standard output is closed: there is nowhere to write the answer")
@@ -36,6 +42,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     if piped or (prompt not in (None, "-") and prompt.strip()):  # a prompt, not typed in
         options.start_loading(model)  # on a terminal: a spinner from now (imports take seconds)
     sampling = sampling_kwargs(kw)
+    sampling.update(_structured(json_schema, json_object))
     from localmoe.engine.options import make_sampling_params
 
     make_sampling_params(None, **sampling)  # out-of-range values fail before the weights load
@@ -95,6 +102,31 @@ def _write_routing(llm, rec, path: str, result) -> None:
     if rec.steps:
         trace = rec.take_trace("generate", "generate", result.text if result is not None else "")
         routing.write(path, llm, rec, [trace], "generate")
+
+
+def _structured(json_schema: str | None, json_object: bool) -> dict:
+    """The sampling options of --json-schema FILE / --json-object, checked before any model
+    loads (a missing file, bad JSON or an unsupported keyword is one error line)."""
+    if json_schema is not None and json_object:
+        raise OneLineUsageError("give --json-schema or --json-object, not both")
+    if json_object:
+        return {"json_object": True}
+    if json_schema is None:
+        return {}
+    text = json_schema
+    if not json_schema.lstrip().startswith("{"):
+        try:
+            with open(json_schema, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise LocalMoEError(f"cannot read the JSON schema {json_schema}: "
+                                f"{e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise LocalMoEError(f"the JSON schema {json_schema} is not UTF-8 text") from None
+    from localmoe.text.grammar import validate_schema
+
+    return {"json_schema": validate_schema(text, True, f"--json-schema {json_schema}"
+                                           if text is not json_schema else "--json-schema")}
 
 
 def _read_prompt(prompt: str | None) -> str:
