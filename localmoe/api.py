@@ -71,7 +71,10 @@ class LLM(Engine):
             stream: return an iterator of chunks instead of one ChatCompletion.
             cancel: a ``threading.Event`` that stops the generation when set.
             **sampling: OpenAI request fields (temperature, top_p, top_k, min_p, seed, stop,
-                max_tokens, ...); None values are left out.
+                max_tokens, response_format, logprobs, top_logprobs, ...); None values are
+                left out. ``json_schema=`` (a schema) and ``json_object=True`` are shorthands
+                for the two ``response_format`` kinds, as in :meth:`generate`
+                (docs/STRUCTURED_OUTPUT.md).
 
         Raises:
             InvalidRequestError, ContextOverflowError, TemplateError: as
@@ -85,5 +88,11 @@ class LLM(Engine):
             request["tools"] = tools
         if tool_choice is not None:
             request["tool_choice"] = tool_choice
+        schema = sampling.pop("json_schema", None)
+        if sampling.pop("json_object", False):
+            request["response_format"] = {"type": "json_object"}
+        if schema is not None:
+            request["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": schema, "strict": True}}
         request.update({k: v for k, v in sampling.items() if v is not None})
         return chat_completion(self, request, cancel=cancel)

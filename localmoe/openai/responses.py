@@ -453,7 +453,10 @@ def chat(llm, messages: list[dict], *, tools: list[dict] | None = None, tool_cho
         cancel: threading.Event that stops the generation.
         **sampling: SamplingParams fields or OpenAI names (temperature, top_p, top_k, min_p,
             repeat_penalty, frequency_penalty, presence_penalty, seed, stop, max_tokens,
-            max_completion_tokens, logit_bias, stream_options, parallel_tool_calls).
+            max_completion_tokens, logit_bias, stream_options, parallel_tool_calls,
+            response_format, logprobs, top_logprobs); ``json_schema=`` (a schema) and
+            ``json_object=True`` are shorthands for the two ``response_format`` kinds, as in
+            ``LLM.generate``.
 
     Returns/Raises: as :func:`chat_completion`.
     """
@@ -462,6 +465,12 @@ def chat(llm, messages: list[dict], *, tools: list[dict] | None = None, tool_cho
         req["tools"] = tools
     if tool_choice is not None:
         req["tool_choice"] = tool_choice
+    schema = sampling.pop("json_schema", None)
+    if sampling.pop("json_object", False):
+        req["response_format"] = {"type": "json_object"}
+    if schema is not None:
+        req["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": schema, "strict": True}}
     for k, v in sampling.items():
         if k == "stop" and isinstance(v, tuple):
             v = list(v)

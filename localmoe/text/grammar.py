@@ -266,6 +266,17 @@ def tool_call_schema(tools: list[dict], name: str | None = None, args_key: str =
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
+def lark_literal(tok: Any, text: str) -> str:
+    """``text`` as a Lark literal for ``tok``'s vocabulary: the token itself (``<[id]>``) when
+    it is one control token there (Mistral's ``[TOOL_CALLS]``, Qwen-style ``<tool_call>`` in
+    some files), since control tokens never match plain text; else the quoted string."""
+    find = getattr(tok, "token_to_id", None)
+    tid = find(text) if find is not None else None
+    if tid is not None and getattr(tok, "is_control", lambda i: False)(tid):
+        return f"<[{tid}]>"
+    return json.dumps(text)
+
+
 _LRU_LOCK = threading.Lock()
 _LRU: "collections.OrderedDict[tuple, str]" = collections.OrderedDict()
 
@@ -341,13 +352,14 @@ class Grammar:
         # the schema's x-guidance field
         body = json.dumps(dict(call, **{"x-guidance": _JSON_OPTIONS}))
         if fmt == "mistral":
-            lark = ('start: "[TOOL_CALLS][" call ' + ('(", " call)* ' if parallel else "")
-                    + '"]"\n')
+            lark = (f'start: {lark_literal(tok, "[TOOL_CALLS]")} "[" call '
+                    + ('(", " call)* ' if parallel else "") + '"]"\n')
         elif fmt == "llama3":
             lark = "start: call " + ('("; " call)*' if parallel else "") + "\n"
         else:
             lark = ('start: tc ' + ('("\\n" tc)*' if parallel else "") + "\n"
-                    'tc: "<tool_call>\\n" call "\\n</tool_call>"\n')
+                    f'tc: {lark_literal(tok, "<tool_call>")} "\\n" call "\\n" '
+                    f'{lark_literal(tok, "</tool_call>")}\n')
         lark += f"call: %json{body}\n"
         return cls._build(tok, ("tools", lark), "tool_calls",
                           lambda ll: ll.LLMatcher.grammar_from_lark(lark), param)

@@ -252,3 +252,34 @@ def test_constraint_on_the_torch_backend(smollm2_path):
                        max_tokens=12, temperature=0)
     assert r.finish_reason == "stop"
     jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_python_api_shorthands(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}}, "required": ["n"]}
+    r = llm.chat([{"role": "user", "content": "Pick a digit."}], json_schema=schema,
+                 max_tokens=20, seed=0)
+    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+    r = llm.generate("Describe a dog.", raw=False, json_object=True, max_tokens=60, seed=0,
+                     logprobs=2)
+    assert r.text.startswith("{") and len(r.logprobs) == len(r.token_ids)
+    if r.finish_reason == "stop":
+        assert isinstance(json.loads(r.text), dict)
+
+
+def test_gemma3_schema_and_required_tool_call(gemma3_path):
+    """The SentencePiece vocabulary end to end: a schema and a required call (Gemma-3's
+    template has no tool support: the tools go in as a <tool_call> system prompt)."""
+    from localmoe.api import LLM
+
+    name, prompt, schema = SCHEMAS[2]
+    with LLM(gemma3_path, n_ctx=1024) as m:
+        r = m.chat([{"role": "user", "content": prompt}], json_schema=schema, seed=0,
+                   max_tokens=MAX_TOKENS)
+        jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+        r = m.chat([{"role": "user", "content": TOOL_PROMPTS[1]}], tools=TOOLS,
+                   tool_choice="required", seed=0, max_tokens=MAX_TOKENS)
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    call = c["message"]["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(call["arguments"]), tool_schema(call["name"]))

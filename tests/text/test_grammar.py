@@ -195,3 +195,16 @@ def test_mask_matches_bits(tok):
     for i in np.flatnonzero(allowed)[:50]:
         assert (int(bits[i // 32]) >> (i % 32)) & 1
     assert allowed.sum() < tok.vocab_size // 100  # only tokens starting '"', '"y', '"n'...
+
+
+def test_markers_that_are_control_tokens_are_written_as_tokens(tok):
+    """A tool-call marker that is one control token (Mistral's [TOOL_CALLS]) must be produced
+    as that token: its text never matches a control token. Checked with a control token both
+    vocabularies have."""
+    marker = "<|im_start|>" if tok.token_to_id("<|im_start|>") is not None else "<start_of_turn>"
+    tid = tok.token_to_id(marker)
+    assert tok.is_control(tid)
+    assert g.lark_literal(tok, marker) == f"<[{tid}]>"
+    assert g.lark_literal(tok, "<tool_call>") == '"<tool_call>"'  # plain text in both
+    c = g.Grammar.lark(tok, f'start: {g.lark_literal(tok, marker)} "x"\n').start()
+    assert np.flatnonzero(c.allowed()).tolist() == [tid]
