@@ -285,16 +285,16 @@ class Engine:
 
             # the transcript of render_chat: a new turn of any role ends the reply
             p = dataclasses.replace(p, stop=tuple(p.stop or ()) + ("\nUser:", "\nSystem:"))
-        ids = self._chat_ids(messages, tools)
+        ids = self._chat_ids(messages, tools, cancel)
         return self._start(ids, p, cancel, True, t0)
 
-    def _chat_ids(self, messages: list[dict], tools: list | None = None) -> list[int]:
+    def _chat_ids(self, messages: list[dict], tools: list | None = None, cancel: Any = None) -> list[int]:
         """Token ids of a chat prompt: control tokens only from the template (the same text
         inside a message stays plain text), one BOS at most."""
         check_text_fits(message_chars(messages), self.n_ctx, self.tokenizer, "conversation")
         if self.template is not None and hasattr(self.template, "encode"):
             ids = list(self.template.encode(self.tokenizer, messages, tools=tools,
-                                            add_generation_prompt=True))
+                                            add_generation_prompt=True, cancel=cancel))
             bos = getattr(self.tokenizer, "bos_id", None)
             while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
                 ids = ids[1:]

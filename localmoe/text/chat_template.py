@@ -20,6 +20,13 @@ Messages are normalized first: objects with ``model_dump()`` become dicts, keys 
 string (the OpenAI wire format) are decoded into objects, since templates render them with
 ``tojson``; ``reasoning``/``thinking`` are aliased to ``reasoning_content`` as transformers does.
 
+Rendering is bounded (:class:`TemplateLimits`, docs/LIMITS.md): wall time, output size and
+memory growth, checked on every line the compiled template runs (a line tracer on the
+template's own frames) and before the few operations that can make a huge value in one step
+(``*``, ``**``, ``%``, ``+``, ``lipsum``, padding and ``replace`` with huge arguments). A render
+can be cancelled (``cancel=`` a ``threading.Event``). A limit hit raises
+:class:`TemplateLimitError` naming the limit.
+
 Control tokens in the prompt must come only from the template: :meth:`ChatTemplate.encode`
 marks control-token text inside user-supplied strings before rendering and has the tokenizer
 encode those spans as plain text.
@@ -28,12 +35,122 @@ encode those spans as plain text.
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable
 
 from localmoe.errors import TemplateError
 
-__all__ = ["ChatTemplate", "normalize_messages"]
+__all__ = ["ChatTemplate", "normalize_messages", "TemplateLimits", "TemplateLimitError", "LIMITS"]
+
+
+class TemplateLimitError(TemplateError):
+    """A chat template render was stopped by a limit.
+
+    Attributes:
+        limit: ``"time"``, ``"output"``, ``"memory"``, ``"size"`` (one operation's result) or
+            ``"cancelled"``.
+    """
+
+    def __init__(self, limit: str, message: str):
+        self.limit = limit
+        if limit != "cancelled":
+            message += f" (template {limit} limit, see docs/LIMITS.md)"
+        super().__init__(message)
+
+
+@dataclass
+class TemplateLimits:
+    """Bounds of one chat-template render.
+
+    Attributes:
+        seconds: wall time (s), default 2 (``$LOCALMOE_TEMPLATE_SECONDS``).
+        max_chars: characters of output, and of any one string/list a template operation
+            makes, default 8 Mi (``$LOCALMOE_TEMPLATE_MAX_CHARS``).
+        max_memory: growth of the process's resident memory while rendering (bytes), default
+            512 MiB (``$LOCALMOE_TEMPLATE_MAX_MEMORY``).
+    """
+
+    seconds: float = float(os.environ.get("LOCALMOE_TEMPLATE_SECONDS", 2.0))
+    max_chars: int = int(os.environ.get("LOCALMOE_TEMPLATE_MAX_CHARS", 8 << 20))
+    max_memory: int = int(os.environ.get("LOCALMOE_TEMPLATE_MAX_MEMORY", 512 << 20))
+
+
+#: the limits every render uses (change the attributes to change them process-wide)
+LIMITS = TemplateLimits()
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss() -> int | None:
+    """Resident bytes of this process (Linux /proc), or None where unknown."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Guard:
+    """The limits of one render in one thread: a line tracer on the template's frames checks
+    time, cancellation and (every 2 ms) memory; the sandbox hooks check operation sizes."""
+
+    def __init__(self, limits: TemplateLimits, cancel: Any = None):
+        self.limits, self.cancel = limits, cancel
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + limits.seconds
+        self.rss0 = _rss()
+        self.next_mem = self.t0 + 0.002
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now > self.deadline:
+            raise TemplateLimitError("time", f"the chat template ran longer than the {self.limits.seconds:g} s "
+                                     f"limit and was stopped")
+        if self.cancel is not None and self.cancel.is_set():
+            raise TemplateLimitError("cancelled", "the request was cancelled while its chat template rendered")
+        if self.rss0 is not None and now >= self.next_mem:
+            self.next_mem = now + 0.002
+            rss = _rss()
+            if rss is not None and rss - self.rss0 > self.limits.max_memory:
+                raise TemplateLimitError(
+                    "memory", f"the chat template used more than {self.limits.max_memory >> 20} MiB of "
+                    f"memory and was stopped")
+
+    def size(self, n: int, what: str) -> None:
+        if n > self.limits.max_chars:
+            raise TemplateLimitError(
+                "size", f"the chat template tried to make {what} of {n:,} items, over the "
+                f"{self.limits.max_chars:,} limit, and was stopped")
+
+    def trace(self, frame, event, arg):  # sys.settrace hook: template frames only
+        if frame.f_code.co_filename == "<template>":
+            self.check()
+            return self._line
+        return None
+
+    def _line(self, frame, event, arg):
+        self.check()
+        return self._line
+
+
+_ACTIVE = threading.local()
+
+
+def _guard() -> _Guard | None:
+    return getattr(_ACTIVE, "guard", None)
+
+
+def _length(x: Any) -> int | None:
+    return len(x) if isinstance(x, (str, list, tuple, bytes)) else None
+
+
+_FMT_WIDTH = re.compile(r"%[-+ #0]*(\d+)|\{[^{}]*?(\d{4,})[^{}]*\}")
 
 # Private-use markers wrapped around control-token text found in user strings.
 _MARK_START = "\U000F8FF0"
@@ -109,6 +226,31 @@ def normalize_messages(messages: Iterable[Any]) -> list[dict]:
             msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
         out.append(msg)
     return out
+
+
+def _check_utf8(obj: Any, where: str) -> None:
+    """Refuse text UTF-8 cannot encode (a lone surrogate: an undecodable byte or a ``\\ud800``
+    escape), naming where it is in the caller's input, before it reaches the template.
+
+    Raises:
+        InvalidRequestError: names the message field (``messages[1].content``) and the
+            character position inside it.
+    """
+    from localmoe.errors import InvalidRequestError
+
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"{where} is not valid UTF-8 (an undecodable byte or a lone surrogate at character "
+                f"{e.start})", where.split("[")[0].split(".")[0]) from None
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_utf8(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_utf8(v, f"{where}[{i}]")
 
 
 def _mark(obj: Any, specials: list[str]) -> Any:
@@ -216,22 +358,162 @@ def _make_env():
 
     class StrictSandbox(ImmutableSandboxedEnvironment):
         """Reaching for an unsafe attribute (dunders, ``_private``, function internals) raises
-        at once instead of rendering as an empty Undefined."""
+        at once instead of rendering as an empty Undefined; operations that can make a huge
+        value in one step are sized first (see :class:`_Guard`)."""
+
+        intercepted_binops = frozenset(["*", "**", "%", "+"])
 
         def unsafe_undefined(self, obj, attribute):
             raise jinja2.exceptions.SecurityError(
                 f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+        def call_binop(self, context, operator, left, right):
+            g = _guard()
+            if g is not None:
+                g.check()
+                _size_binop(g, operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value):
+            f = super().wrap_str_format(value)
+            if f is None:
+                return None
+            fmt = value.__self__
+
+            def sized(*args, **kwargs):
+                g = _guard()
+                if g is not None:
+                    _size_format(g, fmt.replace("{", "%{"), list(args) + list(kwargs.values()))
+                return f(*args, **kwargs)
+
+            return sized
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            g = _guard()
+            if g is not None:
+                g.check()
+                args = _size_call(g, __obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
 
     env = StrictSandbox(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = tojson
+    for name in ("center", "indent", "replace", "format", "wordwrap", "join", "tojson"):
+        env.filters[name] = _sized_filter(env.filters[name], name)
+    env.globals["lipsum"] = _sized_lipsum(env.globals["lipsum"])
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = TemplateNamespace
     env.globals["dict"] = TemplateDict()
     return env
+
+
+def _size_binop(g: _Guard, op: str, left: Any, right: Any) -> None:
+    """Refuse ``left op right`` when its result would be over the size limit."""
+    if op == "*":
+        for seq, n in ((left, right), (right, left)):
+            ln = _length(seq)
+            if ln is not None and isinstance(n, int):
+                g.size(ln * max(n, 0), "a repeated string or list")
+    elif op == "**":
+        if isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(left) > 1 \
+                and right > 4096:
+            g.size(int(abs(right)) * 1024, "a power")
+    elif op == "+":
+        a, b = _length(left), _length(right)
+        if a is not None and b is not None:
+            g.size(a + b, "a concatenation")
+    elif op == "%" and isinstance(left, str):
+        _size_format(g, left, right if isinstance(right, tuple) else (right,))
+
+
+def _size_format(g: _Guard, fmt: str, args: Iterable[Any]) -> None:
+    widths = [int(w) for m in _FMT_WIDTH.finditer(fmt) for w in m.groups() if w]
+    widths += [a for a in args if isinstance(a, int) and "*" in fmt]
+    g.size(len(fmt) + sum(widths), "a formatted string")
+
+
+_WIDTH_METHODS = {"center", "ljust", "rjust", "zfill", "expandtabs", "format", "join", "replace"}
+
+
+def _size_call(g: _Guard, obj: Any, args: tuple, kwargs: dict) -> tuple:
+    """Size a call of a str method that can grow its string a lot in one step; returns the
+    arguments to call with (an iterator given to ``join`` is read into a list first)."""
+    owner = getattr(obj, "__self__", None)
+    name = getattr(obj, "__name__", "")
+    if not isinstance(owner, str) or name not in _WIDTH_METHODS:
+        return args
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        n = owner.count(args[0]) if args[0] else len(owner) + 1
+        g.size(len(owner) + n * max(0, len(args[1]) - len(args[0])), "a replaced string")
+    elif name == "join" and args:
+        items = args[0]
+        if not hasattr(items, "__len__"):
+            got = []
+            for x in items:
+                got.append(x)
+                if len(got) > g.limits.max_chars:
+                    g.size(len(got), "a joined list")
+            items = got
+            args = (got,) + tuple(args[1:])
+        if isinstance(items, (list, tuple)):
+            g.size(sum(len(x) for x in items if isinstance(x, str)) + len(owner) * len(items),
+                   "a joined string")
+    elif name == "format":
+        _size_format(g, owner.replace("{", "%{"), list(args) + list(kwargs.values()))
+    else:
+        ints = [a for a in list(args) + list(kwargs.values()) if isinstance(a, int)]
+        if ints:
+            g.size(len(owner) * (8 if name == "expandtabs" else 1) + max(ints) *
+                   (owner.count("\t") + 1 if name == "expandtabs" else 1), "a padded string")
+    return args
+
+
+def _sized_filter(fn: Any, name: str) -> Any:
+    """Filter ``fn`` with its result size checked first (``center``, ``indent``, ``replace``,
+    ``format``, ``wordwrap`` can make a huge string from a small one)."""
+    import functools
+
+    @functools.wraps(fn)
+    def f(*args, **kwargs):
+        g = _guard()
+        if g is not None:
+            plain = [a for a in args if not hasattr(a, "environment")]  # drop eval/env context
+            s = next((a for a in plain if isinstance(a, str)), "")
+            ints = [a for a in list(plain) + list(kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
+            if name == "join" and plain:
+                seq = plain[0]
+                sep = plain[1] if len(plain) > 1 else kwargs.get("d", "")
+                n_items = len(seq) if hasattr(seq, "__len__") else 0
+                if isinstance(sep, str) and n_items:
+                    g.size(len(sep) * n_items, "a joined string")
+            elif name == "tojson":
+                ind = kwargs.get("indent", plain[1] if len(plain) > 1 else None)
+                if isinstance(ind, int) and ind > 64:
+                    g.size(ind * 1024, "indented JSON")
+            elif name == "replace" and len(plain) >= 3 and all(isinstance(a, str) for a in plain[:3]):
+                _size_call(g, plain[0].replace, tuple(plain[1:3]), {})
+            elif name == "format":
+                _size_format(g, s, plain[1:] + list(kwargs.values()))
+            elif name == "indent" and ints:
+                g.size(len(s) + max(ints) * (s.count("\n") + 1), "an indented string")
+            elif ints:
+                g.size(len(s) + max(ints), f"a {name} result")
+        return fn(*args, **kwargs)
+
+    return f
+
+
+def _sized_lipsum(fn: Any) -> Any:
+    def lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - jinja's parameter names
+        g = _guard()
+        if g is not None and isinstance(n, int) and isinstance(max, int):
+            g.size(n * max * 12, "lorem ipsum text")
+        return fn(n, html, min, max)
+
+    return lipsum
 
 
 _ENV = None
@@ -313,16 +595,33 @@ class ChatTemplate:
                    control_tokens=ctl, tool_source=md.get("tokenizer.chat_template.tool_use"))
 
     # ------------------------------------------------------------------ render
-    def _render(self, messages: list[dict], tools, add_generation_prompt: bool, extra: dict) -> str:
+    def _render(self, messages: list[dict], tools, add_generation_prompt: bool, extra: dict,
+                cancel: Any = None) -> str:
         import jinja2
         from jinja2.exceptions import SecurityError
 
         kwargs = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         kwargs.update(_to_plain(extra))
         tpl = self._tool_tpl if (tools and self._tool_tpl is not None) else self._tpl
+        guard = _Guard(LIMITS, cancel)
+        outer, old_trace = _guard(), sys.gettrace()
+        _ACTIVE.guard = guard
+        sys.settrace(guard.trace)
         try:
-            return tpl.render(messages=messages, tools=tools,
-                                    add_generation_prompt=bool(add_generation_prompt), **kwargs)
+            parts, n = [], 0
+            for piece in tpl.generate(messages=messages, tools=tools,
+                                      add_generation_prompt=bool(add_generation_prompt), **kwargs):
+                n += len(piece)
+                if n > LIMITS.max_chars:
+                    raise TemplateLimitError(
+                        "output", f"the chat template's output passed the {LIMITS.max_chars:,}-character "
+                        f"limit and was stopped")
+                parts.append(piece)
+            return "".join(parts)
+        except TemplateLimitError:
+            raise
+        except MemoryError as e:
+            raise TemplateLimitError("memory", "the chat template ran out of memory and was stopped") from e
         except SecurityError as e:
             raise TemplateError(f"the chat template tried an unsafe operation and was stopped: {e}") from e
         except jinja2.TemplateError as e:
@@ -331,32 +630,39 @@ class ChatTemplate:
             raise TemplateError("the chat template recursed too deeply") from e
         except Exception as e:  # TypeError, KeyError, ... inside template expressions
             raise TemplateError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        finally:
+            sys.settrace(old_trace)
+            _ACTIVE.guard = outer
 
     def _prepare(self, messages, tools):
         msgs = normalize_messages(messages)
         tools_plain = None if tools is None else _to_plain(list(tools))
+        _check_utf8(msgs, "messages")
+        _check_utf8(tools_plain, "tools")
         return msgs, tools_plain
 
     def render(self, messages: Iterable[Any], tools: list | None = None,
-               add_generation_prompt: bool = True, **extra: Any) -> str:
+               add_generation_prompt: bool = True, *, cancel: Any = None, **extra: Any) -> str:
         """Render ``messages`` (OpenAI format) into prompt text.
 
         Args:
             messages: list of ``{"role", "content", ["tool_calls", "tool_call_id", "name"]}``.
             tools: OpenAI tool schemas (``[{"type": "function", "function": {...}}]``) or None.
             add_generation_prompt: append the assistant turn header.
+            cancel: a ``threading.Event``; once set, the render stops.
             **extra: more template variables (``enable_thinking=False``, ...).
         Returns:
             the prompt text, BOS text included when the template writes it.
         Raises:
             TemplateError: the template raised (message carried), failed, or tried to reach
-                Python internals.
+                Python internals. TemplateLimitError (a TemplateError): a limit of
+                :data:`LIMITS` was hit or ``cancel`` was set (``.limit`` says which).
         """
         msgs, tools_plain = self._prepare(messages, tools)
-        return self._render(msgs, tools_plain, add_generation_prompt, extra)
+        return self._render(msgs, tools_plain, add_generation_prompt, extra, cancel)
 
     def render_marked(self, messages: Iterable[Any], tools: list | None = None,
-                      add_generation_prompt: bool = True,
+                      add_generation_prompt: bool = True, *, cancel: Any = None,
                       **extra: Any) -> tuple[str, list[tuple[int, int]]]:
         """Like :meth:`render`, also returning the character spans of control-token text that
         came from messages or tools (not from the template) -- those must be encoded as text."""
@@ -365,11 +671,11 @@ class ChatTemplate:
             msgs = _mark(msgs, self.control_tokens)
             tools_plain = _mark(tools_plain, self.control_tokens)
             extra = _mark(_to_plain(extra), self.control_tokens)
-        text = self._render(msgs, tools_plain, add_generation_prompt, extra)
+        text = self._render(msgs, tools_plain, add_generation_prompt, extra, cancel)
         return _unmark(text)
 
     def encode(self, tokenizer: Any, messages: Iterable[Any], tools: list | None = None,
-               add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+               add_generation_prompt: bool = True, *, cancel: Any = None, **extra: Any) -> list[int]:
         """Render and tokenize a chat prompt safely.
 
         Control tokens come only from the template (the same text inside a message is encoded
@@ -381,7 +687,7 @@ class ChatTemplate:
         Raises:
             TemplateError: as :meth:`render`.
         """
-        text, spans = self.render_marked(messages, tools, add_generation_prompt, **extra)
+        text, spans = self.render_marked(messages, tools, add_generation_prompt, cancel=cancel, **extra)
         add_special = not (self.bos_token and text.startswith(self.bos_token))
         return tokenizer.encode_with_plain_spans(text, spans, add_special=add_special)
 
