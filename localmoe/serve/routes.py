@@ -14,12 +14,13 @@ import time
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import localmoe.openai as openai_shaping
 from localmoe.serve.errors import HTTPError, error_from_exception
 from localmoe.serve.state import ServerState
-from localmoe.serve.streaming import generate
+from localmoe.serve.streaming import SafeJSONResponse, generate
 
 router = APIRouter()
 
@@ -31,7 +32,7 @@ def _state(request: Request) -> ServerState:
 def error_response(err: HTTPError) -> JSONResponse:
     """The JSON response of ``err`` (a 401 carries ``WWW-Authenticate: Bearer``)."""
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return SafeJSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def _check_auth(request: Request) -> None:
@@ -46,12 +47,17 @@ async def _read_json(request: Request, limit: int) -> dict:
         raise HTTPError(413, f"request body is {cl} bytes; the limit is {limit}",
                         code="request_too_large")
     chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes",
-                            code="request_too_large")
-        chunks.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes",
+                                code="request_too_large")
+            chunks.append(part)
+    except ClientDisconnect:
+        # nobody is left to answer: counted as 499 (nginx's "client closed request"), not a 5xx
+        raise HTTPError(499, "the client disconnected while sending the request body",
+                        code="client_disconnected") from None
     raw = b"".join(chunks)
     try:
         body = json.loads(raw)

@@ -23,9 +23,27 @@ from localmoe.serve.state import ServerState
 _END = object()  # the worker is done
 
 
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` as UTF-8 JSON, non-ASCII kept; a text holding a lone surrogate (from a request's
+    ``"\\ud800"`` escape, or model output) is written ASCII-escaped instead, which is still
+    the same JSON value, rather than failing to encode."""
+    try:
+        return json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj).encode()
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSONResponse that encodes any text (see :func:`json_bytes`)."""
+
+    def render(self, content: Any) -> bytes:
+        return json_bytes(content)
+
+
 def sse(obj: dict) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON (UTF-8, not ASCII-escaped)."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    """One server-sent event carrying ``obj`` as JSON (UTF-8, not ASCII-escaped; see
+    :func:`json_bytes`)."""
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 class _Handoff:
@@ -173,7 +191,7 @@ async def generate(request: Request, job, cancel: threading.Event, t_arrival: fl
         raise first
     if not job.stream:
         watcher.cancel()
-        return JSONResponse(first)
+        return SafeJSONResponse(first)
     return StreamingResponse(_sse_stream(backlog, handoff, cancel, watcher),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -27,6 +27,10 @@ Guarantees (tested in ``tests/text/test_tool_calls.py``):
   give identical results for every split of the text into chunks: the one-shot parser *is*
   the streaming parser fed one chunk. The streaming parser only emits content once it is
   sure the text cannot start a tool call, and emits a tool call once its block is complete.
+* Model output is untrusted: JSON nested deeper than :data:`MAX_JSON_DEPTH`, ``NaN`` /
+  ``Infinity`` (not JSON) and calls to tools the request did not declare stay content; lone
+  surrogates (``"\\ud800"`` escapes) in arguments stay escaped in the arguments text, so it
+  always encodes as UTF-8.
 * Whitespace directly around a tool-call block is dropped (so ``"\\n<tool_call>..."`` leaves no
   stray newline content); other content is preserved byte for byte.
 """
@@ -44,7 +48,10 @@ from localmoe.text.json_scan import WHITESPACE as _WS, ScanState, scan_json, ski
 
 FORMATS = ("hermes", "llama3", "mistral")
 
-__all__ = ["FORMATS", "ToolCall", "ParsedOutput", "detect_format", "parse_tool_calls",
+#: deepest nesting of arrays/objects accepted in a tool call (deeper: the block stays content)
+MAX_JSON_DEPTH = 64
+
+__all__ = ["MAX_JSON_DEPTH", "FORMATS", "ToolCall", "ParsedOutput", "detect_format", "parse_tool_calls",
            "StreamingToolParser", "new_call_id"]
 
 
@@ -112,18 +119,58 @@ def detect_format(template_source: str | None) -> str:
     return "hermes"
 
 
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _too_deep(text: str) -> bool:
+    """True when ``text`` nests arrays/objects deeper than :data:`MAX_JSON_DEPTH`."""
+    depth = 0
+    for m in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return True
+    return False
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str):
+    """``json.loads`` for model output: ValueError for ``NaN``/``Infinity`` and for nesting
+    over :data:`MAX_JSON_DEPTH` (never RecursionError)."""
+    if _too_deep(text):
+        raise ValueError("nested too deeply")
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _dumps(obj) -> str:
+    """JSON text of ``obj``, non-ASCII kept, except that a lone surrogate is written as its
+    ``\\uXXXX`` escape (the text stays encodable as UTF-8)."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, ensure_ascii=True)
+    return text
+
+
 def _args_text(args) -> str | None:
     """OpenAI ``arguments`` text for a parsed arguments value, or None when unusable."""
     if args is None:
         return "{}"
     if isinstance(args, dict):
-        return json.dumps(args, ensure_ascii=False)
+        return _dumps(args)
     if isinstance(args, str):  # some models put the JSON text in a string
         try:
-            inner = json.loads(args)
+            inner = _loads(args)
         except ValueError:
             return None
-        return json.dumps(inner, ensure_ascii=False) if isinstance(inner, dict) else None
+        return _dumps(inner) if isinstance(inner, dict) else None
     return None
 
 
@@ -134,14 +181,14 @@ def _call_from_obj(obj, names: frozenset[str] | None, strict_keys: bool) -> Tool
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return None
+    if names is not None and name not in names:
+        return None  # a tool the request did not declare: not a call
     if "arguments" in obj and "parameters" in obj:
         return None
     if strict_keys:  # bare-JSON formats: refuse look-alikes that carry other keys
         if set(obj) - {"name", "arguments", "parameters", "type"}:
             return None
         if "arguments" not in obj and "parameters" not in obj:
-            return None
-        if names is not None and name not in names:
             return None
     args = _args_text(obj.get("arguments", obj.get("parameters")))
     if args is None:
@@ -241,7 +288,7 @@ class _Hermes(_Format):
         if res == "invalid":
             return ("invalid", i + len(self.OPEN))
         try:
-            obj = json.loads(buf[j:end])
+            obj = _loads(buf[j:end])
         except ValueError:
             return ("invalid", end)
         call = _call_from_obj(obj, self.names, strict_keys=False)
@@ -285,7 +332,7 @@ class _Llama3(_Format):
             if res == "invalid":
                 break
             try:
-                obj = json.loads(buf[j:end])
+                obj = _loads(buf[j:end])
             except ValueError:
                 obj = None
             call = _call_from_obj(obj, self.names, strict_keys=True)
@@ -331,7 +378,7 @@ class _Mistral(_Format):
             if res == "invalid":
                 return bad
             try:
-                obj = json.loads(buf[j:end])
+                obj = _loads(buf[j:end])
             except ValueError:
                 return ("invalid", end)
             items = obj if isinstance(obj, list) else [obj]
@@ -365,7 +412,7 @@ class _Mistral(_Format):
         if res == "invalid":
             return bad
         try:
-            args = json.loads(buf[k:end])
+            args = _loads(buf[k:end])
         except ValueError:
             return ("invalid", end)
         call = _call_from_obj({"name": name, "arguments": args}, self.names, strict_keys=False)
@@ -389,8 +436,8 @@ class StreamingToolParser:
 
     Args:
         fmt: one of :data:`FORMATS`.
-        tool_names: names of the request's tools; the bare-JSON ``llama3`` format only accepts
-            calls to these (None: any name).
+        tool_names: names of the request's tools; a call to any other name stays content
+            (None: any name).
 
     Raises:
         ValueError: unknown format name.
