@@ -121,10 +121,20 @@ class ChatActions:
                                           ok_label="Export"), done)
 
     def action_settings(self) -> None:
-        """Edit the current chat's settings."""
-        defaults = dict(self.model_defaults)
-        defaults.setdefault("backend", self.default_backend)
-        defaults.setdefault("kv_cache", self.default_kv)
+        """Edit the current chat's settings; empty fields show the values in force (the
+        model file's recommendations over the engine's defaults, the backend ``auto`` chose)."""
+        from localmoe.engine.sampling import SamplingParams
+
+        engine_defaults = SamplingParams()
+        defaults: dict = {k: getattr(engine_defaults, k) for k in ("temperature", "top_p", "top_k")}
+        defaults.update(self.model_defaults)
+        defaults.setdefault("max_tokens", "until the end or a full context")
+        defaults.setdefault("seed", "random")
+        running = getattr(self.engine, "backend_name", None)  # what `auto` chose, if it did
+        defaults["backend"] = (f"{self.default_backend}: {running}" if running and not
+                               self.settings.backend and running != self.default_backend
+                               else self.default_backend)
+        defaults["kv_cache"] = self.default_kv
 
         async def done(settings: ChatSettings | None) -> None:
             if settings is None:

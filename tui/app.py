@@ -76,6 +76,9 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
     TITLE = "localmoe"
 
     BINDINGS = [
+        # Textual's own ctrl+q is hidden from the footer; a newcomer looks there for the way out
+        Binding("ctrl+q", "quit", "Quit", priority=True,
+                tooltip="Quit (a running answer is stopped; what was generated stays saved)"),
         Binding("escape", "stop", "Stop", tooltip="Stop generating (keeps the partial answer)"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+r", "regenerate", "Regenerate"),
@@ -155,9 +158,9 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
         """Called by ChatScreen once its widgets exist: open the first chat, start loading."""
         chat = self.store.last_chat() if self.continue_last else None
         if chat is not None:
-            await self.open_chat(chat.id)
-            if self.model is None:
+            if self.model is None:  # before the chat opens: its title names the model
                 self.model = chat.model
+            await self.open_chat(chat.id)
         else:
             await self._refresh_sidebar()
             self._update_titles()
@@ -210,9 +213,12 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
         await self._chat_screen().query_one(ChatList).set_chats(self.store.list_chats(), self.chat_id)
 
     def _update_titles(self) -> None:
-        name = getattr(self.engine, "model_name", None) or (
-            Path(str(self.model)).name if self.model else "no model")
-        self.title = f"localmoe — {name}"
+        """Title: the model (the one loading, with "loading…", or the one loaded); sub-title:
+        the chat."""
+        name = getattr(self.engine, "model_name", None) or Path(
+            str(self.model or self.store.get_meta("last_model") or DEFAULT_MODEL)).name
+        state = " (loading…)" if self.loading else (" (not loaded)" if self.load_error else "")
+        self.title = f"localmoe — {name}{state}"
         chat = self.store.get_chat(self.chat_id) if self.chat_id is not None else None
         self.sub_title = chat.title if chat else "New chat"
 

@@ -47,6 +47,7 @@ class EngineLoading:
         self._progress(0.0)
         name = Path(str(self.model)).name if self.model else "the default model"
         self._stats(status=f"loading {name}…")
+        self._update_titles()
         self._load_worker(key, old)
 
     @work(thread=True, exclusive=True, group="load")
@@ -88,6 +89,7 @@ class EngineLoading:
         self.load_error = message
         self._progress(None)
         self._stats(status="model not loaded")
+        self._update_titles()
         self._show_error(message)
 
     def _on_loaded(self, key: tuple, engine: EngineProtocol) -> None:

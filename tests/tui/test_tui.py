@@ -856,3 +856,85 @@ def test_chat_without_a_terminal_is_one_error_line(tmp_path):
         "error: localmoe chat needs a terminal (stdin and stdout); from a script or a pipe use "
         "`localmoe generate` or `localmoe serve`"]
     assert not (tmp_path / "home" / "models").exists()
+
+
+def test_footer_shows_the_quit_key_and_it_quits(db):
+    """Textual hides its ctrl+q from the footer (and Ctrl+C only says to press it): the footer
+    lists Quit, and the key ends the app."""
+    async def body():
+        app = make_app(db)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.pause()
+            keys = {k.description: k.key for k in app.screen.query("FooterKey")}
+            assert keys.get("Quit") == "ctrl+q", keys
+            await pilot.press("ctrl+q")
+            await pilot.pause()
+            assert not app.is_running
+
+    run(body())
+
+
+def test_title_names_the_model_while_it_loads_with_continue(db):
+    """With --continue (no -m) the title names the reopened chat's model while it loads, not
+    'no model'; a fresh start names the default model."""
+    import threading
+
+    async def first_run():
+        app = make_app(db, FakeEngine(["a"]), model="/models/chosen.gguf")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "hello")
+
+    async def second_run():
+        gate = threading.Event()
+        app = make_app(db, factory=FakeFactory(FakeEngine(["b"]), gate=gate), model=None,
+                       continue_last=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.loading, "loading")
+            await pilot.pause()
+            assert app.title == "localmoe — chosen.gguf (loading…)", app.title
+            gate.set()
+            await ready(pilot)
+            await pilot.pause()
+            assert app.title == "localmoe — fake-model", app.title
+
+    async def fresh(tmp_db):
+        gate = threading.Event()
+        app = make_app(tmp_db, factory=FakeFactory(FakeEngine(["c"]), gate=gate), model=None)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.loading, "loading")
+            await pilot.pause()
+            assert app.title == "localmoe — smollm2 (loading…)", app.title
+            gate.set()
+            await ready(pilot)
+
+    run(first_run())
+    run(second_run())
+    run(fresh(db.with_name("fresh.sqlite3")))
+
+
+def test_settings_show_the_values_in_force(db):
+    """Empty settings fields show what is used: the engine's sampling defaults (no model
+    metadata here), a random seed, no token cap, and the backend `auto` picked."""
+    async def body():
+        app = make_app(db, FakeEngine(["a"]))
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("f3")
+            await pilot.pause()
+            from textual.widgets import Input, Select
+
+            from localmoe.engine.sampling import SamplingParams
+
+            scr = app.screen
+            d = SamplingParams()
+            shown = {n: scr.query_one(f"#{n}", Input).placeholder
+                     for n in ("temperature", "top_p", "top_k", "max_tokens", "seed")}
+            assert shown["temperature"] == f"default: {d.temperature}", shown
+            assert shown["top_p"] == f"default: {d.top_p}" and shown["top_k"] == f"default: {d.top_k}"
+            assert shown["seed"] == "default: random" and "until" in shown["max_tokens"], shown
+            assert not any("engine" in v for v in shown.values()), shown
+            assert scr.query_one("#backend", Select).prompt == "default (auto: fake)"
+
+    run(body())

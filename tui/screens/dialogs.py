@@ -128,13 +128,14 @@ def _fmt(v: Any) -> str:
 class SettingsScreen(_Dialog):
     """Per-chat settings form. Dismisses with a new :class:`ChatSettings` or None.
 
-    Empty numeric fields mean "model default"; the placeholders show those defaults (from
-    the model file's ``general.sampling.*`` metadata when present).
+    Empty fields mean "the default"; the placeholders show the values in force then (the
+    model file's ``general.sampling.*`` metadata over the engine's defaults).
 
     Args:
         settings: the chat's current settings.
-        defaults: effective defaults to show as placeholders (``temperature``, ``top_p``,
-            ``top_k``, ``kv_cache``, ``backend``).
+        defaults: the values in force for empty fields, shown as placeholders
+            (``temperature``, ``top_p``, ``top_k``, ``max_tokens``, ``seed``, ``kv_cache``,
+            ``backend``; numbers or short texts such as ``"random"``).
     """
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
@@ -160,7 +161,7 @@ class SettingsScreen(_Dialog):
                         yield Label(label)
                         kind = "integer" if name in ("top_k", "max_tokens", "seed") else "number"
                         yield Input(_fmt(getattr(s, name)), id=name, type=kind, compact=True,
-                                    placeholder=f"default: {_fmt(d.get(name)) or 'engine'}")
+                                    placeholder="default: " + (_fmt(d.get(name)) or "the model's"))
                     yield Label("KV cache")
                     yield Select([(k, k) for k in KV_FORMATS], id="kv_cache",
                                  value=s.kv_cache if s.kv_cache in KV_FORMATS else Select.NULL,
