@@ -38,7 +38,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     """
     if sys.stdout is None:  # `localmoe generate ... >&-`: refuse before the weights load
         raise LocalMoEError("standard output is closed: there is nowhere to write the answer")
-    piped = prompt in (None, "-") and not sys.stdin.isatty()
+    piped = prompt in (None, "-") and sys.stdin is not None and not sys.stdin.isatty()
     if piped or (prompt not in (None, "-") and prompt.strip()):  # a prompt, not typed in
         options.start_loading(model)  # on a terminal: a spinner from now (imports take seconds)
     sampling = sampling_kwargs(kw)
@@ -129,6 +129,10 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
                                            if text is not json_schema else "--json-schema")}
 
 
+#: characters read from stdin at most (no context of 1 M tokens holds more)
+_STDIN_MAX = 256 << 20
+
+
 def _read_prompt(prompt: str | None) -> str:
     """The prompt argument, or stdin for none or ``-`` (without its trailing newline).
 
@@ -136,9 +140,13 @@ def _read_prompt(prompt: str | None) -> str:
         OneLineUsageError: no prompt (nothing piped either) or an empty one.
     """
     if prompt is None or prompt == "-":
-        if sys.stdin.isatty() and prompt is None:
+        if sys.stdin is None or (sys.stdin.isatty() and prompt is None):
             raise OneLineUsageError("no prompt; give a PROMPT argument or pipe the prompt on stdin")
-        prompt = sys.stdin.read().rstrip("\r\n")  # `echo hi |` adds a newline
+        prompt = sys.stdin.read(_STDIN_MAX + 1)
+        if len(prompt) > _STDIN_MAX:  # `< /dev/zero` must not fill the memory
+            raise OneLineUsageError(f"the prompt on stdin is over {_STDIN_MAX >> 20} Mi characters, "
+                                    f"more than any context holds (docs/LIMITS.md)")
+        prompt = prompt.rstrip("\r\n")  # `echo hi |` adds a newline
     if not prompt.strip():
         raise OneLineUsageError("the prompt is empty; give a PROMPT argument or pipe the prompt on "
                                 "stdin")

@@ -95,3 +95,20 @@ def test_greedy_same_tokens_whatever_the_cache_held(tiny_llama, llm):
     # sampling requests still reuse the cached prefix
     s1 = llm.generate(b, temperature=0.7, seed=1, max_tokens=2)
     assert s1.cached_tokens > 0
+
+
+def test_closed_stdin_and_undecodable_stdin(tiny_llama):
+    import subprocess
+    import sys
+
+    from tests.hostile.harness import ROOT
+
+    args = [sys.executable, "-m", "localmoe", "generate", "-m", str(tiny_llama), "--backend", "torch",
+            "-n", "1"]
+    r = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=ROOT,
+                       preexec_fn=lambda: __import__("os").close(0))
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["error: no prompt; give a PROMPT argument or pipe the prompt on stdin"]
+    res = run_capped(["generate", "-m", str(tiny_llama), "--backend", "torch", "-n", "1"],
+                     stdin=b"hi \xff\xfe there")
+    assert not res.problems("reject") and "character 3" in res.err
