@@ -103,3 +103,15 @@ def test_generate_refuses_or_runs(corpus, name, backend):
 @pytest.mark.parametrize("name,backend", ALL)
 def test_generate_every_file(corpus, name, backend):
     _generate(corpus, name, backend)
+
+
+def test_split_set_opened_by_a_later_shard_runs_on_llamacpp(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from localmoe.testing.synthetic import write_gguf
+
+    first = write_gguf(tmp_path / "m.gguf", "tiny-llama", seed=4, split_max_tensors=8)
+    last = sorted(first.parent.glob("m-*-of-*.gguf"))[-1]
+    assert last != first
+    res = run_capped(["generate", "-m", str(last), "--backend", "llamacpp", "-n", "2", "--greedy",
+                      "-c", "128", "hello"])
+    assert res.rc == 0 and not res.problems("load"), res.err[-800:]
