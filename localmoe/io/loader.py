@@ -12,11 +12,25 @@ import os
 from pathlib import Path
 
 from localmoe.errors import ModelLoadError
-from localmoe.io.gguf_file import GGUFModelFile
+from localmoe.io.gguf_file import _SPLIT_RE, GGUFModelFile
 from localmoe.io.hf import HFModelFile
 from localmoe.io.model_file import ModelFile
 
 __all__ = ["open_model"]
+
+
+def _gguf_models(files: list[Path]) -> list[Path]:
+    """The models among ``files`` (sorted .gguf paths): each plain file, and the first shard of
+    each split set (``NAME-0000k-of-0000n.gguf``)."""
+    out, sets = [], set()
+    for f in files:
+        m = _SPLIT_RE.match(f.name)
+        if m is None:
+            out.append(f)
+        elif m.group("prefix") not in sets:
+            sets.add(m.group("prefix"))
+            out.append(f)
+    return out
 
 
 def open_model(path: str | os.PathLike) -> ModelFile:
@@ -38,12 +52,16 @@ def open_model(path: str | os.PathLike) -> ModelFile:
         if (p / "config.json").is_file():
             return HFModelFile(p)
         ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return GGUFModelFile(ggufs[0])
-        raise ModelLoadError(
-            f"{p} is a directory without config.json"
-            + (f" and with {len(ggufs)} .gguf files; pass one of them" if ggufs else " or .gguf files")
-        )
+        models = _gguf_models(ggufs)  # a split set is one model (its first shard)
+        if len(models) == 1:
+            return GGUFModelFile(models[0])
+        if not models:
+            raise ModelLoadError(f"{p} is a directory without config.json or .gguf files; give "
+                                 f"a .gguf file or an HF model folder")
+        shown = ", ".join(m.name for m in models[:8])
+        more = f" and {len(models) - 8} more" if len(models) > 8 else ""
+        raise ModelLoadError(f"{p} holds {len(models)} GGUF models: {shown}{more}; pass one of "
+                             f"them, e.g. -m {models[0]}")
     if not p.exists():
         # maybe a split name given as prefix.gguf
         raise ModelLoadError(f"model file not found: {p}")

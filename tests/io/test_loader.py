@@ -287,6 +287,23 @@ def test_directory_and_missing_path(tmp_path):
         open_model(tmp_path)
 
 
+def test_directory_of_several_models_lists_them_and_a_split_set_is_one(tmp_path):
+    """-m DIR: with several GGUF models the error names them (a split set once, by its first
+    shard) and shows how to pass one; a folder holding one split set opens it."""
+    d = tmp_path / "many"
+    write_gguf(d / "a.gguf", "tiny-llama")
+    write_gguf(d / "m.gguf", "tiny-qwen3moe", seed=3, split_max_tensors=10)  # m-0000k-of-00003
+    with pytest.raises(ModelLoadError) as e:
+        open_model(d)
+    msg = str(e.value)
+    assert f"{d} holds 2 GGUF models: a.gguf, m-00001-of-00003.gguf; pass one" in msg, msg
+    assert f"-m {d / 'a.gguf'}" in msg
+    split_only = write_gguf(tmp_path / "split" / "m.gguf", "tiny-qwen3moe", seed=3,
+                            split_max_tensors=10).parent
+    with open_model(split_only) as m:
+        assert m.spec.n_layers > 0
+
+
 # --- ModelSpec from metadata alone ---------------------------------------------------------
 
 from localmoe.io.gguf_spec import spec_from_gguf_metadata  # noqa: E402
