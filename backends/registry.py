@@ -170,7 +170,9 @@ def select_backend(requested: str = "auto", model_format: str = "gguf",
     skipped = []
     for n in backend_names():
         b = get_backend(n)
-        why = b.available() or b.supports(model_format, kv_spec)
+        # what the backend cannot run at all comes first: "GGUF files only" for a safetensors
+        # model says more than "not installed" (installing it would not help)
+        why = b.supports(model_format, kv_spec) or b.available()
         if why is None:
             note = f"; skipped {', '.join(skipped)}" if skipped else ""
             return b, f"{n} (auto{note})"

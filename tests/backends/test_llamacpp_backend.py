@@ -32,6 +32,22 @@ def test_available_reason_when_missing(monkeypatch):
         select_backend("llamacpp", "gguf")
 
 
+def test_auto_on_safetensors_says_gguf_only_even_when_not_installed(monkeypatch):
+    """`localmoe backends` / auto on a safetensors model: the reason llamacpp is skipped is
+    that llama.cpp runs GGUF files only (installing it would not help), not that it is
+    missing; on a GGUF model a missing llama-cpp-python is still the reason."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "llama_cpp" else real(n, *a))
+    _, why = select_backend("auto", "safetensors")
+    assert "llamacpp: llama.cpp runs GGUF files only" in why and "not installed" not in why
+    try:
+        _, why = select_backend("auto", "gguf")
+    except BackendUnavailableError:  # pragma: no cover - nothing else runs here
+        return
+    assert "llamacpp: llama-cpp-python not installed" in why or why.startswith("triton")
+
+
 @pytest.mark.parametrize("kv,ok", [
     ("f16", True), ("bf16", True), ("f32", True), ("int8", True), ("int4", True),
     ("q8_0", True), ("int3", False), ("int2", False), ("fp4", False), ("int4:g64", False),
