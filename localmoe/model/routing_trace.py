@@ -18,8 +18,8 @@ call and every MoE layer (in layer order, ``L`` of them) it records
   computes ``(x / w_l * w_{l+d}) @ router_{l+d}``. NaN past the last MoE layer.
 
 :class:`localmoe.backends.recording.RunnerRecorder` also wraps a runner's ``forward`` so each
-recorded row is paired with its token id and forward call. :func:`save_trace` / :func:`load_trace` read and write the file format of
-docs/ROUTING_TRACES.md (``.npz``):
+recorded row is paired with its token id and forward call. :func:`save_trace` and
+:func:`load_trace` write and read the file format of docs/ROUTING_TRACES.md (``.npz``):
 
 ===============  ===========================  ==============================================
 array            shape, dtype                 meaning
