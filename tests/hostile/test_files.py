@@ -87,6 +87,8 @@ def _generate(corpus, name, backend):
         want = "load"  # partial rotary runs on torch; only llama.cpp refuses it
     if name == "eps_wrong_type" and backend == "torch":
         want = "load"
+    if name == "nested_array_3" and backend == "llamacpp":
+        want = "reject"  # llama.cpp's reader has no arrays of arrays; its refusal is one line
     assert not res.problems(want), f"{name} on {backend}: {res.problems(want)}\n{res.err[-1500:]}"
     return res
 
