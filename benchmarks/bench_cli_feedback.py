@@ -8,8 +8,10 @@ Per run, seconds from the start of the process to
 * ``first_token`` / ``last_token``: the first and last byte of the answer on stdout,
 * ``exit``: the process is gone,
 
-and ``after_last_token`` = exit - last_token. Medians over ``--repeat`` runs (the machine is
-shared and noisy); the model must be in the store (``localmoe pull smollm2``).
+and ``after_last_token`` = exit - last_token. Also ``ctrl_c_to_exit``: seconds from SIGINT
+(0.3 s after the first token of a long answer) until the process is gone. Medians over
+``--repeat`` runs (the machine is shared and noisy); the model must be in the store
+(``localmoe pull smollm2``).
 
 Usage::
 
@@ -25,6 +27,7 @@ import os
 import platform
 import pty
 import selectors
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,6 +71,20 @@ def one_run(cmd: list[str]) -> dict:
     return t
 
 
+def interrupt_run(cmd: list[str]) -> float:
+    """Seconds from Ctrl-C (SIGINT, 0.3 s into the answer) to the end of the process."""
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL)
+    os.read(p.stdout.fileno(), 64)  # the first token
+    time.sleep(0.3)
+    t = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    p.wait()
+    if p.returncode != 130:
+        raise SystemExit(f"{' '.join(cmd)}: exit status {p.returncode} after Ctrl-C, not 130")
+    return time.monotonic() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -82,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.baseline:
         entries["baseline"] = [sys.executable, a.baseline]
     runs: dict[str, list[dict]] = {k: [] for k in entries}
+    long_args = ["generate", "-m", a.model, "-n", "400", "Tell me a long story about a dragon"]
     for _ in range(a.repeat):
         for k, e in entries.items():
             runs[k].append(one_run(e + args))
-    keys = ("first_feedback", "first_token", "last_token", "exit", "after_last_token")
+            runs[k][-1]["ctrl_c_to_exit"] = interrupt_run(e + long_args)
+    keys = ("first_feedback", "first_token", "last_token", "exit", "after_last_token",
+            "ctrl_c_to_exit")
     res = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
            "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
            "command": " ".join(["localmoe"] + args), "repeat": a.repeat,
