@@ -189,7 +189,9 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
             messages = self.store.messages(chat.id)
         log = self._log()
         await log.remove_children()
-        views = [self._view_for(m) for m in messages]
+        # an answer killed before its first token left an empty message without an end: not shown
+        views = [self._view_for(m) for m in messages
+                 if not (m.role == "assistant" and m.finish_reason is None and not m.content)]
         if views:
             await log.mount_all(views)
         log.scroll_end(animate=False)

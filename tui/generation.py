@@ -58,7 +58,8 @@ class _Feed:
 
 
 def _stats_note(stats: dict[str, Any], finish: str | None) -> str:
-    """Header note of an assistant message from its stored stats."""
+    """Header note of an assistant message from its stored stats (``finish`` None: an answer
+    stored without an end, cut by a kill: "interrupted")."""
     parts = []
     if stats.get("ttft_ms") is not None:
         parts.append(f"TTFT {stats['ttft_ms']:.0f} ms")
@@ -72,6 +73,8 @@ def _stats_note(stats: dict[str, Any], finish: str | None) -> str:
         parts.append("cut at the length limit")
     elif finish == "error":
         parts.append("failed")
+    elif finish is None:  # stored without an end: the process was killed mid-answer
+        parts.append("interrupted")
     return " · ".join(parts)
 
 
