@@ -112,3 +112,37 @@ def test_closed_stdin_and_undecodable_stdin(tiny_llama):
     res = run_capped(["generate", "-m", str(tiny_llama), "--backend", "torch", "-n", "1"],
                      stdin=b"hi \xff\xfe there")
     assert not res.problems("reject") and "character 3" in res.err
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3-270m"])
+def real_llm(request):
+    from localmoe.api import LLM
+    from tests.conftest import _real_model
+
+    m = LLM(str(_real_model(request.param)), backend="llamacpp", n_ctx=8192)
+    yield m
+    m.close()
+
+
+def test_hostile_prompts_tokenize_or_are_refused(real_llm):
+    from localmoe.errors import LocalMoEError
+    from tests.hostile.gen import hostile_prompts
+
+    vocab = real_llm.runner.spec.vocab_size
+    for name, text in hostile_prompts().items():
+        for how in ("raw", "chat"):
+            try:
+                ids = (real_llm.prompt_ids(text) if how == "raw"
+                       else real_llm.prompt_ids(messages=[{"role": "user", "content": text}]))
+            except (InvalidRequestError, ContextOverflowError) as e:
+                assert name in ("lone_surrogate", "surrogate_pair_halves", "empty", "whitespace_only") \
+                    or isinstance(e, ContextOverflowError), (name, how, e)
+                assert "\n" not in str(e)
+                continue
+            except LocalMoEError as e:  # pragma: no cover - reported with the case
+                raise AssertionError(f"{name}/{how}: {e}")
+            assert ids and all(0 <= i < vocab for i in ids), (name, how)
+            if how == "chat":  # control-token text in user content stays plain text
+                ctl = real_llm.tokenizer.control_ids
+                user_ids = real_llm.prompt_ids(messages=[{"role": "user", "content": "x"}])
+                assert sum(i in ctl for i in ids) == sum(i in ctl for i in user_ids), name
