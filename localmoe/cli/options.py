@@ -144,10 +144,6 @@ class LoadIndicator:
                               redirect_stderr=False)
             self._live.start()
 
-    @property
-    def active(self) -> bool:
-        return self._live is not None
-
     def update(self, text: str) -> None:
         """Show ``label: text`` beside the spinner."""
         if self._live is not None:
