@@ -5,7 +5,7 @@ prompt otherwise makes the tokenizer allocate gigabytes): one token stands for a
 ``tokenizer.max_token_chars`` characters, so a prompt of more than ``n_ctx *
 max_token_chars`` characters cannot be encoded in ``n_ctx`` tokens. The check counts
 characters (Python ``len``), which never exceed the UTF-8 bytes, so it is exact for the bound
-and costs nothing. Texts up to :data:`TOKENIZE_ANYWAY` characters are tokenized even above the
+and costs nothing (the longest token counts at most :data:`MAX_TOKEN_CHARS`). Texts up to :data:`TOKENIZE_ANYWAY` characters are tokenized even above the
 bound, so that a prompt a little too long gets its exact token count in the error. Documented
 in docs/LIMITS.md.
 """
@@ -19,12 +19,21 @@ from localmoe.errors import ContextOverflowError, InvalidRequestError
 #: texts up to this many characters are tokenized (for an exact count) even when they cannot fit
 TOKENIZE_ANYWAY = 1 << 20
 
-__all__ = ["TOKENIZE_ANYWAY", "prompt_char_limit", "check_text_fits", "message_chars", "check_token_ids"]
+__all__ = ["MAX_TOKEN_CHARS", "TOKENIZE_ANYWAY", "prompt_char_limit", "check_text_fits", "message_chars", "check_token_ids"]
+
+
+#: the longest token counted for the bound: a hostile vocabulary with one huge entry must not
+#: lift the bound out of reach (no real vocabulary has a token this long)
+MAX_TOKEN_CHARS = 4096
+
+
+def _per_token(tokenizer: Any) -> int:
+    return min(MAX_TOKEN_CHARS, max(1, int(getattr(tokenizer, "max_token_chars", 1) or 1)))
 
 
 def prompt_char_limit(n_ctx: int, tokenizer: Any) -> int:
     """Characters above which a text cannot fit in ``n_ctx`` tokens of ``tokenizer``."""
-    return int(n_ctx) * max(1, int(getattr(tokenizer, "max_token_chars", 1) or 1))
+    return int(n_ctx) * _per_token(tokenizer)
 
 
 def check_text_fits(n_chars: int, n_ctx: int, tokenizer: Any, what: str = "prompt") -> None:
@@ -35,7 +44,7 @@ def check_text_fits(n_chars: int, n_ctx: int, tokenizer: Any, what: str = "promp
             :data:`TOKENIZE_ANYWAY` (its ``n_prompt`` is the least number of tokens the text
             can take).
     """
-    per = max(1, int(getattr(tokenizer, "max_token_chars", 1) or 1))
+    per = _per_token(tokenizer)
     if n_chars > max(int(n_ctx) * per, TOKENIZE_ANYWAY):
         n_min = -(-int(n_chars) // per)
         raise ContextOverflowError(

@@ -46,7 +46,8 @@ from typing import Any, Iterable
 
 from localmoe.errors import TemplateError
 
-__all__ = ["ChatTemplate", "normalize_messages", "TemplateLimits", "TemplateLimitError", "LIMITS"]
+__all__ = ["ChatTemplate", "normalize_messages", "TemplateLimits", "TemplateLimitError", "LIMITS",
+           "MAX_SOURCE_CHARS"]
 
 
 class TemplateLimitError(TemplateError):
@@ -80,6 +81,9 @@ class TemplateLimits:
     max_chars: int = int(os.environ.get("LOCALMOE_TEMPLATE_MAX_CHARS", 8 << 20))
     max_memory: int = int(os.environ.get("LOCALMOE_TEMPLATE_MAX_MEMORY", 512 << 20))
 
+
+#: longest template source compiled (the largest real chat templates are a few tens of kB)
+MAX_SOURCE_CHARS = 1 << 20
 
 #: the limits every render uses (change the attributes to change them process-wide)
 LIMITS = TemplateLimits()
@@ -557,6 +561,10 @@ class ChatTemplate:
     def _compile(source: str):
         import jinja2
 
+        if len(source) > MAX_SOURCE_CHARS:
+            raise TemplateError(
+                f"the chat template is {len(source):,} characters, over the {MAX_SOURCE_CHARS:,} limit "
+                f"(real templates are under 100 k); the file is corrupt or hostile")
         try:
             return _env().from_string(source)
         except jinja2.TemplateSyntaxError as e:

@@ -267,6 +267,11 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
     add("context_length_huge", "load", kv=set_kv("{arch}.context_length", 2**31, "u32"))
     add("chat_template_int", "load", kv=set_kv("tokenizer.chat_template", 7, "u32"))
     add("eps_wrong_type", "run_reject", kv=set_kv("{arch}.attention.layer_norm_rms_epsilon", 0, "u32"))
+    add("template_2mb", "run_reject", kv=set_kv("tokenizer.chat_template", "{{ 'x' }}" * 250_000, "str"))
+    add("template_syntax_error", "run_reject", kv=set_kv("tokenizer.chat_template", "{% for %}", "str"))
+    add("template_deep_nesting", "run_reject",
+        kv=set_kv("tokenizer.chat_template", "{% if true %}" * 3000 + "{% endif %}" * 3000, "str"))
+    add("huge_token", "load", kv=map_kv("tokenizer.ggml.tokens", lambda v: list(v[:-1]) + ["Ġ" * 100_000]))
     add("alignment_3", "reject", kv=set_kv("general.alignment", 3, "u32"))
     return c
 
