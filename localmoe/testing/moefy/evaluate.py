@@ -2,8 +2,8 @@
 
 * :func:`perplexity`: next-token perplexity of a Transformer over token sequences (cache-free
   full passes; logits in slices so a 262k vocabulary fits in memory).
-* :func:`greedy`: greedy continuation (cache-free, one full pass per new token; for short
-  answers of small models).
+* :func:`greedy`: greedy continuation (a prefill, then one token per step over a plain K/V
+  list).
 * :func:`prompt_tokens`: a chat prompt through the model's chat template, or a plain
   ``Question/Answer`` prompt for base models without one.
 * :func:`llamacpp_logits` / :func:`logit_agreement`: llama.cpp's logits for the same tokens and
@@ -55,17 +55,30 @@ def perplexity(model, chunks: list[torch.Tensor], slice_rows: int = 128) -> tupl
 
 @torch.no_grad()
 def greedy(model, tokens: list[int], max_new: int, stop_ids: set[int]) -> list[int]:
-    """Greedy continuation of ``tokens`` (at most ``max_new`` tokens; stops after a stop id)."""
-    seq = list(tokens)
+    """Greedy continuation of ``tokens`` (at most ``max_new`` tokens; stops after a stop id):
+    one prefill, then one token per step over a plain per-layer K/V list (float, unpaged)."""
+    from localmoe.model.ops import attention
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    start = 0
+
+    def attn(layer, q, k, v):
+        if layer in kv:
+            k, v = torch.cat([kv[layer][0], k]), torch.cat([kv[layer][1], v])
+        kv[layer] = (k, v)
+        return attention(q, k, v, q_start=start, scale=model.scale,
+                         window=model.layer_window(layer), softcap=model.spec.attn_logit_softcap)
+
+    step = torch.tensor(list(tokens), dtype=torch.int64)
     out: list[int] = []
-    for _ in range(max_new):
-        t = torch.tensor(seq, dtype=torch.int64)
-        h = model.forward_hidden(t, torch.arange(len(seq)), _attn(model))
+    while len(out) < max_new:
+        h = model.forward_hidden(step, torch.arange(start, start + step.shape[0]), attn)
+        start += step.shape[0]
         nxt = int(model.logits(h[-1:]).argmax(-1))
         out.append(nxt)
-        seq.append(nxt)
         if nxt in stop_ids:
             break
+        step = torch.tensor([nxt], dtype=torch.int64)
     return out
 
 
