@@ -172,14 +172,21 @@ def _check_types(node: Any, path: str, depth: int) -> None:
                 _check_types(v, path, depth + 1)
 
 
-def closed_objects(schema: Any) -> Any:
-    """A copy of ``schema`` in which every object schema that lists ``properties`` and says
-    nothing of ``additionalProperties`` / ``patternProperties`` gets
-    ``"additionalProperties": false``.
+DECIMALS = 6  # fraction digits a "number" gets when its schema has no multipleOf
 
-    The output stays valid under the original schema (a subset of what it allows); without it
-    small models keep inventing keys until max_tokens. xgrammar's strict mode and OpenAI's
-    strict structured outputs do the same. Say ``"additionalProperties": true`` to allow more.
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` tightened for generation, still valid under the original (it
+    allows a subset of what the original allows):
+
+    * every object schema that lists ``properties`` and says nothing of
+      ``additionalProperties`` / ``patternProperties`` gets ``"additionalProperties": false``
+      (xgrammar's strict mode and OpenAI's strict structured outputs do the same; say
+      ``"additionalProperties": true`` to allow more keys);
+    * every ``"type": "number"`` without ``multipleOf`` gets ``multipleOf`` 10^-:data:`DECIMALS`
+      (at most 6 fraction digits, no exponent).
+
+    Without these, small models keep inventing keys, or digits, until max_tokens.
     """
     if isinstance(schema, list):
         return [closed_objects(v) for v in schema]
@@ -196,6 +203,9 @@ def closed_objects(schema: Any) -> Any:
     if ("properties" in out and "additionalProperties" not in out
             and "patternProperties" not in out):
         out["additionalProperties"] = False
+    t = out.get("type")
+    if (t == "number" or (isinstance(t, list) and "number" in t)) and "multipleOf" not in out:
+        out["multipleOf"] = 10.0 ** -DECIMALS
     return out
 
 

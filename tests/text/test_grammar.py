@@ -208,3 +208,15 @@ def test_markers_that_are_control_tokens_are_written_as_tokens(tok):
     assert g.lark_literal(tok, "<tool_call>") == '"<tool_call>"'  # plain text in both
     c = g.Grammar.lark(tok, f'start: {g.lark_literal(tok, marker)} "x"\n').start()
     assert np.flatnonzero(c.allowed()).tolist() == [tid]
+
+
+def test_numbers_get_at_most_six_fraction_digits(tok):
+    gr = g.Grammar.json_schema(tok, {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": 0, "maximum": 100}}, "required": ["x"]})
+    assert _walk(tok, gr, '{"x": 12.345678}').accepting
+    assert not _first_step_allows(tok, gr, '{"x": 12.345678', "9")  # a 7th digit
+    assert not _first_step_allows(tok, gr, '{"x": 12', "e")  # no exponent
+    exact = g.Grammar.json_schema(tok, {"type": "number", "multipleOf": 0.5})
+    assert g.closed_objects({"type": "number", "multipleOf": 0.5}) == {"type": "number",
+                                                                        "multipleOf": 0.5}
+    assert _walk(tok, exact, "2.5").accepting
