@@ -168,10 +168,11 @@ def _vocab_size(md: dict[str, Any], a: str, model: ModelFile | None) -> int:
 
 
 def _check_block_count(model: ModelFile, a: str, n_layers: int) -> None:
-    """A corrupt block_count must not drive per-layer loops (or allocations) past the file."""
+    """``block_count`` must equal the blocks the tensors hold: more would drive per-layer loops
+    past the file, fewer would silently drop layers (llama.cpp refuses both)."""
     blocks = {int(m.group(1)) for m in map(_BLK_RE.match, model.tensor_names()) if m}
     n_blocks = max(blocks) + 1 if blocks else 0
-    if n_layers > n_blocks:
+    if n_layers != n_blocks:  # fewer would silently drop the last layers
         raise ModelLoadError(
             f"metadata {a}block_count = {n_layers} but the file has tensors for {n_blocks} "
             f"blocks; the file is corrupt or incomplete (re-download it)")

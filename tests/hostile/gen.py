@@ -238,6 +238,7 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
     add("head_count_kv_1", "reject", kv=set_kv("{arch}.attention.head_count_kv", 1, "u32"))
     add("ff_expert_len_wrong", "reject", kv=set_kv("{arch}.expert_feed_forward_length", 128, "u32"))
     add("block_count_1000", "reject", kv=set_kv("{arch}.block_count", 1000, "u32"))
+    add("block_count_1", "reject", kv=set_kv("{arch}.block_count", 1, "u32"))
     add("adapter_type", "reject", kv=set_kv("general.type", "adapter", "str"))
     add("embd_rows_lt_vocab", "reject",
         plan=chain(reshape("token_embd.weight", lambda s: (200, s[1])), reshape("output.weight", lambda s: (200, s[1]))),
