@@ -546,10 +546,12 @@ def parse_completion_request(request: dict, vocab: int | None, llm=None):
         raise InvalidRequestError("max_tokens 0 is only for scoring a prompt: give echo: true "
                                   "and logprobs", "max_tokens")
     rf_kind, rf_schema, rf_strict = _response_format(request.get("response_format"))
-    if rf_kind == "json_object":
-        kw["json_object"] = True
-    elif rf_kind == "json_schema":
-        kw["json_schema"] = rf_schema
+    tok = getattr(llm, "tokenizer", None)
+    if rf_kind != "text" and tok is not None and hasattr(tok, "token_bytes"):
+        from localmoe.text.grammar import Grammar
+
+        kw["grammar"] = (Grammar.json_object(tok) if rf_kind == "json_object" else
+                         Grammar.json_schema(tok, rf_schema, strict=rf_strict))
     params = _make_params(kw, llm)
     return prompt, params, stream, include_usage, echo
 

@@ -8,6 +8,7 @@ and status.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -85,7 +86,10 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
             openai_shaping.validate_request(kind, body)
         llm = state.ready_llm()
         cancel = threading.Event()
-        job = prepare(llm, body, cancel=cancel, model_name=state.model_name)
+        # validation compiles a request's grammar (JSON schema, forced tool call): off the
+        # event loop, so a slow schema (refused after COMPILE_TIMEOUT_S) stalls no one else
+        job = await asyncio.to_thread(prepare, llm, body, cancel=cancel,
+                                      model_name=state.model_name)
         m = state.metrics
         if (m.running or m.queue_depth) and m.queue_depth >= state.max_queue:
             raise HTTPError(429, f"server busy: {m.queue_depth} requests are waiting; retry later",

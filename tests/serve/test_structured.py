@@ -283,3 +283,13 @@ def test_gemma3_schema_and_required_tool_call(gemma3_path):
     assert c["finish_reason"] == "tool_calls", c
     call = c["message"]["tool_calls"][0]["function"]
     jsonschema.validate(json.loads(call["arguments"]), tool_schema(call["name"]))
+
+
+def test_completions_take_response_format_too(client):
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 4, "uniqueItems": True}
+    r = client.completions.create(model="smollm2", prompt="Four small primes as a JSON list:",
+                                  max_tokens=30, temperature=0, extra_body={"response_format": {
+                                      "type": "json_schema", "json_schema": {
+                                          "name": "p", "schema": schema, "strict": False}}})
+    out = json.loads(r.choices[0].text)
+    assert isinstance(out, list) and len(out) <= 4 and all(isinstance(v, int) for v in out)
