@@ -356,6 +356,31 @@ def test_tool_loop_non_stream_and_stream_identical(client):
     assert [(c["name"], c["arguments"]) for c in calls1] == [(c["name"], c["arguments"]) for c in calls2]
 
 
+def test_forced_tool_call_never_leaks_markup_into_content(live, client):
+    """Under required / named, the scripted model's undeclared tool is masked away; a call cut
+    by max_tokens gives content null, no tool_calls, finish "length" and an error object."""
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    bad = [{"role": "user", "content": "hi, call undeclared"}]
+    r = client.chat.completions.create(model="scripted", messages=bad, tools=tools,
+                                       tool_choice="required", max_tokens=40)
+    c = r.choices[0]
+    assert c.message.content is None
+    assert all(t.function.name in ("get_weather", "get_time") for t in c.message.tool_calls or [])
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi, call time"}],
+            "tools": tools, "tool_choice": "required", "max_tokens": 3}
+    r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
+    c = r["choices"][0]
+    assert c["finish_reason"] == "length" and c["message"]["content"] is None
+    assert "tool_calls" not in c["message"]
+    assert r["error"]["code"] == "tool_call_incomplete" and "max_tokens" in r["error"]["message"]
+    lines = [json.loads(line[6:]) for line in httpx.post(
+        live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ).text.splitlines() if line.startswith("data: {")]
+    assert not any(ch["choices"][0]["delta"].get("content") for ch in lines if ch["choices"])
+    assert lines[-1]["choices"][0]["finish_reason"] == "length"
+    assert lines[-1]["error"]["code"] == "tool_call_incomplete"
+
+
 def test_tool_choice_none_required_named(client):
     msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
     r = client.chat.completions.create(model="scripted", messages=msgs, tools=[WEATHER_TOOL],
