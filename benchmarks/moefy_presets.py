@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -85,17 +87,24 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     results = {}
     for preset in a.preset or list(PRESETS):
-        t0 = time.perf_counter()
+        t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
         path = build_preset(preset, force=not a.reuse,
                             progress=lambda m: print(m, file=sys.stderr, flush=True))
         secs = round(time.perf_counter() - t0, 1)
+        # the machine is shared: CPU seconds of this process (all threads) and the load average
+        # around the build say how much of the wall time was waiting for a core
+        cpu = {"build_cpu_s": round(time.process_time() - c0, 1),
+               "loadavg_1min_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)]}
         plan = MoePlan.load(path.with_suffix(".plan.npz"))
-        results[preset] = {"path": str(path), "build_s": secs, "threads": a.threads,
+        results[preset] = {"path": str(path), "build_s": secs, **cpu, "threads": a.threads,
                            "bytes": path.stat().st_size, "plan_stats": plan.stats,
                            "calib_rel_err": [round(l.info["calib_rel_err"], 4) for l in plan.layers],
                            "router_recall": [round(l.info["router_recall"], 4) for l in plan.layers],
                            "parity": parity(path, plan)}
         print(json.dumps({preset: results[preset]}, indent=1))
+    results["_run"] = {"machine": platform.node(), "cpu_count": os.cpu_count(),
+                       "threads": a.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "command": "python benchmarks/moefy_presets.py " + " ".join(argv or sys.argv[1:])}
     Path(a.out).write_text(json.dumps(results, indent=1))
     return 0
 

@@ -11,6 +11,11 @@ Every perplexity is measured on the in-memory reference of the plan
 (:func:`localmoe.testing.moefy.moe_model.moe_transformer`: the experts as stored in the GGUF,
 dequantized), which is what the written file computes (llama.cpp agreement: docs/MOEFY.md).
 
+Several top-k: ``--eval-top-k 2 8`` routes the main plan (fitted for ``--top-k``) with other k'
+(no refit; mixing weights scaled by k'/k, as the plans' weights are near uniform); ``--sweep 2 8``
+fits a plan for each k. ``--plan <store>/moefy/<preset>.plan.npz``
+reuses a preset's saved plan for the main variant instead of building it again.
+
 Usage: ``python benchmarks/moefy_quality.py --source smollm2 --experts 16 --top-k 4
 --out benchmarks/results/moefy_quality_smollm2-16x4.json``; ``--table FILE...`` prints the
 markdown of docs/MOEFY.md from saved results.
@@ -19,7 +24,10 @@ markdown of docs/MOEFY.md from saved results.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -65,16 +73,20 @@ def _answers(model, mf, tok, top_k=None):
     return out
 
 
-def _eval(mf, dense, cfg, held):
+def _eval(mf, dense, cfg, held, plan_file=None):
+    """Build (or, with ``plan_file`` saved for the same config, reuse) a plan and measure it."""
     from localmoe.testing.moefy.collect import load_dense
     from localmoe.testing.moefy.evaluate import perplexity
     from localmoe.testing.moefy.experts import stored_experts
     from localmoe.testing.moefy.moe_model import moe_transformer
-    from localmoe.testing.moefy.plan import build_plan
+    from localmoe.testing.moefy.plan import MoePlan, build_plan
 
     t = time.perf_counter()
-    plan = build_plan(mf, cfg, dense=dense)
-    build_s = round(time.perf_counter() - t, 1)
+    plan = MoePlan.load(plan_file) if plan_file else None
+    if plan is not None and plan.cfg != cfg:
+        raise SystemExit(f"{plan_file} was built for {plan.cfg}, not {cfg}")
+    plan = plan or build_plan(mf, cfg, dense=dense)
+    build_s = round(time.perf_counter() - t, 1) if not plan_file else plan.stats.get("plan_s")
     stored = {l: stored_experts(mf, l, lp) for l, lp in enumerate(plan.layers)}
     moe = moe_transformer(mf, plan, stored, dense=load_dense(mf)[0])
     return moe, {h: perplexity(moe, v)[0] for h, v in held.items()}, build_s
@@ -85,7 +97,9 @@ def run(a) -> dict:
     from localmoe.testing.moefy import MoefyConfig, resolve_source
     from localmoe.testing.moefy.collect import load_dense
     from localmoe.testing.moefy.evaluate import perplexity
+    from localmoe.testing.moefy.moe_model import set_top_k
 
+    main_moe = None
     mf = open_model(resolve_source(a.source))
     dense = load_dense(mf)
     model, tok = dense
@@ -93,18 +107,40 @@ def run(a) -> dict:
     base = MoefyConfig(a.experts, a.top_k, calib_tokens=a.calib_tokens, seed=a.seed)
     held = _heldout(tok, add_bos, a.eval_tokens, base.seq_len)
     res = {"source": mf.name, "experts": a.experts, "top_k": a.top_k,
-           "calib_tokens": a.calib_tokens, "ppl": {}, "sweep": {}, "answers": {}, "build_s": {},
+           "calib_tokens": a.calib_tokens, "ppl": {}, "sweep": {}, "eval_top_k": {}, "answers": {},
+           "build_s": {},
+           "machine": platform.node(), "cpu_count": os.cpu_count(), "threads": a.threads,
+           "command": "python benchmarks/moefy_quality.py " + " ".join(sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "eval_tokens": {k: sum(len(c) - 1 for c in v) for k, v in held.items()}}
     res["ppl"]["dense"] = {k: perplexity(model, v)[0] for k, v in held.items()}
     _say(f"dense {res['ppl']['dense']}")
     if a.answers:
         res["answers"]["dense"] = _answers(model, mf, tok)
     for name in a.variants:
-        moe, ppl, build_s = _eval(mf, dense, base.with_(**VARIANTS[name]), held)
+        moe, ppl, build_s = _eval(mf, dense, base.with_(**VARIANTS[name]), held,
+                                  a.plan if name == MAIN else None)
         res["ppl"][name], res["build_s"][name] = ppl, build_s
         _say(f"{name} top-{a.top_k}: {ppl} ({build_s} s)")
+        if name == MAIN:
+            main_moe = moe
         if a.answers and name == MAIN:
             res["answers"][f"{name} top-{a.top_k}"] = _answers(moe, mf, tok)
+    if a.eval_top_k:   # the main plan (fitted for --top-k) routed with other k, no refit
+        main = main_moe if main_moe is not None else _eval(
+            mf, dense, base.with_(**VARIANTS[MAIN]), held, a.plan)[0]
+        for k in a.eval_top_k:
+            if k == a.top_k or k > a.experts:
+                continue
+            # the plans pick (near) uniform weights, 1/k each, and fold the rest into the down
+            # projections: with k' experts the weights are scaled by k'/k to stay 1/k each
+            # (the same model with its down projections scaled by k'/k)
+            set_top_k(main, k)
+            main.spec = dataclasses.replace(main.spec, expert_weights_scale=k / a.top_k)
+            res["eval_top_k"][k] = {h: perplexity(main, v)[0] for h, v in held.items()}
+            _say(f"{MAIN} (fitted for top-{a.top_k}) routed with top-{k}: {res['eval_top_k'][k]}")
+        set_top_k(main, a.top_k)
+        main.spec = dataclasses.replace(main.spec, expert_weights_scale=1.0)
     for k in a.sweep:
         if k == a.top_k or k > a.experts:
             continue
@@ -126,6 +162,9 @@ def table(results: list[dict]) -> str:
         lines.append("|---|---|---|---|---|")
         rows = [("dense", d, None)] + [(f"{n}, top-{r['top_k']}", p, r["build_s"].get(n))
                                        for n, p in r["ppl"].items() if n != "dense"]
+        rows += [(f"{MAIN} (fitted for top-{r['top_k']}), routed with top-{k} (weights x {k}/{r['top_k']})",
+                  p, None)
+                 for k, p in sorted(r.get("eval_top_k", {}).items(), key=lambda kv: int(kv[0]))]
         rows += [(f"{MAIN}, fitted for top-{k}", p, None) for k, p in sorted(
             r.get("sweep", {}).items(), key=lambda kv: int(kv[0]))]
         for name, p, bs in rows:
@@ -147,6 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--sweep", type=int, nargs="*", default=[],
                     help="more top-k values, each a plan fitted for it (main variant)")
+    ap.add_argument("--plan", help="the main variant's saved plan (e.g. the preset's "
+                    "<store>/moefy/<preset>.plan.npz) instead of building it again")
+    ap.add_argument("--eval-top-k", type=int, nargs="*", default=[],
+                    help="route the main plan with these top-k too (no refit)")
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)

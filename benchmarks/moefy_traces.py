@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -81,19 +82,21 @@ def _record_text(model, tokens, ahead):
         return rec.take()
 
 
-def _record_gen(runner, prompt, n_new, ahead, stops):
-    from localmoe.testing.moefy.trace import RoutingRecorder
+def _record_gen(runner, name, prompt, n_new, ahead, stops, tok):
+    """Greedy decoding through the runner's KV cache, recorded as ``localmoe generate
+    --record-routing`` records it (:class:`~localmoe.backends.recording.RunnerRecorder`)."""
+    from localmoe.testing.moefy.trace import RunnerRecorder
 
     seq = runner.new_sequence()
-    with torch.no_grad(), RoutingRecorder(runner.model, ahead=ahead) as rec:
+    rec = RunnerRecorder(runner, ahead=ahead)
+    with torch.no_grad(), rec:
         nxt = int(runner.forward([(seq, prompt)])[0].argmax())
         out = [nxt]
         while len(out) < n_new and nxt not in stops:
             nxt = int(runner.forward([(seq, [nxt])])[0].argmax())
             out.append(nxt)
-        arrays = rec.take()
     runner.free_sequence(seq)
-    return out, arrays
+    return rec.take_trace(name, "gen", tok.decode(out))
 
 
 def record(preset: str, a) -> tuple[dict, list]:
@@ -120,10 +123,8 @@ def record(preset: str, a) -> tuple[dict, list]:
         print(f"{preset} {name}: {len(toks)} tokens", file=sys.stderr, flush=True)
     stops = set(tok.control_ids) | {tok.eos_id}
     for i, q in enumerate(QUESTIONS):
-        p = prompt_tokens(mf, tok, q)
-        out, (ids, ws, ah) = _record_gen(runner, p, a.gen, a.ahead, stops)
-        traces.append(Trace(f"gen-{i}", "gen", len(p), np.array(p + out[:-1] if len(out) else p),
-                            ids, ws, ah, text=tok.decode(out)))
+        traces.append(_record_gen(runner, f"gen-{i}", prompt_tokens(mf, tok, q), a.gen, a.ahead,
+                                  stops, tok))
     meta = {"preset": preset, "model": mf.name, "source": Path(plan.source).name,
             "config": plan.cfg.__dict__, "n_layers": len(plan.layers),
             "n_experts": plan.cfg.n_experts, "top_k": plan.cfg.top_k, "ahead": a.ahead,
@@ -191,7 +192,9 @@ def main(argv=None) -> int:
         stats = {"text": _jsonable(summarize(text, E, k)), "gen": _jsonable(summarize(gen, E, k)),
                  "by_kind": {kind: _jsonable(summarize([t for t in text if t.kind == kind], E, k))
                              for kind in ("prose", "code", "chat")},
-                 "seconds": round(time.perf_counter() - t0, 1)}
+                 "seconds": round(time.perf_counter() - t0, 1), "machine": platform.node(),
+                 "threads": a.threads,
+                 "command": "python benchmarks/moefy_traces.py " + " ".join(argv or sys.argv[1:])}
         out = Path(a.out)
         save_trace(out / f"moefy_traces_{preset}.npz", traces, meta)
         (out / f"moefy_traces_{preset}.json").write_text(json.dumps({"meta": meta, "stats": stats}))
