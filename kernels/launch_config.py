@@ -105,6 +105,8 @@ KNOBS: dict[str, Knob] = {
     "moe_gate_up": Knob(_QUANT_TILE, MOE_FEATURES),
     "moe_down": Knob(_QUANT_TILE, MOE_FEATURES),
     "router": Knob(("num_warps",), ROUTER_FEATURES),
+    "gemm": Knob(("BM", "BN", "num_warps", "num_stages"), GEMV_FEATURES),
+    "moe_gemm": Knob(("BM", "BN", "num_warps", "num_stages"), MOE_FEATURES),
 }
 """Knob name -> its fields and features; every configuration file (with what it extends)
 gives rules for all of them."""

@@ -68,8 +68,10 @@ OLD_MOE = {"gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True},
            "down": {"BN": 1, "CH": 32, "num_warps": 1, "xb": False}}   # xb: absent meant False
 OLD_ROUTER = {2: 1, 8: 1, 60: 1, 64: 1, 128: 1, 129: 4, 160: 4, 256: 4, 512: 4}
 
-TABLES = ["nvidia_h200", "default", "nvidia_a100_sxm4_80gb", "cpu"]
-DEVICES = [None, "cpu"] + (["cuda"] if CUDA else [])
+# the GPU tables; cpu.json (the interpreter's) keeps the router but takes 64-row GEMV / MoE tiles
+TABLES = ["nvidia_h200", "default", "nvidia_a100_sxm4_80gb"]
+DEVICES = [None] + (["cuda"] if CUDA else [])
+INTERPRETER_TILE = {"BN": 64, "CH": 8, "num_warps": 4, "xb": False}
 
 
 def test_the_recorded_gemv_grid_covers_every_qtype():
@@ -112,6 +114,19 @@ def test_moe_and_router_tables_give_the_old_choices(table):
             assert got == OLD_MOE[stage], (table, stage, tokens, top_k, e, d, f, qt)
     for (e, warps), tokens, top_k in itertools.product(OLD_ROUTER.items(), range(1, 9), [1, 8]):
         assert t.lookup("router", tokens=tokens, n_experts=e, top_k=top_k) == {"num_warps": warps}
+
+
+def test_cpu_table_takes_interpreter_tiles_and_keeps_the_router():
+    """Tensors on the CPU (the interpreter): 64-row programs for the quantized GEMV and fused
+    MoE at every shape, the router as on the GPU."""
+    t = lc.load_table("cpu")
+    for tokens, n, qt in itertools.product([1, 3, 8], [13, 5120, 151936], ["Q8_0", "Q6_K"]):
+        assert t.lookup("gemv", tokens=tokens, n=n, k=2048, qtype=qt) == INTERPRETER_TILE
+    for stage in ("gate_up", "down"):
+        assert moe_config(stage, 1, 8, 128, 2048, 768, 12, "cpu") == INTERPRETER_TILE
+    assert gemv_config(5120, 2048, 1, 8, device="cpu")["BN"] == 64
+    for (e, warps), tokens in itertools.product(OLD_ROUTER.items(), range(1, 9)):
+        assert t.lookup("router", tokens=tokens, n_experts=e, top_k=8) == {"num_warps": warps}
 
 
 @pytest.mark.parametrize("device", DEVICES)
