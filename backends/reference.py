@@ -59,14 +59,16 @@ class PagedModel(NamedTuple):
 def load_paged_model(model_file, device: torch.device, *, dtype: torch.dtype | None = None,
                      n_ctx: int | None = None, kv_spec: Any = None, max_seqs: int = 1,
                      block_size: int = 16, experts: Any = None, numerics: str = "exact",
-                     packed_weights: bool | None = None) -> PagedModel:
+                     packed_weights: bool | None = None,
+                     model_loader: Callable[..., Any] | None = None) -> PagedModel:
     """Load ``model_file`` onto ``device`` and allocate its paged KV cache.
 
     ``dtype`` defaults to float32 and is float32 on the CPU whatever was asked (the CPU
     reference computes in fp32); ``n_ctx`` defaults to min(training context, 4096) tokens;
     ``kv_spec`` (a KVSpec or a string) to ``"f16"``. The block pool holds ``max_seqs``
-    full-context sequences of ``block_size``-token blocks. Other arguments as
-    :meth:`localmoe.model.transformer.Transformer.from_model_file`.
+    full-context sequences of ``block_size``-token blocks. ``model_loader(model_file, device,
+    dtype)``, when given, builds the model instead (a backend's own weights, e.g. quantized on
+    the GPU). Other arguments as :meth:`localmoe.model.transformer.Transformer.from_model_file`.
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
@@ -80,8 +82,12 @@ def load_paged_model(model_file, device: torch.device, *, dtype: torch.dtype | N
     dtype = dtype or torch.float32
     if device.type == "cpu":
         dtype = torch.float32
-    model = Transformer.from_model_file(model_file, device=device, dtype=dtype, experts=experts,
-                                        numerics=numerics, packed=packed_weights)
+    if model_loader is not None:
+        model = model_loader(model_file, device, dtype)
+    else:
+        model = Transformer.from_model_file(model_file, device=device, dtype=dtype,
+                                            experts=experts, numerics=numerics,
+                                            packed=packed_weights)
     spec = model.spec
     n_ctx = int(n_ctx or min(spec.n_ctx_train or 4096, 4096))
     kv_spec = KVSpec.parse(kv_spec if kv_spec is not None else "f16")
@@ -95,7 +101,8 @@ def load_runner(runner, model_file, *, device: str, dtype: torch.dtype | None,
     """The common start of every runner over the shared transformer.
 
     Loads ``model_file`` with :func:`load_paged_model` (``load_kw``: its ``n_ctx``, ``kv_spec``,
-    ``block_size``, ``experts``, ``numerics``, ``packed_weights``) onto ``device`` and sets on
+    ``block_size``, ``experts``, ``numerics``, ``packed_weights``, ``model_loader``) onto
+    ``device`` and sets on
     ``runner``: ``model_file, device, model, cache, dtype, n_ctx, kv_spec, spec, max_seqs,
     n_threads, threads_reason, load_s`` (seconds) and ``tokens_processed``. CPU threads are
     checked before the load and set after it (:class:`localmoe.cpu.threads.RunnerThreads`).

@@ -1,9 +1,17 @@
-"""The ``triton`` backend's runner: the shared transformer with fused Triton KV-cache kernels on
-CUDA.
+"""The ``triton`` backend's runner: the shared transformer with quantized weights and fused
+Triton kernels on CUDA.
 
 The runner owns its pieces by composition (:mod:`localmoe.backends.reference`): the
 transformer and its paged KV cache (``load_paged_model``), the batch step (``run_batch``) and
-the reference attention (``PagedAttention``) for what the kernels do not cover. Its own ops:
+the reference attention (``PagedAttention``) for what the kernels do not cover. Its own parts:
+
+* Weights (GGUF files): kept in their quantized blocks on the GPU
+  (:func:`localmoe.backends.triton.quant_model.load_quant_model`): every matmul runs through
+  the quantized GEMV (decode) or GEMM (prefill) kernels, the embedding is a row gather, and the
+  MoE layers go through :class:`localmoe.backends.triton.moe.TritonMoE` (router + fused MoE
+  kernels, no host sync). Files the kernels cannot read (safetensors, a quant type without a
+  kernel, ``numerics="ggml"``, a custom expert provider, ``packed_weights=False``) are
+  dequantized to the compute dtype as before; ``stats()["weights"]`` says which and why.
 
 * K/V write: quantized formats are packed straight into the paged store by
   :func:`localmoe.kernels.kv_quant_append.kv_quant_append` (float formats are a plain copy;
@@ -48,12 +56,26 @@ class TritonRunner(CacheSequences):
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None):
+        from localmoe.backends.triton.quant_model import load_quant_model, quant_unavailable
+
+        why = ("packed_weights=False" if packed_weights is False else
+               "a custom expert provider" if experts is not None else
+               quant_unavailable(model_file, numerics))
+        if why and packed_weights:
+            raise ValueError(f"quantized GPU weights requested but unavailable: {why}")
+        loader = None if why else (lambda mf, dev, dt: load_quant_model(mf, device=dev, dtype=dt))
         #: the reference attention, for prefill and the cases the kernels do not cover
         self.ref = load_runner(self, model_file, device=device or "cuda",
                                dtype=dtype or torch.float16, n_threads=n_threads,
                                max_seqs=max_seqs, n_ctx=n_ctx, kv_spec=kv_spec,
                                block_size=block_size, experts=experts, numerics=numerics,
-                               packed_weights=packed_weights)
+                               packed_weights=None, model_loader=loader)
+        #: "quantized" (GGUF blocks on the GPU) or "<dtype> (<why not quantized>)"
+        self.weights = "quantized" if loader else f"{str(self.dtype).replace('torch.', '')} ({why})"
+        if loader and self.model.experts is not None:
+            from localmoe.backends.triton.moe import TritonMoE
+
+            self.model.moe = TritonMoE(self.model)
         c = self.cache
         pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (self.spec.head_dim, self.spec.v_head_dim))
         self._fused = (pow2 and not self.spec.attn_logit_softcap
@@ -162,10 +184,12 @@ class TritonRunner(CacheSequences):
 
     # ---- misc ------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """The torch runner's stats plus ``fused_decode_calls`` and ``fused_attention``."""
+        """The torch runner's stats plus ``fused_decode_calls``, ``fused_attention`` and
+        ``weights`` (``"quantized"`` or why the weights were dequantized)."""
         out = runner_stats(self)
         out["fused_decode_calls"] = self.n_fused_calls
         out["fused_attention"] = self._fused
+        out["weights"] = self.weights
         return out
 
     def close(self) -> None:

@@ -31,7 +31,6 @@ from typing import Callable
 
 import torch
 
-from localmoe.cpu.qmatmul import PackedLinear
 from localmoe.errors import UnsupportedModelError
 
 #: attention hook: ``attn(layer, q [N,H,D], k [N,Hkv,D], v [N,Hkv,Dv]) -> [N,H,Dv]`` (q/k after
@@ -330,9 +329,9 @@ class TorchOps:
 
     def linear(self, x: torch.Tensor, wt, layer: int, key: str) -> torch.Tensor:
         """``x [N, in] @ wt [in, out]`` for the weight ``key`` of ``layer`` (stored transposed);
-        a :class:`localmoe.cpu.qmatmul.PackedLinear` multiplies through its CPU kernel.
-        Returns ``[N, out]``."""
-        if type(wt) is PackedLinear:
+        a :class:`localmoe.cpu.qmatmul.PackedLinear` (or any backend linear object, not a
+        tensor) multiplies through its own kernel. Returns ``[N, out]``."""
+        if not isinstance(wt, torch.Tensor):
             return wt(x)
         return x @ wt
 

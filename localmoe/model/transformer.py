@@ -56,14 +56,19 @@ _PACKABLE_SUFFIXES = tuple(f"{n}.weight" for n in (
 
 
 def _linear(t):
-    """A packed matmul weight becomes a (one-part) PackedLinear; a float tensor stays."""
+    """A packed matmul weight becomes a (one-part) PackedLinear; a float tensor or a backend's
+    linear object (see :meth:`Transformer.__init__`) stays."""
     return PackedLinear([t]) if isinstance(t, PackedWeight) else t
 
 
 def _fuse(*ts):
-    """Fused projection ``[sum N, K]``: packed if every part is, else float."""
+    """Fused projection ``[sum N, K]``: packed if every part is, a backend's linear object
+    (its ``fuse_linear``) if every part is one, else float."""
     if all(isinstance(t, PackedWeight) for t in ts):
         return PackedLinear(ts)
+    fuse = getattr(type(ts[0]), "fuse_linear", None)
+    if fuse is not None and all(type(t) is type(ts[0]) for t in ts):
+        return fuse(ts)
     ts = [t.dequantize() if isinstance(t, PackedWeight) else t for t in ts]
     return torch.cat(ts, 0).contiguous()
 
@@ -88,7 +93,11 @@ class Transformer:
         spec: the configured spec (see :meth:`localmoe.models.family.Family.configure`).
         weights: GGUF-named float tensors on one device (norm offsets already applied), or
             for matmul weights on the CPU a :class:`localmoe.cpu.qmatmul.PackedWeight` (kept
-            packed, see ``packed`` in :meth:`from_model_file`); the constructor fuses q/k/v and
+            packed, see ``packed`` in :meth:`from_model_file`), or a backend's *linear object*
+            (not a tensor: called ``w(x [N, K]) -> [N, out]``, fused by its class's
+            ``fuse_linear(parts)``, gathered by ``w.rows(ids)`` when it is the embedding, with
+            ``shape``, ``nbytes``, ``dtype`` and ``device``; e.g. the triton backend's
+            ``QuantLinear``, kept quantized on the GPU); the constructor fuses q/k/v and
             gate/up into single matrices and *consumes* the dict (fused sources are popped from
             it so their memory is freed as it goes).
         experts: provider of routed expert weights (None for dense models).
@@ -120,8 +129,8 @@ class Transformer:
             self._load_layer(i, weights) for i in range(spec.n_layers)]
         if any("router" in L for L in self.layers) and experts is None:
             raise ModelLoadError("the model has MoE layers but no expert provider was given")
-        self.device = self.tok_embd.device
-        self.dtype = self.tok_embd.dtype
+        self.device = self.output_norm.device
+        self.dtype = self.output_norm.dtype
         self.scale = spec.attn_scale if spec.attn_scale else 1.0 / math.sqrt(spec.head_dim)
         self._rope: dict[tuple, tuple[torch.Tensor, float]] = {}
 
@@ -139,7 +148,7 @@ class Transformer:
         tied = out_w is te
         self.tok_embd = _linear(te)
         self.output = self.tok_embd if tied else _linear(out_w)
-        if isinstance(self.output, PackedLinear):
+        if not isinstance(self.output, torch.Tensor):
             self.output_t = None
         else:
             nb = self.output.numel() * self.output.element_size()
@@ -182,7 +191,7 @@ class Transformer:
         # matmul weights are kept transposed, [in, out] contiguous: x @ W_t reads memory
         # ~1.5x faster than x @ W.t() on the CPU (GEMV is bandwidth bound)
         for key in _LINEAR_KEYS:
-            if key in L and not isinstance(L[key], PackedLinear):
+            if key in L and isinstance(L[key], torch.Tensor):
                 L[key] = L[key].t().contiguous()
         return L
 
@@ -291,7 +300,7 @@ class Transformer:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[N]`` int64 token ids -> ``[N, d_model]`` (times ``embed_scale`` if set)."""
-        if type(self.tok_embd) is PackedLinear:
+        if not isinstance(self.tok_embd, torch.Tensor):
             x = self.tok_embd.rows(tokens)
         else:
             x = self.tok_embd.index_select(0, tokens)
@@ -403,10 +412,10 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""
-        if type(self.output) is PackedLinear:
-            out = self.output(hidden)
-        elif self.output_t is not None:
+        if self.output_t is not None:   # (an untied float head keeps only its transpose)
             out = self.ops.linear(hidden, self.output_t, -1, "output").float()
+        elif not isinstance(self.output, torch.Tensor):
+            out = self.output(hidden).float()
         else:
             out = self.ops.linear(hidden, self.output.t(), -1, "output").float()
         cap = self.spec.final_logit_softcap

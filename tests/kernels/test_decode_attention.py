@@ -232,7 +232,10 @@ def test_triton_runner_decode_matches_torch_runner(smollm2_path):
     ids = Tokenizer.from_model(mf).encode("The capital of France is Paris, and the capital of")
     spec = KVSpec.parse("int4", sink_tokens=2)
     a = TorchRunner(mf, n_ctx=64, kv_spec=spec, max_seqs=1, device=DEV)
-    b = TritonRunner(mf, n_ctx=64, kv_spec=spec, max_seqs=1, device=DEV, dtype=torch.float32)
+    # the attention kernels are under test: weights dequantized as the torch runner's (the
+    # quantized weights' own end-to-end test is tests/backends/test_triton_quant.py)
+    b = TritonRunner(mf, n_ctx=64, kv_spec=spec, max_seqs=1, device=DEV, dtype=torch.float32,
+                     packed_weights=False)
     sa, sb = a.new_sequence(), b.new_sequence()
     la, lb = a.forward([(sa, ids)])[0], b.forward([(sb, ids)])[0]
     t = int(la.argmax())

@@ -1,0 +1,169 @@
+"""The triton backend with its weights quantized on the device, against the torch reference.
+
+Every family of the synthetic presets (dense llama/qwen3/qwen2, qwen3moe, qwen2moe with a shared
+expert, olmoe, Mixtral-style llama) runs through QuantLinear (GEMM for the prompt, GEMV for
+decode steps), the embedding gather and the Triton MoE hook, and gives the torch runner's
+greedy tokens. Without CUDA the kernels run through the Triton interpreter on float32
+activations; with CUDA on fp16 (then the comparison is against the torch runner on the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")
+
+from localmoe.backends.torch_backend import TorchRunner  # noqa: E402
+from localmoe.backends.triton.quant_model import QuantExperts, QuantLinear  # noqa: E402
+from localmoe.backends.triton.runner import TritonRunner  # noqa: E402
+from localmoe.io.loader import open_model  # noqa: E402
+from localmoe.testing.synthetic import write_gguf  # noqa: E402
+
+from tests import tolerances as tol  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+DT = torch.float16 if CUDA else torch.float32
+# max |delta log-softmax| relative to the largest |logit| (random models have logits up to
+# ~130): the prompt runs float GEMMs (fp32 in the interpreter: summation order only; fp16 dots on
+# the GPU), a decode step the GEMV, which rounds activations to int8 blocks as llama.cpp's GPU
+# path does (measured 0.05-0.6% of the logit scale in the interpreter)
+PREFILL_REL = 1e-4 if not CUDA else tol.LOGITS_FP16_DOTS
+DECODE_REL = tol.ACT_QUANT_GEMV
+
+PRESETS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-mixtral", "tiny-llama",
+           "tiny-qwen3"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("triton_quant")
+    return {p: write_gguf(d / f"{p}.gguf", p, seed=1) for p in PRESETS}
+
+
+def _compare(mf, steps=2, prompt_len=11):
+    a = TorchRunner(mf, n_ctx=64, device=DEV, dtype=DT, packed_weights=False)
+    b = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, a.spec.vocab_size, (prompt_len,), generator=g).tolist()
+    sa, sb = a.new_sequence(), b.new_sequence()
+    la = a.forward([(sa, prompt)], all_logits=True)[0]
+    lb = b.forward([(sb, prompt)], all_logits=True)[0]
+    scale = la.abs().max().item()
+    out = {"prefill_top1": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
+           "prefill_dlogsm": (la.log_softmax(-1) - lb.log_softmax(-1)).abs().max().item() / scale,
+           "decode": []}
+    tok = int(la[-1].argmax())
+    for _ in range(steps):
+        xa, xb = a.forward([(sa, [tok])])[0], b.forward([(sb, [tok])])[0]
+        out["decode"].append((int(xa.argmax()) == int(xb.argmax()),
+                              (xa.log_softmax(-1) - xb.log_softmax(-1)).abs().max().item()
+                              / scale))
+        tok = int(xa.argmax())
+    return a, b, out
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_quantized_triton_runner_matches_torch(files, preset):
+    mf = open_model(str(files[preset]))
+    a, b, r = _compare(mf)
+    st = b.stats()
+    assert st["weights"] == "quantized"
+    assert r["prefill_top1"] == 1.0 and r["prefill_dlogsm"] < PREFILL_REL, r
+    assert all(same for same, _ in r["decode"]), r
+    assert max(d for _, d in r["decode"]) < DECODE_REL, r
+    # no float copy of a quantized weight: every matmul weight is a QuantLinear, experts stay
+    # in their blocks, and the weights take about the file's bytes (not 2-4x)
+    m = b.model
+    for L in m.layers:
+        for key in ("wqkv", "wo", "gate_up", "down", "sh_gate_up", "sh_down"):
+            if key in L:
+                assert isinstance(L[key], QuantLinear), key
+    assert isinstance(m.tok_embd, QuantLinear)
+    if a.spec.is_moe:
+        assert isinstance(m.experts, QuantExperts)
+        assert m.moe.calls > 0
+    size = os.path.getsize(files[preset])
+    assert st["weights_bytes"] + st.get("expert_bytes", 0) < 1.1 * size
+    assert a.stats()["weights_bytes"] + a.stats().get("expert_bytes", 0) > 2 * size
+
+
+def test_fallbacks_say_why(files):
+    mf = open_model(str(files["tiny-qwen3moe"]))
+    r = TritonRunner(mf, n_ctx=32, device=DEV, dtype=DT, packed_weights=False)
+    assert r.stats()["weights"].endswith("(packed_weights=False)")
+    assert not isinstance(r.model.tok_embd, QuantLinear)
+    r = TritonRunner(mf, n_ctx=32, device=DEV, dtype=DT, numerics="ggml")
+    assert "numerics" in r.stats()["weights"]
+    with pytest.raises(ValueError, match="unavailable"):
+        TritonRunner(mf, n_ctx=32, device=DEV, dtype=DT, numerics="ggml", packed_weights=True)
+
+
+def test_corrupt_scale_names_the_tensor(files, tmp_path):
+    """A NaN block scale in a quantized weight is reported at load, with the tensor's name."""
+    from localmoe.errors import ModelLoadError
+
+    src = files["tiny-llama"]
+    mf = open_model(str(src))
+    raw = mf.raw_tensor("blk.1.attn_output.weight")
+    assert raw.qtype == 8   # Q8_0
+    data = bytearray(src.read_bytes())
+    blob = raw.data.tobytes()
+    pos = data.find(blob)
+    assert pos > 0
+    # Q8_0 block: the fp16 scale is its first two bytes; 0x7e00 is a NaN
+    data[pos:pos + 2] = b"\x00\x7e"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="blk.1.attn_output.weight"):
+        TritonRunner(open_model(str(bad)), n_ctx=32, device=DEV, dtype=DT)
+
+
+def teacher_forced(mf, n_tokens=256, text=None):
+    """Top-1 agreement and max |delta log-softmax| of the quantized triton runner against the
+    torch runner over ``n_tokens`` of real text, fed one token at a time after a short prompt
+    (prompt positions run the GEMM, the rest the decode GEMV and fused MoE)."""
+    from localmoe.text.tokenizer import Tokenizer
+
+    text = text or (
+        "The history of the printing press begins in the fifteenth century, when Johannes "
+        "Gutenberg combined movable metal type, oil-based ink and a screw press adapted from "
+        "wine making. Within fifty years presses operated in more than two hundred cities "
+        "across Europe, and the price of books fell sharply. Literacy spread, scholars could "
+        "compare identical copies of a text, and new ideas travelled faster than ever before. "
+        "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+        "    return a\n\nQuestion: What is the capital of France?\nAnswer: The capital of "
+        "France is Paris, a city on the Seine known for its museums and its cafes. ") * 3
+    ids = Tokenizer.from_model(mf).encode(text)[:n_tokens]
+    a = TorchRunner(mf, n_ctx=n_tokens + 8, device=DEV, dtype=DT, packed_weights=False)
+    b = TritonRunner(mf, n_ctx=n_tokens + 8, device=DEV, dtype=DT)
+    sa, sb = a.new_sequence(), b.new_sequence()
+    pa = a.forward([(sa, ids[:16])], all_logits=True)[0]
+    pb = b.forward([(sb, ids[:16])], all_logits=True)[0]
+    la, lb = [pa], [pb]
+    for t in ids[16:]:
+        la.append(a.forward([(sa, [t])])[0][None])
+        lb.append(b.forward([(sb, [t])])[0][None])
+    la, lb = torch.cat(la), torch.cat(lb)
+    top1 = (la.argmax(-1) == lb.argmax(-1)).float().mean().item()
+    dl = (la.log_softmax(-1) - lb.log_softmax(-1)).abs().max().item()
+    return top1, dl
+
+
+# teacher-forced real text on the GPU (fp16 activations, int8-rounded in the GEMVs): the
+# issue's bar is >= 99% top-1; max |delta log-softmax| is recorded by benchmarks/gpu_e2e.py
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not CUDA, reason="real models through the interpreter take minutes per token")
+@pytest.mark.parametrize("which", ["smollm2_path", "gemma3_path"])
+def test_real_models_teacher_forced_on_gpu(which, request):
+    mf = open_model(str(request.getfixturevalue(which)))
+    top1, dl = teacher_forced(mf)
+    assert top1 >= 0.99, (top1, dl)
