@@ -1,0 +1,328 @@
+"""localmoe's triton backend against llama.cpp (CUDA) on the same GGUF file and GPU, in one run.
+
+Writes (or reuses) a synthetic real-geometry preset (``localmoe.testing.synthetic``), builds
+llama.cpp's ``llama-bench`` with CUDA from a llama.cpp source tree or tarball (the vendored
+tree of the llama-cpp-python source distribution; the build is cached in ``--build-dir``), and
+measures both engines at batch 1:
+
+* ``load_s``: localmoe runner construction (file in the page cache; the file is read once
+  before timing); llama.cpp: the wall time of ``llama-bench -p 1 -n 1 -r 1`` (process start,
+  CUDA init, load and two one-token runs: an upper bound of its load);
+* ``peak_vram_gib``: the GPU's ``memory.used`` (nvidia-smi, polled every 0.1 s) above the level
+  before the engine started, for both engines alike (CUDA context included);
+* ``prefill_tok_s``: a 512-token prompt at context 0 (llama.cpp: ``pp512``);
+* ``tpot_ms``: time per decoded token at context 0 and 16k (``tg`` at ``-d 0,16384``), 64
+  tokens, median of steps (localmoe: ``runner.forward`` of one token, CUDA synchronized: what
+  ``LLM.generate`` spends per token minus sampling);
+* ``kernels_per_token``, ``host_syncs_per_token``, ``gpu_busy`` (localmoe only): a
+  ``torch.profiler`` trace of 8 decode steps: CUDA kernels launched, synchronizing CUDA runtime
+  calls (stream/device/event synchronize, blocking copies to the host), and the kernels' summed
+  time over the wall time.
+
+Output: ``benchmarks/results/vs_llamacpp-<date>.json`` ``{"machine", "gpu", "preset",
+"file_bytes", "command", "rows": [{"engine", "kv", "ctx", "load_s", "peak_vram_gib",
+"prefill_tok_s", "tpot_ms", "kernels_per_token", "host_syncs_per_token", "gpu_busy"}]}``.
+
+Usage (GPU machine)::
+
+    python benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b --model-dir /tmp/models \\
+        --llama-src llama.cpp-src.tar.xz --build-dir /tmp/llama-build --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaMemcpy2D")
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers
+# ---------------------------------------------------------------------------------------------
+
+def gpu_mem_used_mib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                             capture_output=True, text=True, timeout=10).stdout
+        return float(out.strip().splitlines()[0])
+    except Exception:
+        return None
+
+
+class VramPoll:
+    """Peak ``memory.used`` (MiB) above the level at start, polled in a thread."""
+
+    def __init__(self, every: float = 0.1):
+        self.base = gpu_mem_used_mib()
+        self.peak = self.base
+        self.every = every
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            v = gpu_mem_used_mib()
+            if v is not None and (self.peak is None or v > self.peak):
+                self.peak = v
+            time.sleep(self.every)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def gib(self) -> float | None:
+        if self.base is None or self.peak is None:
+            return None
+        return round((self.peak - self.base) / 1024, 2)
+
+
+def ensure_file(preset: str, model_dir: Path, n_layers: int | None) -> Path:
+    from localmoe.testing.synthetic import write_gguf
+
+    name = preset + (f"-{n_layers}l" if n_layers else "") + ".gguf"
+    path = model_dir / name
+    if not path.exists():
+        model_dir.mkdir(parents=True, exist_ok=True)
+        t = time.time()
+        write_gguf(path, preset, seed=0, n_layers=n_layers)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB) in {time.time() - t:.0f} s", flush=True)
+    return path
+
+
+def page_in(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(1 << 26):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp
+# ---------------------------------------------------------------------------------------------
+
+def build_llama_bench(src: Path, build_dir: Path, jobs: int) -> Path:
+    """``llama-bench`` built with CUDA (sm_90) in ``build_dir`` (reused when present)."""
+    exe = build_dir / "bin" / "llama-bench"
+    if exe.exists():
+        return exe
+    root = src
+    if src.is_file():
+        dest = build_dir.parent / "llama-src"
+        if not (dest / "llama.cpp").exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(src) as t:
+                t.extractall(dest)
+        root = dest / "llama.cpp"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cfg = ["cmake", "-S", str(root), "-B", str(build_dir), "-DGGML_CUDA=ON",
+           "-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+           "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
+    subprocess.run(cfg, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(jobs)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return exe
+
+
+def run_llama_bench(exe: Path, path: Path, depths: list[int], n_gen: int, n_prompt: int) -> list[dict]:
+    cmd = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
+           "-d", ",".join(map(str, depths)), "-r", "3", "-o", "json"]
+    t = time.time()
+    subprocess.run([str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", "1", "-n", "1",
+                    "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600, check=True)
+    load_s = round(time.time() - t, 2)
+    with VramPoll() as vp:
+        t = time.time()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        wall = time.time() - t
+    if res.returncode:
+        raise RuntimeError(f"llama-bench failed: {res.stderr[-2000:]}")
+    data = json.loads(res.stdout)
+    rows = []
+    for depth in depths:
+        pp = [r for r in data if r.get("n_prompt") == n_prompt and r.get("n_gen") == 0
+              and r.get("n_depth", 0) == depth]
+        tg = [r for r in data if r.get("n_gen") == n_gen and r.get("n_prompt") == 0
+              and r.get("n_depth", 0) == depth]
+        rows.append({"engine": "llama.cpp", "kv": "f16", "ctx": depth, "load_s": load_s,
+                     "peak_vram_gib": vp.gib,
+                     "prefill_tok_s": round(pp[0]["avg_ts"], 1) if pp and depth == 0 else None,
+                     "tpot_ms": round(1e3 / tg[0]["avg_ts"], 3) if tg else None,
+                     "kernels_per_token": None, "host_syncs_per_token": None, "gpu_busy": None,
+                     "bench_wall_s": round(wall, 1), "build": data[0].get("build_commit")})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# localmoe
+# ---------------------------------------------------------------------------------------------
+
+def _sync():
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def profile_decode(runner, seq: int, steps: int = 8) -> dict:
+    """Kernels, synchronizing runtime calls and GPU-busy share per decode step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        runner.forward([(seq, [7])])
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            runner.forward([(seq, [7])])
+        _sync()
+        wall = time.perf_counter() - t
+    kernels = syncs = 0
+    busy_us = 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            busy_us += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        elif ev.name in SYNC_CALLS:
+            syncs += 1
+    return {"kernels_per_token": round(kernels / steps, 1),
+            "host_syncs_per_token": round(syncs / steps, 1),
+            "gpu_busy": round(busy_us / 1e6 / wall, 3)}
+
+
+def time_decode(runner, seq: int, n: int) -> float:
+    times = []
+    for i in range(n):
+        _sync()
+        t = time.perf_counter()
+        runner.forward([(seq, [11 + i % 100])])
+        _sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[3:] if len(times) > 6 else times) * 1e3
+
+
+def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: str,
+                 profile: bool) -> list[dict]:
+    import torch
+
+    from localmoe.backends.triton.runner import TritonRunner
+    from localmoe.io.loader import open_model
+
+    n_ctx = max(depths) + n_prompt + n_gen + 64
+    with VramPoll() as vp:
+        t = time.perf_counter()
+        mf = open_model(str(path))
+        runner = TritonRunner(mf, n_ctx=n_ctx, kv_spec=kv, device="cuda")
+        _sync()
+        load_s = time.perf_counter() - t
+        g = torch.Generator().manual_seed(0)
+        vocab = runner.spec.vocab_size
+        rows = []
+        prompt = torch.randint(0, vocab, (n_prompt,), generator=g).tolist()
+        # warm-up: compile every kernel variant once (prefill and decode)
+        s = runner.new_sequence()
+        runner.forward([(s, prompt)])
+        time_decode(runner, s, 4)
+        runner.free_sequence(s)
+        pp = []
+        for _ in range(3):
+            s = runner.new_sequence()
+            _sync()
+            t = time.perf_counter()
+            runner.forward([(s, prompt)])
+            _sync()
+            pp.append(time.perf_counter() - t)
+            runner.free_sequence(s)
+        prefill = n_prompt / statistics.median(pp)
+        for depth in depths:
+            s = runner.new_sequence()
+            if depth:
+                ctx = torch.randint(0, vocab, (depth,), generator=g).tolist()
+                for i in range(0, depth, 2048):
+                    runner.forward([(s, ctx[i:i + 2048])])
+            else:
+                runner.forward([(s, prompt[:1])])
+            tpot = time_decode(runner, s, n_gen)
+            prof = profile_decode(runner, s) if profile else {}
+            runner.free_sequence(s)
+            rows.append({"engine": "localmoe", "kv": kv, "ctx": depth, "load_s": round(load_s, 2),
+                         "peak_vram_gib": None, "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
+                         "tpot_ms": round(tpot, 3),
+                         "kernels_per_token": prof.get("kernels_per_token"),
+                         "host_syncs_per_token": prof.get("host_syncs_per_token"),
+                         "gpu_busy": prof.get("gpu_busy"), "weights": runner.stats()["weights"],
+                         "torch_peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+    for r in rows:
+        r["peak_vram_gib"] = vp.gib
+    runner.close()
+    del runner
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--n-layers", type=int, default=None, help="truncated copy (quick runs)")
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/models"))
+    ap.add_argument("--llama-src", type=Path, default=None,
+                    help="llama.cpp source tree or .tar.xz (skip llama.cpp when absent)")
+    ap.add_argument("--build-dir", type=Path, default=Path("/tmp/llama-build"))
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument("--depths", default="0,16384")
+    ap.add_argument("--n-gen", type=int, default=64)
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--kv", default="f16")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--skip-localmoe", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    depths = [int(x) for x in a.depths.split(",")]
+    path = ensure_file(a.preset, a.model_dir, a.n_layers)
+    page_in(path)
+    import torch
+
+    out = {"machine": platform.node(), "gpu": torch.cuda.get_device_name(0), "preset": a.preset,
+           "n_layers": a.n_layers, "file_bytes": path.stat().st_size,
+           "date": datetime.date.today().isoformat(),
+           "command": "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "torch": torch.__version__, "rows": []}
+    if not a.skip_localmoe:
+        out["rows"] += run_localmoe(path, depths, a.n_gen, a.n_prompt, a.kv, not a.no_profile)
+        print(json.dumps(out["rows"], indent=1), flush=True)
+    if a.llama_src is not None:
+        exe = build_llama_bench(a.llama_src, a.build_dir, a.jobs)
+        out["rows"] += run_llama_bench(exe, path, depths, a.n_gen, a.n_prompt)
+    ours = {r["ctx"]: r for r in out["rows"] if r["engine"] == "localmoe"}
+    for r in out["rows"]:
+        if r["engine"] == "llama.cpp" and r["ctx"] in ours:
+            o = ours[r["ctx"]]
+            o["ratio_to_llamacpp"] = {k: round(o[k] / r[k], 3) for k in ("peak_vram_gib", "prefill_tok_s", "tpot_ms")
+                                      if o.get(k) and r.get(k)}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
