@@ -84,13 +84,27 @@ class HFModelFile(ModelFile):
     def __init__(self, path):
         self.path = Path(path)
         self._handles: dict[str, Any] = {}
+        try:
+            self._open()
+        except ModelLoadError:
+            self.close()
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                RecursionError, MemoryError, UnicodeError) as e:
+            # safety net: a corrupt config.json or index must never surface as a traceback
+            self.close()
+            raise ModelLoadError(
+                f"{self.path}: the model files are corrupt or inconsistent ({type(e).__name__}: "
+                f"{str(e)[:200]}); download them again") from e
+
+    def _open(self) -> None:
         cfg_path = self.path / "config.json"
         try:
             self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ModelLoadError(f"{self.path} has no config.json; pass an HF model directory or a .gguf file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}); download it again") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ModelLoadError(f"{cfg_path} is not valid JSON ({str(e)[:200]}); download it again") from None
         if not isinstance(self.config, dict):
             raise ModelLoadError(f"{cfg_path} does not hold a JSON object")
         self._files = self._find_files()
@@ -99,11 +113,11 @@ class HFModelFile(ModelFile):
         self._map: dict[str, tuple] = {}
         self._build_map()
         self.spec = spec_from_hf_config(self.config, set(self._map))
+        check_tensor_shapes(self.spec, self, source="config.json")
         self._check_shapes()
         self.name = self.config.get("_name_or_path") or self.path.name
         self.spec.name = self.spec.name or self.name
         self.metadata = self._synth_metadata()
-        check_tensor_shapes(self.spec, self, source="config.json")
 
     # --- files -------------------------------------------------------------------------------
     def _find_files(self) -> list[Path]:

@@ -122,6 +122,10 @@ def _base_spec(cfg: dict, arch: str, names: set[str]) -> ModelSpec:
         tie_embeddings=("output.weight" not in names) if names else bool(cfg.get("tie_word_embeddings", False)),
         name=str(cfg.get("_name_or_path", "")),
     )
+    for what, v, zero_ok in (("rms_norm_eps", spec.norm_eps, True), ("rope_theta", spec.rope_base, False)):
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            raise ModelLoadError(f"config.json {what} = {v!r} is not a {'non-negative' if zero_ok else 'positive'} "
+                                 f"finite number; the config is corrupt")
     rd = cfg.get("partial_rotary_factor")
     if rd:
         spec.rope_dim = int(head_dim * float(rd))

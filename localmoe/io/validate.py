@@ -142,13 +142,20 @@ def check_tensor_shapes(spec: ModelSpec, model: ModelFile, source: str = "metada
             ``"metadata"`` or ``"config.json"``).
         model: the opened file (only tensor names and shapes are read; no data is touched).
     Raises:
-        ModelLoadError: a tensor a layer needs is missing, a tensor's shape differs from the
+        ModelLoadError: a layer count other than the blocks the tensors hold, a tensor a layer
+            needs is missing, a tensor's shape differs from the
             one the spec implies (the message names both), the vocabulary holds more entries
             than the embedding has rows, or a rotary dimension that is odd or above the head size.
     """
     names = set(model.tensor_names())
     where = getattr(model, "path", None)
     fname = getattr(where, "name", str(where))
+    blocks = {int(m.group(1)) for m in map(_LAYER_RE.match, names) if m}
+    n_blocks = max(blocks) + 1 if blocks else 0
+    if spec.n_layers != n_blocks:  # before any per-layer loop: the count may be absurd
+        raise ModelLoadError(
+            f"{fname}: the {source} says {spec.n_layers} layers but the tensors hold {n_blocks}; "
+            f"the files are corrupt or do not belong together")
     for n in _required(spec):
         if n not in names:
             raise ModelLoadError(
@@ -162,7 +169,7 @@ def check_tensor_shapes(spec: ModelSpec, model: ModelFile, source: str = "metada
         raise ModelLoadError(
             f"{fname}: tensor {n!r} has shape {list(got)} but the {source} implies {list(want)} "
             f"({_dims(spec)}); the file is corrupt or its {source} contradicts its weights")
-    n_tok = len(model.metadata.get("tokenizer.ggml.tokens") or [])
+    n_tok = len((getattr(model, "metadata", None) or {}).get("tokenizer.ggml.tokens") or [])
     if n_tok > spec.vocab_size:
         raise ModelLoadError(
             f"{fname}: the vocabulary has {n_tok} entries but the embedding has {spec.vocab_size} rows; "
