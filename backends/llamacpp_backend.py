@@ -137,8 +137,9 @@ def _llama_limits(model: Any) -> str | None:
     if s.rope_dim is not None and s.rope_dim != s.head_dim:
         return (f"its rope dimension ({s.rope_dim}) differs from the head size ({s.head_dim}), which "
                 f"llama.cpp's {s.arch} graph asserts on")
-    if s.v_head_dim != s.head_dim and s.arch == "gemma3":
-        return f"key and value head sizes differ ({s.head_dim} vs {s.v_head_dim})"
+    if s.v_head_dim != s.head_dim:
+        return (f"its key and value head sizes differ ({s.head_dim} vs {s.v_head_dim}), which "
+                f"llama.cpp's {s.arch} graph asserts on")
     n_tok = len(getattr(model, "metadata", {}).get("tokenizer.ggml.tokens") or [])
     if n_tok and n_tok != s.vocab_size:
         return (f"its vocabulary has {n_tok} entries but the embedding {s.vocab_size} rows "

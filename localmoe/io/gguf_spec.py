@@ -185,12 +185,20 @@ def _read_rope(spec: ModelSpec, md: dict[str, Any], a: str) -> None:
         spec.rope_dim = int(rd)
     rs: dict[str, Any] = {}
     st = md.get(a + "rope.scaling.type")
+    if st is not None and st not in ("none", "linear", "yarn"):
+        # llama.cpp asserts (aborts) on a type it does not know
+        raise UnsupportedModelError(
+            f"{a}rope.scaling.type = {str(st)[:40]!r} is not supported (none, linear, yarn)")
     if st and st != "none":
         rs["type"] = st
         for k in ("factor", "original_context_length", "attn_factor", "yarn_log_multiplier",
                   "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow"):
             if a + "rope.scaling." + k in md:
-                rs[k] = md[a + "rope.scaling." + k]
+                key = a + "rope.scaling." + k
+                v = _num(md, key, 0.0)
+                if v < 0 and k != "yarn_ext_factor":
+                    raise ModelLoadError(f"metadata {key!r} = {v!r} is negative; the file is corrupt")
+                rs[k] = md[key]
     spec.rope_scaling = rs
     if a + "rope.freq_base_swa" in md:
         spec.rope_base_local = _num(md, a + "rope.freq_base_swa", 10000.0)

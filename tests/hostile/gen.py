@@ -273,6 +273,17 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
     add("template_deep_nesting", "run_reject",
         kv=set_kv("tokenizer.chat_template", "{% if true %}" * 3000 + "{% endif %}" * 3000, "str"))
     add("huge_token", "load", kv=map_kv("tokenizer.ggml.tokens", lambda v: list(v[:-1]) + ["Ġ" * 100_000]))
+    add("value_length_32", "run_reject", preset="tiny-llama",
+        kv=chain(set_kv("{arch}.attention.key_length", 64, "u32"), set_kv("{arch}.attention.value_length", 32, "u32")),
+        plan=chain(reshape("attn_v.weight", lambda s: (s[0] // 2, s[1])),
+                   reshape("attn_output.weight", lambda s: (s[0], s[1] // 2))))
+    add("rope_scaling_weird", "reject", kv=set_kv("{arch}.rope.scaling.type", "weird", "str"))
+    add("rope_scaling_yarn_factor_0", "load", kv=chain(set_kv("{arch}.rope.scaling.type", "yarn", "str"),
+                                                        set_kv("{arch}.rope.scaling.factor", 0.0, "f32")))
+    add("rope_scaling_linear_neg", "reject", kv=chain(set_kv("{arch}.rope.scaling.type", "linear", "str"),
+                                                        set_kv("{arch}.rope.scaling.factor", -4.0, "f32")))
+    add("rope_scaling_yarn_nan", "reject", kv=chain(set_kv("{arch}.rope.scaling.type", "yarn", "str"),
+                                                        set_kv("{arch}.rope.scaling.factor", float("nan"), "f32")))
     add("alignment_3", "reject", kv=set_kv("general.alignment", 3, "u32"))
     return c
 

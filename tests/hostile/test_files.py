@@ -71,6 +71,7 @@ CRASHERS = [
     ("valid_qwen3moe", "llamacpp"), ("dup_vocab_tokens", "llamacpp"),
     ("experts_million", "llamacpp"), ("rope_dim_ne_head", "llamacpp"),
     ("eps_wrong_type", "llamacpp"), ("tokens_bad_utf8", "llamacpp"),
+    ("rope_scaling_weird", "llamacpp"), ("value_length_32", "llamacpp"),
     ("valid_llama", "torch"), ("embd_rows_lt_vocab_llama_tied", "torch"), ("key_length_7", "torch"),
     ("token_type_strings", "torch"), ("tokens_are_ints", "torch"), ("tokenizer_model_unknown", "torch"),
 ]
