@@ -246,6 +246,10 @@ def _read_moe(spec: ModelSpec, md: dict[str, Any], a: str, model: ModelFile | No
             f"is corrupt; re-convert it"
         )
     spec.n_experts, spec.top_k = n_exp, top_k
+    groups = _pos_int(md, a + "expert_group_count", required=False, default=0)
+    if groups > 1:  # llama.cpp asserts on inconsistent group counts; none of our archs group
+        raise UnsupportedModelError(
+            f"{a}expert_group_count = {groups}: grouped expert routing is not supported")
     dfe = _pos_int(md, a + "expert_feed_forward_length", required=False, default=0)
     if not dfe and model is not None:  # llama (Mixtral) and olmoe: size from the expert tensors
         for i in range(spec.n_layers):

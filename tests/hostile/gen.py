@@ -284,6 +284,8 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
                                                         set_kv("{arch}.rope.scaling.factor", -4.0, "f32")))
     add("rope_scaling_yarn_nan", "reject", kv=chain(set_kv("{arch}.rope.scaling.type", "yarn", "str"),
                                                         set_kv("{arch}.rope.scaling.factor", float("nan"), "f32")))
+    add("expert_groups_3", "reject", kv=chain(set_kv("{arch}.expert_group_count", 3, "u32"),
+                                               set_kv("{arch}.expert_group_used_count", 0, "u32")))
     add("alignment_3", "reject", kv=set_kv("general.alignment", 3, "u32"))
     return c
 
