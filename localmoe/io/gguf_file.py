@@ -33,7 +33,8 @@ import numpy as np
 from localmoe.errors import ModelLoadError, UnsupportedModelError
 from localmoe.io.gguf_spec import spec_from_gguf_metadata
 from localmoe.io.model_file import ModelFile, RawTensor, TensorInfo
-from localmoe.io.validate import MAX_METADATA_DEPTH, check_gguf_metadata, check_tensor_shapes
+from localmoe.io.validate import (MAX_ARRAY_ITEMS, MAX_METADATA_DEPTH, check_gguf_metadata,
+                                  check_tensor_shapes)
 
 __all__ = ["GGUFModelFile", "qtype_name"]
 
@@ -174,6 +175,10 @@ class _Header:
         if vtype == _T_ARRAY:
             etype = self._scalar(4, f"array type of key {key!r}")
             count = self._scalar(10, f"array length of key {key!r}")
+            if count > MAX_ARRAY_ITEMS:  # as Python objects: 10-60x the bytes in the file
+                raise ModelLoadError(
+                    f"{self.path.name}: key {key!r} is an array of {count:,} items, over the "
+                    f"{MAX_ARRAY_ITEMS:,} limit (vocabularies hold under 1 M); the file is corrupt or hostile")
             if etype in _NP_SCALAR:
                 isz = _SCALAR[etype][1]
                 if count * isz > self.size - self.pos:

@@ -23,10 +23,12 @@ if TYPE_CHECKING:
     from localmoe.io.model_file import ModelFile
     from localmoe.io.spec import ModelSpec
 
-__all__ = ["check_gguf_metadata", "check_tensor_shapes", "MAX_METADATA_DEPTH"]
+__all__ = ["check_gguf_metadata", "check_tensor_shapes", "MAX_METADATA_DEPTH", "MAX_ARRAY_ITEMS"]
 
 #: nesting depth of GGUF arrays of arrays the reader accepts (llama.cpp itself reads none)
 MAX_METADATA_DEPTH = 8
+#: items of one metadata array (the largest vocabularies and merge lists hold under 1 M)
+MAX_ARRAY_ITEMS = 1 << 22
 
 _TOKEN_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 

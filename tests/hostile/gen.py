@@ -286,6 +286,8 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
                                                         set_kv("{arch}.rope.scaling.factor", float("nan"), "f32")))
     add("expert_groups_3", "reject", kv=chain(set_kv("{arch}.expert_group_count", 3, "u32"),
                                                set_kv("{arch}.expert_group_used_count", 0, "u32")))
+    add("array_5m_items", "reject",
+        kv=set_kv("x.big", Raw(ARR, struct.pack("<IQ", U8, 5_000_000) + b"\0" * 5_000_000)))
     add("alignment_3", "reject", kv=set_kv("general.alignment", 3, "u32"))
     return c
 
