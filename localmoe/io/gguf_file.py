@@ -41,6 +41,8 @@ __all__ = ["GGUFModelFile", "qtype_name"]
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+#: tensors, and metadata keys, one file may declare (real models: a few thousand tensors)
+MAX_HEADER_ITEMS = 1 << 16
 
 # GGUF metadata value types (gguf.md): id -> (struct format, size)
 _SCALAR = {
@@ -253,6 +255,10 @@ class _Header:
                 f"{self.path.name}: header claims {n_tensors} tensors and {n_kv} metadata keys, which cannot "
                 f"fit in a {self.size}-byte file: the file is truncated or corrupt; download it again"
             )
+        if n_kv > MAX_HEADER_ITEMS or n_tensors > MAX_HEADER_ITEMS:
+            raise ModelLoadError(
+                f"{self.path.name}: header claims {n_tensors:,} tensors and {n_kv:,} metadata keys, over "
+                f"the {MAX_HEADER_ITEMS:,} limit (models hold a few thousand); the file is corrupt or hostile")
         self._read_metadata(n_kv)
         infos = self._read_tensor_infos(n_tensors)
         align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
