@@ -171,11 +171,13 @@ def _check_block_count(model: ModelFile, a: str, n_layers: int) -> None:
     """``block_count`` must equal the blocks the tensors hold: more would drive per-layer loops
     past the file, fewer would silently drop layers (llama.cpp refuses both)."""
     blocks = {int(m.group(1)) for m in map(_BLK_RE.match, model.tensor_names()) if m}
-    n_blocks = max(blocks) + 1 if blocks else 0
+    # the blocks present, counted (a lone tensor named blk.999999999.x must not count 1e9)
+    n_blocks = len(blocks) if blocks == set(range(len(blocks))) else -1
     if n_layers != n_blocks:  # fewer would silently drop the last layers
         raise ModelLoadError(
-            f"metadata {a}block_count = {n_layers} but the file has tensors for {n_blocks} "
-            f"blocks; the file is corrupt or incomplete (re-download it)")
+            f"metadata {a}block_count = {n_layers} but the file has tensors for "
+            f"{f'{n_blocks} blocks' if n_blocks >= 0 else 'blocks not numbered 0..n-1'}; "
+            f"the file is corrupt or incomplete (re-download it)")
 
 
 def _read_rope(spec: ModelSpec, md: dict[str, Any], a: str) -> None:

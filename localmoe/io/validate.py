@@ -153,10 +153,12 @@ def check_tensor_shapes(spec: ModelSpec, model: ModelFile, source: str = "metada
     where = getattr(model, "path", None)
     fname = getattr(where, "name", str(where))
     blocks = {int(m.group(1)) for m in map(_LAYER_RE.match, names) if m}
-    n_blocks = max(blocks) + 1 if blocks else 0
+    # the blocks present, counted (a lone tensor named blk.999999999.x must not count 1e9)
+    n_blocks = len(blocks) if blocks == set(range(len(blocks))) else -1
     if spec.n_layers != n_blocks:  # before any per-layer loop: the count may be absurd
         raise ModelLoadError(
-            f"{fname}: the {source} says {spec.n_layers} layers but the tensors hold {n_blocks}; "
+            f"{fname}: the {source} says {spec.n_layers} layers but the tensors hold "
+            f"{n_blocks if n_blocks >= 0 else 'blocks not numbered 0..n-1'}; "
             f"the files are corrupt or do not belong together")
     for n in _required(spec):
         if n not in names:

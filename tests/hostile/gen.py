@@ -239,6 +239,8 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
     add("ff_expert_len_wrong", "reject", kv=set_kv("{arch}.expert_feed_forward_length", 128, "u32"))
     add("block_count_1000", "reject", kv=set_kv("{arch}.block_count", 1000, "u32"))
     add("block_count_1", "reject", kv=set_kv("{arch}.block_count", 1, "u32"))
+    add("block_index_1e9", "reject", kv=set_kv("{arch}.block_count", 10**9, "u32"),
+        plan=lambda plan: plan + [replace(plan[1], name="blk.999999999.attn_norm.weight")])
     add("adapter_type", "reject", kv=set_kv("general.type", "adapter", "str"))
     add("embd_rows_lt_vocab", "reject",
         plan=chain(reshape("token_embd.weight", lambda s: (200, s[1])), reshape("output.weight", lambda s: (200, s[1]))),
