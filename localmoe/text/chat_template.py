@@ -40,7 +40,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable
 
@@ -65,6 +65,16 @@ class TemplateLimitError(TemplateError):
         super().__init__(message)
 
 
+def _env_num(name: str, default: float) -> float:
+    """A positive number from environment variable ``name``, else ``default`` (also for a
+    value that is not one)."""
+    try:
+        v = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return v if v > 0 and v == v and v != float("inf") else default
+
+
 @dataclass
 class TemplateLimits:
     """Bounds of one chat-template render.
@@ -77,9 +87,9 @@ class TemplateLimits:
             512 MiB (``$LOCALMOE_TEMPLATE_MAX_MEMORY``).
     """
 
-    seconds: float = float(os.environ.get("LOCALMOE_TEMPLATE_SECONDS", 2.0))
-    max_chars: int = int(os.environ.get("LOCALMOE_TEMPLATE_MAX_CHARS", 8 << 20))
-    max_memory: int = int(os.environ.get("LOCALMOE_TEMPLATE_MAX_MEMORY", 512 << 20))
+    seconds: float = field(default_factory=lambda: _env_num("LOCALMOE_TEMPLATE_SECONDS", 2.0))
+    max_chars: int = field(default_factory=lambda: int(_env_num("LOCALMOE_TEMPLATE_MAX_CHARS", 8 << 20)))
+    max_memory: int = field(default_factory=lambda: int(_env_num("LOCALMOE_TEMPLATE_MAX_MEMORY", 512 << 20)))
 
 
 #: longest template source compiled (the largest real chat templates are a few tens of kB)
