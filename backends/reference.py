@@ -148,6 +148,21 @@ def _validate(batch, vocab_size: int, cache) -> None:
         cache.seq_len(sid)  # raises for unknown ids
 
 
+def prepare_batch(model, cache, n_ctx: int, batch: list[tuple[int, list[int]]]) -> None:
+    """Check a forward call's batch and reserve KV space for its new tokens (nothing is
+    reserved when any sequence fails a check).
+
+    Raises:
+        ContextOverflowError, InvalidRequestError, LocalMoEError: as :func:`run_batch`.
+    """
+    _validate(batch, model.spec.vocab_size, cache)
+    for sid, toks in batch:  # check every sequence before reserving anything
+        if cache.seq_len(sid) + len(toks) > n_ctx:
+            raise ContextOverflowError(cache.seq_len(sid) + len(toks), n_ctx)
+    for sid, toks in batch:
+        cache.reserve(sid, len(toks))
+
+
 @torch.inference_mode()
 def run_batch(model, cache, n_ctx: int, batch: list[tuple[int, list[int]]],
               attention_layer: BatchAttnFn, all_logits: bool = False
@@ -171,12 +186,7 @@ def run_batch(model, cache, n_ctx: int, batch: list[tuple[int, list[int]]],
         InvalidRequestError: empty batch/sequence, token id outside the vocabulary.
         LocalMoEError: unknown sequence id, KV block pool exhausted.
     """
-    _validate(batch, model.spec.vocab_size, cache)
-    for sid, toks in batch:  # check every sequence before reserving anything
-        if cache.seq_len(sid) + len(toks) > n_ctx:
-            raise ContextOverflowError(cache.seq_len(sid) + len(toks), n_ctx)
-    for sid, toks in batch:
-        cache.reserve(sid, len(toks))
+    prepare_batch(model, cache, n_ctx, batch)
     dev = model.device
     seqs, pos, ids = [], [], []
     lo = 0

@@ -13,7 +13,8 @@ measures both engines at batch 1:
 * ``prefill_tok_s``: a 512-token prompt at context 0 (llama.cpp: ``pp512``);
 * ``tpot_ms``: time per decoded token at context 0 and 16k (``tg`` at ``-d 0,16384``), 64
   tokens, median of steps (localmoe: ``runner.forward`` of one token, CUDA synchronized: what
-  ``LLM.generate`` spends per token minus sampling);
+  ``LLM.generate`` spends per token minus sampling; CUDA graphs as the runner uses them, and
+  ``tpot_eager_ms`` with them off);
 * ``kernels_per_token``, ``host_syncs_per_token``, ``gpu_busy`` (localmoe only): a
   ``torch.profiler`` trace of 8 decode steps: CUDA kernels launched, synchronizing CUDA runtime
   calls (stream/device/event synchronize, blocking copies to the host), and the kernels' summed
@@ -134,7 +135,7 @@ def build_llama_bench(src: Path, build_dir: Path, jobs: int) -> Path:
     cfg = ["cmake", "-S", str(root), "-B", str(build_dir), "-DGGML_CUDA=ON",
            "-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-           "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
+           "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=ON"]
     subprocess.run(cfg, check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(jobs)],
                    check=True, stdout=subprocess.DEVNULL)
@@ -261,6 +262,10 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                 runner.forward([(s, prompt[:1])])
             tpot = time_decode(runner, s, n_gen)
             prof = profile_decode(runner, s) if profile else {}
+            graphs, runner.graphs = runner.graphs, None     # the eager step, for comparison
+            eager = time_decode(runner, s, 16) if graphs is not None else tpot
+            eager_prof = profile_decode(runner, s, 4) if profile and graphs is not None else {}
+            runner.graphs = graphs
             runner.free_sequence(s)
             rows.append({"engine": "localmoe", "kv": kv, "ctx": depth, "load_s": round(load_s, 2),
                          "peak_vram_gib": None, "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
@@ -268,6 +273,8 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                          "kernels_per_token": prof.get("kernels_per_token"),
                          "host_syncs_per_token": prof.get("host_syncs_per_token"),
                          "gpu_busy": prof.get("gpu_busy"), "weights": runner.stats()["weights"],
+                         "tpot_eager_ms": round(eager, 3), "eager_profile": eager_prof or None,
+                         "cuda_graphs": runner.stats()["cuda_graphs"],
                          "torch_peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
     for r in rows:
         r["peak_vram_gib"] = vp.gib

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlice,
-                                         load_paged_model, load_runner, run_batch, runner_stats)
+                                         load_paged_model, load_runner, prepare_batch, run_batch,
+                                         runner_stats)
 
 
 class TritonRunner(CacheSequences):
@@ -43,7 +44,10 @@ class TritonRunner(CacheSequences):
     Runner contract of INTERFACES.md).
 
     Same arguments as :class:`localmoe.backends.torch_backend.TorchRunner` (``device``
-    defaults to ``"cuda"`` and ``dtype`` to float16).
+    defaults to ``"cuda"`` and ``dtype`` to float16; ``packed_weights=False`` dequantizes the
+    weights instead of keeping them quantized), plus ``cuda_graphs``: decode steps (1-8
+    sequences adding one token each) replay CUDA graphs (:mod:`localmoe.backends.triton.graphs`)
+    -- ``None`` (default): on where possible unless ``LOCALMOE_CUDA_GRAPHS=0``.
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
@@ -55,7 +59,8 @@ class TritonRunner(CacheSequences):
     def __init__(self, model_file, *, n_ctx: int | None = None, kv_spec: Any = None,
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
-                 packed_weights: bool | None = None, n_threads: int | None = None):
+                 packed_weights: bool | None = None, n_threads: int | None = None,
+                 cuda_graphs: bool | None = None):
         from localmoe.backends.triton.quant_model import load_quant_model, quant_unavailable
 
         why = ("packed_weights=False" if packed_weights is False else
@@ -81,6 +86,9 @@ class TritonRunner(CacheSequences):
         self._fused = (pow2 and not self.spec.attn_logit_softcap
                        and self.model.numerics != "ggml" and c.block_size & (c.block_size - 1) == 0)
         self.n_fused_calls = 0
+        #: decode steps as CUDA graphs (localmoe.backends.triton.graphs), or None and why not
+        self.graphs, self.graphs_off = None, None
+        self._setup_graphs(cuda_graphs)
         # per forward call: slots/positions of each sequence's new tokens and the decode
         # launch's block table, lengths and rows, built at the first layer and reused by the
         # others (one set of host-to-device copies per token instead of one per layer)
@@ -104,11 +112,42 @@ class TritonRunner(CacheSequences):
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             return self._forward(batch, all_logits)
 
+    def _setup_graphs(self, wanted: bool | None) -> None:
+        import os
+
+        from localmoe.backends.triton.graphs import DecodeGraphs, graph_unavailable
+
+        if wanted is None:
+            wanted = os.environ.get("LOCALMOE_CUDA_GRAPHS", "1") != "0"
+            why = None if wanted else "LOCALMOE_CUDA_GRAPHS=0"
+        else:
+            why = None if wanted else "cuda_graphs=False"
+        why = why or graph_unavailable(self)
+        if why is None:
+            self.graphs = DecodeGraphs(self)
+        self.graphs_off = why
+
     def _forward(self, batch, all_logits: bool) -> list[torch.Tensor]:
+        from localmoe.backends.triton.graphs import MAX_BATCH
+
+        if (self.graphs is not None and not all_logits and len(batch) <= MAX_BATCH
+                and all(len(t) == 1 for _, t in batch)):
+            return self._graph_forward(batch)
         out, n = run_batch(self.model, self.cache, self.n_ctx, batch, self.attention_layer,
                            all_logits)
         self.tokens_processed += n
         return out
+
+    @torch.inference_mode()
+    def _graph_forward(self, batch) -> list[torch.Tensor]:
+        """One decode step (every sequence adds one token) through its CUDA graph."""
+        prepare_batch(self.model, self.cache, self.n_ctx, batch)
+        logits = self.graphs.run(batch)
+        for sid, _ in batch:
+            self.cache.commit(sid, 1)
+        out = logits.cpu()
+        self.tokens_processed += len(batch)
+        return [out[i] for i in range(len(batch))]
 
     def _per_call(self, key, make):
         """``make()`` once per forward call and ``key`` (the cache's block tables only grow
@@ -190,6 +229,9 @@ class TritonRunner(CacheSequences):
         out["fused_decode_calls"] = self.n_fused_calls
         out["fused_attention"] = self._fused
         out["weights"] = self.weights
+        g = self.graphs
+        out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays} if g is not None
+                              else f"off ({self.graphs_off})")
         return out
 
     def close(self) -> None:
@@ -197,3 +239,4 @@ class TritonRunner(CacheSequences):
         self.model = None
         self.cache = None
         self.ref = None
+        self.graphs = None

@@ -208,6 +208,11 @@ class PagedKVCache:
         memo[("bt", seq_id)] = (table, out)
         return out
 
+    def host_block_table(self, seq_id: int) -> list[int]:
+        """Physical block ids of a sequence as the host's Python list (do not modify it)."""
+        self._check(seq_id)
+        return self._tables[seq_id]
+
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Slot indices (LongTensor[end-start], cache device) of positions [start, end)
         (shared between calls while the blocks holding them are unchanged: do not modify it).

@@ -1,0 +1,162 @@
+"""The triton runner's decode step as one CUDA graph (batch 1-8, each sequence adds one token).
+
+A decode step of the quantized model is ~3,200 kernel launches (48 layers of Qwen3-30B-A3B);
+launched one by one from Python they take ~110 ms of host time for ~3 ms of GPU work. Captured
+once as a CUDA graph (``torch.cuda.CUDAGraph``) and replayed, the host only writes the step's
+inputs and reads the logits.
+
+Everything the step reads that changes between steps lives in static device buffers written
+before each replay (one pinned host buffer, one non-blocking copy): token ids, positions, KV
+slots, the block table (padded to the context's width), sequence lengths and side-buffer rows.
+The kernels read lengths from the device, so one graph serves every length up to its bucket's
+``max_len`` (the attention's split sizes are planned for the bucket); buckets are powers of two
+from 256 up to ``n_ctx``, and one graph is captured per (batch size, bucket) on first use (the
+first step of a bucket runs eagerly, warming up every kernel, then captures).
+
+Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
+window or outlier side buffers, rotated or per-channel keys (their writes take host-side
+positions), and non-CUDA devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAX_BATCH = 8
+MIN_BUCKET = 256
+
+
+def graph_unavailable(runner) -> str | None:
+    """Why ``runner``'s decode steps cannot be captured, or None."""
+    from localmoe.kernels.launch_config import _has_extras
+
+    if torch.device(runner.device).type != "cuda":
+        return "not a CUDA device"
+    if not runner._fused:
+        return "the fused attention kernels do not cover this model"
+    m = runner.model
+    if m.experts is not None and type(m.moe).__name__ != "TritonMoE":
+        return "the MoE layers read expert ids on the host (weights not quantized)"
+    c = runner.cache
+    for codec in (c.k_codec, c.v_codec):
+        if _has_extras(codec) or getattr(codec, "channel", False):
+            return "KV side buffers (sinks, window, outliers, rotation or per-channel keys)"
+    return None
+
+
+@dataclass
+class _Graph:
+    batch: int
+    max_len: int
+    staging: torch.Tensor            # pinned int64 [4*B + B*W] on the host
+    dev_staging: torch.Tensor        # the same on the device: tokens, positions, slots,
+                                     # len | row << 32, block table rows
+    out: torch.Tensor | None = None
+    graph: Any = None
+    replays: int = 0
+
+
+class DecodeGraphs:
+    """CUDA graphs of a :class:`~localmoe.backends.triton.runner.TritonRunner`'s decode step.
+
+    Args:
+        runner: the runner (its ``model``, ``cache``, ``n_ctx``, ``device``).
+    """
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        c = runner.cache
+        self.width = -(-runner.n_ctx // c.block_size)
+        self.captures = 0
+        self.replays = 0
+
+    def bucket(self, max_len: int) -> int:
+        b = MIN_BUCKET
+        while b < max_len:
+            b *= 2
+        return min(b, max(self.runner.n_ctx, MIN_BUCKET))
+
+    def _new(self, batch: int, max_len: int) -> _Graph:
+        dev = torch.device(self.runner.device)
+        w = self.width
+        n = 4 * batch + batch * w
+        staging = torch.zeros(n, dtype=torch.int64).pin_memory()
+        return _Graph(batch, max_len, staging=staging,
+                      dev_staging=torch.zeros(n, dtype=torch.int64, device=dev))
+
+    def _fill(self, g: _Graph, batch: list[tuple[int, list[int]]]) -> None:
+        """Write the step's inputs into the pinned buffer and copy them to the device."""
+        c = self.runner.cache
+        bs, b, w = c.block_size, g.batch, self.width
+        s = g.staging
+        for i, (sid, toks) in enumerate(batch):
+            pos = c.seq_len(sid)
+            table = c.host_block_table(sid)
+            s[i] = int(toks[0])
+            s[b + i] = pos
+            s[2 * b + i] = table[pos // bs] * bs + pos % bs
+            s[3 * b + i] = (pos + 1) | (c.seq_row(sid) << 32)
+            row = s[4 * b + i * w: 4 * b + (i + 1) * w]
+            row.zero_()
+            row[:len(table)] = torch.tensor(table, dtype=torch.int64)
+        g.dev_staging.copy_(s, non_blocking=True)
+
+    def _step(self, g: _Graph) -> torch.Tensor:
+        """The decode step on the static buffers (what the graph records)."""
+        from localmoe.kernels.decode_attention import decode_attention
+        from localmoe.kernels.kv_quant_append import kv_quant_append
+
+        r = self.runner
+        m, c = r.model, r.cache
+        b, d = g.batch, g.dev_staging
+        tokens, positions, slots = d[0:b], d[b:2 * b], d[2 * b:3 * b]
+        lens = (d[3 * b:4 * b] & 0xFFFFFFFF).to(torch.int32)
+        rows = (d[3 * b:4 * b] >> 32).to(torch.int32)
+        block_table = d[4 * b:].view(b, self.width).to(torch.int32)
+
+        def attn(layer, q, k, v):
+            for codec, store, x in ((c.k_codec, c.k_stores[layer], k),
+                                    (c.v_codec, c.v_stores[layer], v)):
+                if hasattr(codec, "quantize_rows"):
+                    kv_quant_append(codec, store, slots, x, positions, None)
+                else:
+                    codec.write(store, slots, x, positions)
+            out = decode_attention(
+                q, c.k_codec, c.k_stores[layer], c.v_codec, c.v_stores[layer], block_table,
+                lens, page_size=c.block_size, sm_scale=m.scale, seq_rows=rows,
+                sliding_window=m.layer_window(layer) or 0, max_len=g.max_len)
+            return out.to(q.dtype)
+
+        hidden = m.forward_hidden(tokens, positions, attn)
+        return m.logits(hidden)
+
+    def run(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Logits ``[B, vocab]`` float32 on the device of one decode step (inputs checked and
+        KV space reserved by the caller; the caller commits the tokens)."""
+        c = self.runner.cache
+        max_len = max(c.seq_len(sid) + 1 for sid, _ in batch)
+        key = (len(batch), self.bucket(max_len))
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._new(*key)
+        self._fill(g, batch)
+        if g.graph is None:
+            # first use: run eagerly (compiles and warms every kernel; this step's result),
+            # then record the same work into a graph for the next steps
+            out = self._step(g)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                g.out = self._step(g)
+            g.graph = graph
+            self.captures += 1
+            return out
+        g.graph.replay()
+        g.replays += 1
+        self.replays += 1
+        return g.out
