@@ -23,6 +23,7 @@ state grows; error handling and the lock stay with the engine.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Iterator, Sequence
 
@@ -176,11 +177,16 @@ class Generation:
         """Sample, stop-check, detokenize and step until a stop, the budget or a cancel."""
         eng, stopper, cons = self.engine, self.stopper, self.constraint
         history = list(self.ids)
+        next_allowed = None  # the mask computed during the last forward pass
         while True:
             if self._cancelled():
                 self.finish = "cancelled"
                 return
-            allowed = cons.allowed() if cons is not None else None
+            if cons is not None:
+                allowed = next_allowed if next_allowed is not None else cons.allowed()
+                next_allowed = None
+            else:
+                allowed = None
             t_id = int(self.sampler.sample(logits, history, allowed))
             if self.t_first is None:
                 self.t_first = time.perf_counter()
@@ -210,7 +216,19 @@ class Generation:
             if self._cancelled():
                 self.finish = "cancelled"
                 return
-            logits = eng.runner.forward([(eng._seq, [t_id])])[0]
+            if cons is not None:
+                # the next mask is computed while the model computes the next logits (the
+                # grammar engine and the backends release the GIL): on a GPU the mask then
+                # costs no time per token
+                pending = _MASK_POOL.submit(cons.allowed)
+                try:
+                    logits = eng.runner.forward([(eng._seq, [t_id])])[0]
+                except BaseException:
+                    _wait_quietly(pending)  # the matcher is not left in use by the pool
+                    raise
+                next_allowed = pending.result()
+            else:
+                logits = eng.runner.forward([(eng._seq, [t_id])])[0]
             eng._cached.append(t_id)
 
     def _flush(self) -> Iterator[StreamEvent]:
@@ -250,6 +268,33 @@ def _greedy(p: Any) -> bool:
 
     return (float(getattr(p, "temperature", 1.0)) <= GREEDY_TEMPERATURE
             or getattr(p, "top_k", 0) == 1 or getattr(p, "top_p", 1.0) == 0)
+
+
+def _wait_quietly(fut) -> None:
+    try:
+        fut.result()
+    except BaseException:  # noqa: BLE001 -- the caller is raising its own error
+        pass
+
+
+class _MaskPool:
+    """The worker threads (created on first use) that compute grammar masks during forward
+    passes."""
+
+    def __init__(self):
+        self._ex = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn):
+        with self._lock:
+            if self._ex is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._ex = ThreadPoolExecutor(max_workers=2, thread_name_prefix="localmoe-mask")
+        return self._ex.submit(fn)
+
+
+_MASK_POOL = _MaskPool()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -586,3 +586,23 @@ def test_non_finite_logits_are_an_error_not_an_empty_reply(tmp_path, monkeypatch
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.exit_code == 1 and lines[-1].startswith("error: the model computed non-finite"), \
         r.output
+
+
+def test_grammar_masks_the_runner_and_a_failure_still_propagates():
+    """A constraint overrides what the runner's logits prefer (every token the grammar
+    allows, computed during the forward pass), and a runner failure under a constraint is
+    raised as is (the mask thread is waited for, not left holding the grammar)."""
+    pytest.importorskip("llguidance")
+    import re
+
+    llm = make_llm()
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["n"]}
+    r = llm.generate("x", temperature=0, json_schema=schema, max_tokens=40)
+    assert r.finish_reason == "stop" and re.fullmatch(r'\{"n": [0-9]{1,2}\}', r.text), r.text
+    assert llm.generate("x", temperature=0).text == "Hello world😀!"  # unconstrained again
+    llm.runner.fail_at_call = len(llm.runner.calls) + 3
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate("x", temperature=0, json_schema=schema)
+    r = llm.generate("x", temperature=0, json_object=True, max_tokens=40)
+    assert r.text.startswith("{")
