@@ -30,7 +30,7 @@ HOSTILE = {
     "{% set s = 'a' * 1000000 %}{{ s|replace('a', 'aaaaaaaaaaaaaaaaaaaa') }}": "size",
     "{{ ('a\n' * 100000)|indent(100000) }}": "size",
     "{{ range(99999)|join('x' * 100000) }}": "size",
-    "{{ ('x' * 100000).join(range(99999)|map('string')|list) }}": "time",
+    "{{ ('x' * 100000).join(range(99999)|map('string')|list) }}": "time|size",
     "{{ messages|tojson(indent=100000000) }}": "size",
     "{{ '{:>999999999}'.format(1) }}": "size",
     "{% for i in range(99999) %}{{ 'y' * 1000 }}{% endfor %}": "output",
@@ -53,7 +53,7 @@ def test_hostile_template_stops_at_its_limit(src, monkeypatch):
     with pytest.raises(TemplateLimitError) as ei:
         ChatTemplate(src).render(MSGS)
     took = time.monotonic() - t0
-    assert ei.value.limit == HOSTILE[src], str(ei.value)
+    assert ei.value.limit in HOSTILE[src].split("|"), str(ei.value)
     assert isinstance(ei.value, TemplateError) and "\n" not in str(ei.value)
     assert f"template {ei.value.limit} limit" in str(ei.value)
     assert took < 5.0, f"stopped only after {took:.1f} s"
