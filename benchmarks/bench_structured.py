@@ -10,6 +10,8 @@ and the per-token cost of the grammar mask against the time per output token.
   constrained reply's tokens through a fresh :class:`~localmoe.text.grammar.Constraint`
   (mask computation + applying it to a logits vector, as the sampler does), against the TPOT
   of the same generations; and the TPOT of unconstrained replies to the same prompts.
+* ``overlap``: TPOT with the next mask computed during the forward pass (as the engine does)
+  against computing it after the forward pass, on the same greedy tokens.
 
 Run: ``python benchmarks/bench_structured.py --model smollm2 --n 100
 --out benchmarks/results/structured_smollm2_cpu.json`` (``LOCALMOE_HOME`` as for the tests).
@@ -146,6 +148,39 @@ def run_mask(llm, n: int, max_tokens: int) -> dict:
     return res
 
 
+def run_overlap(llm, repeats: int) -> dict:
+    """TPOT with the next mask computed during the forward pass (the engine's way) against
+    computing it after (sequential), on the same greedy tokens, interleaved; and without a
+    constraint (other tokens, for scale)."""
+    import concurrent.futures as cf
+
+    from localmoe.engine import generation as gen
+    from localmoe.testing.schema_bank import SCHEMAS
+
+    class Sequential:
+        def submit(self, fn):
+            f = cf.Future()
+            f.set_result(fn())
+            return f
+
+    real = gen._MASK_POOL
+    tp: dict = {"overlap": [], "sequential": [], "unconstrained": []}
+    try:
+        for _ in range(repeats):
+            for _name, prompt, schema in SCHEMAS:
+                for mode in tp:
+                    gen._MASK_POOL = Sequential() if mode == "sequential" else real
+                    kw = {} if mode == "unconstrained" else {"json_schema": schema}
+                    r = llm.generate(prompt, raw=False, temperature=0, max_tokens=80, **kw)
+                    tp[mode].append(r.timings.tpot_ms)
+    finally:
+        gen._MASK_POOL = real
+    res = {f"tpot_ms_median_{k}": round(statistics.median(v), 3) for k, v in tp.items()}
+    res["runs_per_mode"] = len(tp["overlap"])
+    print("overlap", res, flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -153,7 +188,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100, help="requests per schema and tool requests")
     ap.add_argument("--mask-n", type=int, default=24, help="requests for the mask overhead")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--parts", default="schemas,tools,mask")
+    ap.add_argument("--parts", default="schemas,tools,mask,overlap")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from localmoe import LLM
@@ -174,6 +209,8 @@ def main() -> None:
         res["tools"] = run_tools(llm, a.n, MAX_TOKENS)
     if "mask" in parts:
         res["mask"] = run_mask(llm, a.mask_n, MAX_TOKENS)
+    if "overlap" in parts:
+        res["overlap"] = run_overlap(llm, 3)
     res["load_avg_end"] = list(os.getloadavg())
     llm.close()
     if a.out:
