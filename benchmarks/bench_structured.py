@@ -194,7 +194,8 @@ def main() -> None:
     from localmoe import LLM
     from localmoe.testing.schema_bank import MAX_TOKENS
 
-    llm = LLM(a.model, backend=a.backend, n_ctx=1024, n_threads=a.threads)
+    extra = {"n_threads": a.threads} if a.threads else {}
+    llm = LLM(a.model, backend=a.backend, n_ctx=1024, **extra)
     res = {"machine": platform.node() or "vm", "cpu": platform.machine(),
            "cpu_count": os.cpu_count(), "load_avg_start": list(os.getloadavg()),
            "command": "python " + " ".join(sys.argv), "model": a.model,
