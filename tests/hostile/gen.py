@@ -290,6 +290,13 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
                                                set_kv("{arch}.expert_group_used_count", 0, "u32")))
     add("array_5m_items", "reject",
         kv=set_kv("x.big", Raw(ARR, struct.pack("<IQ", U8, 5_000_000) + b"\0" * 5_000_000)))
+    add("token_type_99", "load", kv=map_kv("tokenizer.ggml.token_type", lambda v: [99] * len(v)))
+    add("token_type_byte_bad", "run_reject", kv=map_kv("tokenizer.ggml.token_type", lambda v: [6] * len(v)))
+    add("token_type_negative", "load", kv=map_kv("tokenizer.ggml.token_type", lambda v: [-5] * len(v)))
+    add("token_type_unused_all", "load", kv=map_kv("tokenizer.ggml.token_type", lambda v: [5] * len(v)))
+    add("token_type_control_all", "load", kv=map_kv("tokenizer.ggml.token_type", lambda v: [3] * len(v)))
+    add("empty_token", "load", kv=map_kv("tokenizer.ggml.tokens", lambda v: list(v[:300]) + [""] + list(v[301:])))
+    add("merges_garbage", "load", kv=map_kv("tokenizer.ggml.merges", lambda v: ["x"] * 5 + [" "] * 5 + list(v)))
     add("alignment_3", "reject", kv=set_kv("general.alignment", 3, "u32"))
     return c
 

@@ -77,7 +77,7 @@ CRASHERS = [
 ]
 ALL = [(n, b) for n, _, _ in CASES for b in ("llamacpp", "torch")]
 #: run_reject files torch runs: partial rotary, value heads of another size, an int epsilon
-LLAMACPP_ONLY = {"rope_dim_ne_head", "value_length_32", "eps_wrong_type"}
+LLAMACPP_ONLY = {"rope_dim_ne_head", "value_length_32", "eps_wrong_type", "token_type_byte_bad"}
 
 
 def _generate(corpus, name, backend):
