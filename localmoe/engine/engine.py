@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from localmoe.engine.options import (check_backend_device, check_device, check_n_ctx,
                                      context_size, make_sampling_params, parse_kv_request)
-from localmoe.engine.limits import check_text_fits, check_token_ids, message_chars
+from localmoe.engine.limits import check_text_fits, check_token_ids, check_vocab_fits, message_chars
 from localmoe.engine.results import StreamEvent
 from localmoe.errors import ContextOverflowError, InvalidRequestError, LocalMoEError
 
@@ -93,6 +93,7 @@ class Engine:
         from localmoe.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_model(model_file)
+        check_vocab_fits(tokenizer, model_file)
         template = ChatTemplate.from_model(model_file, tokenizer)
         if before_load is not None:  # what the text helpers need; _setup sets them again
             self.tokenizer, self.template, self.n_ctx = tokenizer, template, ctx

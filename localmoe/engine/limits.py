@@ -19,7 +19,8 @@ from localmoe.errors import ContextOverflowError, InvalidRequestError
 #: texts up to this many characters are tokenized (for an exact count) even when they cannot fit
 TOKENIZE_ANYWAY = 1 << 20
 
-__all__ = ["MAX_TOKEN_CHARS", "TOKENIZE_ANYWAY", "prompt_char_limit", "check_text_fits", "message_chars", "check_token_ids"]
+__all__ = ["MAX_TOKEN_CHARS", "TOKENIZE_ANYWAY", "prompt_char_limit", "check_text_fits", "message_chars",
+           "check_token_ids", "check_vocab_fits"]
 
 
 #: the longest token counted for the bound: a hostile vocabulary with one huge entry must not
@@ -68,6 +69,23 @@ def message_chars(messages: Iterable[Any]) -> int:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     n += len(part["text"])
     return n
+
+
+def check_vocab_fits(tokenizer: Any, model_file: Any) -> None:
+    """Refuse a tokenizer that can produce ids past the embedding table (an HF tokenizer.json
+    with more entries than config.json's ``vocab_size`` rows), before the weights load.
+
+    Raises:
+        ModelLoadError: both sizes named.
+    """
+    from localmoe.errors import ModelLoadError
+
+    rows = getattr(getattr(model_file, "spec", None), "vocab_size", None)
+    n = getattr(tokenizer, "vocab_size", None)
+    if isinstance(rows, int) and isinstance(n, int) and n > rows:
+        raise ModelLoadError(
+            f"the tokenizer has {n} tokens but the model's embedding has {rows} rows: token ids past "
+            f"the table cannot be looked up; the tokenizer does not belong to these weights")
 
 
 def check_token_ids(ids: list[int], n_vocab: int) -> None:

@@ -65,3 +65,18 @@ def test_deep_tokenizer_config_is_refused(base, tmp_path):
 
 def test_the_base_directory_opens(base):
     open_model(Path(base)).close()
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused_before_the_load(base, tmp_path):
+    from localmoe.engine.engine import Engine
+    from localmoe.errors import ModelLoadError
+
+    d = tmp_path / "tok"
+    shutil.copytree(base, d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    n = len(tj["model"]["vocab"]) + len(tj["added_tokens"])
+    tj["added_tokens"].append({"id": n + 40, "content": "<|far|>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": False, "special": True})
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ModelLoadError, match="rows"):
+        Engine(str(d), backend="torch", n_ctx=64)
