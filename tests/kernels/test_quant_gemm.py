@@ -36,8 +36,9 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def make(qt, shape, seed=0):
-    return QuantTensor.from_gguf(random_gguf_blocks(qt, shape, seed=seed), qt, shape, device=DEV)
+def make(qt, shape, seed=0, scale=0.02):
+    return QuantTensor.from_gguf(random_gguf_blocks(qt, shape, seed=seed, scale=scale), qt, shape,
+                                 device=DEV)
 
 
 def kdim(qt, small=96):
@@ -120,18 +121,18 @@ def test_moe_prefill_matches_twin(qt_gu, qt_d, act):
     and a skewed routing (one expert takes many tokens, some take none)."""
     e, d = 6, 256
     f = 256 if qt_d in (10, 11, 12, 13, 14) else 64
-    g = make(qt_gu, (e, f, d), seed=1)
-    u = make(qt_gu, (e, f, d), seed=2)
+    # random blocks with the default scale give weights far larger than a trained model's
+    # (Q6_K up to ~80): smaller block scales keep h and the output inside fp16's range
+    g = make(qt_gu, (e, f, d), seed=1, scale=0.002)
+    u = make(qt_gu, (e, f, d), seed=2, scale=0.002)
     gu = QuantTensor.interleave_rows(g, u)
-    dn = make(qt_d, (e, d, f), seed=3)
+    dn = make(qt_d, (e, d, f), seed=3, scale=0.002)
     gen = torch.Generator().manual_seed(0)
     t, k = 21, 2
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     ids[:8, 0] = 4
     wts = torch.rand(t, k, generator=gen)
-    # random blocks give weights far larger than a trained model's: scaled inputs keep h and
-    # the output inside fp16's range on the GPU
-    x = (torch.randn(t, d, generator=gen) * 0.01).to(DT)
+    x = torch.randn(t, d, generator=gen).to(DT)
     slot = torch.randperm(e, generator=gen).to(torch.int32)
     out = moe_prefill(x.to(DEV), gu, dn, ids.to(DEV), wts.to(DEV), slot_of=slot.to(DEV),
                       activation=act)
@@ -160,11 +161,11 @@ def test_gemm_full_size_on_gpu(qt, n, k):
 @pytest.mark.skipif(not CUDA, reason="full-size shapes on the GPU only")
 def test_moe_prefill_qwen3_geometry_on_gpu():
     e, f, d, t, k = 128, 768, 2048, 512, 8
-    gu = QuantTensor.interleave_rows(make(12, (e, f, d), 1), make(12, (e, f, d), 2))
-    dn = make(14, (e, d, f), 3)
+    gu = QuantTensor.interleave_rows(make(12, (e, f, d), 1, 0.002), make(12, (e, f, d), 2, 0.002))
+    dn = make(14, (e, d, f), 3, 0.002)
     logits = torch.randn(t, e, device=DEV)
     w, ids = torch.topk(torch.softmax(logits, -1), k)
-    x = (torch.randn(t, d, device=DEV) * 0.01).to(torch.float16)
+    x = torch.randn(t, d, device=DEV, dtype=torch.float16)
     out = moe_prefill(x, gu, dn, ids, w)
     sel = torch.arange(0, t, 37, device=DEV)
     ref = fused_moe_ref(x[sel], gu, dn, ids[sel], w[sel], act_quant=False)
