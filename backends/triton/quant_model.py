@@ -188,6 +188,26 @@ def quant_unavailable(model_file, numerics: str = "exact") -> str | None:
     return None
 
 
+def check_fits(need: int, device) -> None:
+    """Refuse a load whose weights (``need`` bytes) cannot fit the free memory of a CUDA
+    ``device`` (a 5% + 256 MiB margin for the KV cache's neighbours and the CUDA context).
+
+    Raises:
+        ModelLoadError: names the bytes needed and free, and the ways out.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    free, _total = torch.cuda.mem_get_info(dev)
+    if need * 1.05 + (256 << 20) > free:
+        gib = 1 << 30
+        raise ModelLoadError(
+            f"the model's weights need {need / gib:.1f} GiB of GPU memory and {dev} has "
+            f"{free / gib:.1f} GiB free; use a smaller quantization, a larger or less busy GPU, "
+            "or run on the CPU (--backend llamacpp or torch); expert offload (--vram-budget) "
+            "is not available yet")
+
+
 def _expert_parts(model_file, layer: int, device, load_q) -> tuple[Any, Any]:
     p = f"blk.{layer}."
     g, u, d = (load_q(p + n + ".weight") for n in _EXPERT_PARTS)
@@ -218,16 +238,18 @@ def load_quant_model(model_file, *, device: str | torch.device, dtype: torch.dty
     Raises:
         UnsupportedModelError: a quant type the kernels do not read (names the tensor), or
             expert weights the fused kernel cannot take.
-        ModelLoadError: missing tensors, a NaN/Inf block scale (names the tensor).
+        ModelLoadError: missing tensors, a NaN/Inf block scale (names the tensor), weights
+            larger than the GPU's free memory (checked before loading), or the GPU running out
+            of memory during the load (what was allocated is freed).
     """
     from localmoe.kernels.qtensor import QuantTensor
-    from localmoe.model.transformer import Transformer
     from localmoe.models.family import get_family
 
     names = sorted(model_file.tensor_names())
     spec = get_family(model_file.spec.arch).configure(model_file.spec, model_file.format, set(names))
     off = float(spec.norm_weight_offset or 0.0)
     total = sum(math.prod(model_file.raw_tensor(n).data.shape) for n in names) or 1
+    check_fits(total, device)
     done = 0
 
     def tick(n: str) -> None:
@@ -247,6 +269,21 @@ def load_quant_model(model_file, *, device: str | torch.device, dtype: torch.dty
             t = t + off
         tick(n)
         return t.to(device=device, dtype=dt)
+
+    try:
+        return _build(model_file, spec, names, device, dtype, load_q, load_f)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    # raised outside the handler, so the failed load's frames and tensors are already gone
+    torch.cuda.empty_cache()
+    raise ModelLoadError(
+            f"the GPU ran out of memory while loading {total / (1 << 30):.1f} GiB of weights onto "
+            f"{device} (what was loaded is freed); free GPU memory or run on the CPU "
+            "(--backend llamacpp or torch)")
+
+
+def _build(model_file, spec, names, device, dtype, load_q, load_f):
+    from localmoe.model.transformer import Transformer
 
     weights: dict[str, Any] = {}
     for n in names:

@@ -206,3 +206,14 @@ def test_cuda_graph_decode_matches_eager(files, preset):
     scale = runs[False].abs().max()
     assert (runs[True] - runs[False]).abs().max() < 1e-2 * scale
     assert (runs[True].argmax(-1) == runs[False].argmax(-1)).float().mean() > 0.95
+
+
+def test_weights_larger_than_free_gpu_memory_are_refused_before_loading(monkeypatch):
+    from localmoe.backends.triton import quant_model
+    from localmoe.errors import ModelLoadError
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (8 << 30, 80 << 30))
+    quant_model.check_fits(6 << 30, "cuda:0")          # fits
+    with pytest.raises(ModelLoadError, match=r"need 17\.9 GiB.*8\.0 GiB free.*--backend"):
+        quant_model.check_fits(int(17.9 * (1 << 30)), "cuda:0")
+    quant_model.check_fits(1 << 50, "cpu")              # no check off the GPU
