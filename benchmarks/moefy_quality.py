@@ -11,7 +11,7 @@ Every perplexity is measured on the in-memory reference of the plan
 (:func:`localmoe.testing.moefy.moe_model.moe_transformer`: the experts as stored in the GGUF,
 dequantized), which is what the written file computes (llama.cpp agreement: docs/MOEFY.md).
 
-Several top-k: ``--eval-top-k 2 8`` routes the main plan (fitted for ``--top-k``) with other k'
+Several top-k: ``--eval-top-k 2 8`` routes the main plan (fitted for ``--top-k``) with other k
 (no refit; mixing weights scaled by k'/k, as the plans' weights are near uniform); ``--sweep 2 8``
 fits a plan for each k. ``--plan <store>/moefy/<preset>.plan.npz``
 reuses a preset's saved plan for the main variant instead of building it again.
