@@ -9,9 +9,10 @@ the reference attention (``PagedAttention``) for what the kernels do not cover. 
   (:func:`localmoe.backends.triton.quant_model.load_quant_model`): every matmul runs through
   the quantized GEMV (decode) or GEMM (prefill) kernels, the embedding is a row gather, and the
   MoE layers go through :class:`localmoe.backends.triton.moe.TritonMoE` (router + fused MoE
-  kernels, no host sync). Files the kernels cannot read (safetensors, a quant type without a
-  kernel, ``numerics="ggml"``, a custom expert provider, ``packed_weights=False``) are
-  dequantized to the compute dtype as before; ``stats()["weights"]`` says which and why.
+  kernels, no host sync); RMSNorm and RoPE are one launch each (:mod:`localmoe.kernels.rms_norm`,
+  :mod:`localmoe.kernels.rope`). Files the kernels cannot read (safetensors, a quant type
+  without a kernel, ``numerics="ggml"``, a custom expert provider, ``packed_weights=False``)
+  are dequantized to the compute dtype as before; ``stats()["weights"]`` says which and why.
 
 * K/V write: quantized formats are packed straight into the paged store by
   :func:`localmoe.kernels.kv_quant_append.kv_quant_append` (float formats are a plain copy;
@@ -81,6 +82,11 @@ class TritonRunner(CacheSequences):
             from localmoe.backends.triton.moe import TritonMoE
 
             self.model.moe = TritonMoE(self.model)
+        if loader:       # one launch each instead of ~8 torch ops
+            from localmoe.kernels.rms_norm import rms_norm
+            from localmoe.kernels.rope import rope
+
+            self.model.ops.norm, self.model.ops.rope = rms_norm, rope
         c = self.cache
         pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (self.spec.head_dim, self.spec.v_head_dim))
         self._fused = (pow2 and not self.spec.attn_logit_softcap

@@ -307,6 +307,8 @@ class TorchOps:
         norm: ``norm(x [..., n], w [n] | None, eps) -> like x``: :func:`rms_norm`, or with
             ``packed`` the C kernel of :mod:`localmoe.cpu.qmatmul` (:func:`rms_norm_packed`).
         act: the FFN gate activation (:func:`activation` of ``act``), elementwise.
+        rope: ``rope(x [T, H, D], cos2, sin2, style) -> like x``: :func:`apply_rope_tables`
+            (a backend may swap in a one-launch kernel).
 
     Args:
         act: ``ModelSpec.act`` name (``silu`` | ``gelu_tanh`` | ``gelu``).
@@ -321,6 +323,7 @@ class TorchOps:
     def __init__(self, act: str, *, packed: bool = False):
         self.act = activation(act)
         self.norm = rms_norm_packed if packed else rms_norm
+        self.rope = apply_rope_tables
 
     def bind(self, layer: int, key: str, names: tuple[str, ...], weights: dict) -> None:
         """Announce the matmul weight ``key`` of ``layer`` (-1: the lm head) before the model

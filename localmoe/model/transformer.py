@@ -31,7 +31,7 @@ from localmoe.errors import ModelLoadError
 from localmoe.model.experts import ExpertProvider, ResidentExpertProvider
 from localmoe.models.family import get_family
 from localmoe.model.moe import MoEFn, ReferenceMoE
-from localmoe.model.ops import (AttnFn, TorchOps, apply_rope_swapped, apply_rope_tables, attention,
+from localmoe.model.ops import (AttnFn, TorchOps, apply_rope_swapped, attention,
                                 rope_inv_freq, rope_signed_sin, rope_tables)
 from localmoe.model.routing import shared_expert_gate
 from localmoe.io.spec import ModelSpec
@@ -366,8 +366,8 @@ class Transformer:
             q = apply_rope_swapped(q, cos2, rope[2], s.rope_style)
             k = apply_rope_swapped(k, cos2, rope[2], s.rope_style)
         else:
-            q = apply_rope_tables(q, cos2, sin2, s.rope_style)
-            k = apply_rope_tables(k, cos2, sin2, s.rope_style)
+            q = self.ops.rope(q, cos2, sin2, s.rope_style)
+            k = self.ops.rope(k, cos2, sin2, s.rope_style)
         o = attn(layer, q, k, v).reshape(N, -1)
         return self._block_tail(layer, x, o)
 
