@@ -41,6 +41,11 @@ def make(qt, shape, seed=0, scale=0.02):
                                  device=DEV)
 
 
+#: block scale giving weights of ~0.02: 0.02 over the typical |scale * code| of each type
+WEIGHT_SCALE = {2: 0.005, 3: 0.0025, 6: 0.002, 7: 0.001, 8: 3e-4, 10: 0.002, 11: 2e-4,
+                12: 1e-4, 13: 5e-5, 14: 4e-5}
+
+
 def kdim(qt, small=96):
     return 256 if BLOCK_SIZES[qt][0] == 256 else small
 
@@ -122,11 +127,12 @@ def test_moe_prefill_matches_twin(qt_gu, qt_d, act):
     e, d = 6, 256
     f = 256 if qt_d in (10, 11, 12, 13, 14) else 64
     # random blocks with the default scale give weights far larger than a trained model's
-    # (Q6_K up to ~80): smaller block scales keep h and the output inside fp16's range
-    g = make(qt_gu, (e, f, d), seed=1, scale=0.002)
-    u = make(qt_gu, (e, f, d), seed=2, scale=0.002)
+    # (Q6_K up to ~80): block scales over the types' typical code size keep |w| ~ 0.02, and h
+    # and the output inside fp16's range on the GPU
+    g = make(qt_gu, (e, f, d), seed=1, scale=WEIGHT_SCALE[qt_gu])
+    u = make(qt_gu, (e, f, d), seed=2, scale=WEIGHT_SCALE[qt_gu])
     gu = QuantTensor.interleave_rows(g, u)
-    dn = make(qt_d, (e, d, f), seed=3, scale=0.002)
+    dn = make(qt_d, (e, d, f), seed=3, scale=WEIGHT_SCALE[qt_d])
     gen = torch.Generator().manual_seed(0)
     t, k = 21, 2
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -161,8 +167,9 @@ def test_gemm_full_size_on_gpu(qt, n, k):
 @pytest.mark.skipif(not CUDA, reason="full-size shapes on the GPU only")
 def test_moe_prefill_qwen3_geometry_on_gpu():
     e, f, d, t, k = 128, 768, 2048, 512, 8
-    gu = QuantTensor.interleave_rows(make(12, (e, f, d), 1, 0.002), make(12, (e, f, d), 2, 0.002))
-    dn = make(14, (e, d, f), 3, 0.002)
+    gu = QuantTensor.interleave_rows(make(12, (e, f, d), 1, WEIGHT_SCALE[12]),
+                                     make(12, (e, f, d), 2, WEIGHT_SCALE[12]))
+    dn = make(14, (e, d, f), 3, WEIGHT_SCALE[14])
     logits = torch.randn(t, e, device=DEV)
     w, ids = torch.topk(torch.softmax(logits, -1), k)
     x = torch.randn(t, d, device=DEV, dtype=torch.float16)
