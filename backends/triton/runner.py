@@ -31,7 +31,7 @@ logit softcapping, the ``ggml`` numerics mode).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -48,7 +48,9 @@ class TritonRunner(CacheSequences):
     defaults to ``"cuda"`` and ``dtype`` to float16; ``packed_weights=False`` dequantizes the
     weights instead of keeping them quantized), plus ``cuda_graphs``: decode steps (1-8
     sequences adding one token each) replay CUDA graphs (:mod:`localmoe.backends.triton.graphs`)
-    -- ``None`` (default): on where possible unless ``LOCALMOE_CUDA_GRAPHS=0``.
+    -- ``None`` (default): on where possible unless ``LOCALMOE_CUDA_GRAPHS=0``; and
+    ``load_progress(bytes_done, bytes_total)``, called as quantized weights reach the GPU (the
+    Engine turns it into its load progress).
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
@@ -61,7 +63,8 @@ class TritonRunner(CacheSequences):
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None,
+                 load_progress: Callable[[int, int], None] | None = None):
         from localmoe.backends.triton.quant_model import load_quant_model, quant_unavailable
 
         why = ("packed_weights=False" if packed_weights is False else
@@ -69,7 +72,8 @@ class TritonRunner(CacheSequences):
                quant_unavailable(model_file, numerics))
         if why and packed_weights:
             raise ValueError(f"quantized GPU weights requested but unavailable: {why}")
-        loader = None if why else (lambda mf, dev, dt: load_quant_model(mf, device=dev, dtype=dt))
+        loader = None if why else (lambda mf, dev, dt: load_quant_model(
+            mf, device=dev, dtype=dt, progress=load_progress))
         #: the reference attention, for prefill and the cases the kernels do not cover
         self.ref = load_runner(self, model_file, device=device or "cuda",
                                dtype=dtype or torch.float16, n_threads=n_threads,

@@ -100,6 +100,10 @@ class Engine:
             self.model_file, self.backend_name = model_file, be.name
             before_load(self)
         prog(0.2, f"loading weights ({be.name} backend)")
+        if be.name == "triton" and progress is not None:
+            backend_options.setdefault("load_progress", lambda done, total: prog(
+                0.2 + 0.8 * done / total,
+                f"loading weights {done / 2**30:.1f} / {total / 2**30:.1f} GiB (triton backend)"))
         runner = be.load(model_file, n_ctx=ctx, kv_spec=kv_spec, device=device, **backend_options)
         prog(1.0, "ready")
         self._setup(runner, tokenizer, template, model_file=model_file,

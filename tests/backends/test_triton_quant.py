@@ -217,3 +217,12 @@ def test_weights_larger_than_free_gpu_memory_are_refused_before_loading(monkeypa
     with pytest.raises(ModelLoadError, match=r"need 17\.9 GiB.*8\.0 GiB free.*--backend"):
         quant_model.check_fits(int(17.9 * (1 << 30)), "cuda:0")
     quant_model.check_fits(1 << 50, "cpu")              # no check off the GPU
+
+
+def test_load_progress_reports_every_byte(files):
+    seen = []
+    r = TritonRunner(open_model(str(files["tiny-qwen3moe"])), n_ctx=32, device=DEV, dtype=DT,
+                     load_progress=lambda done, total: seen.append((done, total)))
+    assert r.stats()["weights"] == "quantized"
+    dones = [d for d, _ in seen]
+    assert len(seen) > 10 and dones == sorted(dones) and seen[-1][0] == seen[-1][1]
