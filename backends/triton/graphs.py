@@ -13,17 +13,22 @@ The kernels read lengths from the device, so one graph serves every length up to
 from 256 up to ``n_ctx``, and one graph is captured per (batch size, bucket) on first use (the
 first step of a bucket runs eagerly, warming up every kernel, then captures).
 
-Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
+A capture that fails (driver, memory) logs one warning and the runner decodes eagerly from then
+on (``stats()["cuda_graphs"]`` gives the reason); ``cuda_graphs=False`` or
+``LOCALMOE_CUDA_GRAPHS=0`` turn graphs off. Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
 window or outlier side buffers, rotated or per-channel keys (their writes take host-side
 positions), and non-CUDA devices.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+log = logging.getLogger("localmoe.triton")
 
 MAX_BATCH = 8
 MIN_BUCKET = 256
@@ -74,6 +79,8 @@ class DecodeGraphs:
         self.width = -(-runner.n_ctx // c.block_size)
         self.captures = 0
         self.replays = 0
+        #: why a capture failed (then the runner drops its graphs and decodes eagerly), or None
+        self.failed: str | None = None
 
     def bucket(self, max_len: int) -> int:
         b = MIN_BUCKET
@@ -150,9 +157,15 @@ class DecodeGraphs:
             # then record the same work into a graph for the next steps
             out = self._step(g)
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                g.out = self._step(g)
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    g.out = self._step(g)
+            except Exception as e:  # driver or memory: the runner goes on eagerly
+                self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+                log.warning("CUDA graph %s; decoding eagerly from now on", self.failed)
+                self.graphs.pop(key, None)
+                return out
             g.graph = graph
             self.captures += 1
             return out

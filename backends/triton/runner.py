@@ -153,6 +153,8 @@ class TritonRunner(CacheSequences):
         """One decode step (every sequence adds one token) through its CUDA graph."""
         prepare_batch(self.model, self.cache, self.n_ctx, batch)
         logits = self.graphs.run(batch)
+        if self.graphs.failed:
+            self.graphs, self.graphs_off = None, self.graphs.failed
         for sid, _ in batch:
             self.cache.commit(sid, 1)
         out = logits.cpu()

@@ -226,3 +226,26 @@ def test_load_progress_reports_every_byte(files):
     assert r.stats()["weights"] == "quantized"
     dones = [d for d, _ in seen]
     assert len(seen) > 10 and dones == sorted(dones) and seen[-1][0] == seen[-1][1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_failed_capture_falls_back_to_eager(files, monkeypatch):
+    """A capture that raises (driver, memory) leaves a working runner that decodes eagerly and
+    says why; the step that tried it still returns the eager logits."""
+    mf = open_model(str(files["tiny-llama"]))
+    ref = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, cuda_graphs=False)
+    r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT)
+
+    class Broken:
+        def __init__(self, *a, **k):
+            raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Broken)
+    outs = {}
+    for name, run in (("ref", ref), ("r", r)):
+        s = run.new_sequence()
+        run.forward([(s, [1, 2, 3])])
+        outs[name] = torch.stack([run.forward([(s, [4 + i])])[0] for i in range(3)])
+    assert r.stats()["cuda_graphs"].startswith("off (capture failed (RuntimeError")
+    assert (outs["r"] - outs["ref"]).abs().max() < 1e-2 * outs["ref"].abs().max()
