@@ -156,6 +156,22 @@ def test_usage_errors_exit_2():
     assert r.exit_code == 2 and "empty" in r.output
 
 
+@pytest.mark.parametrize("args,needle,cmd", [
+    (["generate", "--bogus", "hi"], "No such option '--bogus'", "localmoe generate"),
+    (["generate", "-n", "x", "hi"], "'x' is not a valid integer", "localmoe generate"),
+    (["bogus"], "No such command 'bogus'", "localmoe"),
+    (["--bogus"], "No such option '--bogus'", "localmoe"),
+    (["serve", "--port", "0"], "--port", "localmoe serve")])
+def test_click_usage_errors_are_one_line(args, needle, cmd):
+    """click printed 4 lines (usage, 'Try --help', a blank, 'Error: ...'); every usage error
+    is one line 'error: MESSAGE (see 'localmoe CMD --help')', exit status 2."""
+    r = CliRunner().invoke(cli, args, prog_name="localmoe")
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0], lines
+    assert lines[0].endswith(f"(see '{cmd} --help')"), lines
+
+
 def test_missing_or_empty_prompt_is_one_error_line(monkeypatch):
     """Our own usage errors (no prompt, an empty one) printed click's usage block and
     'Error: ...'; they are the project's one line 'error: ...' (exit status 2 still)."""

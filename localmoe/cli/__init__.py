@@ -4,7 +4,8 @@ The CLI is thin: it parses flags, resolves the model through the store and calls
 the TUI or the server. Heavy modules (torch, the engine, backends) are imported inside the
 commands so ``localmoe --help`` stays fast. Errors a user can cause (``LocalMoEError``) print one
 line ``error: ...`` on stderr and exit with status 1; Ctrl-C stops generation cleanly and exits
-with status 130; usage errors exit with status 2 (click's convention).
+with status 130; usage errors print one line ``error: ... (see 'localmoe CMD --help')`` and
+exit with status 2 (click's convention).
 
 One module per command family: :mod:`.generate`, :mod:`.chat`, :mod:`.serve`,
 :mod:`.store_cmds` (pull, models, rm), :mod:`.info` (info, backends), :mod:`.bench`; the
@@ -65,12 +66,22 @@ class _Group(click.Group):
         module, attr = COMMANDS[cmd_name]
         return getattr(importlib.import_module(f"localmoe.cli.{module}"), attr)
 
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:  # `localmoe --bogus`
+            _one_line_usage(e)
+            raise
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             try:
                 return super().invoke(ctx)
             finally:
                 _stop_spinner()  # the load spinner goes before an error line is printed
+        except click.UsageError as e:  # a command's flags or arguments, an unknown command
+            _one_line_usage(e)
+            raise
         except LocalMoEError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(1)
@@ -99,6 +110,21 @@ def cli() -> None:
       localmoe info MODEL                           architecture, experts, quant mix, KV sizes
       localmoe backends                             which backends run here, and why not
     """
+
+
+def _one_line_usage(e: click.UsageError) -> None:
+    """Make click print usage error ``e`` as one line, ``error: MESSAGE (see 'localmoe CMD
+    --help')``, instead of its usage block, hint and blank line; the exit status stays 2.
+    A bare group or command shown its help for want of arguments keeps the help."""
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):
+        return
+
+    def show(file: Any = None) -> None:
+        path = e.ctx.command_path if e.ctx is not None else "localmoe"
+        click.echo(f"error: {e.format_message()} (see '{path} --help')",
+                   file=file if file is not None else sys.stderr)
+
+    e.show = show  # type: ignore[method-assign]
 
 
 def _stop_spinner() -> None:
