@@ -243,9 +243,34 @@ def _explain(err: str, param: str) -> InvalidRequestError:
             f"{param}: unsupported JSON Schema keyword{'s' if len(keys) > 1 else ''} "
             f"{', '.join(map(repr, keys))} (docs/STRUCTURED_OUTPUT.md lists the supported "
             f"ones; a non-strict json_schema ignores unsupported keywords)", param=param)
-    first = err.strip().splitlines()[0] if err.strip() else "unknown error"
     return InvalidRequestError(f"{param}: the schema cannot be used for constrained decoding: "
-                               f"{first[:300]}", param=param)
+                               f"{_one_line(err)[:300]}", param=param)
+
+
+_MIN_PROPS = re.compile(r"minProperties \(\d+\) is greater than number of properties \(\d+\)")
+
+
+def _one_line(err: str) -> str:
+    """The grammar engine's error text as one line: a regex error's detail (``unclosed
+    group``) joins its first line, caret-only lines and the ``<non-verbose/>`` marker go, and
+    the engine's codes get a plain-words hint."""
+    lines = [l.strip() for l in err.strip().splitlines()]
+    lines = [l for l in lines if l and l != "<non-verbose/>" and l.strip("^ ~")]
+    if not lines:
+        return "unknown error"
+    if lines[0].startswith("regex parse error"):  # regex syntax: "(( ", "^", "error: ..."
+        detail = [l[len("error:"):].strip() for l in lines[1:] if l.startswith("error:")]
+        pattern = [l for l in lines[1:] if not l.startswith("error:")]
+        out = "regex parse error: " + (detail[0] if detail else "invalid pattern")
+        return out + (f" in pattern {pattern[0]!r}" if pattern else "")
+    out = " ".join(lines)
+    # the engine counts minProperties after subtracting the required keys: its numbers mislead
+    out = _MIN_PROPS.sub("minProperties is greater than the number of properties the schema "
+                         "allows", out)
+    if out == "NoExtensionBias":
+        out = ("no token can continue the output (is the schema satisfiable? a $ref that only "
+               "refers to itself matches nothing)")
+    return out
 
 
 # --------------------------------------------------------------------------- grammars
@@ -483,7 +508,8 @@ class Constraint:
         if self.m.is_error():
             raise InvalidRequestError(
                 f"the schema's grammar could not compute the next token: "
-                f"{self.m.get_error()[:200]}; simplify the schema", param="response_format")
+                f"{_one_line(self.m.get_error())[:200]}; simplify the schema",
+                param="response_format")
         ok = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size]
         self.mask_s += time.perf_counter() - t0
         self.n_masks += 1

@@ -125,6 +125,30 @@ def test_bad_schemas_are_refused_naming_the_problem(tok, schema, needle):
         assert ei.value.param == "rf.schema" and needle in str(ei.value), str(ei.value)
 
 
+@pytest.mark.parametrize("schema,needle", [
+    ({"type": "string", "pattern": "(("}, "regex parse error: unclosed group in pattern '(('"),
+    ({"type": "object", "minProperties": 3, "properties": {"a": {"type": "string"}},
+      "required": ["a"], "additionalProperties": False},
+     "minProperties is greater than the number of properties the schema allows")])
+def test_schema_errors_are_one_line(schema, needle):
+    """A bad regex ended the message at 'regex parse error:' (its detail was on later
+    lines); llguidance's minProperties numbers (required keys subtracted) misled."""
+    with pytest.raises(InvalidRequestError) as ei:
+        g.validate_schema(schema, True, "rf.schema")
+    msg = str(ei.value)
+    assert "\n" not in msg and needle in msg, msg
+
+
+def test_self_referencing_ref_fails_in_one_line(tok):
+    """A schema that only refers to itself compiles but allows no token: the error was two
+    lines ending in llguidance's '<non-verbose/>' marker."""
+    c = g.Grammar.json_schema(tok, {"$ref": "#"}).start()
+    with pytest.raises(InvalidRequestError) as ei:
+        c.allowed()
+    msg = str(ei.value)
+    assert "\n" not in msg and "non-verbose" not in msg and "$ref" in msg, msg
+
+
 def test_non_strict_ignores_unsupported_keywords(tok):
     gr = g.Grammar.json_schema(tok, {"type": "array", "items": {"type": "integer"},
                                      "uniqueItems": True}, strict=False)
