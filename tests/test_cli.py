@@ -649,3 +649,14 @@ def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
                           "not valid JSON")
     r = run(["generate", "-m", missing_model, "--json-object", "--json-schema", "{}", "hi"])
     assert r.exit_code == 2 and "not both" in r.stderr
+
+
+@pytest.mark.parametrize("schema,needle", [
+    ("[1,2]", "the schema must be a JSON object"),  # was "No such file or directory"
+    ("42", "the schema must be a JSON object"),
+    ('{"type":"string","pattern":"(("}', "regex parse error: unclosed group")])
+def test_generate_json_schema_errors_are_one_line(tmp_path, schema, needle):
+    r = run(["generate", "-m", str(tmp_path / "missing.gguf"), "--json-schema", schema, "hi"])
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert needle in lines[0] and "No such file" not in lines[0], lines

@@ -114,7 +114,16 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
     if json_schema is None:
         return {}
     text = json_schema
-    if not json_schema.lstrip().startswith("{"):
+    try:  # inline JSON, else a file name
+        inline = json.loads(json_schema)
+    except ValueError:
+        is_json = False
+    else:
+        is_json = True
+        if not isinstance(inline, (dict, bool)):  # `[1,2]` is JSON, not a file name
+            raise LocalMoEError(f"--json-schema: the schema must be a JSON object, not "
+                                f"{json_schema.strip()[:40]}")
+    if not is_json and not json_schema.lstrip().startswith("{"):
         try:
             with open(json_schema, encoding="utf-8") as f:
                 text = f.read()
