@@ -634,6 +634,19 @@ def test_generate_json_schema_and_json_object(smollm2_path, tmp_path):
         assert isinstance(json.loads(d["text"]), dict)
 
 
+def test_generate_json_cut_by_max_tokens_warns(smollm2_path):
+    """A constrained answer cut at -n is invalid JSON: it was printed with exit 0 and no
+    word; stdout keeps it as is and one warning line goes to stderr."""
+    schema = '{"type": "object", "properties": {"description": {"type": "string"}}, ' \
+             '"required": ["description"]}'  # more than 3 tokens at the least
+    r = lm("generate", "-m", str(smollm2_path), "--json-schema", schema, "-n", "3", "--greedy",
+           "Describe a cat.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("{")
+    assert ("warning: the answer was cut at --max-tokens (3); the JSON is incomplete"
+            in r.stderr.splitlines()), r.stderr
+
+
 def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
     missing_model = str(tmp_path / "missing.gguf")  # the schema is checked before the model
     r = run(["generate", "-m", missing_model, "--json-schema", '{"type": "array", '

@@ -87,6 +87,11 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
                            f"a plain completion of the prompt", err=True)
             events = llm.chat_stream(msgs, make_sampling_params(llm.default_sampling(), **sampling))
         result = _stream(llm, events, as_json)
+        if (json_schema is not None or json_object) and result is not None \
+                and result.finish_reason == "length":  # stdout keeps what was generated
+            n = sampling.get("max_tokens") or result.completion_tokens
+            click.echo(f"warning: the answer was cut at --max-tokens ({n}); the JSON is "
+                       f"incomplete", err=True)
         if rec is not None:
             _write_routing(llm, rec, record_routing, result)
             rec = None
