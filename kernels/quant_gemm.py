@@ -114,6 +114,23 @@ def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
 # -----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _gemm_tile(x_ptr, xrow, xmask, x_rs, rows, nmask, n_chunks,
+               q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+               QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """float32 ``[BM, BN]`` = x rows ``xrow`` ([BM] int64, masked by ``xmask``) times the weight
+    rows ``rows`` ([BN], masked by ``nmask``) over all ``n_chunks`` chunks of K: each chunk
+    dequantized in registers, one ``tl.dot`` in the activations' dtype."""
+    xp = x_ptr + xrow[:, None] * x_rs + tl.arange(0, CV)[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for c in range(0, n_chunks):
+        x = tl.load(xp + c * CV, mask=xmask[:, None], other=0.0)
+        w = _dequant_chunk(rows, nmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    return acc
+
+
+@triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                        M, N, n_chunks, x_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                        QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -124,14 +141,9 @@ def _quant_gemm_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_pt
     mmask = rm < M
     nmask = rn < N
     rows = rn.to(tl.int64)
-    xk = tl.arange(0, CV)
-    xp = x_ptr + rm.to(tl.int64)[:, None] * x_rs + xk[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for c in range(0, n_chunks):
-        x = tl.load(xp + c * CV, mask=mmask[:, None], other=0.0)
-        w = _dequant_chunk(rows, nmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    acc = _gemm_tile(x_ptr, rm.to(tl.int64), mmask, x_rs, rows, nmask, n_chunks,
+                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, q_rs, qh_rs, d_rs, dm_rs, sc_rs,
+                     mn_rs, QTYPE, CV, BM, BN)
     yp = y_ptr + rm.to(tl.int64)[:, None] * y_rs + rn[None, :]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -301,14 +313,9 @@ def _moe_gemm_kernel(x_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, wts
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < NW
     rows = slot * NW + rn.to(tl.int64)
-    xk = tl.arange(0, CV)
-    xp = x_ptr + xrow[:, None] * x_rs + xk[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for c in range(0, n_chunks):
-        x = tl.load(xp + c * CV, mask=amask[:, None], other=0.0)
-        w = _dequant_chunk(rows, nmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    acc = _gemm_tile(x_ptr, xrow, amask, x_rs, rows, nmask, n_chunks,
+                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, q_rs, qh_rs, d_rs, dm_rs, sc_rs,
+                     mn_rs, QTYPE, CV, BM, BN)
     arow = a.to(tl.int64)
     if GATE_UP:
         # columns alternate gate, up (QuantTensor.interleave_rows): h = act(gate) * up
