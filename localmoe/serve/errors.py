@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from localmoe.errors import (ContextOverflowError, InvalidRequestError, LocalMoEError,
-                             ModelNotFoundError, TemplateError)
+                             ModelLoadError, ModelNotFoundError, TemplateError)
 
 log = logging.getLogger("localmoe.serve.server")  # the server's one logger
 
@@ -26,8 +26,9 @@ class HTTPError(Exception):
 
 def error_from_exception(e: BaseException) -> HTTPError:
     """Map an exception raised while handling a request to an HTTP error: 400 for a bad
-    request, a prompt over the context or a template failure, 404 for an unknown model, 500
-    for anything else (a bug is logged with its traceback, which is never sent)."""
+    request, a prompt over the context or a template failure, 404 for an unknown model, 503
+    (type ``model_error``) for damaged weights met by a request, 500 for anything else (a
+    bug is logged with its traceback, which is never sent)."""
     if isinstance(e, HTTPError):
         return e
     if isinstance(e, ContextOverflowError):
@@ -39,6 +40,8 @@ def error_from_exception(e: BaseException) -> HTTPError:
                          param="messages")
     if isinstance(e, ModelNotFoundError):
         return HTTPError(404, str(e), param="model", code="model_not_found")
+    if isinstance(e, ModelLoadError):  # damaged weights met by a request: not a bug
+        return HTTPError(503, str(e), type_="model_error", code="model_damaged")
     if isinstance(e, LocalMoEError):
         return HTTPError(500, str(e), type_="server_error")
     log.exception("internal error while serving a request", exc_info=e)

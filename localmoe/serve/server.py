@@ -39,7 +39,7 @@ import ipaddress
 import logging
 from pathlib import Path
 
-from localmoe.errors import LocalMoEError
+from localmoe.errors import LocalMoEError, ModelLoadError
 from localmoe.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, create_app
 from localmoe.serve.errors import HTTPError, log
 from localmoe.serve.metrics import Metrics
@@ -86,6 +86,8 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     opens (a wrong path, a corrupt file or an unavailable backend is an error here, not a server
     that cannot serve). Then the port opens and the weights load in the background (``/health``
     says when ready); a failure at that stage is logged and reported by ``/health`` and 503s.
+    Damaged weights (non-finite logits in a 1-token warm-up, :func:`warm_up`) stop the server:
+    it raises their ModelLoadError after shutting down.
 
     Args:
         model: model path or store name (as ``localmoe.LLM``).
@@ -128,11 +130,23 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
 
         print(msg, file=sys.stderr)
 
+    failed: list[LocalMoEError] = []
+    running: list = []  # the uvicorn.Server, for the loader to stop
+
     def factory():
         from localmoe.api import LLM
 
-        return LLM(model_file, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
-                   kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
+        llm = LLM(model_file, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
+                  kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
+        try:
+            warm_up(llm)
+        except ModelLoadError as e:  # damaged weights: every request would fail; stop serving
+            failed.append(e)
+            llm.close()
+            if running:
+                running[0].should_exit = True
+            raise
+        return llm
 
     app = create_app(factory, api_key=api_key,
                      model_name=model_name or display_name(model),
@@ -140,4 +154,22 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                               Path(str(model_file.path)).name})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        timeout_graceful_shutdown=3))
+    running.append(srv)
+    srv.run()
+    if failed:  # the CLI prints it as one error line, exit status 1
+        raise failed[0]
+    if not srv.started:  # as uvicorn.run: the reason is in uvicorn's log above
+        raise LocalMoEError(f"the server could not start on {host}:{port} (see the log above)")
+
+
+def warm_up(llm) -> None:
+    """One forward pass of a 1-token prompt right after loading (``serve`` runs it before
+    reporting ready), so damaged weights stop the server instead of failing every request.
+
+    Raises:
+        ModelLoadError: the logits are not finite (the engine's check of the prompt logits).
+    """
+    ids = [llm.tokenizer.bos_id] if llm.tokenizer.bos_id is not None else "Hi"
+    llm.generate(ids, max_tokens=1, temperature=0)

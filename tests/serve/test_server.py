@@ -747,7 +747,12 @@ def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, ca
     from localmoe.errors import LocalMoEError
 
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+
+    def run(self):  # uvicorn.Server.run: record what would be served
+        calls.append((self.config.app, {"host": self.config.host}))
+        self.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     with pytest.raises(LocalMoEError):
         server.run_server(str(tmp_path / "missing.gguf"))
     bad = tmp_path / "bad.gguf"
@@ -766,6 +771,36 @@ def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, ca
     assert calls[0][0].state.localmoe.model_name == "SmolLM2-135M-Instruct.Q4_1"
     assert server.is_loopback("::1") and server.is_loopback("localhost")
     assert not server.is_loopback("192.168.1.2")
+
+
+def test_serve_refuses_to_start_on_damaged_weights(tmp_path):
+    """Tensor data overwritten with 0xff gives non-finite logits: /health said ok and every
+    request got a 500 server_error. A 1-token warm-up after loading stops the server with the
+    engine's one error line (as generate prints it), exit status 1; a request that still meets
+    the error gets a 503 model_error, not a 500 server_error."""
+    import subprocess
+    import sys
+
+    from localmoe.errors import ModelLoadError
+    from localmoe.serve.errors import error_from_exception
+    from localmoe.testing.synthetic import write_gguf
+
+    data = bytearray(write_gguf(tmp_path / "t.gguf", "tiny-llama").read_bytes())
+    data[-4096:] = b"\xff" * 4096
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "localmoe", "serve", "-m", str(bad), "--backend",
+                        "torch", "--port", str(port)], capture_output=True, text=True,
+                       timeout=120)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 1 and lines[-1].startswith(
+        "error: the model computed non-finite logits"), r.stderr
+    assert "Traceback" not in r.stderr
+    e = error_from_exception(ModelLoadError("the model computed non-finite logits"))
+    assert e.status == 503 and e.type == "model_error"
 
 
 # ---------------------------------------------------------------------------- real model
