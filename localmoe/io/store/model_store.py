@@ -38,7 +38,9 @@ class StoredModel:
         name: store name.
         path: the model's path (first shard for split GGUF, the folder for HF directories).
         files: every file belonging to it (absolute paths).
-        size: bytes on disk.
+        size: bytes on disk now (the files' real sizes, not what the pull recorded).
+        recorded_size: bytes the pull stored (a different ``size`` means the files changed:
+            truncated or damaged).
         sha256: digest of the (first) file, "" when not computed (linked directories).
         source: where it came from (``pip:...``, ``hf:...``, ``file:...``).
         linked: True when the store only references a file outside it.
@@ -54,6 +56,7 @@ class StoredModel:
     size: int = 0
     sha256: str = ""
     source: str = ""
+    recorded_size: int = 0
     linked: bool = False
     pulled_at: float = 0.0
     missing: bool = False
@@ -123,11 +126,13 @@ class ModelStore(PullMixin):
 
     def _entry(self, name: str, e: dict) -> StoredModel:
         files = [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
+        missing = not files or not all(p.exists() for p in files)
+        recorded = int(e.get("size", 0))
         return StoredModel(name=name, path=files[0] if files else Path(), files=files,
-                           size=int(e.get("size", 0)), sha256=e.get("sha256", ""),
+                           size=recorded if missing else sum(_path_size(f) for f in files),
+                           sha256=e.get("sha256", ""), recorded_size=recorded,
                            source=e.get("source", ""), linked=bool(e.get("linked", False)),
-                           pulled_at=float(e.get("pulled_at", 0.0)),
-                           missing=not files or not all(p.exists() for p in files))
+                           pulled_at=float(e.get("pulled_at", 0.0)), missing=missing)
 
     def list(self, *, include_missing: bool = False) -> list[StoredModel]:
         """Every stored model whose files still exist, sorted by name (with
@@ -179,7 +184,10 @@ class ModelStore(PullMixin):
             m = self.get(source)
             if m is not None and (source in self.catalog or source.startswith("hf:")
                                   or m.name == source):
-                return m
+                bad = self._damage(m, self.catalog.get(source))
+                if bad is None or not (source in self.catalog or source.startswith("hf:")):
+                    return m
+                print(f"{m.name}: {bad}; downloading it again", file=sys.stderr, flush=True)
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -205,6 +213,24 @@ class ModelStore(PullMixin):
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
+
+    #: stored files up to this size are checked against the catalog's sha256 on a pull
+    HASH_CHECK_MAX = 1 << 30
+
+    def _damage(self, m: StoredModel, entry: CatalogEntry | None = None) -> str | None:
+        """Why the stored files of ``m`` are not what was pulled (a size that differs from the
+        catalog's or the recorded one; for a catalog model up to :data:`HASH_CHECK_MAX`
+        bytes, a sha256 that differs), or None when they look whole."""
+        if m.linked or m.missing:
+            return None
+        want = entry.size if entry is not None and entry.size else m.recorded_size
+        if want and m.size != want:
+            return (f"the stored file is {m.size:,} bytes, not {want:,} (truncated or "
+                    f"damaged)")
+        if (entry is not None and entry.sha256 and len(m.files) == 1
+                and m.size <= self.HASH_CHECK_MAX and sha256_file(m.path) != entry.sha256):
+            return "the stored file's sha256 differs from the catalog's (damaged)"
+        return None
 
     def _files(self, e: dict) -> list[Path]:
         return [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
