@@ -57,3 +57,26 @@ def test_readme_json_example_answers_sensibly(smollm2_path, tmp_path):
     out = json.loads(r.stdout)
     assert out["finish_reason"] == "stop" and out["completion_tokens"] <= 40, out
     assert re.search(r"\b4\b|\bfour\b", out["text"], re.I), out["text"]
+
+
+def test_readme_kv_formats_and_sampling_flags_match_the_cli():
+    """The README listed no f32 (which --help accepts) and said serve, chat and bench take
+    the sampling flags (serve has no --temperature, chat no --seed, bench's -n is
+    --gen-tokens): its KV list and the commands it names for sampling follow --help."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+
+    def help_of(cmd: str) -> str:
+        return CliRunner().invoke(cli, [cmd, "--help"], terminal_width=200).output
+
+    listed = re.search(r"`--kv-cache ([a-z0-9|]+)`", README).group(1).split("|")
+    accepted = re.search(r"\b(f16\|[a-z0-9|]+)", help_of("generate")).group(1).split("|")
+    assert sorted(listed) == sorted(accepted)
+    m = re.search(r"sampling\s+flags \(([^)]*)\) only\s+with `(\w+)`", README)
+    flags = re.findall(r"`(-[-\w/]+)`", m.group(1))
+    assert "--temperature" in flags and "--seed" in flags
+    for f in flags:
+        assert all(x in help_of(m.group(2)) for x in f.split("/")), f
+    for other in ("chat", "serve", "bench"):  # "only": nobody else takes them
+        assert "--temperature" not in help_of(other) and "--seed" not in help_of(other)
