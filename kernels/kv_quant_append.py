@@ -28,19 +28,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_quant_append_kernel(
-    X, Slots, Q, QH, Scale, Zero, OIdx, OVal,
-    n_slots, stride_xt, stride_xh,
-    H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-    IS_FP4: tl.constexpr, N_OUT: tl.constexpr,
-):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+def quant_store_row(x, row, Q, QH, Scale, Zero, OIdx, OVal,
+                    D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                    IS_FP4: tl.constexpr, N_OUT: tl.constexpr):
+    """Quantize one head row ``x`` float32 [D] and store it at packed row ``row`` (= head *
+    n_slots + slot) of the store tensors (see the module docstring for the layout). Shared
+    by :func:`kv_quant_append` and :mod:`localmoe.kernels.qk_rope_append`."""
     d = tl.arange(0, D)
-    x = tl.load(X + t * stride_xt + h * stride_xh + d).to(tl.float32)
     x = tl.minimum(tl.maximum(x, -65504.0), 65504.0)
-    slot = tl.load(Slots + t).to(tl.int64)
-    row = h * n_slots + slot
 
     # --- outliers: repeated argmax of |x| ---------------------------------------------------
     is_out = d < 0
@@ -107,6 +102,22 @@ def _kv_quant_append_kernel(
         sh2 = tl.arange(0, 8)[:, None]
         byte2 = tl.sum(tl.reshape(hi, [8, RB2]) << sh2, axis=0)
         tl.store(QH + row * RB2 + tl.arange(0, RB2), byte2.to(tl.uint8))
+
+
+@triton.jit
+def _kv_quant_append_kernel(
+    X, Slots, Q, QH, Scale, Zero, OIdx, OVal,
+    n_slots, stride_xt, stride_xh,
+    H: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+    IS_FP4: tl.constexpr, N_OUT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    x = tl.load(X + t * stride_xt + h * stride_xh + d).to(tl.float32)
+    slot = tl.load(Slots + t).to(tl.int64)
+    row = h * n_slots + slot
+    quant_store_row(x, row, Q, QH, Scale, Zero, OIdx, OVal, D, BITS, G, IS_FP4, N_OUT)
 
 
 def kv_quant_append(codec, store: dict, slots: torch.Tensor, x: torch.Tensor,
