@@ -291,6 +291,23 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
     assert r.exit_code == 1 and "unknown device 'tpu'" in r.output  # was a torch traceback
 
 
+def test_no_cuda_graph_flag_reaches_the_triton_runner(monkeypatch, tmp_path):
+    """--no-cuda-graph (every command that loads a model) turns the triton runner's decode
+    graphs off through LOCALMOE_CUDA_GRAPHS, which the runner reads when it loads."""
+    import localmoe.tui.app as tui_app
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    monkeypatch.setattr(tui_app, "run_chat", lambda model, **kw: None)
+    for cmd in ("generate", "chat", "serve", "bench"):
+        assert "--no-cuda-graph" in run([cmd, "--help"]).output, cmd
+    monkeypatch.setenv("LOCALMOE_CUDA_GRAPHS", "1")    # restored after the test
+    assert run(["chat", "-m", m, "--device", "cpu"]).exit_code == 0
+    assert os.environ["LOCALMOE_CUDA_GRAPHS"] == "1"
+    assert run(["chat", "-m", m, "--device", "cpu", "--no-cuda-graph"]).exit_code == 0
+    assert os.environ["LOCALMOE_CUDA_GRAPHS"] == "0"
+
+
 def test_missing_cuda_device_is_a_one_line_error(monkeypatch, tmp_path):
     """--device cuda:7 on a machine with 2 GPUs, or cuda without any, is one error line before
     the UI opens, the server starts or any weights load (generate, chat, serve)."""

@@ -63,10 +63,20 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
                      help="CPU threads of the torch and llamacpp backends (sets LOCALMOE_THREADS). "
                           "Default: torch, the physical cores minus those other processes keep "
                           "busy while the model loads; llamacpp, half the logical CPUs."),
+        click.option("--no-cuda-graph", is_flag=True, expose_value=False,
+                     callback=_no_cuda_graph,
+                     help="triton backend: launch each decode step's kernels one by one instead "
+                          "of replaying a CUDA graph (slower; for debugging and comparisons; "
+                          "sets LOCALMOE_CUDA_GRAPHS=0)."),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def _no_cuda_graph(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:  # the triton runner reads it when it loads (the chat UI's too)
+        os.environ["LOCALMOE_CUDA_GRAPHS"] = "0"
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
