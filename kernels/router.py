@@ -24,7 +24,7 @@ import triton.language as tl
 from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.launch_config import device_table
 
-__all__ = ["router", "router_ref", "router_config"]
+__all__ = ["router", "router_fused", "router_ref", "router_config"]
 
 GATING = {"softmax": 0, "sigmoid": 1}
 
@@ -37,6 +37,48 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, l_rs, ids_rs, w_rs, 
     e = tl.arange(0, EP)
     em = e < E
     x = tl.load(logits_ptr + t * l_rs + e, mask=em, other=float("-inf")).to(tl.float32)
+    _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
+               EP, TOP_K, KP, GATE, HAS_BIAS, NORM)
+
+
+@triton.jit
+def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr,
+                          D, E, h_rs, wr_rs, l_rs, ids_rs, w_rs, scale,
+                          EB: tl.constexpr, BD: tl.constexpr, EP: tl.constexpr,
+                          TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    # program (t, j): logits of experts j*EB .. j*EB+EB-1 of token t; the last program of
+    # token t to finish (an acq_rel counter orders the others' stores before it) routes the
+    # token and resets the counter for the next launch
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    eb = j * EB + tl.arange(0, EB)
+    ebm = eb < E
+    acc = tl.zeros([BD, EB], dtype=tl.float32)
+    dd = tl.arange(0, BD)
+    for d0 in range(0, D, BD):
+        dm = (d0 + dd) < D
+        h = tl.load(h_ptr + t * h_rs + d0 + dd, mask=dm, other=0.0).to(tl.float32)
+        w = tl.load(wr_ptr + (d0 + dd)[:, None].to(tl.int64) * wr_rs + eb[None, :],
+                    mask=dm[:, None] & ebm[None, :], other=0.0).to(tl.float32)
+        acc += h[:, None] * w
+    tl.store(logits_ptr + t * l_rs + eb, tl.sum(acc, axis=0), mask=ebm)
+    cnt = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+    if cnt == tl.num_programs(1) - 1:
+        e = tl.arange(0, EP)
+        em = e < E
+        x = tl.load(logits_ptr + t * l_rs + e, mask=em, other=float("-inf"),
+                    cache_modifier=".cg")
+        _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
+                   EP, TOP_K, KP, GATE, HAS_BIAS, NORM)
+        tl.atomic_xchg(cnt_ptr + t, 0)
+
+
+@triton.jit
+def _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
+               EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    """Gating, top-k and weights of one token's logits ``x [EP]`` (padding -inf)."""
     if GATE == 0:
         z = tl.exp(x - tl.max(x, axis=0))
         p = z / tl.sum(z, axis=0)
@@ -109,6 +151,70 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=cfg["num_warps"])
+    return w, ids
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(n: int, device) -> torch.Tensor:
+    """Zeroed int32 per-token counters of :func:`router_fused` (at least ``n``), one buffer
+    per device, left at zero by every launch. Launches must not overlap on two streams."""
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    return c
+
+
+def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating: str = "softmax",
+                 norm_topk_prob: bool = False, expert_weights_scale: float = 1.0,
+                 selection_bias: torch.Tensor | None = None, experts_per_program: int = 8
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits and routing in one launch: ``logits = h @ w_router`` in float32 (the
+    matmul and :func:`router` of the unfused path, two or three launches), then the gating and
+    top-k of :func:`router` on them.
+
+    Programs ``(token, expert block)`` each compute ``experts_per_program`` logits; the last
+    program of a token to finish (an acq_rel atomic counter, reset by that program) routes it.
+
+    Args:
+        h: ``[T, D]`` float router input (the FFN input after its norm), rows contiguous.
+        w_router: ``[D, E]`` float32 router weight (the model's transposed ``ffn_gate_inp``).
+        top_k, gating, norm_topk_prob, expert_weights_scale, selection_bias: as :func:`router`.
+        experts_per_program: logits per program (a power of two).
+    Returns:
+        ``(weights [T, top_k] float32, ids [T, top_k] int32)`` as :func:`router`.
+    Raises:
+        UnsupportedModelError: unknown gating. ValueError: shapes or top_k that do not fit.
+    """
+    if gating not in GATING:
+        raise UnsupportedModelError(f"unknown MoE gating function {gating!r}; supported: "
+                                    f"{', '.join(GATING)}")
+    t, d = h.shape
+    if w_router.dim() != 2 or w_router.shape[0] != d or w_router.stride(1) != 1:
+        raise ValueError(f"router_fused: w_router must be [{d}, E] with contiguous rows, got "
+                         f"{tuple(w_router.shape)}")
+    e = w_router.shape[1]
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k={top_k} must be in [1, {e}]")
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    dev = h.device
+    logits = torch.empty((t, e), dtype=torch.float32, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    if t == 0:
+        return w, ids
+    eb = min(experts_per_program, triton.next_power_of_2(e))
+    bias = selection_bias if selection_bias is not None else logits
+    _router_logits_kernel[(t, triton.cdiv(e, eb))](
+        h, w_router, logits, _counters(t, dev), bias, ids, w, d, e, h.stride(0),
+        w_router.stride(0), logits.stride(0), ids.stride(0), w.stride(0),
+        float(expert_weights_scale), EB=eb, BD=max(16, min(256, 2048 // eb)),
+        EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
+        num_warps=4)
     return w, ids
 
 

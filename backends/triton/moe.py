@@ -6,7 +6,8 @@ which reads the used expert ids on the host) for models loaded by
 
 1. router logits ``x @ router`` in float32 (``[N, E]``);
 2. :func:`localmoe.kernels.router.router`: gating (softmax or sigmoid), top-k, optional
-   selection bias, ``norm_topk_prob`` and scale, one launch; ids and weights stay on the device;
+   selection bias, ``norm_topk_prob`` and scale, one launch; ids and weights stay on the device
+   (1-8 tokens: steps 1 and 2 in one launch, :func:`localmoe.kernels.router.router_fused`);
 3. the routed experts: :func:`localmoe.kernels.fused_moe.fused_moe` (two launches) for 1-8
    tokens (decode), :func:`localmoe.kernels.quant_gemm.moe_prefill` (align + two grouped GEMM
    launches) for more. Expert ids go through ``QuantExperts.slot_of[layer]``.
@@ -48,14 +49,16 @@ class TritonMoE:
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [N, top_k] float32, ids [N, top_k] int32)`` of ``x [N, d_model]``."""
-        from localmoe.kernels.router import router
+        from localmoe.kernels.router import router, router_fused
 
         s, L = self.model.spec, self.model.layers[layer]
-        logits = x.float() @ L["router"]
         bias = L.get("exp_bias")
-        return router(logits, s.top_k, gating=s.gating, norm_topk_prob=s.norm_topk_prob,
-                      expert_weights_scale=s.expert_weights_scale,
-                      selection_bias=None if bias is None else bias.float())
+        kw = dict(gating=s.gating, norm_topk_prob=s.norm_topk_prob,
+                  expert_weights_scale=s.expert_weights_scale,
+                  selection_bias=None if bias is None else bias.float())
+        if x.shape[0] <= GEMV_MAX_TOKENS:    # decode: logits and routing in one launch
+            return router_fused(x, L["router"], s.top_k, **kw)
+        return router(x.float() @ L["router"], s.top_k, **kw)
 
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         from localmoe.kernels.fused_moe import fused_moe
