@@ -36,10 +36,15 @@ MIN_BUCKET = 256
 
 def graph_unavailable(runner) -> str | None:
     """Why ``runner``'s decode steps cannot be captured, or None."""
-    from localmoe.kernels.launch_config import _has_extras
-
     if torch.device(runner.device).type != "cuda":
         return "not a CUDA device"
+    return static_unavailable(runner)
+
+
+def static_unavailable(runner) -> str | None:
+    """Why ``runner``'s decode steps cannot run on static buffers (captured or not), or None."""
+    from localmoe.kernels.launch_config import _has_extras
+
     if not runner._fused:
         return "the fused attention kernels do not cover this model"
     m = runner.model
@@ -68,13 +73,18 @@ class DecodeGraphs:
     """CUDA graphs of a :class:`~localmoe.backends.triton.runner.TritonRunner`'s decode step.
 
     Args:
-        runner: the runner (its ``model``, ``cache``, ``n_ctx``, ``device``).
+        runner: the runner (its ``model``, ``cache``, ``n_ctx``, ``device``, ``fused``: the
+            :class:`~localmoe.backends.triton.fused_step.FusedDecode` step or None).
+        capture: record and replay graphs (False: the same step launched eagerly, e.g.
+            ``--no-cuda-graph``).
     """
 
-    def __init__(self, runner):
+    def __init__(self, runner, capture: bool = True):
         self.runner = runner
+        #: False: run the step eagerly on the same static buffers (no graph)
+        self.capture = capture
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         c = runner.cache
         self.width = -(-runner.n_ctx // c.block_size)
         self.captures = 0
@@ -92,7 +102,9 @@ class DecodeGraphs:
         dev = torch.device(self.runner.device)
         w = self.width
         n = 4 * batch + batch * w
-        staging = torch.zeros(n, dtype=torch.int64).pin_memory()
+        staging = torch.zeros(n, dtype=torch.int64)
+        if dev.type == "cuda":
+            staging = staging.pin_memory()
         return _Graph(batch, max_len, staging=staging,
                       dev_staging=torch.zeros(n, dtype=torch.int64, device=dev))
 
@@ -139,6 +151,8 @@ class DecodeGraphs:
                 sliding_window=m.layer_window(layer) or 0, max_len=g.max_len)
             return out.to(q.dtype)
 
+        if r.fused is not None:
+            return r.fused.step(tokens, positions, slots, lens, rows, block_table, g.max_len)
         hidden = m.forward_hidden(tokens, positions, attn)
         return m.logits(hidden)
 
@@ -152,6 +166,8 @@ class DecodeGraphs:
         if g is None:
             g = self.graphs[key] = self._new(*key)
         self._fill(g, batch)
+        if not self.capture:       # eager: the same static-buffer step, launched op by op
+            return self._step(g)
         if g.graph is None:
             # first use: run eagerly (compiles and warms every kernel; this step's result),
             # then record the same work into a graph for the next steps

@@ -96,7 +96,11 @@ class TritonRunner(CacheSequences):
         self._fused = (pow2 and not self.spec.attn_logit_softcap
                        and self.model.numerics != "ggml" and c.block_size & (c.block_size - 1) == 0)
         self.n_fused_calls = 0
-        #: decode steps as CUDA graphs (localmoe.backends.triton.graphs), or None and why not
+        #: the fused decode step (localmoe.backends.triton.fused_step) or None, and why not
+        self.fused, self.fused_off = None, None
+        self._setup_fused()
+        #: decode steps on static buffers (localmoe.backends.triton.graphs): replayed as CUDA
+        #: graphs unless graphs_off says why not; None when the static step cannot run at all
         self.graphs, self.graphs_off = None, None
         self._setup_graphs(cuda_graphs)
         # per forward call: slots/positions of each sequence's new tokens and the decode
@@ -122,20 +126,37 @@ class TritonRunner(CacheSequences):
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             return self._forward(batch, all_logits)
 
+    def _setup_fused(self) -> None:
+        import os
+
+        from localmoe.backends.triton.fused_step import FusedDecode, unavailable
+
+        why = ("LOCALMOE_FUSED_STEP=0" if os.environ.get("LOCALMOE_FUSED_STEP", "1") == "0"
+               else unavailable(self))
+        if why is None:
+            try:
+                self.fused = FusedDecode(self)
+            except (ImportError, ValueError) as e:   # a kernel missing, a KV format it lacks
+                why = f"{type(e).__name__}: {e}"
+        self.fused_off = why
+
     def _setup_graphs(self, wanted: bool | None) -> None:
         import os
 
-        from localmoe.backends.triton.graphs import DecodeGraphs, graph_unavailable
+        from localmoe.backends.triton.graphs import DecodeGraphs, static_unavailable
 
         if wanted is None:
             wanted = os.environ.get("LOCALMOE_CUDA_GRAPHS", "1") != "0"
             why = None if wanted else "LOCALMOE_CUDA_GRAPHS=0"
         else:
             why = None if wanted else "cuda_graphs=False"
-        why = why or graph_unavailable(self)
-        if why is None:
-            self.graphs = DecodeGraphs(self)
-        self.graphs_off = why
+        static = static_unavailable(self)
+        if torch.device(self.device).type != "cuda":
+            why = why or "not a CUDA device"
+        if static is None and (why is None or self.fused is not None):
+            # no graphs (not wanted, or not CUDA): the fused step runs eagerly on the buffers
+            self.graphs = DecodeGraphs(self, capture=why is None)
+        self.graphs_off = why or static
 
     def _forward(self, batch, all_logits: bool) -> list[torch.Tensor]:
         from localmoe.backends.triton.graphs import MAX_BATCH
@@ -154,7 +175,11 @@ class TritonRunner(CacheSequences):
         prepare_batch(self.model, self.cache, self.n_ctx, batch)
         logits = self.graphs.run(batch)
         if self.graphs.failed:
-            self.graphs, self.graphs_off = None, self.graphs.failed
+            self.graphs_off = self.graphs.failed
+            if self.fused is not None:
+                self.graphs.capture = False     # the fused step goes on eagerly
+            else:
+                self.graphs = None
         for sid, _ in batch:
             self.cache.commit(sid, 1)
         out = logits.cpu()
@@ -242,8 +267,9 @@ class TritonRunner(CacheSequences):
         out["fused_attention"] = self._fused
         out["weights"] = self.weights
         g = self.graphs
-        out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays} if g is not None
-                              else f"off ({self.graphs_off})")
+        out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays}
+                              if g is not None and g.capture else f"off ({self.graphs_off})")
+        out["fused_step"] = "on" if self.fused is not None else f"off ({self.fused_off})"
         return out
 
     def close(self) -> None:

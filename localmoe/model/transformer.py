@@ -397,7 +397,16 @@ class Transformer:
             attn: attention callback (sees each layer's q/k/v after RoPE).
         """
         x = self.embed(tokens)
-        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, rope in enumerate(self.layer_rope_tables(positions)):
+            x = self.block(i, x, rope, attn)
+        return self.ops.norm(x, self.output_norm, self.spec.norm_eps)
+
+    def layer_rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the RoPE tables of ``positions [N]`` (:func:`rope_tables`: cos and sin
+        ``[N, 1, R]`` float32, plus on the CPU the signed sin of :func:`rope_signed_sin`),
+        computed once per distinct RoPE base and shared by the layers that use it."""
+        tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        out = []
         for i in range(self.spec.n_layers):
             base, scaling = self.rope_for_layer(i)
             inv, ms = self._inv_freq(base, scaling)
@@ -407,8 +416,8 @@ class Transformer:
                     *self.ops.rope_cos_sin(positions, inv, ms, base, scaling), self.spec.rope_style)
                 if self.device.type == "cpu":   # CUDA keeps the original op sequence
                     tables[key] += (rope_signed_sin(tables[key][1], self.spec.rope_style),)
-            x = self.block(i, x, tables[key], attn)
-        return self.ops.norm(x, self.output_norm, self.spec.norm_eps)
+            out.append(tables[key])
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d_model]`` -> ``[N, vocab_size]`` float32 (final soft-cap applied if set)."""

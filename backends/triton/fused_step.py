@@ -1,0 +1,188 @@
+"""The triton runner's decode step with fused per-layer kernels (1-8 sequences, one new token
+each), the body its CUDA graphs record (:mod:`localmoe.backends.triton.graphs`).
+
+The shared transformer's block (:meth:`localmoe.model.transformer.Transformer.block`) launches
+~23 kernels per layer on the quantized path: every norm, residual add, activation
+quantization, RoPE, K/V write and split-K zeroing is its own launch. Inside a CUDA graph each
+node still costs ~1.5 us of GPU idle time between kernels, so at 48 layers the node count, not
+the bytes read, bounds the step. This step computes the same function with fewer, fatter
+kernels:
+
+======================================  =========================================================
+per layer                               kernel(s)
+======================================  =========================================================
+residual add + RMSNorm + int8 quant     :func:`localmoe.kernels.fused_norm.add_rms_norm_quant`
+                                        (sums the previous layer's FFN/MoE output, or the split-K
+                                        partials of the O projection, into the residual)
+q/k/v projection                        quantized GEMV writing split-K partials (no zeroing, no
+                                        atomics): :func:`localmoe.kernels.quant_gemv.quant_gemv`
+q/k norm + RoPE + K/V append            :func:`localmoe.kernels.qk_rope_append.qk_rope_append`
+attention                               :func:`localmoe.kernels.decode_attention.decode_attention`
+O projection                            activation quant + GEMV partials
+add + RMSNorm + quant (+ fp32 copy)     :func:`add_rms_norm_quant` (the fp32 copy feeds the router)
+router logits, router                   fp32 matmul, :func:`localmoe.kernels.router.router`
+routed experts                          :func:`localmoe.kernels.fused_moe.fused_moe` (2 launches)
+======================================  =========================================================
+
+Dense FFNs and shared experts (Qwen2-MoE) go through the shared model's GLU on the float
+normed input. Everything is written into tensors whose addresses do not change between steps
+(two residual buffers used in turn), so the step can be captured once and replayed.
+
+Models the step does not cover (post-attention/FFN norms as in Gemma 3, weights that are not
+quantized, q/k/v parts of different types where the fused append needs one row) take the shared
+block (:func:`unavailable` says why); both compute the same function (tests compare them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FusedDecode", "unavailable"]
+
+
+def unavailable(runner) -> str | None:
+    """Why ``runner``'s decode step cannot use :class:`FusedDecode`, or None."""
+    from localmoe.backends.triton.quant_model import QuantLinear
+
+    m = runner.model
+    if not runner.weights == "quantized":
+        return "weights not quantized"
+    s = m.spec
+    if s.embed_scale or s.final_logit_softcap or s.attn_logit_softcap:
+        return "embedding scale or logit soft-capping"
+    for L in m.layers:
+        if "post_attention_norm" in L or "post_ffw_norm" in L:
+            return "post-attention/FFN norms"
+        for key in ("wqkv", "wo"):
+            if not isinstance(L[key], QuantLinear) or any(p.is_float for p in L[key].parts):
+                return f"{key} is not a quantized weight"
+    if not isinstance(m.output, QuantLinear):
+        return "the output head is not a quantized weight"
+    return None
+
+
+class FusedDecode:
+    """The fused decode step of a :class:`~localmoe.backends.triton.runner.TritonRunner`.
+
+    Args:
+        runner: the runner (``model``, ``cache``); check :func:`unavailable` first.
+        max_batch: the most sequences one step takes.
+    """
+
+    def __init__(self, runner, max_batch: int = 8):
+        # the fused kernels (ImportError when this install lacks one: the runner says so)
+        from localmoe.kernels import fused_norm, qk_rope_append, quant_gemv  # noqa: F401
+
+        if not hasattr(quant_gemv, "quant_gemv_partials"):
+            raise ImportError("localmoe.kernels.quant_gemv has no quant_gemv_partials")
+        why = qk_rope_append.fusable(runner.cache.k_codec, runner.cache.v_codec)
+        if why:
+            raise ValueError(why)
+        self.runner = runner
+        m = runner.model
+        d = m.spec.d_model
+        dev = torch.device(runner.device)
+        #: the residual stream, two buffers used in turn (a kernel never reads and writes one)
+        self.res = [torch.zeros((max_batch, d), dtype=m.dtype, device=dev) for _ in range(2)]
+        self.attn_opts: dict = {}
+
+    # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
+    @staticmethod
+    def _norm_quant(x, deltas, w, eps, out, want_float=None):
+        """``(r, hq, hf)``: ``r = x + sum(deltas)`` written to ``out``; ``hq`` the int8
+        QuantAct of ``rms_norm(r) * w``; ``hf`` the normed rows in ``want_float`` (or None)."""
+        from localmoe.kernels.fused_norm import add_rms_norm_quant
+
+        return add_rms_norm_quant(x, deltas, w, eps, residual_out=out, want_float=want_float)
+
+    @staticmethod
+    def _gemv(xa, lin):
+        """Split-K partials ``[S, T, N]`` float32 of ``xa @ lin.T`` (``lin`` a QuantLinear)."""
+        from localmoe.kernels.quant_gemv import quant_gemv_partials
+
+        if len(lin.parts) == 1:
+            return quant_gemv_partials(xa, lin.parts[0])
+        outs = [quant_gemv_partials(xa, p).sum(0) for p in lin.parts]
+        return torch.cat(outs, -1)[None]
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self, tokens, positions, slots, lens, rows, block_table, max_len: int
+             ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` float32 of one decode step.
+
+        Args:
+            tokens, positions, slots: int64 ``[B]`` device tensors (the new token of each
+                sequence, its position and its KV slot).
+            lens, rows: int32 ``[B]``: cached tokens per sequence (the new one included) and
+                side-buffer rows.
+            block_table: int32 ``[B, width]``.
+            max_len: the length the attention's splits are planned for (a bucket bound).
+        """
+        from localmoe.kernels.decode_attention import decode_attention
+        from localmoe.kernels.qk_rope_append import qk_rope_append
+        from localmoe.kernels.quant_gemv import quantize_act
+
+        r = self.runner
+        m, c, s = r.model, r.cache, r.spec
+        B = tokens.shape[0]
+        eps = s.norm_eps
+        x = m.embed(tokens)
+        deltas: list = []
+        ropes = m.layer_rope_tables(positions)
+        buf = 0
+        for i in range(s.n_layers):
+            L = m.layers[i]
+            x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, self.res[buf][:B])
+            buf ^= 1
+            qkv = self._gemv(hq, L["wqkv"])
+            cos2, sin2 = ropes[i][0], ropes[i][1]
+            q = qk_rope_append(
+                qkv, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
+                v_head_dim=s.v_head_dim, bias=L.get("bqkv"),
+                q_norm_w=L.get("attn_q_norm"), k_norm_w=L.get("attn_k_norm"),
+                norm_full=bool(s.qk_norm_full), eps=eps,
+                cos=cos2.reshape(B, -1), sin=sin2.reshape(B, -1), style=s.rope_style,
+                k_codec=c.k_codec, k_store=c.k_stores[i], v_codec=c.v_codec,
+                v_store=c.v_stores[i], slots=slots, positions=positions, q_dtype=m.dtype)
+            o = decode_attention(
+                q, c.k_codec, c.k_stores[i], c.v_codec, c.v_stores[i], block_table, lens,
+                page_size=c.block_size, sm_scale=m.scale, seq_rows=rows,
+                sliding_window=m.layer_window(i) or 0, max_len=max_len, **self.attn_opts)
+            op = self._gemv(quantize_act(o.reshape(B, -1)), L["wo"])
+            moe = "router" in L
+            x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, self.res[buf][:B],
+                                         want_float=torch.float32 if moe else m.dtype)
+            buf ^= 1
+            deltas = self._ffn(i, L, hq, hf)
+        _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, self.res[buf][:B])
+        return self._head(hq)
+
+    def _ffn(self, i: int, L: dict, hq, hf) -> list:
+        """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed
+        input as a QuantAct ``hq`` and as floats ``hf``."""
+        from localmoe.kernels.fused_moe import fused_moe
+        from localmoe.model.routing import shared_expert_gate
+
+        m = self.runner.model
+        if "router" not in L:
+            return [m._glu(i, hf, "gate_up", "down")]
+        moe = m.moe
+        w, ids = moe.route(i, hf)
+        ex = m.experts
+        out = [fused_moe(hq, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slot_of[i],
+                         activation=moe.activation)]
+        if "sh_gate_up" in L:
+            h16 = hf.to(m.dtype)
+            sh = m._glu(i, h16, "sh_gate_up", "sh_down")
+            if "sh_gate" in L:
+                sh = sh * shared_expert_gate(h16, L["sh_gate"])
+            out.append(sh)
+        return out
+
+    def _head(self, hq) -> torch.Tensor:
+        """Logits ``[B, vocab]`` float32 from the final normed rows (a QuantAct)."""
+        from localmoe.kernels.quant_gemv import quant_gemv
+
+        head = self.runner.model.output
+        parts = [quant_gemv(hq, p) for p in head.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
