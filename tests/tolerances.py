@@ -39,6 +39,11 @@ LOGITS_FP16_DOTS        0.1      max |logit delta| / max |logit| of the triton r
 APPEND_CODES_GPU        1e-3     fraction of packed code bytes the append kernel may write
                                  differently from its twin on the GPU (division rounding at
                                  an exact half-way point); 0 in the interpreter
+FUSED_APPEND_GPU        2e-2     fraction of store bytes (at least 2 per tensor) and of
+                                 decoded values the fused q/k norm + RoPE + KV append kernel
+                                 may write differently from its twin on the GPU (the norm's
+                                 float32 sum order and FMA move a k value by one fp16 unit,
+                                 so a code or a group scale by one step); 0 in the interpreter
 ======================  =======  ==========================================================
 
 Logits against llama.cpp and Hugging Face (top-1 agreement, log-softmax deltas) are bounded in
@@ -58,3 +63,4 @@ ACT_QUANT_GEMV = 3e-2
 ACT_QUANT_MOE = 6e-2
 LOGITS_FP16_DOTS = 0.1
 APPEND_CODES_GPU = 1e-3
+FUSED_APPEND_GPU = 2e-2
