@@ -11,11 +11,17 @@ measures both engines at batch 1:
 * ``peak_vram_gib``: the GPU's ``memory.used`` (nvidia-smi, polled every 0.1 s) above the level
   before the engine started, for both engines alike (CUDA context included);
 * ``prefill_tok_s``: a 512-token prompt at context 0 (llama.cpp: ``pp512``);
-* ``tpot_ms``: time per decoded token at context 0 and 16k (``tg`` at ``-d 0,16384``), 64
+* ``tpot_ms``: time per decoded token at each ``--depths`` context (``tg`` at ``-d ...``), 64
   tokens, median of steps (localmoe: ``runner.forward`` of one token, CUDA synchronized: what
   ``LLM.generate`` spends per token minus sampling; CUDA graphs as the runner uses them, and
-  ``tpot_eager_ms`` with them off);
-* ``kernels_per_token``, ``host_syncs_per_token``, ``gpu_busy`` (localmoe only): a
+  ``tpot_eager_ms`` with the same step launched op by op). localmoe's context is filled with
+  random K/V through the cache's codecs (:func:`fill_context`: decode reads the same bytes as
+  after a prefill); llama-bench prefills it. Each ``--kv`` format of localmoe and each
+  ``--llama-kv`` type of llama.cpp (``-ctk``/``-ctv``) gives its own rows;
+* ``ttft_<n>_ms`` (``--ttft-prompt n``): time to prefill an ``n``-token prompt at context 0
+  (llama.cpp: ``pp<n>``);
+* ``kernels_per_token`` (and ``kernels_per_layer``), ``host_syncs_per_token``, ``gpu_busy``
+  (localmoe only): a
   ``torch.profiler`` trace of 8 decode steps: CUDA kernels launched, synchronizing CUDA runtime
   calls (stream/device/event synchronize, blocking copies to the host), and the kernels' summed
   time over the wall time.
@@ -142,32 +148,45 @@ def build_llama_bench(src: Path, build_dir: Path, jobs: int) -> Path:
     return exe
 
 
-def run_llama_bench(exe: Path, path: Path, depths: list[int], n_gen: int, n_prompt: int) -> list[dict]:
-    cmd = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", str(n_prompt), "-n", str(n_gen),
-           "-d", ",".join(map(str, depths)), "-r", "3", "-o", "json"]
+def run_llama_bench(exe: Path, path: Path, depths: list[int], n_gen: int, n_prompt: int,
+                    kv_types: list[str] = ("f16",), ttft_prompt: int = 0,
+                    reps: int = 3) -> list[dict]:
+    """llama-bench rows: ``pp<n_prompt>`` (and ``pp<ttft_prompt>``) at depth 0, ``tg<n_gen>``
+    at each depth, for each KV cache type (``-ctk``/``-ctv``: f16, q8_0, q4_0)."""
+    prompts = [n_prompt] + ([ttft_prompt] if ttft_prompt else [])
+    cmd = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1",
+           "-p", ",".join(map(str, prompts)), "-n", str(n_gen),
+           "-d", ",".join(map(str, depths)), "-r", str(reps), "-o", "json",
+           "-ctk", ",".join(kv_types), "-ctv", ",".join(kv_types)]
     t = time.time()
     subprocess.run([str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", "1", "-n", "1",
                     "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600, check=True)
     load_s = round(time.time() - t, 2)
     with VramPoll() as vp:
         t = time.time()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
         wall = time.time() - t
     if res.returncode:
         raise RuntimeError(f"llama-bench failed: {res.stderr[-2000:]}")
     data = json.loads(res.stdout)
     rows = []
-    for depth in depths:
-        pp = [r for r in data if r.get("n_prompt") == n_prompt and r.get("n_gen") == 0
-              and r.get("n_depth", 0) == depth]
-        tg = [r for r in data if r.get("n_gen") == n_gen and r.get("n_prompt") == 0
-              and r.get("n_depth", 0) == depth]
-        rows.append({"engine": "llama.cpp", "kv": "f16", "ctx": depth, "load_s": load_s,
-                     "peak_vram_gib": vp.gib,
-                     "prefill_tok_s": round(pp[0]["avg_ts"], 1) if pp and depth == 0 else None,
-                     "tpot_ms": round(1e3 / tg[0]["avg_ts"], 3) if tg else None,
-                     "kernels_per_token": None, "host_syncs_per_token": None, "gpu_busy": None,
-                     "bench_wall_s": round(wall, 1), "build": data[0].get("build_commit")})
+    for kv in kv_types:
+        mine = [r for r in data if r.get("type_k", "f16") == kv and r.get("type_v", "f16") == kv]
+        for depth in depths:
+            pp = {r["n_prompt"]: r for r in mine if r.get("n_gen") == 0
+                  and r.get("n_depth", 0) == depth}
+            tg = [r for r in mine if r.get("n_gen") == n_gen and r.get("n_prompt") == 0
+                  and r.get("n_depth", 0) == depth]
+            row = {"engine": "llama.cpp", "kv": kv, "ctx": depth, "load_s": load_s,
+                   "peak_vram_gib": vp.gib,
+                   "prefill_tok_s": (round(pp[n_prompt]["avg_ts"], 1)
+                                     if n_prompt in pp and depth == 0 else None),
+                   "tpot_ms": round(1e3 / tg[0]["avg_ts"], 3) if tg else None,
+                   "kernels_per_token": None, "host_syncs_per_token": None, "gpu_busy": None,
+                   "bench_wall_s": round(wall, 1), "build": data[0].get("build_commit")}
+            if ttft_prompt and ttft_prompt in pp and depth == 0:
+                row[f"ttft_{ttft_prompt}_ms"] = round(1e3 * ttft_prompt / pp[ttft_prompt]["avg_ts"], 1)
+            rows.append(row)
     return rows
 
 
@@ -219,14 +238,50 @@ def time_decode(runner, seq: int, n: int) -> float:
     return statistics.median(times[3:] if len(times) > 6 else times) * 1e3
 
 
+def fill_context(runner, seq: int, depth: int, chunk: int = 4096) -> None:
+    """Give sequence ``seq`` ``depth`` cached tokens without running the model: random K/V
+    (unit normal, what the attention reads costs the same whatever the values) written through
+    each layer's codecs. Decode at that depth then reads exactly what it would after a real
+    prefill, without the reference prefill attention's score matrices (tens of GiB at 64k)."""
+    import torch
+
+    c, s = runner.cache, runner.spec
+    g = torch.Generator(device=c.device).manual_seed(1)
+    for start in range(0, depth, chunk):
+        n = min(chunk, depth - start)
+        c.reserve(seq, n)
+        for layer in range(s.n_layers):
+            k = torch.randn((n, s.n_kv_heads, s.head_dim), generator=g, device=c.device,
+                            dtype=runner.dtype)
+            v = torch.randn((n, s.n_kv_heads, s.v_head_dim), generator=g, device=c.device,
+                            dtype=runner.dtype)
+            c.write(layer, seq, start, k, v)
+        c.commit(seq, n)
+
+
+def time_prefill(runner, prompt: list[int], reps: int = 3, chunk: int = 2048) -> float:
+    """Median seconds to prefill ``prompt`` on a fresh sequence (chunks of ``chunk`` tokens)."""
+    ts = []
+    for _ in range(reps):
+        s = runner.new_sequence()
+        _sync()
+        t = time.perf_counter()
+        for i in range(0, len(prompt), chunk):
+            runner.forward([(s, prompt[i:i + chunk])])
+        _sync()
+        ts.append(time.perf_counter() - t)
+        runner.free_sequence(s)
+    return statistics.median(ts)
+
+
 def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: str,
-                 profile: bool) -> list[dict]:
+                 profile: bool, ttft_prompt: int = 0, eager: bool = True) -> list[dict]:
     import torch
 
     from localmoe.backends.triton.runner import TritonRunner
     from localmoe.io.loader import open_model
 
-    n_ctx = max(depths) + n_prompt + n_gen + 64
+    n_ctx = max(depths + [ttft_prompt]) + n_prompt + n_gen + 64
     with VramPoll() as vp:
         t = time.perf_counter()
         mf = open_model(str(path))
@@ -235,47 +290,50 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
         load_s = time.perf_counter() - t
         g = torch.Generator().manual_seed(0)
         vocab = runner.spec.vocab_size
+        n_layers = runner.spec.n_layers
         rows = []
-        prompt = torch.randint(0, vocab, (n_prompt,), generator=g).tolist()
+        prompt = torch.randint(0, vocab, (max(n_prompt, ttft_prompt),), generator=g).tolist()
         # warm-up: compile every kernel variant once (prefill and decode)
         s = runner.new_sequence()
-        runner.forward([(s, prompt)])
+        runner.forward([(s, prompt[:n_prompt])])
         time_decode(runner, s, 4)
         runner.free_sequence(s)
-        pp = []
-        for _ in range(3):
-            s = runner.new_sequence()
-            _sync()
-            t = time.perf_counter()
-            runner.forward([(s, prompt)])
-            _sync()
-            pp.append(time.perf_counter() - t)
-            runner.free_sequence(s)
-        prefill = n_prompt / statistics.median(pp)
+        prefill = n_prompt / time_prefill(runner, prompt[:n_prompt])
+        ttft = time_prefill(runner, prompt[:ttft_prompt], reps=2) * 1e3 if ttft_prompt else None
         for depth in depths:
             s = runner.new_sequence()
             if depth:
-                ctx = torch.randint(0, vocab, (depth,), generator=g).tolist()
-                for i in range(0, depth, 2048):
-                    runner.forward([(s, ctx[i:i + 2048])])
+                fill_context(runner, s, depth)
             else:
                 runner.forward([(s, prompt[:1])])
             tpot = time_decode(runner, s, n_gen)
             prof = profile_decode(runner, s) if profile else {}
-            graphs, runner.graphs = runner.graphs, None     # the eager step, for comparison
-            eager = time_decode(runner, s, 16) if graphs is not None else tpot
-            eager_prof = profile_decode(runner, s, 4) if profile and graphs is not None else {}
-            runner.graphs = graphs
+            graphs = runner.graphs
+            eager_ms, eager_prof = None, {}
+            if eager and graphs is not None and graphs.capture:
+                graphs.capture = False       # the same step launched op by op, for comparison
+                eager_ms = time_decode(runner, s, 16)
+                eager_prof = profile_decode(runner, s, 4) if profile else {}
+                graphs.capture = True
             runner.free_sequence(s)
-            rows.append({"engine": "localmoe", "kv": kv, "ctx": depth, "load_s": round(load_s, 2),
-                         "peak_vram_gib": None, "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
-                         "tpot_ms": round(tpot, 3),
-                         "kernels_per_token": prof.get("kernels_per_token"),
-                         "host_syncs_per_token": prof.get("host_syncs_per_token"),
-                         "gpu_busy": prof.get("gpu_busy"), "weights": runner.stats()["weights"],
-                         "tpot_eager_ms": round(eager, 3), "eager_profile": eager_prof or None,
-                         "cuda_graphs": runner.stats()["cuda_graphs"],
-                         "torch_peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+            kpt = prof.get("kernels_per_token")
+            row = {"engine": "localmoe", "kv": kv, "ctx": depth, "load_s": round(load_s, 2),
+                   "peak_vram_gib": None,
+                   "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
+                   "tpot_ms": round(tpot, 3),
+                   "kernels_per_token": kpt,
+                   "kernels_per_layer": round(kpt / n_layers, 2) if kpt else None,
+                   "host_syncs_per_token": prof.get("host_syncs_per_token"),
+                   "gpu_busy": prof.get("gpu_busy"), "weights": runner.stats()["weights"],
+                   "fused_step": runner.stats().get("fused_step"),
+                   "tpot_eager_ms": round(eager_ms, 3) if eager_ms else None,
+                   "eager_profile": eager_prof or None,
+                   "cuda_graphs": runner.stats()["cuda_graphs"],
+                   "torch_peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            if ttft is not None and depth == 0:
+                row[f"ttft_{ttft_prompt}_ms"] = round(ttft, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     for r in rows:
         r["peak_vram_gib"] = vp.gib
     runner.close()
@@ -296,8 +354,12 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="0,16384")
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--n-prompt", type=int, default=512)
-    ap.add_argument("--kv", default="f16")
+    ap.add_argument("--kv", default="f16", help="localmoe KV formats, comma-separated")
+    ap.add_argument("--llama-kv", default="f16", help="llama.cpp -ctk/-ctv types, comma-separated")
+    ap.add_argument("--ttft-prompt", type=int, default=0, help="also time a prompt this long")
+    ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager (no graph) timing")
     ap.add_argument("--skip-localmoe", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -312,17 +374,22 @@ def main(argv=None) -> int:
            "command": "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "rows": []}
     if not a.skip_localmoe:
-        out["rows"] += run_localmoe(path, depths, a.n_gen, a.n_prompt, a.kv, not a.no_profile)
-        print(json.dumps(out["rows"], indent=1), flush=True)
+        for i, kv in enumerate(a.kv.split(",")):
+            out["rows"] += run_localmoe(path, depths, a.n_gen, a.n_prompt, kv, not a.no_profile,
+                                        ttft_prompt=a.ttft_prompt if i == 0 else 0,
+                                        eager=not a.no_eager and i == 0)
     if a.llama_src is not None:
         exe = build_llama_bench(a.llama_src, a.build_dir, a.jobs)
-        out["rows"] += run_llama_bench(exe, path, depths, a.n_gen, a.n_prompt)
-    ours = {r["ctx"]: r for r in out["rows"] if r["engine"] == "localmoe"}
-    for r in out["rows"]:
-        if r["engine"] == "llama.cpp" and r["ctx"] in ours:
-            o = ours[r["ctx"]]
-            o["ratio_to_llamacpp"] = {k: round(o[k] / r[k], 3) for k in ("peak_vram_gib", "prefill_tok_s", "tpot_ms")
-                                      if o.get(k) and r.get(k)}
+        out["rows"] += run_llama_bench(exe, path, depths, a.n_gen, a.n_prompt,
+                                       a.llama_kv.split(","), a.ttft_prompt, a.reps)
+    base = {r["ctx"]: r for r in out["rows"] if r["engine"] == "llama.cpp" and r["kv"] == "f16"}
+    for o in out["rows"]:
+        r = base.get(o["ctx"])
+        if o["engine"] == "localmoe" and r is not None:
+            o["ratio_to_llamacpp_f16"] = {k: round(o[k] / r[k], 3) for k in o
+                                          if k in ("peak_vram_gib", "prefill_tok_s", "tpot_ms")
+                                          or k.startswith("ttft_")
+                                          if isinstance(o.get(k), (int, float)) and r.get(k)}
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:

@@ -76,6 +76,7 @@ def test_quantized_triton_runner_matches_torch(files, preset):
     a, b, r = _compare(mf)
     st = b.stats()
     assert st["weights"] == "quantized"
+    assert st["fused_step"] == "on", st["fused_step"]      # decode ran the fused step
     assert r["prefill_top1"] == 1.0 and r["prefill_dlogsm"] < PREFILL_REL, r
     assert all(same for same, _ in r["decode"]), r
     assert max(d for _, d in r["decode"]) < DECODE_REL, r
@@ -93,6 +94,34 @@ def test_quantized_triton_runner_matches_torch(files, preset):
     size = os.path.getsize(files[preset])
     assert st["weights_bytes"] + st.get("expert_bytes", 0) < 1.1 * size
     assert a.stats()["weights_bytes"] + a.stats().get("expert_bytes", 0) > 2 * size
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-llama"])
+def test_fused_decode_step_matches_the_shared_block(files, preset, monkeypatch):
+    """The fused decode step (backends/triton/fused_step.py: add+norm+quant, QKV partials,
+    q/k norm + RoPE + KV append, fused router, ...) computes the shared block's function: two
+    sequences decoded together and one alone give the unfused runner's logits, and write the
+    same KV cache."""
+    mf = open_model(str(files[preset]))
+    outs, caches = {}, {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("LOCALMOE_FUSED_STEP", fused)
+        r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2)
+        assert (r.stats()["fused_step"] == "on") == (fused == "1"), r.stats()["fused_step"]
+        g = torch.Generator().manual_seed(3)
+        a, b = r.new_sequence(), r.new_sequence()
+        r.forward([(a, torch.randint(0, 200, (9,), generator=g).tolist())])
+        r.forward([(b, torch.randint(0, 200, (4,), generator=g).tolist())])
+        seen = []
+        for step in range(3):
+            seen += r.forward([(a, [3 + step]), (b, [40 + step])])
+            seen += r.forward([(b, [60 + step])])
+        outs[fused] = torch.stack(seen).float()
+        caches[fused] = r.cache.read(0, a, r.cache.seq_len(a))[0].float()
+    scale = outs["0"].abs().max()
+    assert (outs["1"] - outs["0"]).abs().max() < (2e-3 if not CUDA else 2e-2) * scale
+    assert torch.equal(outs["1"].argmax(-1), outs["0"].argmax(-1))
+    assert torch.allclose(caches["1"], caches["0"], atol=1e-3 if not CUDA else 1e-2)
 
 
 def test_fallbacks_say_why(files):
@@ -249,3 +278,32 @@ def test_failed_capture_falls_back_to_eager(files, monkeypatch):
         outs[name] = torch.stack([run.forward([(s, [4 + i])])[0] for i in range(3)])
     assert r.stats()["cuda_graphs"].startswith("off (capture failed (RuntimeError")
     assert (outs["r"] - outs["ref"]).abs().max() < 1e-2 * outs["ref"].abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="host syncs are a CUDA notion")
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
+def test_decode_step_makes_no_host_sync(files, preset):
+    """The decode step on its static buffers (what a CUDA graph records: the fused step for
+    these presets) issues no host-device synchronization: ``set_sync_debug_mode("error")``
+    raises on any."""
+    from localmoe.backends.reference import prepare_batch
+
+    r = TritonRunner(open_model(str(files[preset])), n_ctx=64, device=DEV, dtype=DT,
+                     cuda_graphs=False)
+    assert r.stats()["fused_step"] == "on"
+    s = r.new_sequence()
+    r.forward([(s, [1, 2, 3])])
+    r.forward([(s, [4])])               # compiles every kernel of the step
+    g = r.graphs
+    batch = [(s, [5])]
+    prepare_batch(r.model, r.cache, r.n_ctx, batch)
+    gg = g._new(1, g.bucket(r.cache.seq_len(s) + 1))
+    g._fill(gg, batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = g._step(gg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (1, r.spec.vocab_size) and bool(out.isfinite().all())
