@@ -110,13 +110,20 @@ class TritonRunner(CacheSequences):
         self._memo_step = -1
         self._memo: dict = {}
 
-    def forward(self, batch: list[tuple[int, list[int]]], all_logits: bool = False
-                ) -> list[torch.Tensor]:
+    #: forward(..., on_device=True) may return logits on the GPU (for GPU sampling)
+    supports_device_logits = True
+
+    def forward(self, batch: list[tuple[int, list[int]]], all_logits: bool = False,
+                on_device: bool = False) -> list[torch.Tensor]:
         """Append each sequence's new tokens and return logits (as
         :meth:`localmoe.backends.torch_backend.TorchRunner.forward`); starts a new per-call memo
         of launch metadata. Runs with the runner's GPU as the current CUDA device: Triton
         launches on the current device, so a runner on ``cuda:1`` would otherwise launch its
         kernels on GPU 0.
+
+        ``on_device=True``: decode steps return their float32 logits on the GPU (a copy, not
+        the graph's buffer), so a GPU sampler reads them without moving ``[vocab]`` floats to
+        the host; other steps return CPU tensors as usual.
 
         Raises:
             ContextOverflowError, InvalidRequestError, LocalMoEError: as the torch runner.
@@ -124,7 +131,7 @@ class TritonRunner(CacheSequences):
         self._step += 1
         dev = torch.device(self.device)
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            return self._forward(batch, all_logits)
+            return self._forward(batch, all_logits, on_device)
 
     def _setup_fused(self) -> None:
         import os
@@ -158,20 +165,21 @@ class TritonRunner(CacheSequences):
             self.graphs = DecodeGraphs(self, capture=why is None)
         self.graphs_off = why or static
 
-    def _forward(self, batch, all_logits: bool) -> list[torch.Tensor]:
+    def _forward(self, batch, all_logits: bool, on_device: bool = False) -> list[torch.Tensor]:
         from localmoe.backends.triton.graphs import MAX_BATCH
 
         if (self.graphs is not None and not all_logits and len(batch) <= MAX_BATCH
                 and all(len(t) == 1 for _, t in batch)):
-            return self._graph_forward(batch)
+            return self._graph_forward(batch, on_device)
         out, n = run_batch(self.model, self.cache, self.n_ctx, batch, self.attention_layer,
                            all_logits)
         self.tokens_processed += n
         return out
 
     @torch.inference_mode()
-    def _graph_forward(self, batch) -> list[torch.Tensor]:
-        """One decode step (every sequence adds one token) through its CUDA graph."""
+    def _graph_forward(self, batch, on_device: bool = False) -> list[torch.Tensor]:
+        """One decode step (every sequence adds one token) on the static buffers (its CUDA
+        graph, or the same step launched eagerly)."""
         prepare_batch(self.model, self.cache, self.n_ctx, batch)
         logits = self.graphs.run(batch)
         if self.graphs.failed:
@@ -182,7 +190,7 @@ class TritonRunner(CacheSequences):
                 self.graphs = None
         for sid, _ in batch:
             self.cache.commit(sid, 1)
-        out = logits.cpu()
+        out = logits.clone() if on_device else logits.cpu()
         self.tokens_processed += len(batch)
         return [out[i] for i in range(len(batch))]
 
