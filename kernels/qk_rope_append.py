@@ -22,11 +22,17 @@ result is the twin's :func:`qk_rope_append_ref` (``rms_norm_ref``, ``rope_ref``,
 ``codec.write``) up to float32 rounding order in the norm's sum of squares (which can move an
 fp16 value by one unit in the last place, and a quantized code by one step).
 
-Not fused (:func:`fusable` says why): quantized codecs with side buffers (sink tokens, recent
-window ring), Hadamard-rotated keys, per-channel keys (page-wise quantization through an fp16
-ring), and head dims that are not a power of two for quantized stores. For those the caller
-keeps the unfused path, or uses :func:`qk_rope` (norm + RoPE in one launch, ``k``/``v``
-returned for the codec's own write).
+Side buffers (decode only, one token per sequence per call, ``seq_rows`` given): the fp16
+copies of sink tokens and of the recent window (ring + position tags) of the token's sequence
+row; per-channel keys (KIVI, ``int4:c``, the default grouping of int4/int3/int2 keys) write
+the token to the ring and, when it completes its cache page, quantize the page per channel
+(earlier tokens from the ring) -- :meth:`QuantCodec.write_channel`.
+
+Not fused (:func:`fusable` says why): Hadamard-rotated keys, per-channel keys with outliers,
+quantized head dims that are not a power of two, and (with ``decode=False``, e.g. prefill)
+every codec with side buffers or per-channel keys. For those the caller keeps the unfused
+path, or uses :func:`qk_rope` (norm + RoPE in one launch, ``k``/``v`` returned for the
+codec's own write).
 """
 
 from __future__ import annotations
@@ -105,37 +111,129 @@ def _norm_rope(Xt, Bias, W, Cos, Sin, t, j, c0, stride_xs, stride_ct, R, eps,
 
 
 @triton.jit
-def _append(y, t, j, Slots, Data, sd0, sd1, Q, QH, Scale, Zero, OIdx, OVal, n_slots,
-            D: tl.constexpr, BD: tl.constexpr, SLOT_IS_T: tl.constexpr, QUANT: tl.constexpr,
-            BITS: tl.constexpr, G: tl.constexpr, IS_FP4: tl.constexpr, N_OUT: tl.constexpr):
+def _channel_page(xh, j, slot, pos, row, Q, QH, CScale, CZero, Sink, Ring, RPos, n_slots,
+                  n_sink, W, HKV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                  PAGE: tl.constexpr, SINK: tl.constexpr):
+    """Per-channel keys (KIVI): the token at ``pos`` completes its page, so quantize the
+    page's ``PAGE`` tokens of head ``j`` per channel: the earlier tokens from the ring (or the
+    sink buffer, or the page's current codes when the ring forgot them), this one from ``xh``
+    (float32 [D] holding fp16 values); fp16 ``cscale``/``czero`` of (head, page, channel) from
+    the channel's min/max over the page, codes packed into the page's slots. The twin is
+    ``QuantCodec.write_channel`` (without outliers)."""
+    o = tl.arange(0, PAGE)
+    d = tl.arange(0, D)
+    blk = slot // PAGE
+    prow = j * n_slots + blk * PAGE + o                       # packed rows of the page [PAGE]
+    pp = pos - (PAGE - 1) + o                                 # their positions
+    P: tl.constexpr = 2 if BITS == 3 else BITS
+    PACK: tl.constexpr = 8 // P
+    RB: tl.constexpr = D // PACK
+    RB2: tl.constexpr = D // 8
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    # the page's current codes (stale but for a page a truncation made the ring forget)
+    b = tl.load(Q + prow[:, None] * RB + (d % RB)[None, :]).to(tl.int32)
+    code = (b >> ((d // RB) * P)[None, :]) & ((1 << P) - 1)
+    if BITS == 3:
+        bh = tl.load(QH + prow[:, None] * RB2 + (d % RB2)[None, :]).to(tl.int32)
+        code = code | (((bh >> (d // RB2)[None, :]) & 1) << 2)
+    cbase = (j * (n_slots // PAGE) + blk) * D + d
+    cs = tl.load(CScale + cbase).to(tl.float32)
+    cz = tl.load(CZero + cbase).to(tl.float32)
+    v = code.to(tl.float32) * cs[None, :] + cz[None, :]
+    if SINK:
+        ms = (pp < n_sink)[:, None]
+        sv = tl.load(Sink + ((row * HKV + j) * n_sink + pp)[:, None] * D + d[None, :], mask=ms,
+                     other=0.0)
+        v = tl.where(ms, sv.to(tl.float32), v)
+    r = pp % W
+    mr = (tl.load(RPos + row * W + r) == pp)[:, None]
+    rv = tl.load(Ring + ((row * HKV + j) * W + r)[:, None] * D + d[None, :], mask=mr, other=0.0)
+    v = tl.where(mr, rv.to(tl.float32), v)
+    v = tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+    v = tl.where((o == PAGE - 1)[:, None], xh[None, :], v)
+    # per-channel min/max over the page -> fp16 scale and zero, codes
+    mn = tl.min(v, axis=0)
+    mx = tl.max(v, axis=0)
+    zero16 = mn.to(tl.float16)
+    zero = zero16.to(tl.float32)
+    scale16 = tl.minimum((mx - zero) / QMAX, 65504.0).to(tl.float16)
+    scale = scale16.to(tl.float32)
+    tl.store(CScale + cbase, scale16)
+    tl.store(CZero + cbase, zero16)
+    inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+    c = tl.floor((v - zero[None, :]) * inv[None, :] + 0.5)
+    c = tl.minimum(tl.maximum(c, 0.0), QMAX).to(tl.int32)
+    lo = tl.reshape(c & ((1 << P) - 1), [PAGE, PACK, RB])
+    sh = (tl.arange(0, PACK) * P)[None, :, None]
+    byte = tl.sum(lo << sh, axis=1)
+    tl.store(Q + prow[:, None] * RB + tl.arange(0, RB)[None, :], byte.to(tl.uint8))
+    if BITS == 3:
+        hi = tl.reshape((c >> 2) & 1, [PAGE, 8, RB2])
+        sh2 = tl.arange(0, 8)[None, :, None]
+        byte2 = tl.sum(hi << sh2, axis=1)
+        tl.store(QH + prow[:, None] * RB2 + tl.arange(0, RB2)[None, :], byte2.to(tl.uint8))
+
+
+@triton.jit
+def _append(y, t, j, Slots, Pos, Rows, Data, sd0, sd1, Q, QH, Scale, Zero, OIdx, OVal, CScale,
+            CZero, Sink, Ring, RPos, n_slots, n_sink, W,
+            HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SLOT_IS_T: tl.constexpr,
+            QUANT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, IS_FP4: tl.constexpr,
+            N_OUT: tl.constexpr, SINK: tl.constexpr, RING: tl.constexpr, CHAN: tl.constexpr,
+            PAGE: tl.constexpr):
     """Write head ``j`` of token ``t`` (``y`` float32 [BD]) to its slot: a float row of
-    ``Data`` [n_slots, Hkv, D] (strides ``sd0``, ``sd1``) or a quantized packed row."""
+    ``Data`` [n_slots, Hkv, D] (strides ``sd0``, ``sd1``), a quantized packed row, or (per-channel
+    keys) the ring and, when the token completes its page, the page's codes; plus the fp16
+    copies in the sink buffer (positions < n_sink) and the recent-window ring of the token's
+    sequence row."""
     if SLOT_IS_T:
         slot = t
     else:
         slot = tl.load(Slots + t).to(tl.int64)
-    if QUANT:
+    d = tl.arange(0, BD)
+    if CHAN:
+        pass
+    elif QUANT:
         quant_store_row(y, j * n_slots + slot, Q, QH, Scale, Zero, OIdx, OVal,
                         D, BITS, G, IS_FP4, N_OUT)
     else:
-        d = tl.arange(0, BD)
         tl.store(Data + slot * sd0 + j * sd1 + d, y.to(Data.dtype.element_ty), mask=d < D)
+    if SINK or RING:
+        pos = tl.load(Pos + t).to(tl.int64)
+        row = tl.load(Rows + t).to(tl.int64)
+        xh = tl.minimum(tl.maximum(y, -65504.0), 65504.0).to(tl.float16)
+        if SINK:
+            if pos < n_sink:
+                tl.store(Sink + ((row * HKV + j) * n_sink + pos) * D + d, xh, mask=d < D)
+        if RING:
+            r = pos % W
+            tl.store(Ring + ((row * HKV + j) * W + r) * D + d, xh, mask=d < D)
+            if j == 0:
+                tl.store(RPos + row * W + r, pos.to(tl.int32))
+        if CHAN:
+            if (pos + 1) % PAGE == 0:
+                _channel_page(xh.to(tl.float32), j, slot, pos, row, Q, QH, CScale, CZero, Sink,
+                              Ring, RPos, n_slots, n_sink, W, HKV, D, BITS, PAGE, SINK)
 
 
 @triton.jit
 def _qk_rope_append_kernel(
-    X, Bias, QW, KW, Cos, Sin, Slots, Qo,
-    KData, ksd0, ksd1, KQ, KQH, KScale, KZero, KOIdx, KOVal, k_slots,
-    VData, vsd0, vsd1, VQ, VQH, VScale, VZero, VOIdx, VOVal, v_slots,
+    X, Bias, QW, KW, Cos, Sin, Slots, Pos, Rows, Qo,
+    KData, ksd0, ksd1, KQ, KQH, KScale, KZero, KOIdx, KOVal, KCScale, KCZero, KSink, KRing,
+    KRPos, k_slots, k_nsink, k_w,
+    VData, vsd0, vsd1, VQ, VQH, VScale, VZero, VOIdx, VOVal, VCScale, VCZero, VSink, VRing,
+    VRPos, v_slots, v_nsink, v_w,
     stride_xs, stride_xt, stride_ct, stride_qt, R, eps,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, BQROW: tl.constexpr, BKROW: tl.constexpr,
     S: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NEOX: tl.constexpr,
     SLOT_IS_T: tl.constexpr,
     K_QUANT: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_FP4: tl.constexpr,
-    K_NOUT: tl.constexpr,
+    K_NOUT: tl.constexpr, K_SINK: tl.constexpr, K_RING: tl.constexpr, K_CHAN: tl.constexpr,
+    K_PAGE: tl.constexpr,
     V_QUANT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_FP4: tl.constexpr,
-    V_NOUT: tl.constexpr,
+    V_NOUT: tl.constexpr, V_SINK: tl.constexpr, V_RING: tl.constexpr, V_CHAN: tl.constexpr,
+    V_PAGE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -149,15 +247,19 @@ def _qk_rope_append_kernel(
         j = h - H
         y = _norm_rope(Xt, Bias, KW, Cos, Sin, t, j, H * D, stride_xs, stride_ct, R, eps,
                        HKV, D, BD, BKROW, Qo.dtype.element_ty, S, HAS_BIAS, NORM, NEOX)
-        _append(y, t, j, Slots, KData, ksd0, ksd1, KQ, KQH, KScale, KZero, KOIdx, KOVal,
-                k_slots, D, BD, SLOT_IS_T, K_QUANT, K_BITS, K_G, K_FP4, K_NOUT)
+        _append(y, t, j, Slots, Pos, Rows, KData, ksd0, ksd1, KQ, KQH, KScale, KZero, KOIdx,
+                KOVal, KCScale, KCZero, KSink, KRing, KRPos, k_slots, k_nsink, k_w,
+                HKV, D, BD, SLOT_IS_T, K_QUANT, K_BITS, K_G, K_FP4, K_NOUT, K_SINK, K_RING,
+                K_CHAN, K_PAGE)
     else:
         j = h - H - HKV
         dv = tl.arange(0, BDV)
         y = _load_row(Xt, Bias, (H + HKV) * D + j * DV + dv, dv < DV, stride_xs,
                       Qo.dtype.element_ty, S, HAS_BIAS)
-        _append(y, t, j, Slots, VData, vsd0, vsd1, VQ, VQH, VScale, VZero, VOIdx, VOVal,
-                v_slots, DV, BDV, SLOT_IS_T, V_QUANT, V_BITS, V_G, V_FP4, V_NOUT)
+        _append(y, t, j, Slots, Pos, Rows, VData, vsd0, vsd1, VQ, VQH, VScale, VZero, VOIdx,
+                VOVal, VCScale, VCZero, VSink, VRing, VRPos, v_slots, v_nsink, v_w,
+                HKV, DV, BDV, SLOT_IS_T, V_QUANT, V_BITS, V_G, V_FP4, V_NOUT, V_SINK, V_RING,
+                V_CHAN, V_PAGE)
 
 
 # --- host side ---------------------------------------------------------------------------------
@@ -166,39 +268,51 @@ def _is_quant(codec) -> bool:
     return hasattr(codec, "quantize_rows")
 
 
-def _codec_reason(codec, side: str) -> str | None:
+def _codec_reason(codec, side: str, decode: bool) -> str | None:
     """Why ``codec`` (one side, "K"/"V") cannot be written by the fused kernel, or None."""
     name = getattr(getattr(codec, "fmt", None), "name", None)
     if _is_quant(codec):
-        if getattr(codec, "channel", False):
-            return f"{side} cache {codec.fmt} is grouped per channel (page-wise quantization " \
-                   "through an fp16 ring)"
         if getattr(codec, "rotate", False):
             return f"{side} cache {codec.fmt} is Hadamard-rotated"
-        if getattr(codec, "n_sink", 0) or getattr(codec, "window", 0):
-            return f"{side} cache {codec.fmt} keeps sink/window tokens in fp16 side buffers"
         hd = int(codec.head_dim)
         if hd & (hd - 1):
             return f"{side} cache {codec.fmt} with head_dim {hd}: the quantizer needs a power of two"
+        channel = getattr(codec, "channel", False)
+        if channel and codec.n_out:
+            return f"{side} cache {codec.fmt} is grouped per channel with outliers"
+        if channel and int(codec.block_size) & (int(codec.block_size) - 1):
+            return f"{side} cache {codec.fmt} is grouped per channel over pages of " \
+                   f"{codec.block_size} tokens (not a power of two)"
+        if not decode and (channel or codec.n_sink or codec.window):
+            what = "is grouped per channel" if channel else "keeps sink/window side buffers"
+            return f"{side} cache {codec.fmt} {what}: fused only with one token per sequence"
         return None
     if name in _FLOAT_FORMATS:
         return None
     return f"{side} cache format {name or type(codec).__name__} has no fused append"
 
 
-def fusable(k_codec, v_codec) -> str | None:
+def fusable(k_codec, v_codec, *, decode: bool = True) -> str | None:
     """None when :func:`qk_rope_append` can write both codecs, else a one-line reason (the
     caller then keeps the unfused path, e.g. :func:`qk_rope` + ``codec.write``).
 
     Fusable: float codecs (f32/f16/bf16) and quantized codecs (int8/int4/int3/int2 with group
-    scales, fp4, per-token outliers) without sink/window buffers, rotation or per-channel keys.
+    scales, fp4, per-token outliers); with ``decode`` (at most one token per sequence in a
+    call, and ``seq_rows`` given) also their sink/window side buffers and per-channel keys
+    (without outliers). Never: Hadamard-rotated keys, quantized head dims that are not a
+    power of two.
     """
-    return _codec_reason(k_codec, "K") or _codec_reason(v_codec, "V")
+    return _codec_reason(k_codec, "K", decode) or _codec_reason(v_codec, "V", decode)
+
+
+def _side_needed(codec) -> bool:
+    return _is_quant(codec) and bool(codec.channel or codec.n_sink or codec.window)
 
 
 def _store_args(codec, store, side: str, n_heads: int, hd: int, dev) -> tuple:
-    """Kernel arguments (Data, sd0, sd1, Q, QH, Scale, Zero, OIdx, OVal, n_slots) and the
-    constexprs (QUANT, BITS, G, IS_FP4, N_OUT) of one side's store."""
+    """Kernel arguments (Data, sd0, sd1, Q, QH, Scale, Zero, OIdx, OVal, CScale, CZero, Sink,
+    Ring, RPos, n_slots, n_sink, window) and the constexprs (QUANT, BITS, G, IS_FP4, N_OUT,
+    SINK, RING, CHAN, PAGE) of one side's store."""
     if int(codec.n_kv_heads) != n_heads or int(codec.head_dim) != hd:
         raise ValueError(f"qk_rope_append: the {side} codec is for [{codec.n_kv_heads} heads, "
                          f"{codec.head_dim} dims], the projection gives [{n_heads}, {hd}]")
@@ -209,11 +323,20 @@ def _store_args(codec, store, side: str, n_heads: int, hd: int, dev) -> tuple:
                              f"{n_heads} heads (codec.alloc)")
         if q.device != dev:
             raise ValueError(f"qk_rope_append: the {side} store is on {q.device}, qkv on {dev}")
-        n = q.shape[1]
-        ptrs = (q, 0, 0, q, store.get("q_hi", q), store["scale"], store.get("zero", q),
-                store.get("oidx", q), store.get("oval", q), n)
+        need = ["scale"] if not codec.channel else ["cscale", "czero"]
+        need += ["sink"] if codec.n_sink else []
+        need += ["ring", "ring_pos"] if codec.window else []
+        missing = [k for k in need if k not in store]
+        if missing:
+            raise ValueError(f"qk_rope_append: the {side} store has no {', '.join(missing)} "
+                             f"(codec.alloc)")
+        g = store.get
+        ptrs = (q, 0, 0, q, g("q_hi", q), g("scale", q), g("zero", q), g("oidx", q),
+                g("oval", q), g("cscale", q), g("czero", q), g("sink", q), g("ring", q),
+                g("ring_pos", q), q.shape[1], int(codec.n_sink), int(codec.window))
         return ptrs, (True, int(codec.bits), int(codec.group), bool(codec.is_fp4),
-                      int(codec.n_out))
+                      0 if codec.channel else int(codec.n_out), bool(codec.n_sink),
+                      bool(codec.window), bool(codec.channel), int(codec.block_size))
     data = store.get("data")
     if data is None or data.dim() != 3 or tuple(data.shape[1:]) != (n_heads, hd) \
             or data.stride(2) != 1:
@@ -221,9 +344,12 @@ def _store_args(codec, store, side: str, n_heads: int, hd: int, dev) -> tuple:
                          f"[slots, {n_heads}, {hd}] (codec.alloc)")
     if data.device != dev:
         raise ValueError(f"qk_rope_append: the {side} store is on {data.device}, qkv on {dev}")
-    ptrs = (data, data.stride(0), data.stride(1), data, data, data, data, data, data,
-            data.shape[0])
-    return ptrs, (False, 8, 32, False, 0)
+    return _float_args(data)
+
+
+def _float_args(data):
+    return ((data, data.stride(0), data.stride(1)) + (data,) * 11 + (data.shape[0], 0, 1),
+            (False, 8, 32, False, 0, False, False, False, 1))
 
 
 def _prepare(qkv, n_heads, n_kv_heads, head_dim, v_head_dim, q_norm_w, k_norm_w, norm_full,
@@ -290,7 +416,7 @@ def _prepare(qkv, n_heads, n_kv_heads, head_dim, v_head_dim, q_norm_w, k_norm_w,
 
 
 def _launch(x3, act, cos, sin, norm, *, n_heads, n_kv_heads, head_dim, v_head_dim, q_norm_w,
-            k_norm_w, eps, style, bias, slots, k_args, v_args, slot_is_t):
+            k_norm_w, eps, style, bias, slots, positions, seq_rows, k_args, v_args, slot_is_t):
     t = x3.shape[1]
     q = torch.empty((t, n_heads, head_dim), dtype=act, device=x3.device)
     if t == 0:
@@ -299,21 +425,22 @@ def _launch(x3, act, cos, sin, norm, *, n_heads, n_kv_heads, head_dim, v_head_di
     qw = q_norm_w.contiguous() if q_norm_w is not None else q
     kw = k_norm_w.contiguous() if k_norm_w is not None else q
     bd, bdv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_head_dim)
-    if (kc[0] and bd != head_dim) or (vc[0] and bdv != v_head_dim):
-        raise ValueError("qk_rope_append: quantized stores need a power-of-two head_dim")
     full = norm == 2
     bq = triton.next_power_of_2(n_heads * head_dim) if full else 1
     bk = triton.next_power_of_2(n_kv_heads * head_dim) if full else 1
     warps = 4 if full and bq >= 2048 else (2 if max(bd, bdv) >= 128 or full else 1)
     _qk_rope_append_kernel[(t, n_heads + 2 * n_kv_heads)](
-        x3, bias.contiguous() if bias is not None else q, qw, kw, cos, sin, slots, q,
-        *kp, *vp,
+        x3, bias.contiguous() if bias is not None else q, qw, kw, cos, sin, slots,
+        positions if positions is not None else slots,
+        seq_rows if seq_rows is not None else slots, q, *kp, *vp,
         x3.stride(0), x3.stride(1), cos.stride(0), q.stride(0), cos.shape[1], float(eps),
         H=n_heads, HKV=n_kv_heads, D=head_dim, DV=v_head_dim, BD=bd, BDV=bdv, BQROW=bq,
         BKROW=bk, S=x3.shape[0], HAS_BIAS=bias is not None, NORM=norm, NEOX=style == "neox",
         SLOT_IS_T=slot_is_t,
-        K_QUANT=kc[0], K_BITS=kc[1], K_G=kc[2], K_FP4=kc[3], K_NOUT=kc[4],
-        V_QUANT=vc[0], V_BITS=vc[1], V_G=vc[2], V_FP4=vc[3], V_NOUT=vc[4],
+        K_QUANT=kc[0], K_BITS=kc[1], K_G=kc[2], K_FP4=kc[3], K_NOUT=kc[4], K_SINK=kc[5],
+        K_RING=kc[6], K_CHAN=kc[7], K_PAGE=kc[8],
+        V_QUANT=vc[0], V_BITS=vc[1], V_G=vc[2], V_FP4=vc[3], V_NOUT=vc[4], V_SINK=vc[5],
+        V_RING=vc[6], V_CHAN=vc[7], V_PAGE=vc[8],
         num_warps=warps)
     return q
 
@@ -322,8 +449,9 @@ def qk_rope_append(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim
                    v_head_dim: int, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
                    norm_full: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor, style: str,
                    k_codec, k_store: dict, v_codec, v_store: dict, slots: torch.Tensor,
-                   positions: torch.Tensor, bias: torch.Tensor | None = None,
-                   q_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None, seq_rows: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, q_dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
     """q/k RMSNorm, RoPE and the K/V cache append of one layer in one launch; returns q.
 
     Args:
@@ -339,19 +467,25 @@ def qk_rope_append(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim
         style: "neox" (pairs ``(i, i + R/2)``) or "norm" (pairs ``(2i, 2i+1)``).
         k_codec, k_store, v_codec, v_store: the layer's codecs and stores (``codec.alloc``):
             f32/f16/bf16 float codecs, or quantized codecs that :func:`fusable` accepts.
-        slots: int64 ``[T]`` device tensor, the cache slot of each token.
-        positions: int64 ``[T]`` token positions (only checked: the fusable formats keep no
-            per-position side buffers; the tables already hold the rotation).
+        slots: int64 ``[T]`` device tensor, the cache slot of each token (per-channel keys:
+            page-aligned, position ``p`` at ``block * block_size + p % block_size``).
+        positions: int64 ``[T]`` device tensor of token positions; needed (with ``seq_rows``)
+            by codecs with sink/window buffers or per-channel keys, else only checked.
+        seq_rows: int32/int64 ``[T]`` device tensor, each token's sequence row in the codecs'
+            side buffers; needed by the codecs that keep them. With them, a call may hold at
+            most one token per sequence (decode): two tokens of a sequence would race on its
+            ring and page.
         bias: optional ``[N]`` QKV bias (qwen2), added after the partial sum.
         q_dtype: activation dtype (default: ``qkv.dtype``, float16 for partials). The rows are
             rounded to it after the sum and after the bias, like the unfused path's tensors.
 
     Returns:
         q ``[T, H, D]`` in the activation dtype, normed and rotated. K (normed and rotated) and
-        V are written at ``slots``; every other slot is untouched.
+        V are written at ``slots`` (and the side buffers); every other slot is untouched.
 
     Raises:
-        ValueError: shapes, dtypes, devices or styles that do not fit, or codecs that
+        ValueError: shapes, dtypes, devices or styles that do not fit, missing
+            ``positions``/``seq_rows`` for codecs with side buffers, or codecs that
             :func:`fusable` rejects (with its reason).
     """
     why = fusable(k_codec, v_codec)
@@ -361,19 +495,24 @@ def qk_rope_append(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim
                                        q_norm_w, k_norm_w, norm_full, cos, sin, style, bias,
                                        q_dtype)
     t, dev = x3.shape[1], x3.device
-    if slots.dim() != 1 or slots.numel() != t or slots.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"qk_rope_append: slots must be an integer tensor [T={t}], got "
-                         f"{slots.dtype} {tuple(slots.shape)}")
-    if slots.device != dev:
-        raise ValueError(f"qk_rope_append: slots on {slots.device}, qkv on {dev}")
-    if positions is not None and positions.numel() != t:
-        raise ValueError(f"qk_rope_append: {positions.numel()} positions for {t} tokens")
+    for name, ten in (("slots", slots), ("positions", positions), ("seq_rows", seq_rows)):
+        if ten is None:
+            continue
+        if ten.dim() != 1 or ten.numel() != t or ten.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"qk_rope_append: {name} must be an integer tensor [T={t}], got "
+                             f"{ten.dtype} {tuple(ten.shape)}")
+        if ten.device != dev:
+            raise ValueError(f"qk_rope_append: {name} on {ten.device}, qkv on {dev}")
+    if (_side_needed(k_codec) or _side_needed(v_codec)) and (positions is None or seq_rows is None):
+        raise ValueError("qk_rope_append: codecs with sink/window buffers or per-channel keys "
+                         "need positions and seq_rows (one token per sequence)")
     k_args = _store_args(k_codec, k_store, "K", n_kv_heads, head_dim, dev)
     v_args = _store_args(v_codec, v_store, "V", n_kv_heads, v_head_dim, dev)
     return _launch(x3, act, cos, sin, norm, n_heads=n_heads, n_kv_heads=n_kv_heads,
                    head_dim=head_dim, v_head_dim=v_head_dim, q_norm_w=q_norm_w,
                    k_norm_w=k_norm_w, eps=eps, style=style, bias=bias, slots=slots,
-                   k_args=k_args, v_args=v_args, slot_is_t=False)
+                   positions=positions, seq_rows=seq_rows, k_args=k_args, v_args=v_args,
+                   slot_is_t=False)
 
 
 def qk_rope(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int, v_head_dim: int,
@@ -383,22 +522,18 @@ def qk_rope(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int, 
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same kernel without the cache: returns ``(q [T, H, D], k [T, Hkv, D], v [T, Hkv,
     Dv])`` in the activation dtype (q and k normed and rotated, v summed/biased), for codecs
-    :func:`fusable` rejects (the caller writes k and v with ``codec.write``). Arguments and
-    errors as for :func:`qk_rope_append`."""
+    :func:`fusable` rejects and for prefill (the caller writes k and v with ``codec.write``).
+    Arguments and errors as for :func:`qk_rope_append`."""
     x3, act, cos, sin, norm = _prepare(qkv, n_heads, n_kv_heads, head_dim, v_head_dim,
                                        q_norm_w, k_norm_w, norm_full, cos, sin, style, bias,
                                        q_dtype)
     t, dev = x3.shape[1], x3.device
     k = torch.empty((t, n_kv_heads, head_dim), dtype=act, device=dev)
     v = torch.empty((t, n_kv_heads, v_head_dim), dtype=act, device=dev)
-
-    def out(o):
-        return (o, o.stride(0), o.stride(1), o, o, o, o, o, o, t), (False, 8, 32, False, 0)
-
     q = _launch(x3, act, cos, sin, norm, n_heads=n_heads, n_kv_heads=n_kv_heads,
                 head_dim=head_dim, v_head_dim=v_head_dim, q_norm_w=q_norm_w, k_norm_w=k_norm_w,
-                eps=eps, style=style, bias=bias, slots=k, k_args=out(k), v_args=out(v),
-                slot_is_t=True)
+                eps=eps, style=style, bias=bias, slots=k, positions=None, seq_rows=None,
+                k_args=_float_args(k), v_args=_float_args(v), slot_is_t=True)
     return q, k, v
 
 
@@ -434,14 +569,23 @@ def _ref_split(qkv, n_heads, n_kv_heads, head_dim, v_head_dim, q_norm_w, k_norm_
 def qk_rope_append_ref(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim: int,
                        v_head_dim: int, q_norm_w, k_norm_w, norm_full: bool, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, style: str, k_codec, k_store: dict,
-                       v_codec, v_store: dict, slots: torch.Tensor, positions: torch.Tensor,
+                       v_codec, v_store: dict, slots: torch.Tensor,
+                       positions: torch.Tensor | None, seq_rows: torch.Tensor | None = None,
                        bias: torch.Tensor | None = None, q_dtype: torch.dtype | None = None
                        ) -> torch.Tensor:
     """The torch twin of :func:`qk_rope_append` from the unfused pieces (split-K sum and bias
-    add, :func:`rms_norm_ref`, :func:`rope_ref`, ``codec.write``); it also writes codecs the
-    kernel rejects."""
+    add, :func:`rms_norm_ref`, :func:`rope_ref`, ``codec.write``; with ``seq_rows`` one write
+    per token into its sequence row); it also writes codecs the kernel rejects."""
     q, k, v = _ref_split(qkv, n_heads, n_kv_heads, head_dim, v_head_dim, q_norm_w, k_norm_w,
                          norm_full, eps, cos, sin, style, bias, q_dtype)
-    k_codec.write(k_store, slots, k, positions)
-    v_codec.write(v_store, slots, v, positions)
+    if positions is None:
+        positions = torch.zeros(q.shape[0], dtype=torch.int64, device=q.device)
+    if seq_rows is None:
+        k_codec.write(k_store, slots, k, positions)
+        v_codec.write(v_store, slots, v, positions)
+        return q
+    for i, row in enumerate(seq_rows.tolist()):
+        sl = slice(i, i + 1)
+        k_codec.write(k_store, slots[sl], k[sl], positions[sl], int(row))
+        v_codec.write(v_store, slots[sl], v[sl], positions[sl], int(row))
     return q

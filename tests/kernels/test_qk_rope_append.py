@@ -168,9 +168,7 @@ def test_qk_rope_returns_k_and_v():
 
 
 @pytest.mark.parametrize("kv,d,opts,what", [
-    ("int4", 32, {}, "per channel"),
-    ("int8", 32, {"sink_tokens": 2}, "side buffers"),
-    ("int4:t", 32, {"window": 4}, "side buffers"),
+    ("int4", 32, {"key_outlier_frac": 0.1}, "per channel with outliers"),
     ("int8:g16", 48, {}, "power of two"),
 ])
 def test_unfusable_codecs_say_why(kv, d, opts, what):
@@ -181,6 +179,66 @@ def test_unfusable_codecs_say_why(kv, d, opts, what):
     with pytest.raises(ValueError, match=what):
         qk_rope_append(qkv, k_codec=kc, k_store=kc.alloc(16, DEV), v_codec=vc,
                        v_store=vc.alloc(16, DEV), **kw)
+
+
+@pytest.mark.parametrize("kv,opts", [("int4", {}), ("int8", {"sink_tokens": 2}),
+                                     ("int4:t", {"window": 4})])
+def test_side_buffers_need_decode_and_rows(kv, opts):
+    kc, vc = _codecs(kv, 32, 32, **opts)
+    assert fusable(kc, vc) is None
+    assert "one token per sequence" in fusable(kc, vc, decode=False)
+    qkv, kw = _inputs(1, 32, 32, "neox", None, False, 0, torch.float16, seed=1)
+    with pytest.raises(ValueError, match="seq_rows"):
+        qk_rope_append(qkv, k_codec=kc, k_store=kc.alloc(16, DEV), v_codec=vc,
+                       v_store=vc.alloc(16, DEV), **kw)
+
+
+@pytest.mark.parametrize("kv,opts", [
+    ("k=int4,v=int4", {"sink_tokens": 2, "window": 6}),     # per-channel keys, sinks, ring
+    ("k=int3,v=fp4", {}),                                   # per-channel keys, ring = page
+    ("int8", {"sink_tokens": 1, "window": 3, "outlier_frac": 0.05}),   # per-token + side
+])
+def test_decode_steps_with_side_buffers(kv, opts):
+    """Decode of three sequences (sequence rows 2, 0, 1; different start positions), one token
+    each per call, against the twin's per-token codec writes: every store tensor (codes,
+    scales, per-channel page scales, sinks, ring and its position tags) equal after each step,
+    through page completions, ring wrap-around, and ring resets (truncation) mid-page, after
+    which a page's earlier tokens come from the codes its reused block holds."""
+    page, d, nb = 4, 32, 2
+    spec = KVSpec.parse(kv, **opts)
+    kc = _make_codec(get_codec_class(spec.k.name), spec.k, HKV, d, spec, "k", 3, page)
+    vc = _make_codec(get_codec_class(spec.v.name), spec.v, HKV, d, spec, "v", 3, page)
+    assert fusable(kc, vc) is None and fusable(kc, vc, decode=False) is not None
+    n_slots = 3 * nb * page
+    st = dict(k_store=kc.alloc(n_slots, DEV), v_store=vc.alloc(n_slots, DEV))
+    ref = dict(k_store=kc.alloc(n_slots, DEV), v_store=vc.alloc(n_slots, DEV))
+    for c, stores in ((kc, "k_store"), (vc, "v_store")):
+        for x in (st, ref):
+            c.reset_row(x[stores], 0), c.reset_row(x[stores], 1), c.reset_row(x[stores], 2)
+    rows = torch.tensor([2, 0, 1], device=DEV)
+    start = [0, 3, 6]
+    for step in range(10):
+        pos = torch.tensor([p + step for p in start], device=DEV)
+        slots = torch.tensor([(i * nb + (p // page) % nb) * page + p % page
+                              for i, p in enumerate(pos.tolist())], device=DEV)
+        qkv, kw = _inputs(3, d, d, "neox", "head", False, 0, torch.float16, seed=100 + step)
+        kw.update(slots=slots, positions=pos, seq_rows=rows, cos=kw["cos"], sin=kw["sin"])
+        if step == 7:   # sequence rows 0 and 1 forget their windows (e.g. a truncation)
+            for row in (0, 1):
+                kc.reset_row(st["k_store"], row), kc.reset_row(ref["k_store"], row)
+        q = qk_rope_append(qkv, k_codec=kc, v_codec=vc, **st, **kw)
+        qr = qk_rope_append_ref(qkv, k_codec=kc, v_codec=vc, **ref, **kw)
+        assert torch.allclose(q.float(), qr.float(), rtol=tol.FP16, atol=tol.FP16)
+        for side in ("k_store", "v_store"):
+            for key in ref[side]:
+                a, r = st[side][key], ref[side][key]
+                if CUDA:
+                    n_diff = (a != r).sum().item()
+                    assert n_diff <= max(2, tol.FUSED_APPEND_GPU * a.numel()), (step, key)
+                else:
+                    assert torch.equal(a, r), (step, side, key)
+    if kc.channel:
+        assert st["k_store"]["cscale"].any()   # pages were completed and quantized
 
 
 def test_rotated_keys_are_not_fusable():
