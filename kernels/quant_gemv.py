@@ -25,7 +25,12 @@ the format is the constexpr ``QTYPE``):
    Triton gives them one register layout and no data moves between threads inside the loop
    (checked in the PTX: no ``bar.sync``/shuffles in the K loop at BN <= num_warps).
 5. Split-K (``split > 1``, for small N): programs of one row block share the K range and add
-   their partial sums into a zeroed float32 output with atomics.
+   their partial sums into a zeroed float32 output with atomics (:func:`quant_gemv`: 2-3
+   launches, the zeroing, the GEMV and a copy to a half output), or store them with plain
+   stores into slice ``s`` of a float32 ``[S, T, N]`` partials tensor
+   (:func:`quant_gemv_partials`: one launch, no zeroing, deterministic), summed by the
+   consumer (e.g. :func:`localmoe.kernels.fused_norm.add_rms_norm_quant`) or
+   :func:`sum_partials`.
 
 Numerics: exact integer products, float32 scales and accumulation; the only rounding beyond
 float32 is the int8 quantization of ``x`` (relative error ~0.3-1% on random data, the scheme of
@@ -59,7 +64,7 @@ from localmoe.kernels.qtensor import (
 )
 
 __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "QuantAct",
-           "gemv_config"]
+           "gemv_config", "quant_gemv_partials", "gemv_partials_split", "sum_partials"]
 
 _Q4_0 = tl.constexpr(2)
 _Q4_1 = tl.constexpr(3)
@@ -288,7 +293,7 @@ def _x_rows(xq_rs, xs_rs, xd_rs, xrow, rows4, BROADCAST_ROWS: tl.constexpr = Fal
 @triton.jit
 def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                        N, T, n_chunks, split_chunks,
-                       xq_rs, xs_rs, xd_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                       xq_rs, xs_rs, xd_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr):
@@ -311,7 +316,8 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_p
                          q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
         out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
-        yp = y_ptr + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
+        # y_ss: the partials' slice stride (0: every split adds into one output)
+        yp = y_ptr + pid_k.to(tl.int64) * y_ss + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
         ym = (tt < T)[:, None] & (rows < N)[None, :]
         if ATOMIC:
             tl.atomic_add(yp, out, mask=ym)
@@ -463,17 +469,30 @@ def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | N
     return out
 
 
-def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | None):
+def _plan(w: QuantTensor, t: int, config: dict | None) -> tuple[dict, int, int, int]:
+    """(config, K chunks, programs over K, chunks per K program) of ``t`` tokens."""
     n, k = w.shape
-    t = x.shape[0]
     cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device), **(config or {}))
-    cv = chunk_values(w.qtype)
-    n_chunks = k // cv
+    n_chunks = k // chunk_values(w.qtype)
     split = cfg.get("split", 1)
     split_chunks = triton.cdiv(triton.cdiv(n_chunks, split), cfg["CH"]) * cfg["CH"]
-    split = triton.cdiv(n_chunks, split_chunks)
+    return cfg, n_chunks, triton.cdiv(n_chunks, split_chunks), split_chunks
+
+
+def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | None,
+                 partials: bool = False):
+    """One launch for <= 8 tokens; ``partials``: ``out`` is ``[S, t, N]`` float32 (S = the
+    plan's split), slice ``s`` written by the programs of K part ``s`` with plain stores."""
+    n, k = w.shape
+    t = x.shape[0]
+    cfg, n_chunks, split, split_chunks = _plan(w, t, config)
+    cv = chunk_values(w.qtype)
     y = out
-    if split > 1:
+    if partials:
+        if out.shape[0] != split:
+            raise ValueError(f"quant_gemv_partials: out has {out.shape[0]} slices, the launch "
+                             f"splits K {split} ways")
+    elif split > 1:
         y = out if (out.dtype == torch.float32 and out.stride(1) == 1) else \
             torch.empty((t, n), dtype=torch.float32, device=out.device)
         y.zero_()
@@ -481,14 +500,96 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
     grid = (triton.cdiv(n, cfg["BN"]), split)
     _quant_gemv_kernel[grid](
         x.q, x.s, x.d, y, *ptrs, n, t, n_chunks, split_chunks,
-        x.q.stride(0), x.s.stride(0), x.d.stride(0), y.stride(0), *strides,
+        x.q.stride(0), x.s.stride(0), x.d.stride(0), y.stride(-2),
+        y.stride(0) if partials else 0, *strides,
         QTYPE=w.qtype, CV=cv, TP=triton.next_power_of_2(t), BN=cfg["BN"], CH=cfg["CH"],
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
               and t == triton.next_power_of_2(t)),
-        XB=cfg.get("xb", False), ATOMIC=split > 1, USE_ASM=cfg.get("asm", use_asm()),
+        XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         num_warps=cfg.get("num_warps", 4))
     if y is not out:
         out.copy_(y)
+
+
+def gemv_partials_split(w: QuantTensor, t: int, config: dict | None = None) -> int:
+    """``S``, the slices of :func:`quant_gemv_partials`'s output for ``t`` tokens of ``w``
+    with ``config`` (1 for float weights): size static buffers with it."""
+    if w.is_float:
+        return 1
+    return _plan(w, max(1, min(t, 8)), config)[2]
+
+
+def quant_gemv_partials(x: torch.Tensor | QuantAct, w: QuantTensor, config: dict | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(w).T`` as split-K partial sums: one launch, plain stores, no zeroed
+    output and no atomics (:func:`quant_gemv` with ``split > 1`` is a zeroing, the GEMV with
+    atomic adds, and for a half output a copy: 2-3 graph nodes; this is 1).
+
+    Program (row block, K part ``s``) stores its partial sums into slice ``s``; the sum over
+    slices (:func:`sum_partials`, or the consumer, e.g.
+    :func:`localmoe.kernels.fused_norm.add_rms_norm_quant`) is ``x @ dequant(w).T``, equal to
+    :func:`quant_gemv`'s output up to the float32 order of the additions.
+
+    Args:
+        x: ``[T, K]`` float activations (quantized first by one :func:`quantize_act` launch) or
+            a :class:`QuantAct`.
+        w: a 2-D ``[N, K]`` :class:`QuantTensor` on ``x``'s device; float weights give one
+            slice (``x @ W.T`` by torch; they take float ``x`` only).
+        config: as for :func:`quant_gemv`; its ``split`` fixes ``S`` (after rounding the K
+            range to whole tiles: :func:`gemv_partials_split` gives the ``S`` of a config).
+            Groups of 8 tokens share one launch plan, so every token has the same ``S``.
+        out: optional float32 ``[S, T, N]`` (rows contiguous), e.g. a CUDA graph's static
+            buffer.
+    Returns:
+        float32 ``[S, T, N]`` (``S`` = 1 when K is not split).
+    Raises:
+        ValueError / TypeError: shapes, dtypes or devices that do not fit.
+    """
+    if len(w.shape) != 2:
+        raise ValueError(f"quant_gemv_partials: w must be 2-D [N, K], got shape {w.shape}")
+    n, k = w.shape
+    _check_x(x, k, "quant_gemv_partials")
+    if x.device != w.device:
+        raise ValueError(f"quant_gemv_partials: x on {x.device}, w on {w.device}")
+    t = x.shape[0]
+    plan = None
+    if w.is_float:
+        split = 1
+    else:
+        if w.qtype not in QUANT_QTYPES:
+            raise ValueError(f"quant_gemv_partials: unsupported qtype "
+                             f"{QTYPE_NAMES.get(w.qtype, w.qtype)}")
+        cfg, _, split, _ = _plan(w, max(1, min(t, 8)), config)
+        plan = dict(cfg, split=split)
+    if out is None:
+        out = torch.empty((split, t, n), dtype=torch.float32, device=x.device)
+    elif (tuple(out.shape) != (split, t, n) or out.dtype != torch.float32
+          or out.device != x.device or out.stride(2) != 1):
+        raise ValueError(f"quant_gemv_partials: out must be float32 [{split}, {t}, {n}] on "
+                         f"{x.device} with contiguous rows, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    if w.is_float:
+        if isinstance(x, QuantAct):
+            raise ValueError("quant_gemv_partials: float weights take float activations")
+        out[0].copy_(x.to(w.planes["w"].dtype) @ w.planes["w"].T)
+        return out
+    if not isinstance(x, QuantAct):
+        x = quantize_act(x)
+    for t0 in range(0, t, 8):
+        _launch_gemv(x.rows(t0, t0 + 8), w, out[:, t0:t0 + 8], plan, partials=True)
+    return out
+
+
+def sum_partials(p: torch.Tensor) -> torch.Tensor:
+    """The sum over the slices of split-K partials ``p [S, T, N]`` in float32, in slice order
+    (``(p[0] + p[1]) + p[2] ...``, the order :func:`localmoe.kernels.fused_norm.add_rms_norm_quant`
+    adds them): ``[T, N]`` float32."""
+    if p.dim() != 3 or p.shape[0] < 1:
+        raise ValueError(f"sum_partials: p must be [S, T, N] with S >= 1, got {tuple(p.shape)}")
+    acc = p[0].float().clone()
+    for s in range(1, p.shape[0]):
+        acc += p[s].float()
+    return acc
 
 
 def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from localmoe.kernels.qtensor import (  # noqa: E402
     BLOCK_SIZES, FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, random_gguf_blocks,
 )
 from localmoe.kernels.quant_gemv import (  # noqa: E402
-    dequantize_act, gemv_config, quant_gemv, quant_gemv_ref, quantize_act, quantize_act_ref,
+    dequantize_act, gemv_config, gemv_partials_split, quant_gemv, quant_gemv_partials,
+    quant_gemv_ref, quantize_act, quantize_act_ref, sum_partials,
 )
 
 from tests import tolerances as tol  # noqa: E402
@@ -146,3 +147,61 @@ def test_gemv_full_size_on_gpu(qt, n, k, tokens):
     w = make(qt, n, k, seed=5)
     x = torch.randn(tokens, k, device=DEV, dtype=torch.bfloat16)
     check(x, w, quant_gemv(x, w))
+
+
+# ---- split-K partials (quant_gemv_partials): one launch, plain stores, no zeroing ------------
+
+def check_partials(qt, tokens, splits):
+    torch.manual_seed(qt * 10 + tokens + 1)
+    w = make(qt, 13, small_k(qt), seed=qt)            # a partial row block, K tiles with a tail
+    x = torch.randn(tokens, w.K, device=DEV)
+    xa = quantize_act(x)
+    for split in splits:
+        cfg = {"BN": 16, "CH": 4 if BLOCK_SIZES[qt][0] == 256 else 2, "num_warps": 4,
+               "split": split}
+        s = gemv_partials_split(w, tokens, cfg)
+        assert 1 <= s <= split and (s > 1) == (split > 1)
+        out = torch.full((s, tokens, 13), float("nan"), device=DEV)
+        p = quant_gemv_partials(xa, w, config=cfg, out=out)
+        assert p is out and torch.isfinite(p).all(), "a slice left unwritten"
+        assert rel(sum_partials(p), quant_gemv_ref(x, w)) < TOL["twin"]
+        if s > 1:                                         # every slice holds a real part
+            y = quant_gemv(xa, w, config=cfg)             # atomics into a zeroed output
+            assert rel(sum_partials(p), y) < TOL["twin"]  # float32 addition order only
+            for i in range(s):
+                assert rel(p[i], y) > tol.MUST_DIFFER * TOL["twin"]
+
+
+# (the interpreter runs a program at a time: 1 and 3 tokens for every type, 8 tokens for one
+# type of each kernel branch; all of them on the GPU)
+@pytest.mark.parametrize("tokens,splits", [(1, (1, 4)), (3, (2,))])
+@pytest.mark.parametrize("qt", QUANT_QTYPES, ids=IDS)
+def test_gemv_partials_sum_to_gemv_every_qtype(qt, tokens, splits):
+    check_partials(qt, tokens, splits)
+
+
+@pytest.mark.parametrize("qt", QUANT_QTYPES if CUDA else [8, 12],
+                         ids=IDS if CUDA else ["Q8_0", "Q4_K"])
+def test_gemv_partials_eight_tokens(qt):
+    check_partials(qt, 8, (1, 2, 4) if CUDA else (4,))
+
+
+def test_gemv_partials_more_tokens_half_input_float_weights_and_bad_out():
+    torch.manual_seed(7)
+    w = make(8, 9, 256, seed=1)
+    x = torch.randn(10, 256, device=DEV).to(torch.float16)       # two groups of <= 8 tokens
+    cfg = {"BN": 16, "CH": 2, "num_warps": 4, "split": 3}
+    p = quant_gemv_partials(x, w, config=cfg)
+    assert p.dtype == torch.float32 and p.shape == (gemv_partials_split(w, 10, cfg), 10, 9)
+    assert p.shape[0] > 1
+    assert rel(sum_partials(p), quant_gemv_ref(x, w)) < TOL["twin"]
+    for qt in FLOAT_QTYPES:                                      # float weights: one slice
+        wf = make(qt, 5, 64, seed=4)
+        xf = torch.randn(3, 64, device=DEV)
+        pf = quant_gemv_partials(xf, wf)
+        assert pf.shape == (1, 3, 5) and gemv_partials_split(wf, 3) == 1
+        assert rel(pf[0], quant_gemv_ref(xf, wf)) < tol.FP16
+    with pytest.raises(ValueError, match=r"out must be float32 \["):
+        quant_gemv_partials(x, w, config=cfg, out=torch.empty(1, 10, 9, device=DEV))
+    with pytest.raises(ValueError, match=r"\[T, 256\]"):
+        quant_gemv_partials(torch.randn(2, 32, device=DEV), w)
