@@ -600,7 +600,10 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
     t, k = x.shape
     xb = x.float().reshape(t, k // 32, 32)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax.clamp_min(1e-30), torch.zeros_like(amax))
+    # tensor / tensor: torch's CPU ``127.0 / tensor`` is a reciprocal times 127, one ulp off the
+    # kernels' IEEE quotient (which moves the exact .5 codes that float16 inputs often give)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-30),
+                      torch.zeros_like(amax))
     q = torch.round(xb * inv)
     return (q * (amax / 127.0)).reshape(t, k)
 
