@@ -2,9 +2,10 @@
 
 After the QKV GEMV the unfused decode step runs q-norm and k-norm (:mod:`.rms_norm`), RoPE of
 q and of k (:mod:`.rope`) and one append per side (:mod:`.kv_quant_append` for the quantized
-formats, an index-put for the float ones): 6 launches (4 without q/k norm), plus the sum of
-split-K partials and the bias add when the GEMV leaves them. :func:`qk_rope_append` does all of
-it in one launch and returns the rotated queries.
+formats, a cast and an index-put for the float ones): 6-8 launches (2 fewer without q/k norm),
+plus the sum of split-K partials and the bias add when the GEMV leaves them, and for
+per-channel keys or sink/window buffers the codec's torch ops. :func:`qk_rope_append` does all
+of it in one launch and returns the rotated queries.
 
 Algorithm: one program per (token, head) over the ``H`` query, ``Hkv`` key and ``Hkv`` value
 heads (grid ``(T, H + 2 Hkv)``). A program loads its head's ``D`` values and, for the rotated
@@ -22,17 +23,18 @@ result is the twin's :func:`qk_rope_append_ref` (``rms_norm_ref``, ``rope_ref``,
 ``codec.write``) up to float32 rounding order in the norm's sum of squares (which can move an
 fp16 value by one unit in the last place, and a quantized code by one step).
 
-Side buffers (decode only, one token per sequence per call, ``seq_rows`` given): the fp16
-copies of sink tokens and of the recent window (ring + position tags) of the token's sequence
-row; per-channel keys (KIVI, ``int4:c``, the default grouping of int4/int3/int2 keys) write
-the token to the ring and, when it completes its cache page, quantize the page per channel
-(earlier tokens from the ring) -- :meth:`QuantCodec.write_channel`.
+Side buffers (decode only: one token per sequence per call, ``positions`` and ``seq_rows``
+given): the fp16 copies of sink tokens and of the recent window (ring + position tags) in the
+token's sequence row; per-channel keys (KIVI, ``int4:c``, the default grouping of int4/int3/int2
+keys) go to the ring and, when a token completes its cache page, the page is quantized per
+channel (earlier tokens from the ring, the sink buffer, or the page's old codes when the ring
+forgot them) -- :meth:`QuantCodec.write_channel` for one token.
 
 Not fused (:func:`fusable` says why): Hadamard-rotated keys, per-channel keys with outliers,
-quantized head dims that are not a power of two, and (with ``decode=False``, e.g. prefill)
-every codec with side buffers or per-channel keys. For those the caller keeps the unfused
-path, or uses :func:`qk_rope` (norm + RoPE in one launch, ``k``/``v`` returned for the
-codec's own write).
+quantized head dims that are not a power of two, and, unless the caller asks with
+``fusable(..., decode=True)``, codecs with side buffers or per-channel keys (prefill has many
+tokens per sequence). For those the caller keeps the unfused path, or uses :func:`qk_rope`
+(norm + RoPE in one launch, ``k``/``v`` returned for the codec's own write).
 """
 
 from __future__ import annotations
@@ -292,15 +294,15 @@ def _codec_reason(codec, side: str, decode: bool) -> str | None:
     return f"{side} cache format {name or type(codec).__name__} has no fused append"
 
 
-def fusable(k_codec, v_codec, *, decode: bool = True) -> str | None:
+def fusable(k_codec, v_codec, *, decode: bool = False) -> str | None:
     """None when :func:`qk_rope_append` can write both codecs, else a one-line reason (the
     caller then keeps the unfused path, e.g. :func:`qk_rope` + ``codec.write``).
 
     Fusable: float codecs (f32/f16/bf16) and quantized codecs (int8/int4/int3/int2 with group
-    scales, fp4, per-token outliers); with ``decode`` (at most one token per sequence in a
-    call, and ``seq_rows`` given) also their sink/window side buffers and per-channel keys
-    (without outliers). Never: Hadamard-rotated keys, quantized head dims that are not a
-    power of two.
+    scales, fp4, per-token outliers). With ``decode=True`` -- the caller promises at most one
+    token per sequence in a call and passes ``positions`` and ``seq_rows`` -- also codecs with
+    sink/window side buffers and per-channel keys (without outliers). Never: Hadamard-rotated
+    keys, quantized head dims that are not a power of two.
     """
     return _codec_reason(k_codec, "K", decode) or _codec_reason(v_codec, "V", decode)
 
@@ -466,7 +468,8 @@ def qk_rope_append(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim
             even and ``<= D``; dims past ``R`` pass through. Any scaling is in the tables.
         style: "neox" (pairs ``(i, i + R/2)``) or "norm" (pairs ``(2i, 2i+1)``).
         k_codec, k_store, v_codec, v_store: the layer's codecs and stores (``codec.alloc``):
-            f32/f16/bf16 float codecs, or quantized codecs that :func:`fusable` accepts.
+            f32/f16/bf16 float codecs, or quantized codecs that :func:`fusable` accepts
+            (with ``decode=True`` when ``seq_rows`` is given).
         slots: int64 ``[T]`` device tensor, the cache slot of each token (per-channel keys:
             page-aligned, position ``p`` at ``block * block_size + p % block_size``).
         positions: int64 ``[T]`` device tensor of token positions; needed (with ``seq_rows``)
@@ -486,9 +489,9 @@ def qk_rope_append(qkv: torch.Tensor, *, n_heads: int, n_kv_heads: int, head_dim
     Raises:
         ValueError: shapes, dtypes, devices or styles that do not fit, missing
             ``positions``/``seq_rows`` for codecs with side buffers, or codecs that
-            :func:`fusable` rejects (with its reason).
+            ``fusable(..., decode=True)`` rejects (with its reason).
     """
-    why = fusable(k_codec, v_codec)
+    why = fusable(k_codec, v_codec, decode=True)
     if why:
         raise ValueError(f"qk_rope_append: {why}; use the unfused path")
     x3, act, cos, sin, norm = _prepare(qkv, n_heads, n_kv_heads, head_dim, v_head_dim,

@@ -185,8 +185,8 @@ def test_unfusable_codecs_say_why(kv, d, opts, what):
                                      ("int4:t", {"window": 4})])
 def test_side_buffers_need_decode_and_rows(kv, opts):
     kc, vc = _codecs(kv, 32, 32, **opts)
-    assert fusable(kc, vc) is None
-    assert "one token per sequence" in fusable(kc, vc, decode=False)
+    assert fusable(kc, vc, decode=True) is None
+    assert "one token per sequence" in fusable(kc, vc)
     qkv, kw = _inputs(1, 32, 32, "neox", None, False, 0, torch.float16, seed=1)
     with pytest.raises(ValueError, match="seq_rows"):
         qk_rope_append(qkv, k_codec=kc, k_store=kc.alloc(16, DEV), v_codec=vc,
@@ -208,7 +208,7 @@ def test_decode_steps_with_side_buffers(kv, opts):
     spec = KVSpec.parse(kv, **opts)
     kc = _make_codec(get_codec_class(spec.k.name), spec.k, HKV, d, spec, "k", 3, page)
     vc = _make_codec(get_codec_class(spec.v.name), spec.v, HKV, d, spec, "v", 3, page)
-    assert fusable(kc, vc) is None and fusable(kc, vc, decode=False) is not None
+    assert fusable(kc, vc, decode=True) is None and fusable(kc, vc) is not None
     n_slots = 3 * nb * page
     st = dict(k_store=kc.alloc(n_slots, DEV), v_store=vc.alloc(n_slots, DEV))
     ref = dict(k_store=kc.alloc(n_slots, DEV), v_store=vc.alloc(n_slots, DEV))
