@@ -73,7 +73,7 @@ def _add_rms_norm_quant_kernel(
         T, D, x_rs, d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2,
         r_rs, h_rs, q_rs, s_rs, dq_rs, eps,
         ND: tl.constexpr, HAS_W: tl.constexpr, STORE_R: tl.constexpr, STORE_H: tl.constexpr,
-        QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     rm = row < T
@@ -102,7 +102,6 @@ def _add_rms_norm_quant_kernel(
         tl.store(h_ptr + r64[:, None] * h_rs + c[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
     # ---- int8 per 32 values, the layout of quantize_act ------------------------------------
     if QUANT:
-        NB: tl.constexpr = BLOCK // 32
         h4 = tl.reshape(h, (ROWS * NB, 2, 4, 4))             # [row*block, slice, word, byte]
         rb = tl.arange(0, ROWS * NB)
         rr = (tl.program_id(0) * ROWS + rb // NB)
@@ -252,7 +251,8 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
             qq.stride(0) if hq is not None else 0, qs.stride(0) if hq is not None else 0,
             qd.stride(0) if hq is not None else 0, float(eps),
             ND=len(deltas), HAS_W=w is not None, STORE_R=residual_out is not None,
-            STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block, num_warps=warps)
+            STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block,
+            NB=block // 32, num_warps=warps)
     return residual_out, hq, hf
 
 
