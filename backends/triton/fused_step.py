@@ -75,7 +75,7 @@ class FusedDecode:
 
         if not hasattr(quant_gemv, "quant_gemv_partials"):
             raise ImportError("localmoe.kernels.quant_gemv has no quant_gemv_partials")
-        why = qk_rope_append.fusable(runner.cache.k_codec, runner.cache.v_codec)
+        why = qk_rope_append.fusable(runner.cache.k_codec, runner.cache.v_codec, decode=True)
         if why:
             raise ValueError(why)
         self.runner = runner
@@ -88,12 +88,14 @@ class FusedDecode:
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
-    def _norm_quant(x, deltas, w, eps, out, want_float=None):
-        """``(r, hq, hf)``: ``r = x + sum(deltas)`` written to ``out``; ``hq`` the int8
-        QuantAct of ``rms_norm(r) * w``; ``hf`` the normed rows in ``want_float`` (or None)."""
+    def _norm_quant(x, deltas, w, eps, out, want_float=None, quant=True):
+        """``(r, hq, hf)``: ``r = x + sum(deltas)`` written to ``out`` (may be ``x``); ``hq``
+        the int8 QuantAct of ``rms_norm(r) * w`` (None without ``quant``); ``hf`` the normed
+        rows in ``want_float`` (or None)."""
         from localmoe.kernels.fused_norm import add_rms_norm_quant
 
-        return add_rms_norm_quant(x, deltas, w, eps, residual_out=out, want_float=want_float)
+        return add_rms_norm_quant(x, deltas, w, eps, residual_out=out, want_float=want_float,
+                                  quant=quant)
 
     @staticmethod
     def _gemv(xa, lin):
@@ -143,7 +145,8 @@ class FusedDecode:
                 norm_full=bool(s.qk_norm_full), eps=eps,
                 cos=cos2.reshape(B, -1), sin=sin2.reshape(B, -1), style=s.rope_style,
                 k_codec=c.k_codec, k_store=c.k_stores[i], v_codec=c.v_codec,
-                v_store=c.v_stores[i], slots=slots, positions=positions, q_dtype=m.dtype)
+                v_store=c.v_stores[i], slots=slots, positions=positions, seq_rows=rows,
+                q_dtype=m.dtype)
             o = decode_attention(
                 q, c.k_codec, c.k_stores[i], c.v_codec, c.v_stores[i], block_table, lens,
                 page_size=c.block_size, sm_scale=m.scale, seq_rows=rows,
@@ -156,6 +159,75 @@ class FusedDecode:
             deltas = self._ffn(i, L, hq, hf)
         _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, self.res[buf][:B])
         return self._head(hq)
+
+    # -- prefill of a new sequence (the body of the prefill graphs) ---------------------------
+    def prefill(self, tokens, positions, slots, last) -> torch.Tensor:
+        """Logits ``[1, vocab]`` float32 of the token at index ``last`` after a prompt that
+        starts a sequence (positions ``0 .. P-1``; causal attention among the new tokens only,
+        so nothing is read from the cache), its K/V written at ``slots``. Tokens past ``last``
+        are padding: their K/V land in slots the sequence reserved but does not count yet (its
+        next tokens overwrite them before anything reads them) and causality keeps them out of
+        the real tokens' attention.
+
+        Args:
+            tokens, positions, slots: int64 ``[P]`` device tensors; last: int64 ``[1]``.
+        """
+        from localmoe.kernels.qk_rope_append import qk_rope
+
+        r = self.runner
+        m, c, s = r.model, r.cache, r.spec
+        eps = s.norm_eps
+        n = tokens.shape[0]
+        x = m.embed(tokens)
+        deltas: list = []
+        ropes = m.layer_rope_tables(positions)
+        for i in range(s.n_layers):
+            L = m.layers[i]
+            x, _, h = self._norm_quant(x, deltas, L["attn_norm"], eps, x, quant=False,
+                                       want_float=m.dtype)
+            cos2, sin2 = ropes[i][0], ropes[i][1]
+            q, k, v = qk_rope(
+                L["wqkv"](h), n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
+                v_head_dim=s.v_head_dim, bias=L.get("bqkv"), q_norm_w=L.get("attn_q_norm"),
+                k_norm_w=L.get("attn_k_norm"), norm_full=bool(s.qk_norm_full), eps=eps,
+                cos=cos2.reshape(n, -1), sin=sin2.reshape(n, -1), style=s.rope_style,
+                q_dtype=m.dtype)
+            kv = []
+            for store, t in ((c.k_stores[i], k), (c.v_stores[i], v)):
+                t = t.to(store["data"].dtype)
+                store["data"].index_copy_(0, slots, t)
+                kv.append(t.to(q.dtype))     # attend over what the cache holds (as decode will)
+            k, v = kv
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=m.scale, enable_gqa=s.n_heads != s.n_kv_heads)
+            o = L["wo"](o[0].transpose(0, 1).reshape(n, -1))
+            x, _, h = self._norm_quant(x, [o], L["ffn_norm"], eps, x, quant=False,
+                                       want_float=m.dtype)
+            deltas = self._ffn_prefill(i, L, h)
+        _, _, h = self._norm_quant(x, deltas, m.output_norm, eps, None, quant=False,
+                                   want_float=m.dtype)
+        return m.logits(h.index_select(0, last))
+
+    def _ffn_prefill(self, i: int, L: dict, h) -> list:
+        """The FFN/MoE outputs of layer ``i`` for many tokens (``h [P, D]`` normed)."""
+        from localmoe.kernels.quant_gemm import moe_prefill
+        from localmoe.model.routing import shared_expert_gate
+
+        m = self.runner.model
+        if "router" not in L:
+            return [m._glu(i, h, "gate_up", "down")]
+        moe = m.moe
+        w, ids = moe.route(i, h)
+        ex = m.experts
+        out = [moe_prefill(h, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slot_of[i],
+                           activation=moe.activation)]
+        if "sh_gate_up" in L:
+            sh = m._glu(i, h, "sh_gate_up", "sh_down")
+            if "sh_gate" in L:
+                sh = sh * shared_expert_gate(h, L["sh_gate"])
+            out.append(sh)
+        return out
 
     def _ffn(self, i: int, L: dict, hq, hf) -> list:
         """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed

@@ -23,6 +23,7 @@ positions), and non-CUDA devices.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ def static_unavailable(runner) -> str | None:
     if m.experts is not None and type(m.moe).__name__ != "TritonMoE":
         return "the MoE layers read expert ids on the host (weights not quantized)"
     c = runner.cache
+    if runner.fused is not None:        # its K/V append takes positions and rows on the device
+        return None
     for codec in (c.k_codec, c.v_codec):
         if _has_extras(codec) or getattr(codec, "channel", False):
             return "KV side buffers (sinks, window, outliers, rotation or per-channel keys)"
@@ -184,6 +187,110 @@ class DecodeGraphs:
                 return out
             g.graph = graph
             self.captures += 1
+            return out
+        g.graph.replay()
+        g.replays += 1
+        self.replays += 1
+        return g.out
+
+
+#: prompts of a new sequence up to this many tokens prefill through a graph
+MAX_PREFILL = 4096
+MIN_PREFILL_BUCKET = 64
+
+
+def prefill_unavailable(runner) -> str | None:
+    """Why a new sequence's prompt cannot prefill through :class:`PrefillGraphs`, or None."""
+    if runner.fused is None:
+        return "no fused step"
+    c = runner.cache
+    if "data" not in c.k_stores[0] or "data" not in c.v_stores[0]:
+        return "a quantized KV cache (prefill graphs write float K/V)"
+    m = runner.model
+    if any(m.layer_window(i) for i in range(m.spec.n_layers)):
+        return "sliding-window layers"
+    return None
+
+
+class PrefillGraphs:
+    """CUDA graphs of the prompt of a new sequence (position 0 on), one per length bucket
+    (powers of two from 64 to :data:`MAX_PREFILL`, at most ``n_ctx``): the prompt is padded to
+    its bucket and run through :meth:`~localmoe.backends.triton.fused_step.FusedDecode.prefill`.
+    A 512-token prefill launches ~3,000 kernels eagerly (the host, not the GPU, bounds it); a
+    replay costs the GPU work alone. Captured on first use of a bucket (an eager run first, then
+    the capture, logged); a failed capture logs one warning and prompts go back to the eager
+    path.
+
+    Args:
+        runner: the runner (its fused step, cache, ``n_ctx``).
+        pool: the CUDA graph memory pool to share (the decode graphs').
+    """
+
+    def __init__(self, runner, pool=None):
+        self.runner = runner
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, _Graph] = {}
+        self.max_tokens = min(MAX_PREFILL, runner.n_ctx)
+        self.captures = 0
+        self.replays = 0
+        self.failed: str | None = None
+
+    def usable(self, batch: list[tuple[int, list[int]]]) -> bool:
+        """One sequence, empty so far, whose prompt fits a bucket."""
+        if len(batch) != 1 or self.failed:
+            return False
+        sid, toks = batch[0]
+        return (self.runner.cache.seq_len(sid) == 0 and 1 < len(toks)
+                and self.bucket(len(toks)) <= self.max_tokens)
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        b = MIN_PREFILL_BUCKET
+        while b < n:
+            b *= 2
+        return b
+
+    def _step(self, g: _Graph) -> torch.Tensor:
+        d, p = g.dev_staging, g.batch
+        return self.runner.fused.prefill(d[:p], d[p:2 * p], d[2 * p:3 * p], d[3 * p:3 * p + 1])
+
+    def run(self, sid: int, toks: list[int]) -> torch.Tensor:
+        """Logits ``[1, vocab]`` float32 (device) after ``toks``, the first tokens of ``sid``
+        (checked and reserved by the caller; the caller commits them)."""
+        c = self.runner.cache
+        n = len(toks)
+        p = self.bucket(n)
+        c.reserve(sid, p)               # the padding's slots: overwritten by later tokens
+        g = self.graphs.get(p)
+        if g is None:
+            dev = torch.device(self.runner.device)
+            staging = torch.zeros(3 * p + 1, dtype=torch.int64).pin_memory()
+            g = self.graphs[p] = _Graph(p, p, staging, torch.zeros_like(staging, device=dev))
+        s = g.staging
+        s[:n] = torch.tensor(toks, dtype=torch.int64)
+        s[n:p] = int(toks[-1])
+        s[p:2 * p] = torch.arange(p)
+        table = torch.tensor(c.host_block_table(sid), dtype=torch.int64)
+        pos = torch.arange(p)
+        s[2 * p:3 * p] = table[pos // c.block_size] * c.block_size + pos % c.block_size
+        s[3 * p] = n - 1
+        g.dev_staging.copy_(s, non_blocking=True)
+        if g.graph is None:
+            out = self._step(g)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    g.out = self._step(g)
+            except Exception as e:  # driver or memory: prompts go back to the eager path
+                self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+                log.warning("prefill CUDA graph %s; prefilling eagerly from now on", self.failed)
+                self.graphs.pop(p, None)
+                return out
+            g.graph = graph
+            self.captures += 1
+            log.info("captured the %d-token prefill graph in %.2f s", p, time.perf_counter() - t)
             return out
         g.graph.replay()
         g.replays += 1

@@ -164,6 +164,14 @@ class TritonRunner(CacheSequences):
             # no graphs (not wanted, or not CUDA): the fused step runs eagerly on the buffers
             self.graphs = DecodeGraphs(self, capture=why is None)
         self.graphs_off = why or static
+        from localmoe.backends.triton.graphs import PrefillGraphs, prefill_unavailable
+
+        self.prefill_graphs = None
+        self.prefill_graphs_off = (why or static or prefill_unavailable(self)
+                                   or ("LOCALMOE_PREFILL_GRAPHS=0" if os.environ.get(
+                                       "LOCALMOE_PREFILL_GRAPHS", "1") == "0" else None))
+        if self.prefill_graphs_off is None:
+            self.prefill_graphs = PrefillGraphs(self, pool=self.graphs.pool)
 
     def _forward(self, batch, all_logits: bool, on_device: bool = False) -> list[torch.Tensor]:
         from localmoe.backends.triton.graphs import MAX_BATCH
@@ -171,6 +179,17 @@ class TritonRunner(CacheSequences):
         if (self.graphs is not None and not all_logits and len(batch) <= MAX_BATCH
                 and all(len(t) == 1 for _, t in batch)):
             return self._graph_forward(batch, on_device)
+        pg = self.prefill_graphs
+        if pg is not None and not all_logits and pg.usable(batch):
+            with torch.inference_mode():
+                prepare_batch(self.model, self.cache, self.n_ctx, batch)
+                (sid, toks), = batch
+                logits = pg.run(sid, toks)
+                if pg.failed:
+                    self.prefill_graphs, self.prefill_graphs_off = None, pg.failed
+                self.cache.commit(sid, len(toks))
+                self.tokens_processed += len(toks)
+                return [logits[0].clone() if on_device else logits[0].cpu()]
         out, n = run_batch(self.model, self.cache, self.n_ctx, batch, self.attention_layer,
                            all_logits)
         self.tokens_processed += n
@@ -278,6 +297,9 @@ class TritonRunner(CacheSequences):
         out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays}
                               if g is not None and g.capture else f"off ({self.graphs_off})")
         out["fused_step"] = "on" if self.fused is not None else f"off ({self.fused_off})"
+        pg = self.prefill_graphs
+        out["prefill_graphs"] = ({"captured": pg.captures, "replays": pg.replays}
+                                 if pg is not None else f"off ({self.prefill_graphs_off})")
         return out
 
     def close(self) -> None:
@@ -286,3 +308,4 @@ class TritonRunner(CacheSequences):
         self.cache = None
         self.ref = None
         self.graphs = None
+        self.prefill_graphs = None
