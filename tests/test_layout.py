@@ -27,7 +27,7 @@ ALLOWED = {
     "models": {"io"},
     "model": {"io", "cpu", "models", "kernels"},
     "backends": {"io", "kv", "cpu", "kernels", "model", "models"},
-    "engine": {"io", "text", "kv", "backends"},
+    "engine": {"io", "text", "kv", "kernels", "backends"},  # kernels: the GPU sampler
     "openai": {"engine", "text"},
     "api": {"engine", "io", "openai"},
     "serve": {"api", "openai", "engine", "backends", "io", "text", "kv"},

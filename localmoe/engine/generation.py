@@ -7,7 +7,8 @@
     held-back text
 
 A grammar (``params.grammar``: JSON schema, JSON object, tool calls) masks the logits of every
-step on the host, so it works the same on every backend; when the grammar is complete and
+step, so it works the same on every backend: on the host for the NumPy sampler, as a packed
+bitmask uploaded to the GPU sampler when the runner returns CUDA logits; when the grammar is complete and
 allows nothing but an end-of-generation token, the generation ends there (finish ``"stop"``)
 without another forward pass. A cut by ``max_tokens`` or the context end inside the grammar
 leaves incomplete output with finish ``"length"``.
@@ -182,8 +183,12 @@ class Generation:
             if self._cancelled():
                 self.finish = "cancelled"
                 return
+            # a sampler on the GPU takes the grammar engine's packed bitmask as it is (no
+            # unpacking on the host); the NumPy sampler takes the bool mask
+            mask_fn = None if cons is None else (
+                cons.allowed_bits if self.sampler.uses_device(logits) else cons.allowed)
             if cons is not None:
-                allowed = next_allowed if next_allowed is not None else cons.allowed()
+                allowed = next_allowed if next_allowed is not None else mask_fn()
                 next_allowed = None
             else:
                 allowed = None
@@ -220,7 +225,7 @@ class Generation:
                 # the next mask is computed while the model computes the next logits (the
                 # grammar engine and the backends release the GIL): on a GPU the mask then
                 # costs no time per token
-                pending = _MASK_POOL.submit(cons.allowed)
+                pending = _MASK_POOL.submit(mask_fn)
                 try:
                     logits = eng.runner.forward([(eng._seq, [t_id])])[0]
                 except BaseException:

@@ -29,6 +29,19 @@ Sampler order (the same chain as llama.cpp's default sampler, minus DRY/XTC/typi
 Non-finite logits are handled: NaN counts as -inf; if nothing finite remains the sampler falls
 back to the argmax of the raw logits with NaN removed, so it never returns an out-of-range id
 or raises.
+
+**On the device.** When the logits are a CUDA tensor (the triton runner's), the same chain runs
+on the GPU (:mod:`localmoe.kernels.sampling`): penalties from per-token counts kept on the
+device (built from the history at the first call, then updated by one token in and one out
+per step), the bias uploaded once, the grammar mask uploaded per step as a packed bitmask
+(``ceil(vocab/32)`` int32 words through a pinned buffer), and only the sampled id (with its
+log-probability when asked) read back. Greedy ids are identical to the NumPy path; random
+draws follow the same distribution but use a Philox stream keyed by the seed, so a seeded
+request samples other tokens on a GPU than on the CPU (each reproducible on its own).
+``top_logprobs`` still moves the processed row to the host. ``Sampler(device_sampling=True)``
+or ``$LOCALMOE_DEVICE_SAMPLING=1`` forces that path for CPU tensors too (the Triton
+interpreter under ``TRITON_INTERPRET=1``, else the kernels' torch twin); ``False`` / ``0``
+keeps every call on the NumPy path.
 """
 
 from __future__ import annotations
@@ -281,13 +294,17 @@ class Sampler:
         vocab_size: number of token ids; logits may be longer (padded vocabularies) -- the
             extra positions are never sampled.
         exempt_ids: ids the penalties never touch (end-of-turn and control tokens).
+        device_sampling: None = on the device when the logits are a CUDA tensor (default;
+            ``$LOCALMOE_DEVICE_SAMPLING`` 1/0 overrides it); True = always the device path
+            (CPU tensors and arrays included); False = always the NumPy path.
     Raises:
         InvalidRequestError: bad params, or a ``logit_bias`` id >= vocab_size.
     """
 
     _TOP_P_PARTIAL = 512
 
-    def __init__(self, params: SamplingParams, vocab_size: int, exempt_ids: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, vocab_size: int, exempt_ids: Iterable[int] = (),
+                 device_sampling: bool | None = None):
         self.params = params.validate()
         self.vocab_size = int(vocab_size)
         self.exempt_ids = frozenset(int(i) for i in exempt_ids if 0 <= int(i) < self.vocab_size)
@@ -307,6 +324,22 @@ class Sampler:
         self.last_logprob: TokenLogprob | None = None
         self.rng = np.random.Generator(np.random.PCG64(seed & ((1 << 128) - 1) if seed >= 0
                                                        else (-seed) | (1 << 127)))
+        if device_sampling is None:
+            env = os.environ.get("LOCALMOE_DEVICE_SAMPLING", "")
+            device_sampling = True if env == "1" else False if env == "0" else None
+        self.device_sampling = device_sampling
+        self._dev: _DeviceState | None = None
+
+    def uses_device(self, logits) -> bool:
+        """Whether :meth:`sample` takes the device path for ``logits`` (see ``device_sampling``;
+        logits shorter than the vocabulary always take the NumPy path)."""
+        if self.device_sampling is False:
+            return False
+        if isinstance(logits, torch.Tensor):
+            if logits.numel() < self.vocab_size:
+                return False
+            return bool(self.device_sampling) or logits.is_cuda
+        return bool(self.device_sampling) and np.size(logits) >= self.vocab_size
 
     # -- steps ---------------------------------------------------------------------------------
     def apply_penalties(self, logits, history: Sequence[int]):
@@ -337,18 +370,55 @@ class Sampler:
         """Pick the next token id.
 
         Args:
-            logits: ``[vocab]`` (or ``[1, vocab]``) float tensor / NumPy array, any float dtype.
+            logits: ``[vocab]`` (or ``[1, vocab]``) float tensor / NumPy array, any float dtype;
+                a CUDA tensor is sampled on its GPU (see the module docstring).
             history: token ids so far (prompt + generated), for the penalties.
-            allowed: None, or a bool ``[vocab_size]`` NumPy mask (a grammar's next step):
-                only True ids can be picked (if it allows none, the lowest id is returned).
+            allowed: None, or a grammar's next step: a bool ``[vocab_size]`` NumPy mask, or the
+                same packed as int32 ``[ceil(vocab_size/32)]`` words (bit ``i % 32`` of word
+                ``i // 32`` = token ``i``, :meth:`Constraint.allowed_bits
+                <localmoe.text.grammar.Constraint.allowed_bits>`): only allowed ids can be
+                picked (if it allows none, the lowest id is returned).
         Returns:
             token id in ``[0, vocab_size)``. With ``params.logprobs`` set, its
             :class:`TokenLogprob` is in :attr:`last_logprob` afterwards.
         """
+        if self.uses_device(logits):
+            return self._sample_device(logits, history, allowed)
+        if allowed is not None:
+            allowed = _bool_mask(allowed, self.vocab_size)
         x, nan = self._processed(logits, history, allowed)
         t = self._pick(x, nan, allowed)
         if self.params.logprobs is not None:
             self.last_logprob = token_logprob(x, t, self.params.logprobs)
+        return t
+
+    def _sample_device(self, logits, history, allowed) -> int:
+        """:meth:`sample` on the logits' device (one read of the id, and of its logprob)."""
+        from localmoe.kernels.sampling import sample_device
+
+        x = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits))
+        x = x.detach().reshape(1, -1)
+        if not x.is_floating_point():
+            x = x.float()
+        st = self._dev
+        if st is None or st.device != x.device:
+            st = self._dev = _DeviceState(self, x.device)
+        counts = st.counts_for(history) if st.params.has_penalties else None
+        bits = st.upload_mask(allowed) if allowed is not None else None
+        n_top = self.params.logprobs
+        out = sample_device(x, st.params, counts=counts, bitmask=bits,
+                            want_logprobs=n_top is not None, want_processed=bool(n_top))
+        if n_top:  # top_logprobs: the processed row on the host, as the NumPy path reports
+            row = out.processed[0].cpu().numpy()
+            t = int(out.ids[0])
+            self.last_logprob = token_logprob(row, t, n_top)
+        elif n_top is not None:
+            t, lp = torch.stack([out.ids[0].double(), out.logprobs[0].double()]).tolist()
+            t = int(t)
+            self.last_logprob = TokenLogprob(t, lp if math.isfinite(lp) else -math.inf, [])
+        else:
+            t = int(out.ids[0])
+        st.seen(history, t)
         return t
 
     def _processed(self, logits, history, allowed):
@@ -442,6 +512,86 @@ class Sampler:
             return int(np.argmax(vals))
         u = self.rng.random() * total
         return int(min(np.searchsorted(c, u, side="right"), vals.size - 1))
+
+
+class _DeviceState:
+    """A :class:`Sampler`'s tensors on one device: the parameters, the penalty window's token
+    counts and the buffers the grammar mask and the count updates travel through."""
+
+    def __init__(self, sampler: Sampler, device: torch.device):
+        from localmoe.kernels.sampling import DeviceSamplingParams
+
+        self.sampler = sampler
+        self.device = device
+        self.vocab = v = sampler.vocab_size
+        self.params = DeviceSamplingParams.build([sampler.params], v, device,
+                                                 seeds=[sampler.seed])
+        pin = device.type == "cuda"
+        self.words = (v + 31) // 32
+        self.bits_host = torch.zeros((1, self.words), dtype=torch.int32, pin_memory=pin)
+        self.bits_dev = (torch.empty((1, self.words), dtype=torch.int32, device=device)
+                         if pin else None)
+        self.small_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.counts: torch.Tensor | None = None
+        self.hist_len = -1
+        self.last_id: int | None = None
+
+    def upload_mask(self, allowed) -> torch.Tensor:
+        """The grammar mask (bool or packed, see :meth:`Sampler.sample`) as an int32
+        ``[1, words]`` tensor on the device (copied without waiting for the stream)."""
+        a = np.asarray(allowed)
+        if a.dtype == bool:
+            from localmoe.kernels.sampling import pack_mask
+
+            a = pack_mask(a[: self.vocab])
+        a = a.reshape(-1).view(np.int32)
+        n = min(self.words, a.size)
+        h = self.bits_host.numpy()
+        h[0, :n] = a[:n]
+        if n < self.words:
+            h[0, n:] = 0
+        if self.bits_dev is None:
+            return self.bits_host
+        return self.bits_dev.copy_(self.bits_host, non_blocking=True)
+
+    def counts_for(self, history: Sequence[int]) -> torch.Tensor:
+        """The window counts for ``history``: updated by one token in and one out when the
+        history is the last one plus the token sampled then, else rebuilt."""
+        from localmoe.kernels.sampling import counts_from_history, update_counts
+
+        s, n = self.sampler, len(history)
+        win = s.params.repeat_last_n
+        if (self.counts is not None and self.last_id is not None and n == self.hist_len + 1
+                and int(history[-1]) == self.last_id):
+            new = self._countable(history[-1])
+            out = self._countable(history[n - 1 - win]) if 0 < win < n else -1
+            if new >= 0 or out >= 0:
+                self.small_host[0], self.small_host[1] = new, out
+                d = self.small_host.to(self.device, non_blocking=True)
+                update_counts(self.counts, d[0:1], d[1:2])
+        else:
+            self.counts = counts_from_history([history], self.vocab, win, s.exempt_ids,
+                                              self.device).contiguous()
+        self.hist_len = n
+        return self.counts
+
+    def _countable(self, tid) -> int:
+        t = int(tid)
+        return t if 0 <= t < self.vocab and t not in self.sampler.exempt_ids else -1
+
+    def seen(self, history: Sequence[int], token_id: int) -> None:
+        """Record the call (the next history is expected to be this one plus ``token_id``)."""
+        self.hist_len = len(history)
+        self.last_id = int(token_id)
+
+
+def _bool_mask(allowed, vocab_size: int) -> np.ndarray:
+    """``allowed`` as a bool mask: packed int32 words are unpacked to ``vocab_size`` entries."""
+    a = np.asarray(allowed)
+    if a.dtype == bool:
+        return a
+    bits = np.unpackbits(a.reshape(-1).view(np.uint8), bitorder="little")[:vocab_size]
+    return bits.view(bool)
 
 
 def _top_m(x, m: int, xmax: float):

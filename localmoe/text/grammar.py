@@ -504,16 +504,34 @@ class Constraint:
                 allows (a pathological schema); the generation cannot go on.
         """
         t0 = time.perf_counter()
+        self._compute()
+        ok = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size]
+        self.mask_s += time.perf_counter() - t0
+        self.n_masks += 1
+        return ok.view(bool)
+
+    def allowed_bits(self) -> np.ndarray:
+        """The next step's mask packed as the grammar engine computes it (no unpacking; what
+        the GPU sampler uploads): int32 ``[ceil(vocab_size/32)]``, bit ``i % 32`` of word
+        ``i // 32`` set = token ``i`` may be sampled; a new array.
+
+        Raises:
+            InvalidRequestError: as :meth:`allowed`.
+        """
+        t0 = time.perf_counter()
+        self._compute()
+        out = self._bits.copy()
+        self.mask_s += time.perf_counter() - t0
+        self.n_masks += 1
+        return out
+
+    def _compute(self) -> None:
         self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self.m.is_error():
             raise InvalidRequestError(
                 f"the schema's grammar could not compute the next token: "
                 f"{_one_line(self.m.get_error())[:200]}; simplify the schema",
                 param="response_format")
-        ok = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size]
-        self.mask_s += time.perf_counter() - t0
-        self.n_masks += 1
-        return ok.view(bool)
 
     def accept(self, token_id: int) -> bool:
         """Advance by the sampled token; False when the grammar refused it (the generation
