@@ -12,6 +12,13 @@ and the per-token cost of the grammar mask against the time per output token.
   of the same generations; and the TPOT of unconstrained replies to the same prompts.
 * ``overlap``: TPOT with the next mask computed during the forward pass (as the engine does)
   against computing it after the forward pass, on the same greedy tokens.
+* ``device`` (with CUDA, in ``mask``): the mask on the GPU sampler's path, replaying the same
+  constrained replies: the host work (``Constraint.allowed_bits``, no unpacking; the engine
+  overlaps it with the forward pass) and the sampler's extra time per token with the packed
+  bitmask uploaded and applied in the kernel against the same sampler without a mask
+  (``Sampler`` on CUDA logits of the model's vocabulary, timed to the id read), as a share of
+  the constrained TPOT.  Whether the engine itself sampled on the GPU is recorded
+  (``device_sampling``: the runner returns CUDA logits).
 
 Run: ``python benchmarks/bench_structured.py --model smollm2 --n 100
 --out benchmarks/results/structured_smollm2_cpu.json`` (``LOCALMOE_HOME`` as for the tests).
@@ -107,7 +114,7 @@ def run_mask(llm, n: int, max_tokens: int) -> dict:
     from localmoe.text.grammar import Grammar
 
     tok = llm.tokenizer
-    mask_us, tpot_c, tpot_free = [], [], []
+    mask_us, tpot_c, tpot_free, replies = [], [], [], []
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(tok.vocab_size).astype(np.float32)
     for k in range(n):
@@ -121,6 +128,7 @@ def run_mask(llm, n: int, max_tokens: int) -> dict:
                             max_tokens=max(r.completion_tokens, 2))
         if free.completion_tokens > 1:
             tpot_free.append(free.timings.tpot_ms)
+        replies.append((schema, list(r.token_ids)))
         c = Grammar.json_schema(tok, schema).start()
         for t in r.token_ids:
             t0 = time.perf_counter()
@@ -145,7 +153,59 @@ def run_mask(llm, n: int, max_tokens: int) -> dict:
            "tpot_ms_unconstrained_median": round(statistics.median(tpot_free), 2),
            "overhead_pct_of_tpot": round(100 * per_tok / 1000 / tpot, 3)}
     print("mask", res, flush=True)
+    import torch
+
+    if torch.cuda.is_available():
+        res["device"] = run_mask_device(tok, replies, tpot)
+        print("mask device", res["device"], flush=True)
     return res
+
+
+def run_mask_device(tok, replies, tpot_ms: float) -> dict:
+    """The grammar mask's cost on the GPU sampler's path (see the module docstring)."""
+    import numpy as np
+    import torch
+
+    from localmoe.engine.sampling import Sampler, SamplingParams
+    from localmoe.text.grammar import Grammar
+
+    V = tok.vocab_size
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal(V).astype(np.float32)).cuda()
+    p = SamplingParams(temperature=1.0, seed=0)  # the engine's defaults: top_k 40, min_p
+    plain = Sampler(p, V, device_sampling=True)
+    masked = Sampler(p, V, device_sampling=True)
+    hist = [1, 2, 3]
+    for _ in range(20):  # compile and warm up both
+        plain.sample(x, hist)
+        masked.sample(x, hist, np.full((V + 31) // 32, -1, dtype=np.int32))
+    bits_us, plain_us, masked_us = [], [], []
+    for schema, ids in replies:
+        c = Grammar.json_schema(tok, schema).start()
+        for t in ids:
+            t0 = time.perf_counter()
+            bits = c.allowed_bits()
+            bits_us.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            plain.sample(x, hist)
+            t1 = time.perf_counter()
+            masked.sample(x, hist, bits)
+            t2 = time.perf_counter()
+            plain_us.append((t1 - t0) * 1e6)
+            masked_us.append((t2 - t1) * 1e6)
+            if not c.accept(t):
+                break
+    extra = statistics.median(masked_us) - statistics.median(plain_us)
+    return {"tokens": len(bits_us), "vocab": V,
+            "allowed_bits_us_mean": round(statistics.mean(bits_us), 1),
+            "allowed_bits_us_p50": round(statistics.median(bits_us), 1),
+            "sample_us_p50_no_mask": round(statistics.median(plain_us), 1),
+            "sample_us_p50_with_mask": round(statistics.median(masked_us), 1),
+            "mask_extra_us_in_sampler": round(extra, 1),
+            "overhead_pct_of_tpot_if_overlapped": round(100 * extra / 1000 / tpot_ms, 3),
+            "overhead_pct_of_tpot_if_not_overlapped": round(
+                100 * (extra + statistics.mean(bits_us)) / 1000 / tpot_ms, 3)}
 
 
 def run_overlap(llm, repeats: int) -> dict:
@@ -181,6 +241,25 @@ def run_overlap(llm, repeats: int) -> dict:
     return res
 
 
+def _engine_samples_on_device(llm) -> bool:
+    """Whether the engine's sampler takes the GPU path (the runner returns CUDA logits)."""
+    from localmoe.engine import sampling
+
+    seen = []
+    orig = sampling.Sampler.uses_device
+
+    def probe(self, logits):
+        seen.append(orig(self, logits))
+        return seen[-1]
+
+    sampling.Sampler.uses_device = probe
+    try:
+        llm.generate("Hi", raw=True, max_tokens=2, temperature=0)
+    finally:
+        sampling.Sampler.uses_device = orig
+    return any(seen)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -199,7 +278,8 @@ def main() -> None:
     res = {"machine": platform.node() or "vm", "cpu": platform.machine(),
            "cpu_count": os.cpu_count(), "load_avg_start": list(os.getloadavg()),
            "command": "python " + " ".join(sys.argv), "model": a.model,
-           "backend": llm.backend_name, "max_tokens": MAX_TOKENS}
+           "backend": llm.backend_name, "max_tokens": MAX_TOKENS,
+           "device_sampling": _engine_samples_on_device(llm)}
     parts = a.parts.split(",")
     if "schemas" in parts:
         res["schemas"] = run_schemas(llm, a.n, MAX_TOKENS)

@@ -477,7 +477,8 @@ def _launch_opts(x: torch.Tensor) -> dict:
 
 def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
                   counts: torch.Tensor | None = None, bitmask: torch.Tensor | None = None,
-                  want_logprobs: bool = False, want_processed: bool = False) -> DeviceSample:
+                  want_logprobs: bool = False, want_processed: bool = False,
+                  workspace: dict | None = None) -> DeviceSample:
     """Sample one token per row on the logits' device (the chain in the module docstring).
 
     Args:
@@ -490,6 +491,8 @@ def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
         bitmask: int32 ``[B, ceil(V/32)]`` grammar mask, or None.
         want_logprobs: also return each id's log-probability.
         want_processed: also return the processed logits (for ``top_logprobs`` on the host).
+        workspace: a dict the call keeps its buffers in between calls (no allocations per
+            step); the returned tensors are then overwritten by the next call with it.
     Returns:
         :class:`DeviceSample`; nothing is synchronized (read ``ids`` when needed).
     Raises:
@@ -507,13 +510,24 @@ def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
     S = triton.cdiv(V, BLOCK)
     SB = triton.next_power_of_2(S)
     write_x = params.stochastic or want_processed
-    xp = torch.empty((B, V), dtype=torch.float32, device=dev) if write_x else x
-    f32 = dict(dtype=torch.float32, device=dev)
-    i32 = dict(dtype=torch.int32, device=dev)
-    pmax, psum = torch.empty((B, S), **f32), torch.empty((B, S), **f32)
-    parg, pfirst, pok = (torch.empty((B, S), **i32) for _ in range(3))
-    ids = torch.empty(B, dtype=torch.int64, device=dev)
-    lp, m, lse = (torch.empty(B, **f32) for _ in range(3))
+    ws = workspace if workspace is not None else {}
+    key = (B, V, dev)
+    if ws.get("key") != key:
+        ws.clear()
+        ws["key"] = key
+    f32, i32 = torch.float32, torch.int32
+
+    def buf(name, shape, dtype):
+        t = ws.get(name)
+        if t is None:
+            t = ws[name] = torch.empty(shape, dtype=dtype, device=dev)
+        return t
+
+    xp = buf("xp", (B, V), f32) if write_x else x
+    pmax, psum = buf("pmax", (B, S), f32), buf("psum", (B, S), f32)
+    parg, pfirst, pok = (buf(n, (B, S), i32) for n in ("parg", "pfirst", "pok"))
+    ids = buf("ids", (B,), torch.int64)
+    lp, m, lse = (buf(n, (B,), f32) for n in ("lp", "m", "lse"))
     has_mask = bitmask is not None
     bias = params.bias
     opts = _launch_opts(x)
@@ -529,7 +543,7 @@ def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
                          HAS_MASK=has_mask, SB=SB, num_warps=1, **opts)
     if params.stochastic:
         if params.n_cand == 0:
-            pscore, pidx = torch.empty((B, S), **f32), torch.empty((B, S), **i32)
+            pscore, pidx = buf("pscore", (B, S), f32), buf("pidx", (B, S), i32)
             _draw_part_kernel[(B, S)](xp, m, params.greedy, params.temperature, params.log_min_p,
                                       params.seed, params.step, pscore, pidx, V, S, BLOCK=BLOCK,
                                       num_warps=8, **opts)

@@ -407,7 +407,8 @@ class Sampler:
         bits = st.upload_mask(allowed) if allowed is not None else None
         n_top = self.params.logprobs
         out = sample_device(x, st.params, counts=counts, bitmask=bits,
-                            want_logprobs=n_top is not None, want_processed=bool(n_top))
+                            want_logprobs=n_top is not None, want_processed=bool(n_top),
+                            workspace=st.workspace)
         if n_top:  # top_logprobs: the processed row on the host, as the NumPy path reports
             row = out.processed[0].cpu().numpy()
             t = int(out.ids[0])
@@ -532,6 +533,7 @@ class _DeviceState:
         self.bits_dev = (torch.empty((1, self.words), dtype=torch.int32, device=device)
                          if pin else None)
         self.small_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.workspace: dict = {}  # sample_device's buffers, reused every step
         self.counts: torch.Tensor | None = None
         self.hist_len = -1
         self.last_id: int | None = None

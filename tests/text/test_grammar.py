@@ -244,3 +244,20 @@ def test_numbers_get_at_most_six_fraction_digits(tok):
     assert g.closed_objects({"type": "number", "multipleOf": 0.5}) == {"type": "number",
                                                                         "multipleOf": 0.5}
     assert _walk(tok, exact, "2.5").accepting
+
+
+def test_allowed_bits_is_the_packed_mask(tok):
+    """The packed mask the GPU sampler uploads: bit i % 32 of word i // 32 = allowed()[i],
+    step after step, and it is a new array each time."""
+    gr = g.Grammar.json_schema(tok, PERSON)
+    a, b = gr.start(), gr.start()
+    n_words = (tok.vocab_size + 31) // 32
+    prev = None
+    for t in tok.encode('{"name": "Al', add_special=False):
+        bits = a.allowed_bits()
+        assert bits.dtype == np.int32 and bits.shape == (n_words,)
+        unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little")[: tok.vocab_size]
+        assert np.array_equal(unpacked.astype(bool), b.allowed())
+        assert prev is None or not np.array_equal(prev, bits)  # the mask does change
+        prev = bits
+        assert a.accept(t) and b.accept(t)
