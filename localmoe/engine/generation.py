@@ -58,6 +58,11 @@ class Generation:
             self.budget = min(self.budget, int(p.max_tokens))
         eog = set(getattr(tok, "eog_ids", ()) or ())
         self.sampler = Sampler(p, tok.vocab_size, exempt_ids=eog | engine._control_ids())
+        # a runner that can leave the logits on the GPU (triton) does so: the Sampler then
+        # samples there and reads back only the id (LOCALMOE_DEVICE_SAMPLING=0 turns it off)
+        self._fwd_kw = ({"on_device": True} if getattr(engine.runner, "supports_device_logits",
+                                                       False) is True
+                        and self.sampler.device_sampling is not False else {})
         self.stopper = StopChecker(tuple(p.stop or ()), eog)
         self.detok = IncrementalDetokenizer(tok)
         self.generated: list[int] = []
@@ -143,7 +148,8 @@ class Generation:
         new = self.ids[self.n_reused:]
         self.t_p0 = time.perf_counter()
         want_all = bool(getattr(self.p, "prompt_logprobs", False))
-        logits = eng.runner.forward([(eng._seq, new)], all_logits=want_all)[0]
+        logits = eng.runner.forward([(eng._seq, new)], all_logits=want_all,
+                                    **({} if want_all else self._fwd_kw))[0]
         if want_all:
             rows = logits.reshape(len(new), -1)
             self.prompt_logprobs = self._prompt_logprobs(rows)
@@ -227,13 +233,13 @@ class Generation:
                 # costs no time per token
                 pending = _MASK_POOL.submit(mask_fn)
                 try:
-                    logits = eng.runner.forward([(eng._seq, [t_id])])[0]
+                    logits = eng.runner.forward([(eng._seq, [t_id])], **self._fwd_kw)[0]
                 except BaseException:
                     _wait_quietly(pending)  # the matcher is not left in use by the pool
                     raise
                 next_allowed = pending.result()
             else:
-                logits = eng.runner.forward([(eng._seq, [t_id])])[0]
+                logits = eng.runner.forward([(eng._seq, [t_id])], **self._fwd_kw)[0]
             eng._cached.append(t_id)
 
     def _flush(self) -> Iterator[StreamEvent]:

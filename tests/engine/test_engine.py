@@ -606,3 +606,38 @@ def test_grammar_masks_the_runner_and_a_failure_still_propagates():
         llm.generate("x", temperature=0, json_schema=schema)
     r = llm.generate("x", temperature=0, json_object=True, max_tokens=40)
     assert r.text.startswith("{")
+
+
+def test_device_logits_are_asked_of_a_runner_that_can_keep_them(monkeypatch):
+    """A runner that says ``supports_device_logits`` gets ``on_device=True`` on prefill and
+    decode (the Sampler samples such logits where they are); $LOCALMOE_DEVICE_SAMPLING=0 stops
+    asking. The device path, forced on these CPU logits, gives the NumPy path's text under a
+    grammar (packed mask) and without."""
+    pytest.importorskip("llguidance")
+
+    class DeviceRunner(FakeRunner):
+        supports_device_logits = True
+
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def forward(self, batch, all_logits=False, on_device=False):
+            self.asked.append(on_device)
+            return super().forward(batch, all_logits)
+
+    runner = DeviceRunner()
+    llm = LLM.from_parts(runner, FakeTokenizer(), model_name="fake")
+    monkeypatch.delenv("LOCALMOE_DEVICE_SAMPLING", raising=False)
+    assert llm.generate("x", temperature=0).text == "Hello world😀!"
+    assert len(runner.asked) > 3 and all(runner.asked)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["n"]}
+    texts = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("LOCALMOE_DEVICE_SAMPLING", env)
+        runner.asked = []
+        texts[env] = [llm.generate("x", temperature=0, json_schema=schema, max_tokens=12).text,
+                      llm.generate("x", temperature=0, repeat_penalty=1.5, max_tokens=12).text]
+        assert any(runner.asked) == (env == "1")
+    assert texts["1"] == texts["0"] and texts["0"][0].startswith('{"n": ')
