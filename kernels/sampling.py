@@ -239,6 +239,14 @@ def update_counts(counts: torch.Tensor, ids: torch.Tensor, leaving: torch.Tensor
     Returns:
         ``counts``.
     """
+    if triton is not None and _use_triton(counts) and counts.is_contiguous():
+        B, V = counts.shape
+        ids = ids.reshape(-1).to(device=counts.device, dtype=torch.int64)
+        lv = ids if leaving is None else leaving.reshape(-1).to(device=counts.device,
+                                                                 dtype=torch.int64)
+        _update_counts_kernel[(B,)](counts, ids, lv, V, HAS_LEAVING=leaving is not None,
+                                    num_warps=1)
+        return counts
     for t, sign in ((ids, 1), (leaving, -1)):
         if t is None:
             continue
@@ -269,6 +277,18 @@ if triton is not None:
         r0, _r1, _r2, _r3 = tl.philox(seed, pos.to(tl.uint32), z, z + step_lo, z + step_hi)
         u = (r0 >> 8).to(tl.float32) * 5.9604644775390625e-08  # 24 bits: exact, in [0, 1)
         return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _update_counts_kernel(c_ptr, ids_ptr, lv_ptr, V, HAS_LEAVING: tl.constexpr):
+        b = tl.program_id(0)
+        row = c_ptr + b.to(tl.int64) * V
+        t = tl.load(ids_ptr + b)
+        if (t >= 0) & (t < V):
+            tl.store(row + t, tl.load(row + t) + 1)
+        if HAS_LEAVING:
+            t2 = tl.load(lv_ptr + b)
+            if (t2 >= 0) & (t2 < V):
+                tl.store(row + t2, tl.load(row + t2) - 1)
 
     @triton.jit
     def _prep_kernel(l_ptr, l_rs, x_ptr, c_ptr, bias_ptr, bias_rs, bits_ptr, bits_rs,

@@ -268,7 +268,12 @@ def test_the_distribution_test_can_fail(kw, wrong):
     assert stat > CHI2_999[df], (stat, df)
 
 
-def test_update_counts_slides_the_window():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_update_counts_slides_the_window(kernel, monkeypatch):
+    if not kernel:  # the torch ops the kernel stands for
+        import localmoe.kernels.sampling as ks
+
+        monkeypatch.setattr(ks, "_use_triton", lambda x: False)
     V, win = 50, 4
     hist = [1, 2, 3, 2, 5]
     c = counts_from_history([hist], V, win, exempt=(3,), device=DEV)
