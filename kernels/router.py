@@ -47,22 +47,22 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
                           EB: tl.constexpr, BD: tl.constexpr, EP: tl.constexpr,
                           TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-    # program (t, j): logits of experts j*EB .. j*EB+EB-1 of token t; the last program of
-    # token t to finish (an acq_rel counter orders the others' stores before it) routes the
-    # token and resets the counter for the next launch
+    # program (t, j): logits of experts j*EB .. j*EB+EB-1 of token t, each a contiguous row
+    # of the expert-major weight [E, D]; the last program of token t to finish (an acq_rel
+    # counter orders the others' stores before it) routes the token and resets the counter
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     eb = j * EB + tl.arange(0, EB)
     ebm = eb < E
-    acc = tl.zeros([BD, EB], dtype=tl.float32)
+    acc = tl.zeros([EB, BD], dtype=tl.float32)
     dd = tl.arange(0, BD)
     for d0 in range(0, D, BD):
         dm = (d0 + dd) < D
         h = tl.load(h_ptr + t * h_rs + d0 + dd, mask=dm, other=0.0).to(tl.float32)
-        w = tl.load(wr_ptr + (d0 + dd)[:, None].to(tl.int64) * wr_rs + eb[None, :],
-                    mask=dm[:, None] & ebm[None, :], other=0.0).to(tl.float32)
-        acc += h[:, None] * w
-    tl.store(logits_ptr + t * l_rs + eb, tl.sum(acc, axis=0), mask=ebm)
+        w = tl.load(wr_ptr + eb[:, None].to(tl.int64) * wr_rs + (d0 + dd)[None, :],
+                    mask=ebm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        acc += w * h[None, :]
+    tl.store(logits_ptr + t * l_rs + eb, tl.sum(acc, axis=1), mask=ebm)
     cnt = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
     if cnt == tl.num_programs(1) - 1:
         e = tl.arange(0, EP)
@@ -169,18 +169,21 @@ def _counters(n: int, device) -> torch.Tensor:
 
 def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating: str = "softmax",
                  norm_topk_prob: bool = False, expert_weights_scale: float = 1.0,
-                 selection_bias: torch.Tensor | None = None, experts_per_program: int = 8
+                 selection_bias: torch.Tensor | None = None, experts_per_program: int = 2
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits and routing in one launch: ``logits = h @ w_router`` in float32 (the
     matmul and :func:`router` of the unfused path, two or three launches), then the gating and
     top-k of :func:`router` on them.
 
-    Programs ``(token, expert block)`` each compute ``experts_per_program`` logits; the last
-    program of a token to finish (an acq_rel atomic counter, reset by that program) routes it.
+    Programs ``(token, expert block)`` each compute ``experts_per_program`` logits from
+    contiguous rows of the expert-major weight; the last program of a token to finish (an
+    acq_rel atomic counter, reset by that program) routes it.
 
     Args:
         h: ``[T, D]`` float router input (the FFN input after its norm), rows contiguous.
-        w_router: ``[D, E]`` float32 router weight (the model's transposed ``ffn_gate_inp``).
+        w_router: ``[D, E]`` float32 router weight whose transpose ``[E, D]`` is contiguous
+            (``ffn_gate_inp`` as stored in the file, seen transposed), or a contiguous
+            ``[D, E]`` (copied to expert-major first: slower).
         top_k, gating, norm_topk_prob, expert_weights_scale, selection_bias: as :func:`router`.
         experts_per_program: logits per program (a power of two).
     Returns:
@@ -192,10 +195,12 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         raise UnsupportedModelError(f"unknown MoE gating function {gating!r}; supported: "
                                     f"{', '.join(GATING)}")
     t, d = h.shape
-    if w_router.dim() != 2 or w_router.shape[0] != d or w_router.stride(1) != 1:
-        raise ValueError(f"router_fused: w_router must be [{d}, E] with contiguous rows, got "
-                         f"{tuple(w_router.shape)}")
-    e = w_router.shape[1]
+    if w_router.dim() != 2 or w_router.shape[0] != d:
+        raise ValueError(f"router_fused: w_router must be [{d}, E], got {tuple(w_router.shape)}")
+    wt = w_router.t()
+    if wt.stride(1) != 1:
+        wt = wt.contiguous()
+    e = wt.shape[0]
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k={top_k} must be in [1, {e}]")
     if h.stride(1) != 1:
@@ -209,9 +214,9 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
     eb = min(experts_per_program, triton.next_power_of_2(e))
     bias = selection_bias if selection_bias is not None else logits
     _router_logits_kernel[(t, triton.cdiv(e, eb))](
-        h, w_router, logits, _counters(t, dev), bias, ids, w, d, e, h.stride(0),
-        w_router.stride(0), logits.stride(0), ids.stride(0), w.stride(0),
-        float(expert_weights_scale), EB=eb, BD=max(16, min(256, 2048 // eb)),
+        h, wt, logits, _counters(t, dev), bias, ids, w, d, e, h.stride(0),
+        wt.stride(0), logits.stride(0), ids.stride(0), w.stride(0),
+        float(expert_weights_scale), EB=eb, BD=max(64, min(1024, 2048 // eb)),
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=4)

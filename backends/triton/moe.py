@@ -46,6 +46,11 @@ class TritonMoE:
                                         f"gates, not {act!r} (use --backend torch)")
         self.activation = _ACT[act]
         self.calls = 0
+        # routers expert-major ([E, D] contiguous, kept as its [D, E] view): the fused decode
+        # router reads each expert's weights as one contiguous row
+        for L in model.layers:
+            if "router" in L and L["router"].stride(0) != 1:
+                L["router"] = L["router"].t().contiguous().t()
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [N, top_k] float32, ids [N, top_k] int32)`` of ``x [N, d_model]``."""
