@@ -181,10 +181,19 @@ class Generation:
                          for i in range(1, self.n_prompt)]
 
     def _decode(self, logits) -> Iterator[StreamEvent]:
-        """Sample, stop-check, detokenize and step until a stop, the budget or a cancel."""
+        """Sample, stop-check, detokenize and step until a stop, the budget or a cancel.
+
+        With logits on the GPU (``self._fwd_kw``), the next forward pass is launched as soon
+        as the token is known not to end the generation by itself (not an end token, budget
+        and grammar not exhausted): the runner returns before the GPU finishes, so the host
+        detokenizes, checks stop strings and hands the event to the consumer while the GPU
+        computes. A stop string found then leaves that one forward unused (the runner's cache
+        and ``Engine._cached`` both hold the token, consistently).
+        """
         eng, stopper, cons = self.engine, self.stopper, self.constraint
         history = list(self.ids)
         next_allowed = None  # the mask computed during the last forward pass
+        ahead_ok = bool(self._fwd_kw)
         while True:
             if self._cancelled():
                 self.finish = "cancelled"
@@ -210,12 +219,22 @@ class Generation:
             if stopper.push_token(t_id):
                 self.finish = "stop"
                 return
-            delta = self.detok.push(t_id)
-            emit, stopped = stopper.push_text(delta) if delta else ("", False)
-            if emit:
-                self.parts.append(emit)
-                yield self._event(emit, t_id)
+            pending = None
+            ahead = (ahead_ok and len(self.generated) < self.budget
+                     and not (cons is not None and cons.done) and not self._cancelled())
+            if ahead:
+                pending, logits = self._step(t_id, mask_fn)
+            try:
+                delta = self.detok.push(t_id)
+                emit, stopped = stopper.push_text(delta) if delta else ("", False)
+                if emit:
+                    self.parts.append(emit)
+                    yield self._event(emit, t_id)
+            except BaseException:
+                _wait_quietly(pending)  # the matcher is not left in use by the pool
+                raise
             if stopped:
+                _wait_quietly(pending)
                 self.finish, self.string_stop = "stop", True
                 return
             if cons is not None and cons.done:  # complete: only an end token could follow
@@ -225,22 +244,28 @@ class Generation:
                 self.finish = "length"
                 return
             if self._cancelled():
+                _wait_quietly(pending)
                 self.finish = "cancelled"
                 return
-            if cons is not None:
-                # the next mask is computed while the model computes the next logits (the
-                # grammar engine and the backends release the GIL): on a GPU the mask then
-                # costs no time per token
-                pending = _MASK_POOL.submit(mask_fn)
-                try:
-                    logits = eng.runner.forward([(eng._seq, [t_id])], **self._fwd_kw)[0]
-                except BaseException:
-                    _wait_quietly(pending)  # the matcher is not left in use by the pool
-                    raise
+            if not ahead:
+                pending, logits = self._step(t_id, mask_fn)
+            if pending is not None:
                 next_allowed = pending.result()
-            else:
-                logits = eng.runner.forward([(eng._seq, [t_id])], **self._fwd_kw)[0]
-            eng._cached.append(t_id)
+
+    def _step(self, t_id: int, mask_fn):
+        """The forward pass of ``t_id``; with a grammar, its next mask is computed on a worker
+        thread meanwhile (the grammar engine and the backends release the GIL, so on a GPU
+        the mask costs no time per token). Returns ``(pending mask future or None, logits)``.
+        """
+        eng = self.engine
+        pending = _MASK_POOL.submit(mask_fn) if mask_fn is not None else None
+        try:
+            logits = eng.runner.forward([(eng._seq, [t_id])], **self._fwd_kw)[0]
+        except BaseException:
+            _wait_quietly(pending)  # the matcher is not left in use by the pool
+            raise
+        eng._cached.append(t_id)
+        return pending, logits
 
     def _flush(self) -> Iterator[StreamEvent]:
         """The text held back at the end (not after a stop string).
@@ -282,6 +307,8 @@ def _greedy(p: Any) -> bool:
 
 
 def _wait_quietly(fut) -> None:
+    if fut is None:
+        return
     try:
         fut.result()
     except BaseException:  # noqa: BLE001 -- the caller is raising its own error

@@ -608,23 +608,27 @@ def test_grammar_masks_the_runner_and_a_failure_still_propagates():
     assert r.text.startswith("{")
 
 
+class DeviceRunner(FakeRunner):
+    """A runner that can keep its logits on the GPU (as the triton runner): the engine asks
+    for them with ``on_device=True`` and launches the next forward ahead of detokenizing."""
+
+    supports_device_logits = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.asked = []
+
+    def forward(self, batch, all_logits=False, on_device=False):
+        self.asked.append(on_device)
+        return super().forward(batch, all_logits)
+
+
 def test_device_logits_are_asked_of_a_runner_that_can_keep_them(monkeypatch):
     """A runner that says ``supports_device_logits`` gets ``on_device=True`` on prefill and
     decode (the Sampler samples such logits where they are); $LOCALMOE_DEVICE_SAMPLING=0 stops
     asking. The device path, forced on these CPU logits, gives the NumPy path's text under a
     grammar (packed mask) and without."""
     pytest.importorskip("llguidance")
-
-    class DeviceRunner(FakeRunner):
-        supports_device_logits = True
-
-        def __init__(self):
-            super().__init__()
-            self.asked = []
-
-        def forward(self, batch, all_logits=False, on_device=False):
-            self.asked.append(on_device)
-            return super().forward(batch, all_logits)
 
     runner = DeviceRunner()
     llm = LLM.from_parts(runner, FakeTokenizer(), model_name="fake")
@@ -641,3 +645,49 @@ def test_device_logits_are_asked_of_a_runner_that_can_keep_them(monkeypatch):
                       llm.generate("x", temperature=0, repeat_penalty=1.5, max_tokens=12).text]
         assert any(runner.asked) == (env == "1")
     assert texts["1"] == texts["0"] and texts["0"][0].startswith('{"n": ')
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(stop=("o wo",)), dict(stop=("world😀",)), dict(stop=("Hello world😀!",)),
+    dict(stop=("!x",)), dict(max_tokens=3), dict(max_tokens=1)])
+def test_forward_ahead_gives_the_same_stream_and_a_consistent_cache(kw, monkeypatch):
+    """With device logits the next forward is launched before detokenizing: the events,
+    text, finish reason and tokens are those of the plain loop, and the engine's record of
+    the cached tokens matches what the runner holds (a stop string leaves one forward spent)."""
+    monkeypatch.delenv("LOCALMOE_DEVICE_SAMPLING", raising=False)
+    plain = make_llm()
+    ahead = LLM.from_parts(DeviceRunner(), FakeTokenizer(), model_name="fake")
+    out, held = [], []
+    for llm in (plain, ahead):
+        deltas, r = collect(llm.generate("x", temperature=0, stream=True, **kw))
+        out.append((deltas, r.text, r.finish_reason, r.token_ids))
+        (seq,) = llm.runner.seqs.values()
+        assert llm._cached == seq
+        held.append(len(seq))
+    assert out[0] == out[1]
+    assert all(ahead.runner.asked)
+    string_stop = out[0][2] == "stop" and out[0][3][-1] != EOS
+    assert held[1] == held[0] + string_stop  # the forward launched ahead of the stop string
+
+
+def test_forward_ahead_cancel_and_close(monkeypatch):
+    monkeypatch.delenv("LOCALMOE_DEVICE_SAMPLING", raising=False)
+    llm = LLM.from_parts(DeviceRunner(chain={}, default_next=9), FakeTokenizer(),
+                         model_name="fake")
+    cancel = threading.Event()
+    n, result = 0, None
+    for ev in llm.generate("x", temperature=0, stream=True, cancel=cancel):
+        if ev.done:
+            result = ev.result
+            break
+        n += 1
+        if n == 3:
+            cancel.set()
+    assert result.finish_reason == "cancelled" and result.completion_tokens == 3
+    it = llm.generate("x", temperature=0, stream=True)
+    next(it)
+    it.close()
+    (seq,) = llm.runner.seqs.values()
+    assert llm._cached == seq
+    r = llm.generate("x", temperature=0, max_tokens=2)
+    assert r.completion_tokens == 2 and r.text == " the the"
