@@ -190,7 +190,7 @@ class Generation:
         computes. A stop string found then leaves that one forward unused (the runner's cache
         and ``Engine._cached`` both hold the token, consistently).
         """
-        eng, stopper, cons = self.engine, self.stopper, self.constraint
+        stopper, cons = self.stopper, self.constraint
         history = list(self.ids)
         next_allowed = None  # the mask computed during the last forward pass
         ahead_ok = bool(self._fwd_kw)
