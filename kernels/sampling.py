@@ -272,10 +272,12 @@ except Exception:  # noqa: BLE001 -- no triton: the twin only
 if triton is not None:
     @triton.jit
     def _gumbel(seed, pos, step_lo, step_hi):
-        """-ln(-ln u), u uniform in [0, 1) from Philox(seed; pos, 0, step)."""
+        """-ln(-ln u), u uniform in (0, 1) from Philox(seed; pos, 0, step)."""
         z = pos.to(tl.uint32) * 0
         r0, _r1, _r2, _r3 = tl.philox(seed, pos.to(tl.uint32), z, z + step_lo, z + step_hi)
-        u = (r0 >> 8).to(tl.float32) * 5.9604644775390625e-08  # 24 bits: exact, in [0, 1)
+        # 23 bits, centred: u in [2**-24, 1 - 2**-24], exact in float32, so the noise is
+        # always finite (an allowed token never scores -inf)
+        u = ((r0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
         return -tl.log(-tl.log(u))
 
     @triton.jit
@@ -716,10 +718,10 @@ def philox_ref(seed: torch.Tensor, c0: torch.Tensor, c1, c2, c3) -> torch.Tensor
 
 def _gumbel_ref(seed: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The kernels' Gumbel noise ``-ln(-ln u)`` for positions ``pos [B, N]`` at each row's
-    step (``u`` = the top 24 bits of Philox(seed; pos, 0, step_lo, step_hi) / 2**24)."""
+    step (``u = (top 23 bits of Philox(seed; pos, 0, step_lo, step_hi) + 0.5) / 2**23``)."""
     st = step[:, None]
     r = philox_ref(seed[:, None], pos, 0, st & _M32, (st >> 32) & _M32)
-    u = (r >> 8).to(torch.float32) * 2.0 ** -24
+    u = ((r >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
     return -torch.log(-torch.log(u))
 
 
