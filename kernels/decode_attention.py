@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.launch_config import CHOICE_FIELDS, device_table
+from localmoe.kernels.quant_gemv import pack_store_blocks
 
 LOG2E = 1.4426950408889634
 
@@ -711,7 +712,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
-                          HQ: tl.constexpr, DV: tl.constexpr, SPLITS_P: tl.constexpr):
+                          Qq, Qs, Qd, q_rs, s_rs, d_rs,
+                          HQ: tl.constexpr, DV: tl.constexpr, SPLITS_P: tl.constexpr,
+                          QUANT: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // HQ
     h = pid % HQ
@@ -726,6 +729,12 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
     tot = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + dv, out)
+    if QUANT:   # also the int8 blocks of the row [H * DV] the O projection's GEMV reads
+        NB: tl.constexpr = DV // 32
+        b4 = (h * NB + tl.arange(0, NB))[:, None, None, None]
+        bl = b.to(tl.int64)
+        pack_store_blocks(tl.reshape(out, [NB, 2, 4, 4]), b4, b4 >= 0, Qq + bl * q_rs,
+                          Qs + bl * s_rs, Qd + bl * d_rs)
 
 
 def _codec_args(codec, store):
@@ -900,7 +909,7 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
                      fused_reduce: bool | None = None, waves: float | None = None,
                      v_join: bool | None = None, asm: bool | None = None,
                      sz_pre: str | None = None, maxnreg: int | None = None,
-                     swap_ab: bool | None = None) -> torch.Tensor:
+                     swap_ab: bool | None = None, quant_out=None) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached tokens.
 
     Launch options left None come from the device's launch table (:mod:`.launch_config`,
@@ -932,6 +941,10 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         swap_ab: compute the products transposed (``k @ q.T`` and ``v.T @ p.T``: the query
             heads of a kv head are the mma's N side, 8 wide, instead of M rows padded to 16),
             with query-head tiles of max(8, QPK) rows.
+        quant_out: a :class:`localmoe.kernels.quant_gemv.QuantAct` ``[B, n_heads * Dv]``
+            that also receives the output quantized to int8 blocks (the input of the O
+            projection's GEMV; written by the reduction, so no quantize launch follows;
+            ``Dv`` a multiple of 32).
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
             unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
@@ -954,13 +967,18 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
         v_join=v_join, num_stages=num_stages, fused_reduce=fused_reduce))
     if num_splits is None:
         num_splits = choose_splits(B, HKV, max_len, ch["block_n"], dev, ch["waves"])
+    if quant_out is not None and v_codec.head_dim % 32:
+        raise ValueError("quant_out needs a value head size that is a multiple of 32, got "
+                         f"{v_codec.head_dim}")
     return _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, seq_rows,
                    ch, page_size=page_size, sm_scale=sm_scale, sliding_window=sliding_window,
-                   max_len=max_len, num_splits=num_splits, asm=asm, maxnreg=maxnreg)
+                   max_len=max_len, num_splits=num_splits, asm=asm, maxnreg=maxnreg,
+                   quant_out=quant_out)
 
 
 def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, seq_rows, ch, *,
-            page_size, sm_scale, sliding_window, max_len, num_splits, asm, maxnreg):
+            page_size, sm_scale, sliding_window, max_len, num_splits, asm, maxnreg,
+            quant_out=None):
     """Allocate the split buffers and the output, run stage 1 and (unless fused) stage 2 of
     :func:`decode_attention` with the resolved choices ``ch`` and ``num_splits``."""
     B, HQ, _ = q.shape
@@ -985,11 +1003,20 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
         n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), sm_scale * LOG2E, int(sliding_window or 0), chunk,
         num_splits), meta, ch["block_n"], {} if maxnreg is None else {"maxnreg": int(maxnreg)})
+    qa = quant_out
     if not meta["FUSE"]:
+        qt = (qa.q, qa.s, qa.d, qa.q.stride(0), qa.s.stride(0), qa.d.stride(0)) if qa else \
+            (out, out, out, 0, 0, 0)
         _decode_reduce_kernel[(B * HQ,)](
-            mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1),
-            HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"],
+            mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
+            HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
         )
+    elif qa is not None:
+        from localmoe.kernels.quant_gemv import quantize_act
+
+        q2 = quantize_act(out.reshape(B, HQ * DV))
+        for dst, src in zip(qa, q2):
+            dst.copy_(src)
     return out
 
 

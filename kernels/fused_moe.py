@@ -49,7 +49,7 @@ import triton.language as tl
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.quant_gemv import (
-    QuantAct, _qtile, _quant_block, _x_rows, dequantize_act, plane_args, quantize_act,
+    QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
     quantize_act_ref, use_asm,
 )
 
@@ -106,21 +106,10 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
     # h = act(g) * u quantized like quantize_act: this program owns BN/32 whole 32-value blocks
     NB: tl.constexpr = BN // 32
     hv = tl.reshape(a * u, [NB, 2, 4, 4])                   # [block, slice, word, byte]
-    amax = tl.max(tl.max(tl.max(tl.abs(hv), axis=3, keep_dims=True), axis=2, keep_dims=True),
-                  axis=1, keep_dims=True)
-    qi = _quant_block(hv, amax)
-    i2 = tl.arange(0, 2)[None, :, None, None]
-    i4w = tl.arange(0, 4)[None, None, :, None]
-    i4b = tl.arange(0, 4)[None, None, None, :]
     b4 = (pid_n * NB + tl.arange(0, NB))[:, None, None, None]
-    bm = b4 * 32 < F
     row = pid.to(tl.int64)
-    words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)
-    tl.store(hq_ptr + row * hq_rs + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
-    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)
-    packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)
-    tl.store(hs_ptr + row * hs_rs + b4, packed, mask=bm)
-    tl.store(hd_ptr + row * hd_rs + b4, amax / 127.0, mask=bm)
+    pack_store_blocks(hv, b4, b4 * 32 < F, hq_ptr + row * hq_rs, hs_ptr + row * hs_rs,
+                      hd_ptr + row * hd_rs)
 
 
 @triton.jit

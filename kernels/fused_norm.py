@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from localmoe.kernels.quant_gemv import QuantAct, _quant_block, sum_partials
+from localmoe.kernels.quant_gemv import QuantAct, pack_store_blocks, sum_partials
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "MAX_DELTAS", "MAX_D"]
 
@@ -108,19 +108,8 @@ def _add_rms_norm_quant_kernel(
         blk = rb % NB
         bm = ((rr < T) & (blk < D // 32))[:, None, None, None]
         rr4 = rr.to(tl.int64)[:, None, None, None]
-        b4 = blk[:, None, None, None]
-        i2 = tl.arange(0, 2)[None, :, None, None]
-        i4w = tl.arange(0, 4)[None, None, :, None]
-        i4b = tl.arange(0, 4)[None, None, None, :]
-        amax = tl.max(tl.max(tl.max(tl.abs(h4), axis=3, keep_dims=True), axis=2, keep_dims=True),
-                      axis=1, keep_dims=True)
-        qi = _quant_block(h4, amax)
-        words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)        # [RB, 2, 4, 1]
-        tl.store(q_ptr + rr4 * q_rs + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
-        sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [RB, 2, 1, 1]
-        packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)      # [RB, 1, 1, 1]
-        tl.store(s_ptr + rr4 * s_rs + b4, packed, mask=bm)
-        tl.store(dq_ptr + rr4 * dq_rs + b4, amax / 127.0, mask=bm)
+        pack_store_blocks(h4, blk[:, None, None, None], bm, q_ptr + rr4 * q_rs,
+                          s_ptr + rr4 * s_rs, dq_ptr + rr4 * dq_rs)
 
 
 def _fail(msg: str):

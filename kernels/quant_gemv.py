@@ -119,6 +119,26 @@ def _quant_block(v, amax):
 
 
 @triton.jit
+def pack_store_blocks(v, b4, bm, q_row, s_row, d_row):
+    """Quantize and store 32-value blocks the :class:`QuantAct` way: ``v`` float32
+    ``[NB, 2, 4, 4]`` (block, 16-value slice, word, byte) holds blocks ``b4`` (``[NB, 1, 1, 1]``
+    block indices in the row, ``bm`` their mask); ``q_row``/``s_row``/``d_row`` point at the
+    row's code words, slice sums and scales."""
+    i2 = tl.arange(0, 2)[None, :, None, None]
+    i4w = tl.arange(0, 4)[None, None, :, None]
+    i4b = tl.arange(0, 4)[None, None, None, :]
+    amax = tl.max(tl.max(tl.max(tl.abs(v), axis=3, keep_dims=True), axis=2, keep_dims=True),
+                  axis=1, keep_dims=True)
+    qi = _quant_block(v, amax)
+    words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)   # [NB, 2, 4, 1]
+    tl.store(q_row + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
+    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [NB, 2, 1, 1]
+    packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)         # [NB, 1, 1, 1]
+    tl.store(s_row + b4, packed, mask=bm)
+    tl.store(d_row + b4, amax / 127.0, mask=bm)
+
+
+@triton.jit
 def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, xd_ptr, n_blocks, x_rs, xq_rs, xs_rs, xd_rs,
                          NB: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -129,16 +149,8 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, xd_ptr, n_blocks, x_rs, xq_rs, x
     i4b = tl.arange(0, 4)[None, None, None, :]
     b4 = blk[:, None, None, None]
     v = tl.load(x_ptr + t * x_rs + b4 * 32 + i2 * 16 + i4w * 4 + i4b, mask=bm, other=0.0)
-    v = v.to(tl.float32)                                             # [NB, slice, word, byte]
-    amax = tl.max(tl.max(tl.max(tl.abs(v), axis=3, keep_dims=True), axis=2, keep_dims=True),
-                  axis=1, keep_dims=True)
-    qi = _quant_block(v, amax)
-    words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)   # [NB, 2, 4, 1]
-    tl.store(xq_ptr + t * xq_rs + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
-    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [NB, 2, 1, 1]
-    packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)         # [NB, 1, 1, 1]
-    tl.store(xs_ptr + t * xs_rs + b4, packed, mask=bm)
-    tl.store(xd_ptr + t * xd_rs + b4, amax / 127.0, mask=bm)
+    pack_store_blocks(v.to(tl.float32), b4, bm, xq_ptr + t * xq_rs, xs_ptr + t * xs_rs,
+                      xd_ptr + t * xd_rs)
 
 
 @triton.jit

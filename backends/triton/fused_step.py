@@ -18,7 +18,8 @@ q/k/v projection                        quantized GEMV writing split-K partials 
                                         atomics): :func:`localmoe.kernels.quant_gemv.quant_gemv`
 q/k norm + RoPE + K/V append            :func:`localmoe.kernels.qk_rope_append.qk_rope_append`
 attention                               :func:`localmoe.kernels.decode_attention.decode_attention`
-O projection                            activation quant + GEMV partials
+O projection                            GEMV partials (the attention's reduction writes its int8
+                                        input blocks)
 add + RMSNorm + quant (+ fp32 copy)     :func:`add_rms_norm_quant` (the fp32 copy feeds the router)
 router logits, router                   fp32 matmul, :func:`localmoe.kernels.router.router`
 routed experts                          :func:`localmoe.kernels.fused_moe.fused_moe` (2 launches)
@@ -50,6 +51,8 @@ def unavailable(runner) -> str | None:
     s = m.spec
     if s.embed_scale or s.final_logit_softcap or s.attn_logit_softcap:
         return "embedding scale or logit soft-capping"
+    if s.d_model % 32 or s.v_head_dim % 32:
+        return "d_model or the value head size is not a multiple of 32 (int8 blocks)"
     for L in m.layers:
         if "post_attention_norm" in L or "post_ffw_norm" in L:
             return "post-attention/FFN norms"
@@ -122,7 +125,7 @@ class FusedDecode:
         """
         from localmoe.kernels.decode_attention import decode_attention
         from localmoe.kernels.qk_rope_append import qk_rope_append
-        from localmoe.kernels.quant_gemv import quantize_act
+        from localmoe.kernels.quant_gemv import QuantAct
 
         r = self.runner
         m, c, s = r.model, r.cache, r.spec
@@ -147,11 +150,13 @@ class FusedDecode:
                 k_codec=c.k_codec, k_store=c.k_stores[i], v_codec=c.v_codec,
                 v_store=c.v_stores[i], slots=slots, positions=positions, seq_rows=rows,
                 q_dtype=m.dtype)
-            o = decode_attention(
+            oq = QuantAct.empty(B, s.n_heads * s.v_head_dim, q.device)
+            decode_attention(
                 q, c.k_codec, c.k_stores[i], c.v_codec, c.v_stores[i], block_table, lens,
                 page_size=c.block_size, sm_scale=m.scale, seq_rows=rows,
-                sliding_window=m.layer_window(i) or 0, max_len=max_len, **self.attn_opts)
-            op = self._gemv(quantize_act(o.reshape(B, -1)), L["wo"])
+                sliding_window=m.layer_window(i) or 0, max_len=max_len, quant_out=oq,
+                **self.attn_opts)
+            op = self._gemv(oq, L["wo"])
             moe = "router" in L
             x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, self.res[buf][:B],
                                          want_float=torch.float32 if moe else m.dtype)

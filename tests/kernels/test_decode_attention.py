@@ -339,3 +339,26 @@ def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
         r.device, r._step = dev, 0
         assert triton_runner.TritonRunner.forward(r, []) == "out"
         assert seen[-1] == want and current[0] is None
+
+
+@pytest.mark.parametrize("fused_reduce", [False, True])
+def test_quantized_output_for_the_o_projection(fused_reduce):
+    """``quant_out`` receives the output in the int8 blocks of quantize_act (written by the
+    reduction; by a quantize launch after a fused reduce), bit for bit, and the float output
+    is unchanged."""
+    from localmoe.kernels.quant_gemv import QuantAct, quantize_act
+
+    kc, ks, vc, vs, bt, lens = _build("f16", "int4", [5, 40], 2, 32, 16)
+    q = torch.randn(2, 4, 32, device=DEV)
+    kw = dict(page_size=16, num_splits=3, block_n=16, fused_reduce=fused_reduce)
+    plain = decode_attention(q, kc, ks, vc, vs, bt, lens, **kw)
+    qa = QuantAct.empty(2, 4 * 32, DEV)
+    out = decode_attention(q, kc, ks, vc, vs, bt, lens, quant_out=qa, **kw)
+    assert torch.equal(out, plain)
+    want = quantize_act(out.reshape(2, -1))
+    for got, ref in zip(qa, want):
+        assert torch.equal(got, ref)
+    c16 = FloatCodec(KVFormat.parse("f16"), 2, 16, KVSpec.parse("f16"))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decode_attention(torch.randn(1, 4, 16, device=DEV), c16, c16.alloc(64, DEV), c16,
+                         c16.alloc(64, DEV), bt[:1], lens[:1], page_size=16, quant_out=qa)
