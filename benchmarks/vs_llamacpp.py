@@ -154,21 +154,25 @@ def run_llama_bench(exe: Path, path: Path, depths: list[int], n_gen: int, n_prom
     """llama-bench rows: ``pp<n_prompt>`` (and ``pp<ttft_prompt>``) at depth 0, ``tg<n_gen>``
     at each depth, for each KV cache type (``-ctk``/``-ctv``: f16, q8_0, q4_0)."""
     prompts = [n_prompt] + ([ttft_prompt] if ttft_prompt else [])
-    cmd = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1",
-           "-p", ",".join(map(str, prompts)), "-n", str(n_gen),
-           "-d", ",".join(map(str, depths)), "-r", str(reps), "-o", "json",
-           "-ctk", ",".join(kv_types), "-ctv", ",".join(kv_types)]
+    base = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-r", str(reps), "-o", "json",
+            "-ctk", ",".join(kv_types), "-ctv", ",".join(kv_types)]
+    # two runs: prompts at depth 0 only, then generation at every depth (one run would also
+    # time every prompt length at every depth)
+    cmds = [base + ["-p", ",".join(map(str, prompts)), "-n", "0"],
+            base + ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]]
     t = time.time()
     subprocess.run([str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", "1", "-n", "1",
                     "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600, check=True)
     load_s = round(time.time() - t, 2)
+    data = []
     with VramPoll() as vp:
         t = time.time()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
+        for cmd in cmds:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
+            if res.returncode:
+                raise RuntimeError(f"llama-bench failed: {res.stderr[-2000:]}")
+            data += json.loads(res.stdout)
         wall = time.time() - t
-    if res.returncode:
-        raise RuntimeError(f"llama-bench failed: {res.stderr[-2000:]}")
-    data = json.loads(res.stdout)
     rows = []
     for kv in kv_types:
         mine = [r for r in data if r.get("type_k", "f16") == kv and r.get("type_v", "f16") == kv]
