@@ -216,10 +216,14 @@ def test_cuda_graphs_off_without_cuda_say_why(files):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
-def test_cuda_graph_decode_matches_eager(files, preset):
+def test_cuda_graph_decode_matches_eager(files, preset, monkeypatch):
     """Decode steps replayed from CUDA graphs give the eager steps' logits: two sequences of
     different lengths in one batch, one alone, and a length crossing a bucket (256)."""
     mf = open_model(str(files[preset]))
+    # prompts through the eager path in both runs (a prefill graph's causal attention over the
+    # new tokens rounds differently from the cache-reading path: near-ties of a random model's
+    # logits could flip), so only the decode step differs
+    monkeypatch.setenv("LOCALMOE_PREFILL_GRAPHS", "0")
     runs = {}
     for graphs in (False, True):
         r = TritonRunner(mf, n_ctx=320, device=DEV, dtype=DT, max_seqs=2, cuda_graphs=graphs)
