@@ -263,17 +263,19 @@ def fill_context(runner, seq: int, depth: int, chunk: int = 4096) -> None:
         c.commit(seq, n)
 
 
-def time_prefill(runner, prompt: list[int], reps: int = 3, chunk: int = 2048) -> float:
-    """Median seconds to prefill ``prompt`` on a fresh sequence (chunks of ``chunk`` tokens)."""
+def time_prefill(runner, prompt: list[int], reps: int = 3, chunk: int = 4096) -> float:
+    """Median seconds to prefill ``prompt`` on a fresh sequence (chunks of ``chunk`` tokens),
+    after one untimed run (it compiles kernels and captures the prompt's prefill graph)."""
     ts = []
-    for _ in range(reps):
+    for i in range(reps + 1):
         s = runner.new_sequence()
         _sync()
         t = time.perf_counter()
         for i in range(0, len(prompt), chunk):
             runner.forward([(s, prompt[i:i + chunk])])
         _sync()
-        ts.append(time.perf_counter() - t)
+        if i:
+            ts.append(time.perf_counter() - t)
         runner.free_sequence(s)
     return statistics.median(ts)
 
