@@ -438,6 +438,17 @@ def _check_x(x, k: int, what: str) -> None:
         raise ValueError(f"{what}: x rows must be contiguous")
 
 
+def _check_xw(x, w: QuantTensor, what: str) -> tuple[int, int]:
+    """``(N, K)`` of a 2-D weight ``w`` that ``x`` fits (shapes, dtypes, device), else raise."""
+    if len(w.shape) != 2:
+        raise ValueError(f"{what}: w must be 2-D [N, K], got shape {w.shape}")
+    n, k = w.shape
+    _check_x(x, k, what)
+    if x.device != w.device:
+        raise ValueError(f"{what}: x on {x.device}, w on {w.device}")
+    return n, k
+
+
 def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
     """``x @ dequant(w).T`` for decode.
@@ -457,12 +468,7 @@ def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | N
     Raises:
         ValueError / TypeError: shapes, dtypes or devices that do not fit.
     """
-    if len(w.shape) != 2:
-        raise ValueError(f"quant_gemv: w must be 2-D [N, K], got shape {w.shape}")
-    n, k = w.shape
-    _check_x(x, k, "quant_gemv")
-    if x.device != w.device:
-        raise ValueError(f"quant_gemv: x on {x.device}, w on {w.device}")
+    n, k = _check_xw(x, w, "quant_gemv")
     t = x.shape[0]
     if out is None:
         dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
@@ -557,12 +563,7 @@ def quant_gemv_partials(x: torch.Tensor | QuantAct, w: QuantTensor, config: dict
     Raises:
         ValueError / TypeError: shapes, dtypes or devices that do not fit.
     """
-    if len(w.shape) != 2:
-        raise ValueError(f"quant_gemv_partials: w must be 2-D [N, K], got shape {w.shape}")
-    n, k = w.shape
-    _check_x(x, k, "quant_gemv_partials")
-    if x.device != w.device:
-        raise ValueError(f"quant_gemv_partials: x on {x.device}, w on {w.device}")
+    n, k = _check_xw(x, w, "quant_gemv_partials")
     t = x.shape[0]
     plan = None
     if w.is_float:

@@ -209,35 +209,17 @@ class FusedDecode:
             o = L["wo"](o[0].transpose(0, 1).reshape(n, -1))
             x, _, h = self._norm_quant(x, [o], L["ffn_norm"], eps, x, quant=False,
                                        want_float=m.dtype)
-            deltas = self._ffn_prefill(i, L, h)
+            deltas = self._ffn(i, L, None, h)
         _, _, h = self._norm_quant(x, deltas, m.output_norm, eps, None, quant=False,
                                    want_float=m.dtype)
         return m.logits(h.index_select(0, last))
 
-    def _ffn_prefill(self, i: int, L: dict, h) -> list:
-        """The FFN/MoE outputs of layer ``i`` for many tokens (``h [P, D]`` normed)."""
-        from localmoe.kernels.quant_gemm import moe_prefill
-        from localmoe.model.routing import shared_expert_gate
-
-        m = self.runner.model
-        if "router" not in L:
-            return [m._glu(i, h, "gate_up", "down")]
-        moe = m.moe
-        w, ids = moe.route(i, h)
-        ex = m.experts
-        out = [moe_prefill(h, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slot_of[i],
-                           activation=moe.activation)]
-        if "sh_gate_up" in L:
-            sh = m._glu(i, h, "sh_gate_up", "sh_down")
-            if "sh_gate" in L:
-                sh = sh * shared_expert_gate(h, L["sh_gate"])
-            out.append(sh)
-        return out
-
     def _ffn(self, i: int, L: dict, hq, hf) -> list:
         """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed
-        input as a QuantAct ``hq`` and as floats ``hf``."""
+        input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its QuantAct: the fused
+        decode MoE); ``hq`` None: many tokens (the grouped prefill MoE)."""
         from localmoe.kernels.fused_moe import fused_moe
+        from localmoe.kernels.quant_gemm import moe_prefill
         from localmoe.model.routing import shared_expert_gate
 
         m = self.runner.model
@@ -246,13 +228,14 @@ class FusedDecode:
         moe = m.moe
         w, ids = moe.route(i, hf)
         ex = m.experts
-        out = [fused_moe(hq, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slot_of[i],
-                         activation=moe.activation)]
+        run = fused_moe if hq is not None else moe_prefill
+        out = [run(hq if hq is not None else hf, ex.gate_up[i], ex.down[i], ids, w,
+                   slot_of=ex.slot_of[i], activation=moe.activation)]
         if "sh_gate_up" in L:
-            h16 = hf.to(m.dtype)
-            sh = m._glu(i, h16, "sh_gate_up", "sh_down")
+            h = hf.to(m.dtype)
+            sh = m._glu(i, h, "sh_gate_up", "sh_down")
             if "sh_gate" in L:
-                sh = sh * shared_expert_gate(h16, L["sh_gate"])
+                sh = sh * shared_expert_gate(h, L["sh_gate"])
             out.append(sh)
         return out
 

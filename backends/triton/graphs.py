@@ -60,6 +60,25 @@ def static_unavailable(runner) -> str | None:
     return None
 
 
+def _capture(g, step, pool, what: str):
+    """First use of ``g``: run ``step(g)`` eagerly (compiles and warms every kernel; this
+    call's result), then record the same work into ``g.graph`` for the next calls. Returns
+    ``(output, None)``, or ``(output, why)`` when the capture failed (driver, memory: logged,
+    the caller goes on eagerly)."""
+    out = step(g)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            g.out = step(g)
+    except Exception as e:  # noqa: BLE001 -- any capture failure falls back to eager
+        why = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
+        log.warning("CUDA graph %s; %s eagerly from now on", why, what)
+        return out, why
+    g.graph = graph
+    return out, None
+
+
 @dataclass
 class _Graph:
     batch: int
@@ -172,21 +191,11 @@ class DecodeGraphs:
         if not self.capture:       # eager: the same static-buffer step, launched op by op
             return self._step(g)
         if g.graph is None:
-            # first use: run eagerly (compiles and warms every kernel; this step's result),
-            # then record the same work into a graph for the next steps
-            out = self._step(g)
-            torch.cuda.synchronize()
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    g.out = self._step(g)
-            except Exception as e:  # driver or memory: the runner goes on eagerly
-                self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
-                log.warning("CUDA graph %s; decoding eagerly from now on", self.failed)
+            out, self.failed = _capture(g, self._step, self.pool, "decoding")
+            if self.failed:
                 self.graphs.pop(key, None)
-                return out
-            g.graph = graph
-            self.captures += 1
+            else:
+                self.captures += 1
             return out
         g.graph.replay()
         g.replays += 1
@@ -276,21 +285,14 @@ class PrefillGraphs:
         s[3 * p] = n - 1
         g.dev_staging.copy_(s, non_blocking=True)
         if g.graph is None:
-            out = self._step(g)
-            torch.cuda.synchronize()
             t = time.perf_counter()
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    g.out = self._step(g)
-            except Exception as e:  # driver or memory: prompts go back to the eager path
-                self.failed = f"capture failed ({type(e).__name__}: {str(e)[:200]})"
-                log.warning("prefill CUDA graph %s; prefilling eagerly from now on", self.failed)
+            out, self.failed = _capture(g, self._step, self.pool, "prefilling")
+            if self.failed:
                 self.graphs.pop(p, None)
-                return out
-            g.graph = graph
-            self.captures += 1
-            log.info("captured the %d-token prefill graph in %.2f s", p, time.perf_counter() - t)
+            else:
+                self.captures += 1
+                log.info("captured the %d-token prefill graph in %.2f s", p,
+                         time.perf_counter() - t)
             return out
         g.graph.replay()
         g.replays += 1
