@@ -96,9 +96,10 @@ def test_quantized_triton_runner_matches_torch(files, preset):
     assert a.stats()["weights_bytes"] + a.stats().get("expert_bytes", 0) > 2 * size
 
 
+# every family also runs the fused step in test_quantized_triton_runner_matches_torch; here the
+# comparison with the shared block is tight (the same int8 GEMVs on both sides)
 @pytest.mark.parametrize("preset,kv", [("tiny-qwen3moe", "f16"), ("tiny-qwen2moe", "f16"),
-                                        ("tiny-olmoe", "f16"), ("tiny-llama", "f16"),
-                                        ("tiny-qwen3moe", "int4"),
+                                        ("tiny-olmoe", "int4"),
                                         ("tiny-llama", "int2,sinks=2,window=8")])
 def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypatch):
     """The fused decode step (backends/triton/fused_step.py: add+norm+quant, QKV partials,
@@ -117,7 +118,7 @@ def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypat
         r.forward([(a, torch.randint(0, 200, (9,), generator=g).tolist())])
         r.forward([(b, torch.randint(0, 200, (4,), generator=g).tolist())])
         seen = []
-        for step in range(3):
+        for step in range(2):
             seen += r.forward([(a, [3 + step]), (b, [40 + step])])
             seen += r.forward([(b, [60 + step])])
         outs[fused] = torch.stack(seen).float()
@@ -320,7 +321,7 @@ def test_decode_step_makes_no_host_sync(files, preset):
     assert out.shape == (1, r.spec.vocab_size) and bool(out.isfinite().all())
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-qwen2moe"])
 def test_fused_prefill_of_a_new_sequence_matches_the_shared_block(files, preset):
     """FusedDecode.prefill (the body of the prefill graphs: causal attention among the new
     tokens, the prompt padded to its bucket) gives the unfused prefill's last logits and KV
