@@ -11,6 +11,11 @@ Every perplexity is measured on the in-memory reference of the plan
 (:func:`localmoe.testing.moefy.moe_model.moe_transformer`: the experts as stored in the GGUF,
 dequantized), which is what the written file computes (llama.cpp agreement: docs/MOEFY.md).
 
+Shared expert: ``--shared-frac 0.125 0.25`` also builds the main variant with an always-on
+shared expert of that fraction of each FFN (written as qwen2moe); ``active_frac`` in the result
+is the fraction of FFN neurons each token computes (shared + top-k routed), next to which
+``--sweep`` gives shared-less plans fitted for a larger k.
+
 Several top-k: ``--eval-top-k 2 8`` routes the main plan (fitted for ``--top-k``) with other k
 (no refit; mixing weights scaled by k'/k, as the plans' weights are near uniform); ``--sweep 2 8``
 fits a plan for each k. ``--plan <store>/moefy/<preset>.plan.npz``
@@ -141,7 +146,23 @@ def run(a) -> dict:
             _say(f"{MAIN} (fitted for top-{a.top_k}) routed with top-{k}: {res['eval_top_k'][k]}")
         set_top_k(main, a.top_k)
         main.spec = dataclasses.replace(main.spec, expert_weights_scale=1.0)
+    d_ff = model.spec.d_ff
+    res["active_frac"] = {MAIN: a.top_k / a.experts}
+    for f in a.shared_frac:   # the main variant with an always-on shared expert (qwen2moe)
+        cfg = base.with_(shared_frac=f, **VARIANTS[MAIN])
+        fs, fe = cfg.split_sizes(d_ff)
+        moe, ppl, build_s = _eval(mf, dense, cfg, held)
+        name = f"{MAIN} shared {f:g}"
+        res["ppl"][name], res["build_s"][name] = ppl, build_s
+        # neurons computed per token: the shared expert plus top_k routed experts
+        res["active_frac"][name] = (fs + a.top_k * fe) / d_ff
+        res.setdefault("shared", {})[name] = {"shared_frac": f, "d_ff_shared": fs,
+                                               "d_ff_expert": fe, "d_ff": d_ff}
+        _say(f"{name} top-{a.top_k}: {ppl} ({build_s} s; active {res['active_frac'][name]:.3f})")
+        if a.answers:
+            res["answers"][f"{name} top-{a.top_k}"] = _answers(moe, mf, tok)
     for k in a.sweep:
+        res["active_frac"][f"{MAIN} top-{k}"] = k / a.experts
         if k == a.top_k or k > a.experts:
             continue
         moe, ppl, _ = _eval(mf, dense, base.with_(top_k=k, **VARIANTS[MAIN]), held)
@@ -191,6 +212,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-top-k", type=int, nargs="*", default=[],
                     help="route the main plan with these top-k too (no refit)")
     ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--shared-frac", type=float, nargs="*", default=[],
+                    help="also build the main variant with these shared-expert fractions "
+                         "(qwen2moe; active neurons per token = shared + top-k routed)")
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-answers", dest="answers", action="store_false")

@@ -179,3 +179,73 @@ def test_routing_trace_roundtrip(built, tmp_path):
     st = trace_stats.summarize(back, n_experts=4, top_k=2)
     assert st["lru"][2][0] == 1.0                            # 4 slots = every expert
     assert 0.0 <= st["pred_top1"][0, 0] <= 1.0
+
+
+# ---- shared expert (qwen2moe): MoefyConfig.shared_frac ------------------------------------------
+
+SH_CFG = CFG.with_(shared_frac=0.25)
+
+
+@pytest.fixture(scope="module")
+def built_shared(built):
+    d = built["dir"]
+    res = moefy(built["src"], d / "moe-sh.gguf", SH_CFG)
+    mf = built["mf"]
+    stored = {l: stored_experts(mf, l, lp) for l, lp in enumerate(res["plan"].layers)}
+    ref = moe_transformer(mf, res["plan"], stored)
+    want = [t for t in greedy(ref, built["ids"], N_NEW, built["stops"]) if t not in built["stops"]]
+    return {"res": res, "ref": ref, "want": want}
+
+
+def test_shared_expert_layout(built, built_shared):
+    from localmoe.testing.moefy.arch_qwen2moe import neox_rows
+
+    out = open_model(built_shared["res"]["path"])
+    s, plan = out.spec, built_shared["res"]["plan"]
+    # d_ff 128, F = 0.25: 4 routed experts of floor(96 / 4) = 24 neurons, 32 shared
+    assert (s.arch, s.n_experts, s.top_k, s.d_ff_expert) == ("qwen2moe", 4, 2, 24)
+    assert (s.n_shared_experts, s.d_ff_shared, s.shared_expert_gate) == (1, 32, True)
+    assert not s.norm_topk_prob and s.rope_style == "neox"
+    assert out.tensor_info("blk.0.ffn_gate_shexp.weight").shape == (32, 64)
+    assert out.tensor_info("blk.0.ffn_down_shexp.weight").shape == (64, 32)
+    assert out.tensor_info("blk.0.ffn_gate_inp_shexp.weight").shape == (64,)
+    assert out.has_tensor("output.weight") and out.has_tensor("blk.0.attn_q.bias")
+    lp = plan.layers[1]
+    # shared and routed neurons partition the FFN, each neuron exactly once
+    every = torch.cat([lp.shared, lp.groups.reshape(-1)]).sort().values
+    assert torch.equal(every, torch.arange(128))
+    # the shared expert's gate/up rows are the source's blocks; the q rows are in NEOX order
+    src = built["mf"]
+    np.testing.assert_array_equal(out.raw_tensor("blk.1.ffn_up_shexp.weight").data,
+                                  src.raw_tensor("blk.1.ffn_up.weight").data[lp.shared.numpy()])
+    np.testing.assert_array_equal(out.raw_tensor("blk.1.attn_q.weight").data,
+                                  src.raw_tensor("blk.1.attn_q.weight").data[neox_rows(4, 16)])
+    # without a shared expert the output is the Mixtral-style file of before
+    assert "shared_frac" not in open_model(built["res"]["path"]).metadata["moefy.config"]
+
+
+def test_shared_expert_torch_backend_matches_reference(built, built_shared):
+    """The qwen2moe file through the torch backend (NEOX RoPE on un-permuted rows, shared expert
+    behind its sigmoid gate, top-k weights not renormalized) computes what the in-memory
+    reference (llama source, interleaved RoPE) does: same last-token logits, same greedy."""
+    from localmoe.backends.torch_backend import TorchRunner
+
+    runner = TorchRunner(open_model(built_shared["res"]["path"]), n_ctx=128, n_threads=1,
+                         packed_weights=False)
+    got = runner.forward([(runner.new_sequence(), built["ids"])])[0].float()
+    with torch.no_grad():
+        want = built_shared["ref"].forward_full(torch.tensor(built["ids"]))[-1].float()
+    # the backend's attention path differs from forward_full's in float rounding: on the dense
+    # source the two differ by ~5e-3 (logits up to ~45); a wrong RoPE order or gate moves units
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    assert _engine_greedy(built_shared["res"]["path"], "torch", built) == built_shared["want"]
+
+
+@pytest.mark.llamacpp
+def test_shared_expert_llamacpp_matches_reference(built, built_shared):
+    path = built_shared["res"]["path"]
+    assert _engine_greedy(path, "llamacpp", built) == built_shared["want"]
+    with torch.no_grad():
+        ours = built_shared["ref"].forward_full(torch.tensor(built["ids"]))
+    agree = logit_agreement(ours, llamacpp_logits(path, built["ids"]))
+    assert agree["top1"] == 1.0 and agree["mean_abs"] < 0.3, agree

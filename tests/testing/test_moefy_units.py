@@ -25,6 +25,10 @@ def _spec(arch="llama", d_ff=512, **kw):
     (_spec(), MoefyConfig(4, 0), ValueError, "top_k=0"),
     (_spec(), MoefyConfig(1, 1), ValueError, "at least 2"),
     (_spec(), MoefyConfig(4, 2, split="kmeans"), ValueError, "split"),
+    (_spec(), MoefyConfig(4, 2, shared_frac=1.0), ValueError, r"shared_frac=1.0 must be in \[0, 1\)"),
+    (_spec(), MoefyConfig(4, 2, shared_frac=-0.1), ValueError, "must be in"),
+    (_spec(), MoefyConfig(4, 2, shared_frac=0.995), ValueError, "fewer neurons than experts"),
+    (_spec("gemma3"), MoefyConfig(4, 2, shared_frac=0.25), ValueError, "llama sources only"),
 ])
 def test_bad_requests_are_refused(spec, cfg, exc, words):
     with pytest.raises(exc, match=words):
@@ -33,6 +37,11 @@ def test_bad_requests_are_refused(spec, cfg, exc, words):
 
 def test_good_request_passes():
     check_request(_spec("gemma3", d_ff=2048), MoefyConfig(16, 4))
+    # with a shared expert the routed remainder need not divide d_ff: 1536 * 0.875 / 16 = 84
+    cfg = MoefyConfig(16, 4, shared_frac=0.125)
+    check_request(_spec(d_ff=1536), cfg)
+    assert cfg.split_sizes(1536) == (192, 84) and MoefyConfig(6, 2, shared_frac=0.1).split_sizes(
+        512) == (512 - 6 * 76, 76)
 
 
 def test_bad_request_fails_before_any_work(tmp_path, monkeypatch):
@@ -56,6 +65,9 @@ def test_bad_request_fails_before_any_work(tmp_path, monkeypatch):
     ("tiny-qwen3", ["--experts", "4", "--top-k", "2"], "moefy handles dense llama, gemma3"),
     ("tiny-llama", ["--experts", "6", "--top-k", "2"], "does not divide the FFN width"),
     ("tiny-llama", ["--experts", "4", "--top-k", "5"], "top_k=5 must be between 1 and"),
+    ("tiny-llama", ["--experts", "4", "--top-k", "2", "--shared-frac", "1"], "must be in [0, 1)"),
+    ("tiny-llama", ["--experts", "4", "--top-k", "2", "--shared-frac", "0.995"],
+     "fewer neurons than experts"),
 ])
 def test_cli_bad_request_is_one_line_before_work(tmp_path, monkeypatch, capsys, preset, args, words):
     """``python -m localmoe.testing.moefy``: unsupported family, an expert count that does not

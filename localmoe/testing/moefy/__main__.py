@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--router", choices=("trained", "centroid"), default="trained")
     ap.add_argument("--no-refit", action="store_true", help="per-expert scales only, no down refit")
     ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--shared-frac", type=float, default=0.0, metavar="F",
+                    help="keep a fraction F in [0, 1) of each FFN's neurons as an always-on "
+                         "shared expert (written as qwen2moe; llama sources); 0 = none")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plan", help="save/reuse the plan (.npz) here")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (a.source and a.out and a.experts and a.top_k):
             _parser().error("give --preset, or --source, --out, --experts and --top-k")
         cfg = MoefyConfig(a.experts, a.top_k, split=a.split, router=a.router,
-                          refit_down=not a.no_refit, calib_tokens=a.calib_tokens, seed=a.seed)
+                          refit_down=not a.no_refit, calib_tokens=a.calib_tokens, seed=a.seed,
+                          shared_frac=a.shared_frac)
         res = moefy(a.source, a.out, cfg, plan_path=a.plan, progress=say)
         report = {"path": str(res["path"]), "seconds": res["seconds"], "stats": res["stats"]}
         if a.check:

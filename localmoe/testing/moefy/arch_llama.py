@@ -30,7 +30,8 @@ def provenance_kvs(plan, source_name: str) -> list:
     return [
         ("general.name", f"{source_name} moefied {cfg.n_experts}x{cfg.top_k}", S, None),
         ("moefy.source", Path(plan.source).name, S, None),
-        ("moefy.config", json.dumps({**cfg.__dict__}, sort_keys=True), S, None),
+        ("moefy.config", json.dumps({k: v for k, v in cfg.__dict__.items()
+                                     if k != "shared_frac" or v}, sort_keys=True), S, None),
         ("moefy.note", "MoE built from a dense model by localmoe.testing.moefy (experts = split "
                        "FFN neurons, routers trained on calibration text); not a published MoE",
          S, None),

@@ -35,7 +35,8 @@ def moefy(source: str | os.PathLike, out: str | os.PathLike, cfg: MoefyConfig, *
 
     Args:
         source: dense GGUF path or store name (llama such as SmolLM2, or gemma3).
-        out: the GGUF to write (llama -> Mixtral-style ``llama``; gemma3 -> ``gemma4``).
+        out: the GGUF to write (llama -> Mixtral-style ``llama``, or ``qwen2moe`` with
+            ``cfg.shared_frac > 0``; gemma3 -> ``gemma4``).
         cfg: :class:`~localmoe.testing.moefy.config.MoefyConfig`.
         plan_path: where to save the plan (``.npz``); when it exists and was built from the same
             source and config it is reused instead of recomputed.
@@ -69,7 +70,11 @@ def moefy(source: str | os.PathLike, out: str | os.PathLike, cfg: MoefyConfig, *
     t1 = time.perf_counter()
     stored = {l: stored_experts(mf, l, lp) for l, lp in enumerate(plan.layers)}
     target = TARGET_ARCH[mf.spec.arch]
-    if target == "llama":
+    if cfg.shared_frac:
+        from localmoe.testing.moefy.arch_qwen2moe import write_qwen2moe_moe
+
+        path = write_qwen2moe_moe(mf, plan, stored, out)
+    elif target == "llama":
         from localmoe.testing.moefy.arch_llama import write_llama_moe
 
         path = write_llama_moe(mf, plan, stored, out)

@@ -30,6 +30,12 @@ class MoefyConfig:
             of earlier layers) or ``"local"`` (the dense FFN's output).
         calib_tokens: calibration tokens (from ``calib_corpus``), in sequences of ``seq_len``.
         seed: seeds every random choice (split, k-means initialization, router init).
+        shared_frac: fraction ``F`` of each FFN's neurons kept as one always-on shared expert
+            (the neurons with the largest mean output contribution on the calibration text);
+            the rest is split into ``n_experts`` routed experts of ``floor((1-F) d_ff / E)``
+            neurons (leftovers join the shared expert). ``0`` (default): no shared expert, a
+            Mixtral-style ``llama`` file as before; ``> 0``: a ``qwen2moe`` file (llama sources
+            only). Must be in ``[0, 1)``.
     """
 
     n_experts: int
@@ -42,6 +48,7 @@ class MoefyConfig:
     seq_len: int = 512
     seed: int = 0
     calib_corpus: str = "python-reference"
+    shared_frac: float = 0.0
 
     def with_(self, **kw) -> "MoefyConfig":
         return replace(self, **kw)
@@ -49,7 +56,19 @@ class MoefyConfig:
     def tag(self) -> str:
         """Short name, e.g. ``16x4-cluster-trained-refit-residual-s0``."""
         return (f"{self.n_experts}x{self.top_k}-{self.split}-{self.router}"
-                f"{'-refit' if self.refit_down else ''}-{self.target}-s{self.seed}")
+                f"{'-refit' if self.refit_down else ''}-{self.target}-s{self.seed}"
+                f"{f'-sh{self.shared_frac:g}' if self.shared_frac else ''}")
+
+    @property
+    def norm_topk(self) -> bool:
+        """Whether the top-k routing weights are renormalized: yes for the Mixtral-style llama
+        and gemma4 files, no for qwen2moe (llama.cpp's qwen2moe graph never renormalizes)."""
+        return not self.shared_frac
+
+    def split_sizes(self, d_ff: int) -> tuple[int, int]:
+        """``(d_ff_shared, d_ff_expert)`` for an FFN of ``d_ff`` neurons (shared may be 0)."""
+        fe = int((1.0 - self.shared_frac) * d_ff) // self.n_experts
+        return d_ff - self.n_experts * fe, fe
 
 
 #: preset -> (source model short name in the store, config)
@@ -70,7 +89,9 @@ def check_request(spec, cfg: MoefyConfig, tensor_names=None) -> None:
 
     Raises:
         UnsupportedModelError: the family is not one moefy handles, or the model is already a MoE.
-        ValueError: ``n_experts`` < 2 or not a divisor of ``d_ff``, ``top_k`` out of
+        ValueError: ``n_experts`` < 2 or (without a shared expert) not a divisor of ``d_ff``,
+            ``shared_frac`` outside ``[0, 1)``, leaving fewer routed neurons than experts, or
+            asked of a non-llama source, ``top_k`` out of
             ``[1, n_experts]``, unknown ``split``/``router``, non-positive token counts.
     """
     if spec.arch not in SUPPORTED_SOURCES:
@@ -81,7 +102,16 @@ def check_request(spec, cfg: MoefyConfig, tensor_names=None) -> None:
         raise UnsupportedModelError("the source model already has experts; moefy needs a dense model")
     if cfg.n_experts < 2:
         raise ValueError(f"n_experts must be at least 2, got {cfg.n_experts}")
-    if spec.d_ff % cfg.n_experts:
+    f = cfg.shared_frac
+    if not (isinstance(f, (int, float)) and 0.0 <= f < 1.0):
+        raise ValueError(f"shared_frac={f} must be in [0, 1)")
+    if f and spec.arch != "llama":
+        raise ValueError(f"a shared expert (shared_frac={f}) is written as qwen2moe, for llama "
+                         f"sources only; this one is {spec.arch!r}")
+    if f and cfg.split_sizes(spec.d_ff)[1] < 1:
+        raise ValueError(f"shared_frac={f} leaves {int((1.0 - f) * spec.d_ff)} of {spec.d_ff} "
+                         f"neurons for {cfg.n_experts} experts: fewer neurons than experts")
+    if not f and spec.d_ff % cfg.n_experts:
         divs = [d for d in range(2, min(spec.d_ff, 256) + 1) if spec.d_ff % d == 0]
         raise ValueError(f"n_experts={cfg.n_experts} does not divide the FFN width d_ff={spec.d_ff}; "
                          f"choose one of {divs[:16]}")

@@ -5,7 +5,9 @@ into the plan's MoE: router ``layers[l]["router"]`` (``[d_model, E]``), experts 
 :class:`~localmoe.model.experts.ResidentExpertProvider` holding the *stored* (dequantized)
 expert tensors, spec fields ``n_experts, top_k, d_ff_expert, gating="softmax",
 norm_topk_prob=True``. Routing and expert compute are the reference MoE hook
-(:class:`~localmoe.model.moe.ReferenceMoE`).
+(:class:`~localmoe.model.moe.ReferenceMoE`). A plan with a shared expert (qwen2moe) adds the
+Transformer's shared-expert weights (``sh_gate_up``, ``sh_down``, ``sh_gate``: the stored,
+dequantized tensors) and routes without renormalizing the top-k weights.
 
 For the ``gemma4`` target the hook's output is RMS-normalized (no weight) before the block's
 post-FFN norm, as llama.cpp's gemma4 MoE block does (``post_ffw_norm_2`` = ones, then
@@ -62,16 +64,26 @@ def moe_transformer(model_file, plan, stored: dict, *, dense=None):
     model = dense if dense is not None else load_dense(model_file)[0]
     E, Fe = plan.layers[0].groups.shape
     weights = {}
+    fs = 0
     for l, lp in enumerate(plan.layers):
         L = model.layers[l]
-        L.pop("gate_up", None)
-        L.pop("down", None)
+        gate_up, down = L.pop("gate_up", None), L.pop("down", None)
         L["router"] = lp.router.t().contiguous().to(model.dtype)
         weights[l] = ExpertWeights(*(t.to(model.dtype) for t in stored[l].floats()))
+        if stored[l].shared is not None:
+            # the shared expert in the dense layer's float layout (gate_up [D, 2 F_s], down [F_s, D])
+            g, u, d = (t.to(model.dtype) for t in stored[l].shared_floats())
+            fs = g.shape[0]
+            L["sh_gate_up"] = torch.cat([g, u], 0).t().contiguous()
+            L["sh_down"] = d.t().contiguous()
+            L["sh_gate"] = lp.sh_gate.to(model.dtype)
+            assert gate_up is None or gate_up.shape[0] == g.shape[1], "unexpected dense layout"
     model.experts = ResidentExpertProvider(weights)
     model.spec = dataclasses.replace(model.spec, n_experts=E, top_k=plan.cfg.top_k,
-                                     d_ff_expert=Fe, gating="softmax", norm_topk_prob=True,
-                                     expert_weights_scale=1.0)
+                                     d_ff_expert=Fe, gating="softmax",
+                                     norm_topk_prob=plan.cfg.norm_topk,
+                                     expert_weights_scale=1.0, n_shared_experts=int(fs > 0),
+                                     d_ff_shared=fs, shared_expert_gate=fs > 0)
     model.moe = ReferenceMoE(model)
     if TARGET_ARCH[plan.source_arch] == "gemma4":
         model.moe = PostNormedMoE(model.moe, model)

@@ -19,7 +19,8 @@ import torch
 
 from localmoe.testing.moefy.config import MoefyConfig, check_request
 
-__all__ = ["LayerPlan", "MoePlan", "build_plan", "glu_hidden", "sparse_ffn"]
+__all__ = ["LayerPlan", "MoePlan", "build_plan", "glu_hidden", "sparse_ffn", "shared_split",
+           "open_gate"]
 
 
 @dataclass
@@ -27,17 +28,25 @@ class LayerPlan:
     """One layer's MoE.
 
     Attributes:
-        groups: ``[E, d_ff/E]`` int64 neuron ids of each expert (sorted).
+        groups: ``[E, d_ff_expert]`` int64 neuron ids of each expert (sorted).
         router: ``[E, d_model]`` float32; logits = FFN input (after the pre-FFN norm) @ router.T.
         down: ``[d_model, d_ff]`` float32 down weights of the sparse layer (source neuron order;
             output scales folded in).
         info: fit diagnostics (temperature, calibration relative error, router recall).
+        shared: ``[F_s]`` int64 neuron ids of the always-on shared expert (sorted; empty when
+            there is none).
+        sh_gate: ``[d_model]`` float32 weight of the shared expert's sigmoid gate (qwen2moe's
+            ``ffn_gate_inp_shexp``): tiny, so the gate is ``0.5`` within ~1e-4 on the
+            calibration inputs and the stored shared down weights are doubled; empty when
+            there is no shared expert.
     """
 
     groups: torch.Tensor
     router: torch.Tensor
     down: torch.Tensor
     info: dict = field(default_factory=dict)
+    shared: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    sh_gate: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 @dataclass
@@ -59,6 +68,9 @@ class MoePlan:
             arrays[f"groups.{i}"] = L.groups.numpy()
             arrays[f"router.{i}"] = L.router.numpy()
             arrays[f"down.{i}"] = L.down.numpy()
+            if L.shared.numel():
+                arrays[f"shared.{i}"] = L.shared.numpy()
+                arrays[f"sh_gate.{i}"] = L.sh_gate.numpy()
         meta = {"source": self.source, "source_arch": self.source_arch, "cfg": asdict(self.cfg),
                 "stats": self.stats, "info": [L.info for L in self.layers]}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -74,6 +86,10 @@ class MoePlan:
         n = len(meta["info"])
         layers = [LayerPlan(torch.from_numpy(z[f"groups.{i}"]), torch.from_numpy(z[f"router.{i}"]),
                             torch.from_numpy(z[f"down.{i}"]), meta["info"][i]) for i in range(n)]
+        for i, L in enumerate(layers):
+            if f"shared.{i}" in z:
+                L.shared = torch.from_numpy(z[f"shared.{i}"])
+                L.sh_gate = torch.from_numpy(z[f"sh_gate.{i}"])
         return cls(meta["source"], meta["source_arch"], MoefyConfig(**meta["cfg"]), layers,
                    meta["stats"])
 
@@ -92,22 +108,62 @@ def _fit_layer(model, layer: int, x: torch.Tensor, y: torch.Tensor | None, cfg: 
     w = dense_ffn(model, layer)
     h = glu_hidden(model, w, x)
     seed = cfg.seed * 1000 + layer
+    shared, routed = shared_split(h, w.down, cfg)
+    hr = h[:, routed] if shared.numel() else h
     if cfg.split == "cluster":
-        groups = partition.coactivation_split(h, cfg.n_experts, seed)
+        groups = partition.coactivation_split(hr, cfg.n_experts, seed)
     else:
-        groups = partition.random_split(h.shape[1], cfg.n_experts, seed)
-    stats = rt.expert_stats(h, w.down, groups, y)
+        groups = partition.random_split(hr.shape[1], cfg.n_experts, seed)
+    yr = y
+    if shared.numel():
+        groups = routed[groups]                  # back to source neuron ids
+        if y is not None:
+            yr = y - h[:, shared] @ w.down[:, shared].t()
+    stats = rt.expert_stats(h, w.down, groups, yr)
     targets = rt.topk_targets(stats[0], cfg.top_k)
     if cfg.router == "trained":
         R = rt.train_router(x, targets, seed)
     else:
         R = rt.centroid_router(w.gate, groups)
-    R, down, info = rt.fit_output(x, h, w.down, groups, R, cfg.top_k, y=y, stats=stats,
-                                  refit_down=cfg.refit_down)
-    ids, _ = rt.route(x, R, cfg.top_k)
+    R, down, info = rt.fit_output(x, h, w.down, groups, R, cfg.top_k, y=yr, stats=stats,
+                                  refit_down=cfg.refit_down, shared=shared, norm=cfg.norm_topk)
+    ids, _ = rt.route(x, R, cfg.top_k, cfg.norm_topk)
     hit = torch.zeros_like(targets).scatter_(1, ids, 1.0)
     info["router_recall"] = float((hit * targets).sum() / targets.sum())
-    return LayerPlan(groups, R.contiguous(), down.contiguous(), info)
+    lp = LayerPlan(groups, R.contiguous(), down.contiguous(), info)
+    if shared.numel():
+        lp.shared = shared
+        lp.sh_gate = open_gate(x)
+        info["shared_share"] = float((h[:, shared] @ w.down[:, shared].t()).norm()
+                                     / (h @ w.down.t()).norm().clamp_min(1e-30))
+    return lp
+
+
+def shared_split(h: torch.Tensor, down: torch.Tensor, cfg: MoefyConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(shared, routed)`` sorted int64 neuron ids: the ``d_ff_shared`` neurons
+    (:meth:`.config.MoefyConfig.split_sizes`) with the largest mean output contribution
+    ``mean_t |h_t,i| * ||down[:, i]||`` on the calibration tokens, and the others.
+
+    Args:
+        h: ``[N, d_ff]`` GLU hidden units; down: ``[d_model, d_ff]``.
+    """
+    d_ff = h.shape[1]
+    n_sh, _ = cfg.split_sizes(d_ff)
+    if not n_sh:
+        return torch.zeros(0, dtype=torch.int64), torch.arange(d_ff)
+    score = h.abs().mean(0) * down.norm(dim=0)
+    order = torch.sort(score, descending=True, stable=True).indices
+    return torch.sort(order[:n_sh]).values, torch.sort(order[n_sh:]).values
+
+
+def open_gate(x: torch.Tensor, level: float = 1e-4) -> torch.Tensor:
+    """A ``[d_model]`` float32 shared-expert gate weight ``w`` with ``x . w`` about ``level``
+    (never 0, so llama.cpp's ``silu(z) / z`` sigmoid stays finite) on the calibration inputs
+    ``x [N, d_model]``: ``sigmoid(x . w) = 0.5`` to ~``level / 4``, an always-open gate at half
+    height (the writer doubles the shared down weights)."""
+    m = x.float().mean(0)
+    return (level * m / m.pow(2).sum().clamp_min(1e-30)).contiguous()
 
 
 def _post_norm(model, layer: int):
@@ -143,12 +199,14 @@ def sparse_ffn(model, layer: int, lp: LayerPlan, top_k: int, post_normed: bool):
     from localmoe.testing.moefy.collect import dense_ffn
 
     w = dense_ffn(model, layer)
-    col = rt.col_expert(lp.groups, w.gate.shape[0])
+    col = rt.col_expert(lp.groups, w.gate.shape[0], lp.shared)
+    norm = not lp.shared.numel()
 
     def f(x):
         h = glu_hidden(model, w, x)
-        ids, wts = rt.route(x, lp.router, top_k)
-        out = (h * rt.gate_matrix(ids, wts, lp.groups.shape[0])[:, col]) @ lp.down.t()
+        ids, wts = rt.route(x, lp.router, top_k, norm)
+        gm = rt.with_shared(rt.gate_matrix(ids, wts, lp.groups.shape[0]), lp.shared)
+        out = (h * gm[:, col]) @ lp.down.t()
         return model.ops.norm(out, None, model.spec.norm_eps) if post_normed else out
     return f
 

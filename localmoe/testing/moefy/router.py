@@ -29,15 +29,28 @@ from __future__ import annotations
 import torch
 
 __all__ = ["expert_norms", "expert_stats", "topk_targets", "train_router", "centroid_router", "route",
-           "gate_matrix", "col_expert", "fit_output", "relative_error"]
+           "gate_matrix", "col_expert", "with_shared", "fit_output", "relative_error"]
 
 
-def col_expert(groups: torch.Tensor, d_ff: int) -> torch.Tensor:
-    """``[d_ff]`` int64: the expert of each neuron."""
+def col_expert(groups: torch.Tensor, d_ff: int, shared: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``[d_ff]`` int64: the expert of each neuron (``E`` for the neurons in ``shared``, the
+    always-on shared expert: index them into a gating matrix with an extra column of ones,
+    :func:`with_shared`)."""
     col = torch.empty(d_ff, dtype=torch.int64)
     for e in range(groups.shape[0]):
         col[groups[e]] = e
+    if shared is not None and shared.numel():
+        col[shared] = groups.shape[0]
     return col
+
+
+def with_shared(gm: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """The gating matrix ``gm [N, E]`` with a column of ones appended when there is a shared
+    expert (``shared`` non-empty), else ``gm`` itself."""
+    if shared is None or not shared.numel():
+        return gm
+    return torch.cat([gm, torch.ones(gm.shape[0], 1, dtype=gm.dtype)], 1)
 
 
 def expert_norms(h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor, batch: int = 2048
@@ -102,12 +115,14 @@ def centroid_router(gate: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate[g].mean(0) for g in groups])
 
 
-def route(x: torch.Tensor, R: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, R: torch.Tensor, top_k: int, norm: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [N, k] int64, weights [N, k] float32)``: softmax over all experts, top-k (ties to
-    the lower index), renormalized (llama.cpp ``build_moe_ffn`` with ``norm_w``)."""
+    the lower index), renormalized when ``norm`` (llama.cpp ``build_moe_ffn`` with ``norm_w``;
+    qwen2moe runs without)."""
     from localmoe.model.routing import route as _route
 
-    w, ids = _route(x.float() @ R.t(), top_k, gating="softmax", norm_topk_prob=True)
+    w, ids = _route(x.float() @ R.t(), top_k, gating="softmax", norm_topk_prob=norm)
     return ids, w
 
 
@@ -155,6 +170,8 @@ def _refit_down(h, col, gm, y, ridge):
 def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: torch.Tensor,
                R: torch.Tensor, top_k: int, *, y: torch.Tensor | None = None, stats=None,
                refit_down: bool = False,
+               shared: torch.Tensor | None = None,
+               norm: bool = True,
                ridge: float = 0.1,
                temperatures: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 1e3)
                ) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -167,6 +184,10 @@ def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: tor
         y: ``[N, d_model]`` what the layer should output (default: the dense FFN's output).
         stats: :func:`expert_stats` of ``(h, down, groups, y)`` if already computed.
         refit_down: ridge-refit the whole down projection (else per-expert scales only).
+        shared: ``[F_s]`` int64 neuron ids of an always-on shared expert (gate 1; its down
+            columns are refitted with the routed ones, or kept when only scales are fitted).
+            ``stats`` and ``y`` then describe the routed experts' part.
+        norm: renormalize the top-k routing weights (see :func:`route`).
         ridge: ridge strength relative to the mean diagonal of the normal equations.
         temperatures: router logit divisors tried (1e3 ~ uniform weights over the top-k).
 
@@ -176,18 +197,25 @@ def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: tor
         ``info`` (temperature, calibration relative error).
     """
     stats = stats if stats is not None else expert_stats(h, down, groups, y)
-    col = col_expert(groups, h.shape[1])
+    col = col_expert(groups, h.shape[1], shared)
+    has_sh = shared is not None and shared.numel() > 0
     best = None
     for t in temperatures:
-        ids, w = route(x, R / t, top_k)
+        ids, w = route(x, R / t, top_k, norm)
         gm = gate_matrix(ids, w, groups.shape[0])
         s, err = _fit_scales(stats, gm)
         if best is None or err < best[0]:
             best = (err, t, s, gm)
     err, t, s, gm = best
+    gm = with_shared(gm, shared)
+    if has_sh:
+        s = torch.cat([s, torch.ones(1)])
     d = down * s[col][None, :]
-    if refit_down:
-        y = h @ down.t() if y is None else y
-        d = _refit_down(h, col, gm, y, ridge)
-        err = float((_mixture(h, d, col, gm) - y).norm() / y.norm())
+    if refit_down or has_sh:
+        yf = h @ down.t()
+        if y is not None:
+            yf = y + h[:, shared] @ down[:, shared].t() if has_sh else y
+        if refit_down:
+            d = _refit_down(h, col, gm, yf, ridge)
+        err = float((_mixture(h, d, col, gm) - yf).norm() / yf.norm())
     return R / t, d, {"temperature": t, "calib_rel_err": err}
