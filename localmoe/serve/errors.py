@@ -24,15 +24,16 @@ class HTTPError(Exception):
                           "code": self.code}}
 
 
-def error_from_exception(e: BaseException) -> HTTPError:
+def error_from_exception(e: BaseException, prompt_param: str = "messages") -> HTTPError:
     """Map an exception raised while handling a request to an HTTP error: 400 for a bad
     request, a prompt over the context or a template failure, 404 for an unknown model, 503
     (type ``model_error``) for damaged weights met by a request, 500 for anything else (a
-    bug is logged with its traceback, which is never sent)."""
+    bug is logged with its traceback, which is never sent). ``prompt_param``: the request
+    field a prompt over the context is blamed on (``"prompt"`` on ``/v1/completions``)."""
     if isinstance(e, HTTPError):
         return e
     if isinstance(e, ContextOverflowError):
-        return HTTPError(400, str(e), param="messages", code="context_length_exceeded")
+        return HTTPError(400, str(e), param=prompt_param, code="context_length_exceeded")
     if isinstance(e, InvalidRequestError):
         return HTTPError(400, str(e), param=e.param, code="invalid_value" if e.param else None)
     if isinstance(e, TemplateError):

@@ -98,7 +98,8 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
         status = resp.status_code
         return resp
     except Exception as e:  # noqa: BLE001 -- every failure becomes an error object
-        err = error_from_exception(e)
+        err = error_from_exception(
+            e, prompt_param="prompt" if endpoint == "/v1/completions" else "messages")
         status = err.status
         return error_response(err)
     finally:

@@ -490,6 +490,10 @@ def test_error_status_codes_and_objects(live, client):
         assert body["code"] == "context_length_exceeded"
         nums = [int(x) for x in re.findall(r"\d+", body["message"])]
         assert 512 in nums and any(n > 512 for n in nums), body["message"]
+    # /v1/completions blames its own field
+    body = _err(httpx.post(live.url + "/v1/completions",
+                           json={"model": "scripted", "prompt": "word " * 800}), 400, "prompt")
+    assert body["code"] == "context_length_exceeded"
     # the openai client surfaces these as typed errors
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="scripted", n=3,
