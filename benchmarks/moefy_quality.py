@@ -97,6 +97,12 @@ def _eval(mf, dense, cfg, held, plan_file=None):
     return moe, {h: perplexity(moe, v)[0] for h, v in held.items()}, build_s
 
 
+def _checkpoint(a, res):
+    """Write the results so far (a long run stopped midway keeps what it measured)."""
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(res, partial=True), indent=1))
+
+
 def run(a) -> dict:
     from localmoe.io.loader import open_model
     from localmoe.testing.moefy import MoefyConfig, resolve_source
@@ -127,6 +133,7 @@ def run(a) -> dict:
                                   a.plan if name == MAIN else None)
         res["ppl"][name], res["build_s"][name] = ppl, build_s
         _say(f"{name} top-{a.top_k}: {ppl} ({build_s} s)")
+        _checkpoint(a, res)
         if name == MAIN:
             main_moe = moe
         if a.answers and name == MAIN:
@@ -159,15 +166,18 @@ def run(a) -> dict:
         res.setdefault("shared", {})[name] = {"shared_frac": f, "d_ff_shared": fs,
                                                "d_ff_expert": fe, "d_ff": d_ff}
         _say(f"{name} top-{a.top_k}: {ppl} ({build_s} s; active {res['active_frac'][name]:.3f})")
+        _checkpoint(a, res)
         if a.answers:
             res["answers"][f"{name} top-{a.top_k}"] = _answers(moe, mf, tok)
     for k in a.sweep:
         res["active_frac"][f"{MAIN} top-{k}"] = k / a.experts
         if k == a.top_k or k > a.experts:
             continue
-        moe, ppl, _ = _eval(mf, dense, base.with_(top_k=k, **VARIANTS[MAIN]), held)
+        moe, ppl, bs = _eval(mf, dense, base.with_(top_k=k, **VARIANTS[MAIN]), held)
+        res["build_s"][f"{MAIN} top-{k}"] = bs
         res["sweep"][k] = ppl
         _say(f"{MAIN} fitted for top-{k}: {ppl}")
+        _checkpoint(a, res)
         if a.answers and k == 2 * a.top_k:
             res["answers"][f"{MAIN} top-{k}"] = _answers(moe, mf, tok)
     return res

@@ -159,11 +159,22 @@ def _fit_scales(stats, gm):
     return s.float(), float((err2 / tot.clamp_min(1e-30)).sqrt())
 
 
-def _refit_down(h, col, gm, y, ridge):
+def _refit_down(h, col, gm, y, ridge, n_experts=None):
+    """Ridge refit of the down weights for gated hidden units ``h * gm[:, col]``. The ridge is
+    ``ridge`` times the mean diagonal of the normal equations, taken separately over the routed
+    neurons and over the shared expert's (``col == n_experts``): their gates differ in scale
+    (1 against routing weights of ~1/E), and one common ridge would shrink the routed experts'
+    weights far more than the shared one's."""
     z = h * gm[:, col]
     zz = (z.t() @ z).double()
     zy = (z.t() @ y).double()
-    zz += ridge * zz.diagonal().mean() * torch.eye(zz.shape[0], dtype=torch.float64)
+    dg = zz.diagonal()
+    if n_experts is not None and bool((col == n_experts).any()):
+        sh = col == n_experts
+        lam = torch.where(sh, dg[sh].mean(), dg[~sh].mean())
+    else:
+        lam = dg.mean().expand_as(dg)
+    zz += torch.diag(ridge * lam)
     return torch.linalg.solve(zz, zy).t().float()
 
 
@@ -216,6 +227,6 @@ def fit_output(x: torch.Tensor, h: torch.Tensor, down: torch.Tensor, groups: tor
         if y is not None:
             yf = y + h[:, shared] @ down[:, shared].t() if has_sh else y
         if refit_down:
-            d = _refit_down(h, col, gm, yf, ridge)
+            d = _refit_down(h, col, gm, yf, ridge, groups.shape[0])
         err = float((_mixture(h, d, col, gm) - yf).norm() / yf.norm())
     return R / t, d, {"temperature": t, "calib_rel_err": err}
