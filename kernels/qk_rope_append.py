@@ -45,7 +45,7 @@ import triton.language as tl
 
 from localmoe.kernels.kv_quant_append import quant_store_row
 from localmoe.kernels.rms_norm import rms_norm_ref
-from localmoe.kernels.rope import rope_ref
+from localmoe.kernels.rope import rope_partner, rope_ref
 
 __all__ = ["qk_rope_append", "qk_rope_append_ref", "qk_rope", "fusable"]
 
@@ -81,13 +81,7 @@ def _norm_rope(Xt, Bias, W, Cos, Sin, t, j, c0, stride_xs, stride_ct, R, eps,
     d = tl.arange(0, BD)
     dm = d < D
     rot = d < R
-    if NEOX:
-        half = R // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-    else:
-        partner = d ^ 1
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    partner, sign = rope_partner(d, R, NEOX)
     pm = dm & rot
     base = c0 + j * D
     x = _load_row(Xt, Bias, base + d, dm, stride_xs, ACT, S, HAS_BIAS)

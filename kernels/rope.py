@@ -18,6 +18,20 @@ __all__ = ["rope", "rope_ref"]
 
 
 @triton.jit
+def rope_partner(d, R, NEOX: tl.constexpr):
+    """``(partner, sign)`` of dims ``d``: ``rot(x)[d] = sign * x[partner]`` over the first
+    ``R`` dims (pairs ``(i, i + R/2)`` for "neox", ``(2i, 2i+1)`` for "norm")."""
+    if NEOX:
+        half = R // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+    else:
+        partner = d ^ 1
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    return partner, sign
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, R, x_ts, x_hs, c_ts, y_ts, y_hs,
                  NEOX: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
@@ -28,13 +42,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, D, R, x_ts, x_hs, c_ts, y_ts
     base = x_ptr + t.to(tl.int64) * x_ts + h[:, None] * x_hs
     x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
     rot_m = d < R
-    if NEOX:
-        half = R // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)
-    else:
-        partner = d ^ 1
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    partner, sign = rope_partner(d, R, NEOX)
     xp = tl.load(base + partner[None, :], mask=m & rot_m[None, :], other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + t.to(tl.int64) * c_ts + d, mask=rot_m, other=1.0)
     s = tl.load(sin_ptr + t.to(tl.int64) * c_ts + d, mask=rot_m, other=0.0)
