@@ -220,8 +220,10 @@ class Generation:
                 self.finish = "stop"
                 return
             pending = None
-            ahead = (ahead_ok and len(self.generated) < self.budget
-                     and not (cons is not None and cons.done) and not self._cancelled())
+            # read before any mask job starts: the matcher must not be used from two threads
+            done = cons is not None and cons.done
+            ahead = (ahead_ok and len(self.generated) < self.budget and not done
+                     and not self._cancelled())
             if ahead:
                 pending, logits = self._step(t_id, mask_fn)
             try:
@@ -237,10 +239,11 @@ class Generation:
                 _wait_quietly(pending)
                 self.finish, self.string_stop = "stop", True
                 return
-            if cons is not None and cons.done:  # complete: only an end token could follow
+            if done:  # complete: only an end token could follow
                 self.finish = "stop"
                 return
             if len(self.generated) >= self.budget:
+                _wait_quietly(pending)
                 self.finish = "length"
                 return
             if self._cancelled():
