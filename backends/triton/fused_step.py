@@ -26,8 +26,8 @@ routed experts                          :func:`localmoe.kernels.fused_moe.fused_
 ======================================  =========================================================
 
 Dense FFNs and shared experts (Qwen2-MoE) go through the shared model's GLU on the float
-normed input. Everything is written into tensors whose addresses do not change between steps
-(two residual buffers used in turn), so the step can be captured once and replayed.
+normed input. The residual stream is updated in place (one program per row reads its row
+before writing it), so the step can be captured once and replayed.
 
 Models the step does not cover (post-attention/FFN norms as in Gemma 3, weights that are not
 quantized, q/k/v parts of different types where the fused append needs one row) take the shared
@@ -69,25 +69,18 @@ class FusedDecode:
 
     Args:
         runner: the runner (``model``, ``cache``); check :func:`unavailable` first.
-        max_batch: the most sequences one step takes.
+
+    Raises:
+        ValueError: a KV format the fused append cannot write (the runner says why).
     """
 
-    def __init__(self, runner, max_batch: int = 8):
-        # the fused kernels (ImportError when this install lacks one: the runner says so)
-        from localmoe.kernels import fused_norm, qk_rope_append, quant_gemv  # noqa: F401
+    def __init__(self, runner):
+        from localmoe.kernels.qk_rope_append import fusable
 
-        if not hasattr(quant_gemv, "quant_gemv_partials"):
-            raise ImportError("localmoe.kernels.quant_gemv has no quant_gemv_partials")
-        why = qk_rope_append.fusable(runner.cache.k_codec, runner.cache.v_codec, decode=True)
+        why = fusable(runner.cache.k_codec, runner.cache.v_codec, decode=True)
         if why:
             raise ValueError(why)
         self.runner = runner
-        m = runner.model
-        d = m.spec.d_model
-        dev = torch.device(runner.device)
-        #: the residual stream, two buffers used in turn (a kernel never reads and writes one)
-        self.res = [torch.zeros((max_batch, d), dtype=m.dtype, device=dev) for _ in range(2)]
-        self.attn_opts: dict = {}
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -134,11 +127,9 @@ class FusedDecode:
         x = m.embed(tokens)
         deltas: list = []
         ropes = m.layer_rope_tables(positions)
-        buf = 0
         for i in range(s.n_layers):
             L = m.layers[i]
-            x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, self.res[buf][:B])
-            buf ^= 1
+            x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, x)
             qkv = self._gemv(hq, L["wqkv"])
             cos2, sin2 = ropes[i][0], ropes[i][1]
             q = qk_rope_append(
@@ -154,15 +145,13 @@ class FusedDecode:
             decode_attention(
                 q, c.k_codec, c.k_stores[i], c.v_codec, c.v_stores[i], block_table, lens,
                 page_size=c.block_size, sm_scale=m.scale, seq_rows=rows,
-                sliding_window=m.layer_window(i) or 0, max_len=max_len, quant_out=oq,
-                **self.attn_opts)
+                sliding_window=m.layer_window(i) or 0, max_len=max_len, quant_out=oq)
             op = self._gemv(oq, L["wo"])
             moe = "router" in L
-            x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, self.res[buf][:B],
+            x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, x,
                                          want_float=torch.float32 if moe else m.dtype)
-            buf ^= 1
             deltas = self._ffn(i, L, hq, hf)
-        _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, self.res[buf][:B])
+        _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
         return self._head(hq)
 
     # -- prefill of a new sequence (the body of the prefill graphs) ---------------------------
