@@ -48,6 +48,17 @@ async def _settle(pilot) -> None:
     for p in app.screen_stack[0].query(PromptInput):
         p.cursor_blink = False
     await pilot.pause()
+    await pilot.wait_for_scheduled_animations()
+    # on a loaded machine a widget can still be laying out or rendering (a Markdown reply, a
+    # dialog mounting its fields): wait until two screenshots a moment apart are the same
+    end = time.monotonic() + 20.0
+    last = app.export_screenshot()
+    while time.monotonic() < end:
+        await pilot.pause(0.05)
+        now = app.export_screenshot()
+        if now == last:
+            break
+        last = now
 
 
 async def _send(pilot, text: str) -> None:
