@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.launch_config import CHOICE_FIELDS, device_table
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import pack_store_blocks
 
 LOG2E = 1.4426950408889634
@@ -529,8 +530,9 @@ def _decode_split_kernel(
     V_SIDE: tl.constexpr, V_NSINK: tl.constexpr, V_NRING: tl.constexpr,
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
-    K_PRE: tl.constexpr, V_PRE: tl.constexpr, SWAP: tl.constexpr,
+    K_PRE: tl.constexpr, V_PRE: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -714,7 +716,8 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
                           Qq, Qs, Qd, q_rs, s_rs, d_rs,
                           HQ: tl.constexpr, DV: tl.constexpr, SPLITS_P: tl.constexpr,
-                          QUANT: tl.constexpr):
+                          QUANT: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     b = pid // HQ
     h = pid % HQ
@@ -892,7 +895,8 @@ def _launch_split(grid, args: tuple, meta: dict, block_n: int, extra: dict) -> N
     a multiple of it) down to 16 tokens."""
     while True:
         try:
-            _decode_split_kernel[grid](*args, BLOCK_N=block_n, **meta, **extra)
+            _decode_split_kernel[grid](*args, BLOCK_N=block_n, **meta, **extra,
+                                       **pdl_args(args[0].device))
             return
         except triton.runtime.errors.OutOfResources:
             if block_n <= 16:
@@ -1010,7 +1014,7 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
         _decode_reduce_kernel[(B * HQ,)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
             HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
-        )
+            **pdl_args(out.device))
     elif qa is not None:
         from localmoe.kernels.quant_gemv import quantize_act
 

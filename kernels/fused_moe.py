@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.launch_config import device_table
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
@@ -79,7 +80,9 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
-                        EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr):
+                        EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
     t = pid // TOP_K
@@ -119,7 +122,8 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
-                     USE_ASM: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     loc = pid_n * BN + tl.arange(0, BN)
@@ -232,7 +236,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         x.q.stride(0), x.s.stride(0), x.d.stride(0), h.q.stride(0), h.s.stride(0), h.d.stride(0),
         *strides, TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
         ACT=ACTIVATIONS[activation], EVEN=(f % c["BN"] == 0 and (d // cv) % ch == 0),
-        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
+        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
+        **pdl_args(h.q.device))
     return h
 
 
@@ -255,7 +260,8 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         h.q.stride(0), h.s.stride(0), h.d.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0), XB=c.get("xb", False),
-        USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4))
+        USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
+        **pdl_args(out.device))
     return out
 
 

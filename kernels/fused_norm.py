@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import QuantAct, pack_store_blocks, sum_partials
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "MAX_DELTAS", "MAX_D"]
@@ -73,7 +74,9 @@ def _add_rms_norm_quant_kernel(
         T, D, x_rs, d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2,
         r_rs, h_rs, q_rs, s_rs, dq_rs, eps,
         ND: tl.constexpr, HAS_W: tl.constexpr, STORE_R: tl.constexpr, STORE_H: tl.constexpr,
-        QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+        QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     rm = row < T
@@ -241,7 +244,7 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
             qd.stride(0) if hq is not None else 0, float(eps),
             ND=len(deltas), HAS_W=w is not None, STORE_R=residual_out is not None,
             STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block,
-            NB=block // 32, num_warps=warps)
+            NB=block // 32, num_warps=warps, **pdl_args(x.device))
     return residual_out, hq, hf
 
 

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.kv_quant_append import quant_store_row
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.rms_norm import rms_norm_ref
 from localmoe.kernels.rope import rope_partner, rope_ref
 
@@ -229,8 +230,9 @@ def _qk_rope_append_kernel(
     K_PAGE: tl.constexpr,
     V_QUANT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_FP4: tl.constexpr,
     V_NOUT: tl.constexpr, V_SINK: tl.constexpr, V_RING: tl.constexpr, V_CHAN: tl.constexpr,
-    V_PAGE: tl.constexpr,
+    V_PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     Xt = X + t * stride_xt
@@ -437,7 +439,7 @@ def _launch(x3, act, cos, sin, norm, *, n_heads, n_kv_heads, head_dim, v_head_di
         K_RING=kc[6], K_CHAN=kc[7], K_PAGE=kc[8],
         V_QUANT=vc[0], V_BITS=vc[1], V_G=vc[2], V_FP4=vc[3], V_NOUT=vc[4], V_SINK=vc[5],
         V_RING=vc[6], V_CHAN=vc[7], V_PAGE=vc[8],
-        num_warps=warps)
+        num_warps=warps, **pdl_args(x3.device))
     return q
 
 

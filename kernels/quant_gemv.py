@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.launch_config import device_table
+from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.qtensor import (
     FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
 )
@@ -303,12 +304,22 @@ def _x_rows(xq_rs, xs_rs, xd_rs, xrow, rows4, BROADCAST_ROWS: tl.constexpr = Fal
 # -----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _words(QTYPE: tl.constexpr):
+    """Elements of the code plane per chunk (int32 words: 8 for Q8_0, 4 for the others)."""
+    if QTYPE == _Q8_0:
+        return 8
+    else:
+        return 4
+
+
+@triton.jit
 def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                        N, T, n_chunks, split_chunks,
                        xq_rs, xs_rs, xd_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
-                       USE_ASM: tl.constexpr):
+                       USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+                       LINE: tl.constexpr = 32):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -316,6 +327,10 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_p
     rows4 = rows.to(tl.int64)[None, :, None, None]
     c_begin = pid_k * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
+    if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
+        prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
+                       c_end * _words(QTYPE), LINE, PDL)
+    pdl_begin(PDL)
     # one pass over the K range per token: every tile then has the weights' register layout;
     # passes after the first re-read this program's rows from L1/L2, not from HBM
     for ti in tl.static_range(TP):
@@ -497,6 +512,12 @@ def _plan(w: QuantTensor, t: int, config: dict | None) -> tuple[dict, int, int, 
     return cfg, n_chunks, triton.cdiv(n_chunks, split_chunks), split_chunks
 
 
+# weights at most this large are prefetched into L2 (50 MB on the H200) before PDL's wait; an
+# output head (~250 MB) is not: its programs run in many waves, the prefetch would only add
+# instructions to a kernel that already streams at ~75% of the bandwidth
+_PREFETCH_MAX = 24 << 20
+
+
 def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | None,
                  partials: bool = False):
     """One launch for <= 8 tokens; ``partials``: ``out`` is ``[S, t, N]`` float32 (S = the
@@ -524,7 +545,9 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
               and t == triton.next_power_of_2(t)),
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
-        num_warps=cfg.get("num_warps", 4))
+        PREFETCH=w.nbytes <= _PREFETCH_MAX and pdl_prefetch(y.device),
+        LINE=128 // ptrs[0].element_size(),
+        num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
     if y is not out:
         out.copy_(y)
 

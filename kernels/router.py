@@ -23,6 +23,7 @@ import triton.language as tl
 
 from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.launch_config import device_table
+from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 
 __all__ = ["router", "router_fused", "router_ref", "router_config"]
 
@@ -32,7 +33,8 @@ GATING = {"softmax": 0, "sigmoid": 1}
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, l_rs, ids_rs, w_rs, scale,
                    EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     em = e < E
@@ -46,7 +48,8 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
                           D, E, h_rs, wr_rs, l_rs, ids_rs, w_rs, scale,
                           EB: tl.constexpr, BD: tl.constexpr, EP: tl.constexpr,
                           TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+                          PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 32):
     # program (t, j): logits of experts j*EB .. j*EB+EB-1 of token t, each a contiguous row
     # of the expert-major weight [E, D]; the last program of token t to finish (an acq_rel
     # counter orders the others' stores before it) routes the token and resets the counter
@@ -54,6 +57,9 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
     j = tl.program_id(1)
     eb = j * EB + tl.arange(0, EB)
     ebm = eb < E
+    if PREFETCH:   # the router weights are constant: fetch them while the norm kernel runs
+        prefetch_rows_l2(wr_ptr, eb, ebm, wr_rs, 0, D, LINE, PDL)
+    pdl_begin(PDL)
     acc = tl.zeros([EB, BD], dtype=tl.float32)
     dd = tl.arange(0, BD)
     for d0 in range(0, D, BD):
@@ -150,7 +156,7 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
         float(expert_weights_scale),
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
-        num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"], **pdl_args(logits.device))
     return w, ids
 
 
@@ -219,7 +225,7 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         float(expert_weights_scale), EB=eb, BD=max(64, min(1024, 2048 // eb)),
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
-        num_warps=4)
+        num_warps=4, PREFETCH=pdl_prefetch(dev), LINE=128 // wt.element_size(), **pdl_args(dev))
     return w, ids
 
 

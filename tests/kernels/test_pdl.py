@@ -1,0 +1,58 @@
+"""When the decode step's kernels launch with programmatic dependent launch (kernels/pdl.py):
+only when asked (LOCALMOE_PDL=1), on a CUDA device of compute capability 9.0+, with a Triton
+that can, and never under the interpreter; otherwise the launch arguments leave the kernels as
+they were. The bit-for-bit GPU comparison is in tests/backends/test_triton_quant.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from localmoe.kernels import pdl  # noqa: E402
+
+
+@pytest.fixture
+def gpu_that_can(monkeypatch):
+    """Pretend device 0 is a Hopper GPU and Triton can launch with PDL."""
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_off_by_default(gpu_that_can, monkeypatch):
+    monkeypatch.delenv("LOCALMOE_PDL", raising=False)
+    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
+    assert not pdl.pdl_prefetch(torch.device("cuda", 0))
+
+
+def test_on_when_asked_for_a_capable_gpu(gpu_that_can, monkeypatch):
+    monkeypatch.setenv("LOCALMOE_PDL", "1")
+    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert pdl.pdl_prefetch(torch.device("cuda", 0))
+    monkeypatch.setenv("LOCALMOE_PDL_PREFETCH", "0")
+    assert not pdl.pdl_prefetch(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("why", ["cpu", "interpreter", "old gpu"])
+def test_never_where_it_cannot_run(why, monkeypatch):
+    monkeypatch.setenv("LOCALMOE_PDL", "1")
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: why != "old gpu")
+    if why == "cpu":
+        dev = torch.device("cpu")
+    if why == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert pdl.pdl_args(dev) == {"PDL": False}
+
+
+def test_the_capability_check_reads_the_device(monkeypatch):
+    """Hopper (9.0) and later can; Ampere (8.x) cannot, whatever Triton supports."""
+    pdl._device_supports.cache_clear()
+    monkeypatch.setattr(pdl, "_triton_can_launch_pdl", lambda: True)
+    for cap, want in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=cap: c)
+        pdl._device_supports.cache_clear()
+        assert pdl._device_supports(0) is want
+    pdl._device_supports.cache_clear()
