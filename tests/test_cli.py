@@ -575,13 +575,20 @@ def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch)
     assert seen["prompt"] == "System: Be brief.\nUser: Hi\nAssistant:"
     assert "warning: base has no chat template" in r.stderr and "--system" in r.stderr
     assert r.stdout == " the the\n"
-    # without --system it stays a plain completion, silently
+    # without --system it stays a plain completion, with a one-line note saying so
     seen.clear()
     llm2 = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_name="b")
     monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: llm2)
     r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "-n", "1", "Hi"])
     assert r.exit_code == 0 and "warning" not in r.stderr
+    assert r.stderr == "note: b has no chat template; the prompt is completed as plain text " \
+        "(as with --raw)\n"
     assert llm2.runner.calls[0][1] == [0, BYTE0 + ord("H"), BYTE0 + ord("i")]
+    # --raw: asked for, so no note
+    llm3 = LLM.from_parts(FakeRunner(chain={}, default_next=9), FakeTokenizer(), model_name="c")
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: llm3)
+    r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--raw", "-n", "1", "Hi"])
+    assert r.exit_code == 0 and r.stderr == ""
     # --raw --system: the system text is not silently lost
     r = CliRunner().invoke(cli, ["generate", "-m", "x.gguf", "--raw", "--system", "S", "-n", "1",
                                  "Hi"])
@@ -595,6 +602,21 @@ def test_bench_refuses_unwritable_json_path_before_loading(tmp_path, monkeypatch
     r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json",
                                  str(tmp_path / "missing-dir" / "x.json")])
     assert r.exit_code == 1 and "cannot write" in r.output and "Traceback" not in r.output
+
+
+def test_bench_over_the_context_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """-p + -n past the context: one error line with the numbers, and no backend ever loads."""
+    from localmoe.backends import torch_backend
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    monkeypatch.setattr(torch_backend.TorchBackend, "load",
+                        lambda *a, **k: pytest.fail("loaded the weights"))
+    r = CliRunner().invoke(cli, ["bench", "-m", str(path), "--backend", "torch", "-c", "64",
+                                 "-p", "60", "-n", "8"])
+    assert r.exit_code == 1, r.output
+    assert "prompt 60 + 8 tokens exceed the context 64" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_unknown_backend_lists_auto_too(tmp_path):

@@ -35,15 +35,19 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
             raise LocalMoEError(f"cannot write {json_out}: {parent} is not a writable folder")
     if record_routing:
         backend = routing.check_request(record_routing, backend)
+    def fits(llm) -> None:  # lengths over the context are refused before the weights load
+        if prompt_tokens + gen_tokens > llm.n_ctx:
+            raise LocalMoEError(f"prompt {prompt_tokens} + {gen_tokens} tokens exceed the "
+                                f"context {llm.n_ctx}; lower -p/-n or raise --ctx-size")
+        if record_routing:
+            routing.check_model(llm)
+
     llm = options.load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device,
-                           before_load=routing.check_model if record_routing else None)
+                           before_load=fits)
     try:
         # ~10 tokens per sentence: enough sentences for any --prompt-tokens
         text = ("The quick brown fox jumps over the lazy dog. " * max(400, prompt_tokens // 5))
         ids = llm.tokenizer.encode(text, add_special=False)[:prompt_tokens]
-        if len(ids) + gen_tokens > llm.n_ctx:
-            raise LocalMoEError(f"prompt {len(ids)} + {gen_tokens} tokens exceed the context "
-                                f"{llm.n_ctx}; lower -p/-n or raise --ctx-size")
         runs = []
         llm.generate(ids[:8], max_tokens=4, temperature=0.0)  # warm-up
         for i in range(repeat):

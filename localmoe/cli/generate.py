@@ -75,6 +75,9 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
             rec = routing.recorder(llm)
             rec.__enter__()
         if plain(llm):
+            if not raw:   # a base model: say why the answer reads as a continuation
+                click.echo(f"note: {llm.model_name} has no chat template; the prompt is "
+                           f"completed as plain text (as with --raw)", err=True)
             events = llm.generate(prompt, stream=True, raw=True, **sampling)
         else:
             if llm.template is None:
