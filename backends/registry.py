@@ -142,6 +142,11 @@ def list_backends() -> list[tuple[str, str | None, str]]:
     return out
 
 
+def _available_here(exclude: str) -> list[str]:
+    """Names of the registered backends that can run on this machine, but ``exclude``."""
+    return [n for n, reason, _ in list_backends() if reason is None and n != exclude]
+
+
 def select_backend(requested: str = "auto", model_format: str = "gguf",
                    kv_spec: Any = None) -> tuple[Backend, str]:
     """Pick a backend and say why.
@@ -162,7 +167,10 @@ def select_backend(requested: str = "auto", model_format: str = "gguf",
         b = get_backend(requested)
         why = b.available()
         if why:
-            raise BackendUnavailableError(f"backend {requested!r} is not available: {why}")
+            here = _available_here(exclude=requested)
+            hint = (f"; available here: {', '.join(here)} (--backend auto picks one)" if here
+                    else "")
+            raise BackendUnavailableError(f"backend {requested!r} is not available: {why}{hint}")
         why = b.supports(model_format, kv_spec)
         if why:
             raise BackendUnavailableError(f"backend {requested!r} cannot run this: {why}")

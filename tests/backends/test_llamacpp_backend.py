@@ -337,3 +337,16 @@ def test_no_offload_advice_names_what_works_here(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     why = backend().check_device("cuda:0")
     assert "no GPU support" in why and "--backend triton/torch" in why
+
+
+def test_an_unavailable_backend_names_the_ones_that_run_here(monkeypatch):
+    """`--backend llamacpp` without llama-cpp-python says why and which backends do run
+    (the torch reference always does)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "llama_cpp" else real(n, *a))
+    with pytest.raises(BackendUnavailableError) as e:
+        select_backend("llamacpp", "gguf")
+    msg = str(e.value)
+    assert "available here: " in msg and "torch" in msg.split("available here: ")[1]
+    assert "llamacpp" not in msg.split("available here: ")[1]
