@@ -188,7 +188,9 @@ def _completion_logprobs(req: dict) -> int | None:
 def _response_format(rf) -> tuple[str, Any, bool]:
     """(kind, schema, strict) of a ``response_format``: kind ``text``, ``json_object`` or
     ``json_schema``; the schema is checked for shape and against the grammar engine (no
-    model needed), so a bad one gets its 400 before anything is queued."""
+    model needed), so a bad one gets its 400 before anything is queued. A ``json_schema``
+    without a ``schema`` constrains the reply as ``json_object`` does (one JSON object; a bare
+    ``{}`` schema would also let a small model answer ``null``)."""
     if rf is None:
         return "text", None, False
     if not isinstance(rf, dict):
@@ -215,7 +217,9 @@ def _response_format(rf) -> tuple[str, Any, bool]:
         if not isinstance(strict, bool):
             raise InvalidRequestError("response_format.json_schema.strict must be a boolean",
                                       "response_format.json_schema.strict")
-        schema = js.get("schema", {})
+        if js.get("schema") is None:   # no schema given: a JSON object, as json_object mode
+            return "json_object", None, False
+        schema = js["schema"]
         from localmoe.text.grammar import validate_schema
 
         schema = validate_schema(schema, strict, "response_format.json_schema.schema")

@@ -293,3 +293,17 @@ def test_completions_take_response_format_too(client):
                                           "name": "p", "schema": schema, "strict": False}}})
     out = json.loads(r.choices[0].text)
     assert isinstance(out, list) and len(out) <= 4 and all(isinstance(v, int) for v in out)
+
+
+def test_json_schema_without_a_schema_is_json_object_mode():
+    """`{"type": "json_schema", "json_schema": {"name": ...}}` with no schema asks for JSON: the
+    reply is constrained to one JSON object (json_object mode), not to any JSON value (a small
+    model then answered `null`)."""
+    from localmoe.openai.requests import _response_format
+
+    for js in ({"name": "p"}, {"name": "p", "schema": None}, {"name": "p", "strict": True}):
+        assert _response_format({"type": "json_schema", "json_schema": js}) == \
+            ("json_object", None, False)
+    kind, schema, strict = _response_format(
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}})
+    assert kind == "json_schema" and schema["type"] == "object" and strict is False
