@@ -70,6 +70,21 @@ def _compare(mf, steps=2, prompt_len=11):
     return a, b, out
 
 
+def _decode_two(r, seed: int, prompt_lens: tuple, steps: int, starts: tuple):
+    """Two sequences with random prompts of ``prompt_lens``; each step decodes both together
+    (tokens ``starts[0] + step``, ``starts[1] + step``), then the second alone
+    (``starts[2] + step``). Returns (the first sequence's id, the logits stacked)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = r.new_sequence(), r.new_sequence()
+    r.forward([(a, torch.randint(0, 200, (prompt_lens[0],), generator=g).tolist())])
+    r.forward([(b, torch.randint(0, 200, (prompt_lens[1],), generator=g).tolist())])
+    outs = []
+    for step in range(steps):
+        outs += r.forward([(a, [starts[0] + step]), (b, [starts[1] + step])])
+        outs += r.forward([(b, [starts[2] + step])])
+    return a, torch.stack(outs)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_quantized_triton_runner_matches_torch(files, preset):
     mf = open_model(str(files[preset]))
@@ -113,15 +128,8 @@ def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypat
         monkeypatch.setenv("LOCALMOE_FUSED_STEP", fused)
         r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec=kv)
         assert (r.stats()["fused_step"] == "on") == (fused == "1"), r.stats()["fused_step"]
-        g = torch.Generator().manual_seed(3)
-        a, b = r.new_sequence(), r.new_sequence()
-        r.forward([(a, torch.randint(0, 200, (9,), generator=g).tolist())])
-        r.forward([(b, torch.randint(0, 200, (4,), generator=g).tolist())])
-        seen = []
-        for step in range(2):
-            seen += r.forward([(a, [3 + step]), (b, [40 + step])])
-            seen += r.forward([(b, [60 + step])])
-        outs[fused] = torch.stack(seen).float()
+        a, seen = _decode_two(r, 3, (9, 4), 2, (3, 40, 60))
+        outs[fused] = seen.float()
         caches[fused] = r.cache.read(0, a, r.cache.seq_len(a))[0].float()
     scale = outs["0"].abs().max()
     # float KV: float32 summation order apart; quantized KV: a code may move one step
@@ -228,16 +236,7 @@ def test_cuda_graph_decode_matches_eager(files, preset, monkeypatch):
     runs = {}
     for graphs in (False, True):
         r = TritonRunner(mf, n_ctx=320, device=DEV, dtype=DT, max_seqs=2, cuda_graphs=graphs)
-        g = torch.Generator().manual_seed(0)
-        a, b = r.new_sequence(), r.new_sequence()
-        r.forward([(a, torch.randint(0, 200, (250,), generator=g).tolist())])
-        r.forward([(b, torch.randint(0, 200, (17,), generator=g).tolist())])
-        outs = []
-        for step in range(12):
-            t = [3 + step, 50 + step]
-            outs += r.forward([(a, [t[0]]), (b, [t[1]])])
-            outs += r.forward([(b, [t[1] + 1])])
-        runs[graphs] = torch.stack(outs)
+        runs[graphs] = _decode_two(r, 0, (250, 17), 12, (3, 50, 51))[1]
         st = r.stats()["cuda_graphs"]
         if graphs:
             assert st["captured"] >= 3 and st["replays"] > 10, st
@@ -247,6 +246,27 @@ def test_cuda_graph_decode_matches_eager(files, preset, monkeypatch):
     scale = runs[False].abs().max()
     assert (runs[True] - runs[False]).abs().max() < 1e-2 * scale
     assert (runs[True].argmax(-1) == runs[False].argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
+@pytest.mark.parametrize("preset,kv", [("tiny-qwen3moe", "f16"), ("tiny-olmoe", "int4")])
+def test_pdl_launches_compute_the_same_bits(files, preset, kv, monkeypatch):
+    """Kernels launched with programmatic dependent launch (LOCALMOE_PDL=1, kernels/pdl.py)
+    compute what they compute without it, bit for bit: the same kernels, each waiting for its
+    predecessor before touching its outputs. A difference is a race (a load or store placed
+    before the wait). Skipped where the GPU or Triton cannot launch with PDL."""
+    from localmoe.kernels.pdl import pdl_supported
+
+    mf = open_model(str(files[preset]))
+    runs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("LOCALMOE_PDL", pdl)
+        if pdl == "1" and not pdl_supported(torch.device("cuda")):
+            pytest.skip("this GPU or Triton cannot launch with PDL")
+        r = TritonRunner(mf, n_ctx=320, device=DEV, dtype=DT, max_seqs=2, kv_spec=kv)
+        runs[pdl] = _decode_two(r, 5, (40, 7), 6, (3, 50, 90))[1]
+    assert torch.equal(runs["0"], runs["1"]), (runs["0"] - runs["1"]).abs().max()
 
 
 def test_weights_larger_than_free_gpu_memory_are_refused_before_loading(monkeypatch):
