@@ -20,8 +20,11 @@ measures both engines at batch 1:
   ``--llama-kv`` type of llama.cpp (``-ctk``/``-ctv``) gives its own rows;
 * ``ttft_<n>_ms`` (``--ttft-prompt n``): time to prefill an ``n``-token prompt at context 0
   (llama.cpp: ``pp<n>``);
-* ``kernels_per_token`` (and ``kernels_per_layer``), ``host_syncs_per_token``, ``gpu_busy``
-  (localmoe only): a
+* ``replay_ms`` (localmoe only): the decode step with 32 steps queued back to back (logits left
+  on the device): its GPU time without the per-step host work that ``tpot_ms`` includes;
+* ``kernels_per_token`` (and ``kernels_per_layer``), ``host_syncs_per_token``, ``gpu_busy``,
+  ``kernel_us_per_token`` and ``kernel_table`` (the 12 costliest kernels: launches and us per
+  token) (localmoe only): a
   ``torch.profiler`` trace of 8 decode steps: CUDA kernels launched, synchronizing CUDA runtime
   calls (stream/device/event synchronize, blocking copies to the host), and the kernels' summed
   time over the wall time.
@@ -220,15 +223,45 @@ def profile_decode(runner, seq: int, steps: int = 8) -> dict:
         wall = time.perf_counter() - t
     kernels = syncs = 0
     busy_us = 0.0
+    table: dict[str, list] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels += 1
-            busy_us += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            busy_us += us
+            row = table.setdefault(ev.name[:72], [0, 0.0])
+            row[0] += 1
+            row[1] += us
         elif ev.name in SYNC_CALLS:
             syncs += 1
+    top = sorted(table.items(), key=lambda kv: -kv[1][1])[:12]
     return {"kernels_per_token": round(kernels / steps, 1),
             "host_syncs_per_token": round(syncs / steps, 1),
-            "gpu_busy": round(busy_us / 1e6 / wall, 3)}
+            "gpu_busy": round(busy_us / 1e6 / wall, 3),
+            "kernel_us_per_token": round(busy_us / steps, 1),
+            "kernel_table": [{"kernel": k, "per_token": round(n / steps, 1),
+                              "us_per_token": round(us / steps, 1)} for k, (n, us) in top]}
+
+
+def replay_ms(runner, seq: int, steps: int = 32) -> float | None:
+    """Milliseconds per decode step with ``steps`` steps queued back to back (logits left on
+    the device, CUDA events around them): the step's GPU time without the per-step host work
+    and logits copy that :func:`time_decode` includes. None where the runner cannot return
+    device logits."""
+    import torch
+
+    if not getattr(runner, "supports_device_logits", False):
+        return None
+    for _ in range(3):
+        runner.forward([(seq, [9])], on_device=True)
+    _sync()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(steps):
+        runner.forward([(seq, [9])], on_device=True)
+    e1.record()
+    _sync()
+    return e0.elapsed_time(e1) / steps
 
 
 def time_decode(runner, seq: int, n: int) -> float:
@@ -313,6 +346,7 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
             else:
                 runner.forward([(s, prompt[:1])])
             tpot = time_decode(runner, s, n_gen)
+            replay = replay_ms(runner, s)
             prof = profile_decode(runner, s) if profile else {}
             graphs = runner.graphs
             eager_ms, eager_prof = None, {}
@@ -327,7 +361,10 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                    "peak_vram_gib": None,
                    "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
                    "tpot_ms": round(tpot, 3),
+                   "replay_ms": round(replay, 3) if replay else None,
                    "kernels_per_token": kpt,
+                   "kernel_us_per_token": prof.get("kernel_us_per_token"),
+                   "kernel_table": prof.get("kernel_table"),
                    "kernels_per_layer": round(kpt / n_layers, 2) if kpt else None,
                    "host_syncs_per_token": prof.get("host_syncs_per_token"),
                    "gpu_busy": prof.get("gpu_busy"), "weights": runner.stats()["weights"],
