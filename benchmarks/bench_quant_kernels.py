@@ -276,8 +276,12 @@ GEMV_CANDIDATES = [_q(1, 64, 1), _q(1, 32, 1), _q(2, 64, 2), _q(2, 64, 1), _q(4,
 warps, xb (x loaded once per row)."""
 HEAD_CANDIDATES = [_q(4, 64, 4), _q(2, 64, 2), _q(1, 64, 1), _q(4, 64, 4, True), _q(8, 64, 8)]
 """``gemv`` candidates for output heads (N >= LARGE_N)."""
-GATE_UP_CANDIDATES = [_q(32, 16, 8), _q(32, 16, 8, True), _q(32, 32, 8, True), _q(32, 16, 16),
-                      _q(32, 8, 8), _q(32, 32, 16)]
+GATE_UP_CANDIDATES = [dict(c, split=s) for c in (
+    _q(32, 16, 8), _q(32, 16, 8, True), _q(32, 32, 8, True), _q(32, 16, 16), _q(32, 8, 8),
+    _q(32, 32, 16)) for s in (1,)] + [dict(_q(32, ch, nw, xb), split=s) for s in (2, 4)
+                                       for ch, nw, xb in ((16, 8, True), (8, 4, True), (16, 4, False))]
+"""``moe_gate_up`` candidates: the unsplit tiles, and K split in 2 or 4 parts (more programs
+for the few (row block, expert) pairs of one token)."""
 DOWN_CANDIDATES = [_q(1, 32, 1), _q(1, 16, 1), _q(2, 32, 2), _q(4, 32, 4), _q(2, 16, 1),
                    _q(2, 32, 2, True)]
 ROUTER_CANDIDATES = [{"num_warps": w} for w in (1, 2, 4, 8)]

@@ -12,7 +12,12 @@ For every token ``t`` and each of its ``top_k`` routed experts ``e = topk_ids[t,
   program streams one contiguous range), computes both with the integer-dot tile of
   :mod:`localmoe.kernels.quant_gemv`, and writes ``h = act(gate) * up`` already quantized
   (a :class:`QuantAct` ``[T*top_k, F]``: ``BN`` is a multiple of 32, so each program owns
-  whole int8 blocks of h).
+  whole int8 blocks of h). With ``split`` S > 1 the grid gains a third axis: S programs share
+  a row block's K range, each stores its partial sums in a float32 scratch slice, and the last
+  of them to finish (an acq_rel counter per row block) adds the S slices in slice order
+  (deterministic whatever the finishing order), finishes the block as above and resets the
+  counter: S times the programs for the few (row block, expert) pairs of one token. Off (S = 1)
+  in the H200 table until measured (``benchmarks/bench_quant_kernels.py --sweep`` tries 2 and 4).
 * Launch 2 (:func:`_moe_down_kernel`, :func:`moe_down`), grid ``(cdiv(D, BN), T)``: one
   program per (row block, token) walks the token's ``top_k`` experts (unrolled, so their
   id -> slot -> weight loads overlap), computes ``BN`` rows of each down GEMV and accumulates
@@ -75,13 +80,13 @@ def moe_config(stage: str, tokens: int, top_k: int, n_experts: int, d_model: int
 
 @triton.jit
 def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr, slot_ptr,
-                        q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                        F, n_chunks, xq_rs, xs_rs, xd_rs, hq_rs, hs_rs, hd_rs,
-                        q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                        q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, p_ptr, cnt_ptr,
+                        F, n_chunks, split_chunks, xq_rs, xs_rs, xd_rs, hq_rs, hs_rs, hd_rs,
+                        q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
                         EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr,
-                        PDL: tl.constexpr):
+                        SPLIT: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -95,18 +100,47 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
     tmask4 = (tt >= 0)[:, None, None, None]
     xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4, XB)
     acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
-    for c0 in range(0, n_chunks, CH):
-        acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
+    c_begin = tl.program_id(2) * split_chunks
+    c_end = tl.minimum(c_begin + split_chunks, n_chunks)
+    for c0 in range(c_begin, c_end, CH):
+        acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
-    gu = tl.reshape(tl.sum(tl.sum(acc, axis=3), axis=2), [BN, 2])
-    g, u = tl.split(gu)
+    gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
+    if SPLIT > 1:
+        # split-K: every K part stores its partial sums in its slice of the scratch; the last
+        # part of this (row block, token, expert) to finish (an acq_rel counter; the barrier
+        # orders the program's stores before it) adds the slices in slice order (the result
+        # does not depend on which part finished last), finishes the block and resets the
+        # counter for the next launch
+        row = pid.to(tl.int64)
+        lp = p_ptr + row * p_rs + loc[None, :]
+        lm = (loc < 2 * F)[None, :]
+        tl.store(lp + tl.program_id(2).to(tl.int64) * p_ss, gu, mask=lm)
+        tl.debug_barrier()
+        cp = cnt_ptr + pid * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cp, 1, sem="acq_rel") == SPLIT - 1:
+            gu = tl.zeros([1, 2 * BN], dtype=tl.float32)
+            for k in tl.static_range(SPLIT):
+                gu += tl.load(lp + k * p_ss, mask=lm, other=0.0, cache_modifier=".cg")
+            _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, hd_rs,
+                              BN, ACT)
+            tl.atomic_xchg(cp, 0)
+    else:
+        _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, hd_rs, BN, ACT)
+
+
+@triton.jit
+def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, hd_rs,
+                      BN: tl.constexpr, ACT: tl.constexpr):
+    """h = act(gate) * up of the ``2*BN`` interleaved sums ``gu [1, 2BN]``, quantized like
+    quantize_act: the program owns BN/32 whole 32-value blocks of row ``pid`` of h."""
+    g, u = tl.split(tl.reshape(gu, [BN, 2]))
     if ACT == 0:   # SiLU (exponent clamped: silu(g < -80) is 0 to float32 anyway)
         a = g / (1.0 + tl.exp(tl.minimum(-g, 80.0)))
     else:  # GELU, tanh approximation: tanh(z) = 2*sigmoid(2z) - 1
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         a = g / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))
-    # h = act(g) * u quantized like quantize_act: this program owns BN/32 whole 32-value blocks
     NB: tl.constexpr = BN // 32
     hv = tl.reshape(a * u, [NB, 2, 4, 4])                   # [block, slice, word, byte]
     b4 = (pid_n * NB + tl.arange(0, NB))[:, None, None, None]
@@ -230,15 +264,54 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     cv = chunk_values(w_gate_up.qtype)
     h = QuantAct.empty(t * top_k, f, topk_ids.device)
     ptrs, strides = plane_args(w_gate_up)
-    ch = min(c["CH"], triton.next_power_of_2(d // cv))
-    _moe_gate_up_kernel[(triton.cdiv(f, c["BN"]), t * top_k)](
-        x.q, x.s, x.d, h.q, h.s, h.d, topk_ids, slot_of, *ptrs, f, d // cv,
+    n_chunks = d // cv
+    ch = min(c["CH"], triton.next_power_of_2(n_chunks))
+    # K parts of whole tiles; "split" asks for that many, fewer when K has too few tiles
+    split_chunks = triton.cdiv(triton.cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
+    split = triton.cdiv(n_chunks, split_chunks)
+    blocks = triton.cdiv(f, c["BN"])
+    if split > 1:
+        p, cnt = _split_scratch(split, t * top_k, 2 * f, blocks, topk_ids.device)
+    else:
+        p = cnt = h.d
+    _moe_gate_up_kernel[(blocks, t * top_k, split)](
+        x.q, x.s, x.d, h.q, h.s, h.d, topk_ids, slot_of, *ptrs, p, cnt, f, n_chunks, split_chunks,
         x.q.stride(0), x.s.stride(0), x.d.stride(0), h.q.stride(0), h.s.stride(0), h.d.stride(0),
-        *strides, TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
-        ACT=ACTIVATIONS[activation], EVEN=(f % c["BN"] == 0 and (d // cv) % ch == 0),
-        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
-        **pdl_args(h.q.device))
+        *strides, p.stride(0) if split > 1 else 0, p.stride(1) if split > 1 else 0,
+        TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
+        ACT=ACTIVATIONS[activation],
+        EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
+        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split,
+        num_warps=c.get("num_warps", 4), **pdl_args(h.q.device))
     return h
+
+
+_SCRATCH: dict = {}
+_RETIRED: list = []   # outgrown scratch buffers: a captured CUDA graph may still use them
+
+
+def _split_scratch(split: int, rows: int, width: int, blocks: int, device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 partial sums ``[split, rows, width]`` and zeroed int32 counters ``[rows *
+    blocks]`` of a split-K :func:`moe_gate_up` launch: one pair per device, grown as needed and
+    reused by every launch (the kernel leaves the counters at zero; a CUDA graph records their
+    addresses, so an outgrown pair is kept, never freed). Launches must not overlap on two
+    streams."""
+    key = str(device)
+    p, cnt = _SCRATCH.get(key, (None, None))
+    if p is None or p.shape[0] < split or p.shape[1] < rows or p.shape[2] < width:
+        shape = (max(split, p.shape[0] if p is not None else 0),
+                 max(rows, p.shape[1] if p is not None else 0),
+                 max(width, p.shape[2] if p is not None else 0))
+        if p is not None:
+            _RETIRED.append(p)
+        p = torch.empty(shape, dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < rows * blocks:
+        if cnt is not None:
+            _RETIRED.append(cnt)
+        cnt = torch.zeros(max(rows * blocks, 1024), dtype=torch.int32, device=device)
+    _SCRATCH[key] = (p, cnt)
+    return p, cnt
 
 
 def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,

@@ -47,7 +47,8 @@ features of one launch; each knob names the features it may test:
   ... while the grid has fewer than ``min_programs`` programs, at most ``max_split`` ways).
 
 * fused MoE, knobs ``moe_gate_up`` (launch 1) and ``moe_down`` (launch 2), fields ``BN``,
-  ``CH``, ``num_warps``, ``xb`` as for the GEMV; features ``tokens``, ``top_k``,
+  ``CH``, ``num_warps``, ``xb`` as for the GEMV (``moe_gate_up`` also ``split``: K parts per
+  row block, the last to finish adding them); features ``tokens``, ``top_k``,
   ``n_experts``, ``d_model``, ``d_ff`` (per expert), ``qtype`` (of that launch's weights).
 
 * MoE router, knob ``router`` (``num_warps``); features ``tokens``, ``n_experts``, ``top_k``.
@@ -102,7 +103,7 @@ KNOBS: dict[str, Knob] = {
     "fused_reduce": Knob(("fused_reduce",), ATTENTION_FEATURES),
     "gemv": Knob(_QUANT_TILE, GEMV_FEATURES),
     "gemv_split": Knob(("min_programs", "max_split"), GEMV_FEATURES),
-    "moe_gate_up": Knob(_QUANT_TILE, MOE_FEATURES),
+    "moe_gate_up": Knob(_QUANT_TILE + ("split",), MOE_FEATURES),
     "moe_down": Knob(_QUANT_TILE, MOE_FEATURES),
     "router": Knob(("num_warps",), ROUTER_FEATURES),
     "gemm": Knob(("BM", "BN", "num_warps", "num_stages"), GEMV_FEATURES),

@@ -92,6 +92,31 @@ def test_quantized_x_and_unmasked_tiles():
         fused_moe(x, gu, wd, ids, w, config={"gate_up": {"BN": 16}})
 
 
+@pytest.mark.parametrize("split,qt,f,bn,ch", [(2, 8, 96, 64, 2), (4, 12, 64, 32, 1),
+                                               (3, 2, 64, 32, 1)])
+def test_split_k_gate_up_matches_the_twin_and_resets_its_counters(split, qt, f, bn, ch):
+    """gate/up with K split over several programs (the last to finish adds the parts in order
+    and finishes the block): the twin's result, the unsplit kernel's up to float32 order, the
+    counters back at zero (a second call, and a CUDA graph replay, start clean) and the same
+    bits again; a d_ff that is not a multiple of BN (96 of 64: masked), a split that does not
+    divide K's chunks (3 parts of 8: 3, 3, 2), 2 tokens x top-2."""
+    from localmoe.kernels import fused_moe as fm
+
+    d = 256
+    gu, wd = experts(qt, 8, 4, f, d, seed=5)
+    x = torch.randn(2, d, device=DEV)
+    ids, w = route(2, 4, 2, seed=4)
+    one = fused_moe(x, gu, wd, ids, w, config={"gate_up": {"BN": bn, "CH": ch}})
+    cfg = {"gate_up": {"BN": bn, "CH": ch, "split": split}}
+    a = fused_moe(x, gu, wd, ids, w, config=cfg)
+    assert rel(a, fused_moe_ref(x, gu, wd, ids, w)) < TOL["twin"]
+    assert rel(a, one) < TOL["twin"]
+    p, cnt = fm._SCRATCH[str(a.device)]
+    assert p.shape[0] >= 2 and not cnt.any()
+    b = fused_moe(x, gu, wd, ids, w, config=cfg)
+    assert torch.equal(a, b)
+
+
 def test_slot_table_is_read_on_the_device():
     gu, wd = experts(8, 8, 4, 32, 64, seed=7)
     x = torch.randn(1, 64, device=DEV)

@@ -64,7 +64,7 @@ _K64 = {  # Q2_K, Q3_K (64-value chunks)
 OLD_GEMV = {f"{q} {k}": (_K64 if q in ("Q2_K", "Q3_K") else _LEGACY)[k]
             for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
             for k in _LEGACY}
-OLD_MOE = {"gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True},
+OLD_MOE = {"gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True, "split": 1},
            "down": {"BN": 1, "CH": 32, "num_warps": 1, "xb": False}}   # xb: absent meant False
 OLD_ROUTER = {2: 1, 8: 1, 60: 1, 64: 1, 128: 1, 129: 4, 160: 4, 256: 4, 512: 4}
 
@@ -122,8 +122,9 @@ def test_cpu_table_takes_interpreter_tiles_and_keeps_the_router():
     t = lc.load_table("cpu")
     for tokens, n, qt in itertools.product([1, 3, 8], [13, 5120, 151936], ["Q8_0", "Q6_K"]):
         assert t.lookup("gemv", tokens=tokens, n=n, k=2048, qtype=qt) == INTERPRETER_TILE
-    for stage in ("gate_up", "down"):
-        assert moe_config(stage, 1, 8, 128, 2048, 768, 12, "cpu") == INTERPRETER_TILE
+    assert moe_config("gate_up", 1, 8, 128, 2048, 768, 12, "cpu") == dict(INTERPRETER_TILE,
+                                                                          split=1)
+    assert moe_config("down", 1, 8, 128, 2048, 768, 12, "cpu") == INTERPRETER_TILE
     assert gemv_config(5120, 2048, 1, 8, device="cpu")["BN"] == 64
     for (e, warps), tokens in itertools.product(OLD_ROUTER.items(), range(1, 9)):
         assert t.lookup("router", tokens=tokens, n_experts=e, top_k=8) == {"num_warps": warps}
