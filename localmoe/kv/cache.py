@@ -95,6 +95,7 @@ class PagedKVCache:
         self.v_stores = [self.v_codec.alloc(n_slots, self.device) for _ in range(spec.n_layers)]
         self._free_blocks = list(range(self.n_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
+        self._versions: dict[int, int] = {}      # seq id -> changes of its block table
         self._lens: dict[int, int] = {}
         self._rows: dict[int, int] = {}          # seq id -> row of the per-sequence side buffers
         self._free_rows = list(range(self.max_seqs - 1, -1, -1))
@@ -114,6 +115,7 @@ class PagedKVCache:
         sid = self._next_id
         self._next_id += 1
         self._tables[sid] = []
+        self._versions[sid] = 0
         self._lens[sid] = 0
         row = self._free_rows.pop()
         self._rows[sid] = row
@@ -135,6 +137,7 @@ class PagedKVCache:
     def free_seq(self, seq_id: int) -> None:
         """Release a sequence's blocks (unknown ids are ignored)."""
         blocks = self._tables.pop(seq_id, None)
+        self._versions.pop(seq_id, None)
         self._lens.pop(seq_id, None)
         row = self._rows.pop(seq_id, None)
         if row is not None:
@@ -159,6 +162,8 @@ class PagedKVCache:
         self._lens[seq_id] = n
         keep = math.ceil(n / self.block_size)
         table = self._tables[seq_id]
+        if len(table) > keep:
+            self._versions[seq_id] += 1
         while len(table) > keep:
             self._free_blocks.append(table.pop())
 
@@ -178,6 +183,8 @@ class PagedKVCache:
         if need > len(self._free_blocks):
             raise LocalMoEError("the KV cache block pool is exhausted; lower the number of "
                                 "concurrent sequences or the context size")
+        if need > 0:
+            self._versions[seq_id] += 1
         for _ in range(need):
             table.append(self._free_blocks.pop())
 
@@ -212,6 +219,13 @@ class PagedKVCache:
         """Physical block ids of a sequence as the host's Python list (do not modify it)."""
         self._check(seq_id)
         return self._tables[seq_id]
+
+    def table_version(self, seq_id: int) -> int:
+        """A number that changes whenever the sequence's block table does (blocks added or
+        released): a copy of the table made at one version is still exact while the version
+        is the same. Sequence ids are never reused."""
+        self._check(seq_id)
+        return self._versions[seq_id]
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Slot indices (LongTensor[end-start], cache device) of positions [start, end)

@@ -312,6 +312,42 @@ def test_failed_capture_falls_back_to_eager(files, monkeypatch):
     assert (outs["r"] - outs["ref"]).abs().max() < 1e-2 * outs["ref"].abs().max()
 
 
+def test_static_buffers_follow_the_block_tables(files):
+    """The decode graphs' staged inputs (DecodeGraphs._fill) rewrite a block-table row only when
+    its sequence or that sequence's table changed (PagedKVCache.table_version): across block
+    boundaries, a truncation, and another sequence taking the row, they always equal what a
+    fresh fill writes, and reach the device buffer."""
+    r = TritonRunner(open_model(str(files["tiny-qwen3moe"])), n_ctx=256, device=DEV, dtype=DT,
+                     max_seqs=2)
+    g, c = r.graphs, r.cache
+    gg = g._new(1, 256)
+    versions = set()
+
+    def step(sid):
+        c.reserve(sid, 1)
+        batch = [(sid, [7])]
+        g._fill(gg, batch)
+        fresh = g._new(1, 256)
+        g._fill(fresh, batch)
+        assert torch.equal(gg.staging, fresh.staging), (sid, c.seq_len(sid))
+        versions.add((sid, c.table_version(sid)))
+        c.commit(sid, 1)
+
+    a = r.new_sequence()
+    for _ in range(40):            # blocks of 16 tokens: the table grows at 0, 16 and 32
+        step(a)
+    c.truncate(a, 10)              # back to one block, then regrown
+    for _ in range(30):
+        step(a)
+    b = r.new_sequence()
+    r.free_sequence(a)
+    for _ in range(20):            # another sequence in the same row
+        step(b)
+    assert len(versions) >= 7
+    if not CUDA:
+        assert torch.equal(gg.dev_staging, gg.staging)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="host syncs are a CUDA notion")
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
