@@ -22,8 +22,9 @@ on the GPU at the benchmarked shape.
 ``--sweep`` re-tunes the launch choices at the Qwen3 shapes: it times candidate choices
 (:data:`GEMV_CANDIDATES`, ... : BN, CH, num_warps, xb; the router's num_warps) of the knobs
 ``gemv`` (projections, and output heads at N >= :data:`LARGE_N` as their own class),
-``moe_gate_up``, ``moe_down`` (per token count of ``--tune-tokens``) and ``router`` (per expert
-count of :data:`ROUTER_EXPERTS`), takes the fastest per point (summed over the shapes of a
+``moe_gate_up`` (with K split 1, 2 or 4 ways), ``moe_down`` (per token count of
+``--tune-tokens``), ``router`` and ``router_fused`` (the decode step's logits + routing launch:
+warps and logits per program; per expert count of :data:`ROUTER_EXPERTS`), takes the fastest per point (summed over the shapes of a
 class), merges neighbouring points with the same winner into one rule
 (:func:`localmoe.kernels.launch_config.tuned_rules`) and prints the rules; ``gemv_split`` is
 2 programs per SM, at most 8 ways (not swept). With ``--write-config [FILE]`` it writes them
@@ -54,7 +55,7 @@ from localmoe.kernels import launch_config as lc
 from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref, moe_down, moe_gate_up
 from localmoe.kernels.qtensor import QuantTensor, qtype_id, random_gguf_blocks
 from localmoe.kernels.quant_gemv import gemv_config, quant_gemv, quant_gemv_ref, quantize_act
-from localmoe.kernels.router import router
+from localmoe.kernels.router import router, router_fused
 
 CEILING = 4.27e12
 L2_DEFEAT = 256 << 20
@@ -288,7 +289,10 @@ ROUTER_CANDIDATES = [{"num_warps": w} for w in (1, 2, 4, 8)]
 ROUTER_EXPERTS = (8, 64, 128, 256)
 LARGE_N = 32768
 """Weights with at least this many rows (output heads, vocab rows) are their own GEMV class."""
-TUNED_KNOBS = ("gemv", "moe_gate_up", "moe_down", "router")
+ROUTER_FUSED_CANDIDATES = [{"num_warps": w, "experts_per_program": eb}
+                           for w in (1, 2, 4, 8) for eb in (1, 2, 4, 8)]
+"""``router_fused`` candidates (the decode step's logits + routing launch)."""
+TUNED_KNOBS = ("gemv", "moe_gate_up", "moe_down", "router", "router_fused")
 TUNE_MODEL = "qwen3-30b-a3b"
 
 
@@ -297,14 +301,16 @@ class SweepTimer:
     candidate (None: it failed to compile or run), by :func:`time_calls` (a CUDA graph over
     weights out of the L2); each timing is also kept as a result row in ``rows``.
     Cases: ``gemv`` ``{model, name, qtype, n, k, tokens}``, ``moe_gate_up``/``moe_down``
-    ``{model, tokens}`` (Q4_K experts), ``router`` ``{tokens, n_experts, top_k}``."""
+    ``{model, tokens}`` (Q4_K experts), ``router`` ``{tokens, n_experts, top_k}``,
+    ``router_fused`` the same and ``d_model``."""
 
     def __init__(self, dev):
         self.dev, self.rows, self._cache = dev, [], {}
         self._gen = torch.Generator().manual_seed(0)
 
     def __call__(self, knob, case, cands):
-        fn = self._gemv if knob == "gemv" else self._router if knob == "router" else self._moe
+        fn = {"gemv": self._gemv, "router": self._router,
+              "router_fused": self._router_fused}.get(knob, self._moe)
         return fn(knob, case, cands)
 
     def _weights(self, key, build):
@@ -357,6 +363,15 @@ class SweepTimer:
         return [self._time(knob, c, calls(c), lambda us, c=c: row(
             knob, case["model"], "experts", "Q4_K", shape, t, us, int(nbytes), config=c,
             experts_touched=distinct)) for c in cands]
+
+    def _router_fused(self, knob, case, cands):
+        t, e, k, d = case["tokens"], case["n_experts"], case["top_k"], case["d_model"]
+        n = 64 if self.dev == "cuda" else 2      # weights out of the L2 between calls
+        ws = [torch.randn(e, d, device=self.dev).t() for _ in range(n)]   # expert-major
+        h = torch.randn(t, d, device=self.dev)
+        return [self._time(knob, c, [lambda w=w, c=c: router_fused(h, w, k, config=c) for w in ws],
+                           lambda us, c=c: row("router_fused", "-", f"E={e}", "F32", (e, d), t, us,
+                                               e * d * 4, config=c, top_k=k)) for c in cands]
 
     def _router(self, knob, case, cands):
         t, e, k = case["tokens"], case["n_experts"], case["top_k"]
@@ -413,6 +428,14 @@ def tune(timer, tokens=(1, 2, 4, 8), knobs=TUNED_KNOBS, device="", n_sm=132, mod
             dict(tokens=1, n_experts=e, top_k=max(1, min(8, e // 2)))], ROUTER_CANDIDATES)
         out["router"] = lc.tuned_rules("router", "n_experts", pts, "router, 1 token, top-k min(8, E/2)",
                                        context=ctx)
+    if "router_fused" in knobs:
+        pts = _points(timer, "router_fused", ROUTER_EXPERTS, lambda e: [
+            dict(tokens=1, n_experts=e, top_k=max(1, min(8, e // 2)), d_model=m["d"])],
+            ROUTER_FUSED_CANDIDATES)
+        out["router_fused"] = lc.tuned_rules(
+            "router_fused", "n_experts", pts,
+            f"fused router logits + routing, 1 token, d_model {m['d']}, top-k min(8, E/2)",
+            context=ctx)
     return out
 
 

@@ -175,7 +175,7 @@ def _counters(n: int, device) -> torch.Tensor:
 
 def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating: str = "softmax",
                  norm_topk_prob: bool = False, expert_weights_scale: float = 1.0,
-                 selection_bias: torch.Tensor | None = None, experts_per_program: int = 2
+                 selection_bias: torch.Tensor | None = None, config: dict | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits and routing in one launch: ``logits = h @ w_router`` in float32 (the
     matmul and :func:`router` of the unfused path, two or three launches), then the gating and
@@ -191,7 +191,9 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
             (``ffn_gate_inp`` as stored in the file, seen transposed), or a contiguous
             ``[D, E]`` (copied to expert-major first: slower).
         top_k, gating, norm_topk_prob, expert_weights_scale, selection_bias: as :func:`router`.
-        experts_per_program: logits per program (a power of two).
+        config: overrides of the ``router_fused`` knob of the device's launch table
+            (:mod:`localmoe.kernels.launch_config`): ``num_warps``, ``experts_per_program``
+            (logits per program, a power of two).
     Returns:
         ``(weights [T, top_k] float32, ids [T, top_k] int32)`` as :func:`router`.
     Raises:
@@ -217,7 +219,9 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
     w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
     if t == 0:
         return w, ids
-    eb = min(experts_per_program, triton.next_power_of_2(e))
+    cfg = dict(device_table(dev).lookup("router_fused", tokens=t, n_experts=e, top_k=top_k),
+               **(config or {}))
+    eb = min(int(cfg["experts_per_program"]), triton.next_power_of_2(e))
     bias = selection_bias if selection_bias is not None else logits
     _router_logits_kernel[(t, triton.cdiv(e, eb))](
         h, wt, logits, _counters(t, dev), bias, ids, w, d, e, h.stride(0),
@@ -225,7 +229,8 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         float(expert_weights_scale), EB=eb, BD=max(64, min(1024, 2048 // eb)),
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
-        num_warps=4, PREFETCH=pdl_prefetch(dev), LINE=128 // wt.element_size(), **pdl_args(dev))
+        num_warps=int(cfg["num_warps"]), PREFETCH=pdl_prefetch(dev), LINE=128 // wt.element_size(),
+        **pdl_args(dev))
     return w, ids
 
 

@@ -177,7 +177,8 @@ def test_tuning_writes_a_device_file_from_timings(tmp_path, monkeypatch):
     calls = []
     rules = bench.tune(fake_timer(calls), tokens=[1, 2, 4, 8], knobs=bench.TUNED_KNOBS,
                        device="Fake GPU 9000", n_sm=100)
-    assert {k for k, _, _ in calls} == {"gemv", "moe_gate_up", "moe_down", "router"}
+    assert {k for k, _, _ in calls} == {"gemv", "moe_gate_up", "moe_down", "router",
+                                        "router_fused"}
     assert [r.get("when") for r in rules["gemv"]] == [
         {"n": {"min": 32768}}, {"tokens": {"max": 2}}, None]
     assert "Fake GPU 9000" in rules["gemv"][1]["why"] and "tokens=2" in rules["gemv"][1]["why"]

@@ -80,8 +80,9 @@ def test_router_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("t,d,e,k,eb", [(1, 96, 128, 8, 8), (3, 64, 60, 4, 16), (8, 48, 8, 2, 4)])
-def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb):
+@pytest.mark.parametrize("t,d,e,k,eb,nw", [(1, 96, 128, 8, 8, 4), (3, 64, 60, 4, 16, 1),
+                                           (8, 48, 8, 2, 4, 2)])
+def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb, nw):
     """router_fused (logits and routing in one launch; the last program of a token routes it)
     gives the ids of route(h @ W) and its weights; its counters are left at zero, so a second
     launch (a CUDA graph replay) routes again."""
@@ -98,7 +99,7 @@ def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb):
         kw["selection_bias"] = (torch.randn(e, generator=g) * 0.1).to(DEV)
     rw, rids = router_ref((h.double() @ wr.double()).float(), k, **kw)
     for _ in range(2):
-        w, ids = router_fused(h, wr, k, experts_per_program=eb, **kw)
+        w, ids = router_fused(h, wr, k, config={"experts_per_program": eb, "num_warps": nw}, **kw)
         assert torch.equal(ids.cpu(), rids.cpu())
         assert torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
         assert int(_counters(t, h.device)[:t].abs().sum()) == 0
