@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One stage of a GPU measurement session on a machine with an NVIDIA GPU and no package index
+# (docs/DEVELOPMENT.md, "GPU measurements"): each stage fits in one 10-minute call and writes
+# what it measured under $OUT (default ./gpu-out).
+#
+#   benchmarks/gpu_session.sh check    GPU tests of the kernels and the triton backend (~4 min)
+#   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
+#                                      (rules printed and saved, not written to kernels/configs)
+#   benchmarks/gpu_session.sh qwen3    localmoe rows of vs_llamacpp on the Qwen3-30B-A3B-shaped
+#                                      file: f16/int4/int2 KV at 0, 16k, 64k (~6 min)
+#   benchmarks/gpu_session.sh presets  localmoe rows on the OLMoE and Mixtral-shaped files
+#   benchmarks/gpu_session.sh llama    llama.cpp rows on all three files (needs LLAMA_SRC: the
+#                                      llama-cpp-python sdist's vendor tree as a .tar.xz)
+#
+# Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
+# into /tmp/site; localmoe itself is installed editable without dependencies.
+set -u
+STAGE=${1:?usage: gpu_session.sh check|tune|qwen3|presets|llama}
+OUT=${OUT:-$PWD/gpu-out}
+WHEELS=${WHEELS:-.whl}
+MODELS=${MODELS:-/tmp/models}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+export PYTHONUNBUFFERED=1
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import localmoe" 2>/dev/null || \
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/pip.log" 2>&1
+python3 -c "import localmoe, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" \
+  || exit 1
+say "installed"
+
+case "$STAGE" in
+  check)
+    timeout 420 python3 -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_fused_moe.py tests/kernels/test_router.py tests/kernels/test_pdl.py \
+      tests/backends/test_triton_quant.py >"$OUT/check.log" 2>&1
+    say "tests rc=$?"; tail -5 "$OUT/check.log"
+    ;;
+  tune)
+    timeout 540 python3 benchmarks/bench_quant_kernels.py --sweep --tune-tokens 1 8 \
+      --tune-knobs moe_gate_up router_fused --out "$OUT/tune.json" >"$OUT/tune.log" 2>&1
+    say "sweep rc=$?"; tail -30 "$OUT/tune.log"
+    ;;
+  qwen3)
+    timeout 560 python3 benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b --model-dir "$MODELS" \
+      --kv f16,int4,int2 --depths 0,16384,65536 --ttft-prompt 4096 --no-eager \
+      --out "$OUT/vs_llamacpp-qwen3.json" >"$OUT/qwen3.log" 2>&1
+    say "qwen3 rc=$?"; grep '"engine"' "$OUT/qwen3.log" | cut -c1-400
+    ;;
+  presets)
+    for p in olmoe-1b-7b mixtral-8x7b; do
+      timeout 270 python3 benchmarks/vs_llamacpp.py --preset $p --model-dir "$MODELS" \
+        --kv f16 --depths 0,16384 --no-eager --out "$OUT/vs_llamacpp-$p.json" >"$OUT/$p.log" 2>&1
+      say "$p rc=$?"; grep '"engine"' "$OUT/$p.log" | cut -c1-400
+    done
+    ;;
+  llama)
+    : "${LLAMA_SRC:?set LLAMA_SRC to the llama.cpp source tarball}"
+    for p in qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b; do
+      timeout 560 python3 benchmarks/vs_llamacpp.py --preset $p --model-dir "$MODELS" \
+        --skip-localmoe --llama-src "$LLAMA_SRC" --build-dir /tmp/llama-build \
+        --llama-kv f16,q4_0 --depths 0,16384 --reps 1 --out "$OUT/llama-$p.json" \
+        >"$OUT/llama-$p.log" 2>&1
+      say "llama $p rc=$?"
+    done
+    ;;
+  *) echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
