@@ -249,3 +249,43 @@ def test_shared_expert_llamacpp_matches_reference(built, built_shared):
         ours = built_shared["ref"].forward_full(torch.tensor(built["ids"]))
     agree = logit_agreement(ours, llamacpp_logits(path, built["ids"]))
     assert agree["top1"] == 1.0 and agree["mean_abs"] < 0.3, agree
+
+
+def test_oracle_routing_of_the_bound_script(built):
+    """benchmarks/moefy_oracle.py's OracleMoE: with every expert kept (top_k = n_experts) it is
+    the plain mean of all experts' outputs; with one expert per token it keeps, for every
+    token, the expert whose output is closest to the target it was given."""
+    import importlib.util
+    from pathlib import Path
+
+    from localmoe.model.moe import moe_ffn
+    from localmoe.testing.moefy.moe_model import set_top_k
+
+    spec = importlib.util.spec_from_file_location(
+        "moefy_oracle", Path(__file__).resolve().parents[2] / "benchmarks" / "moefy_oracle.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = built["ref"]
+    E, layer, n = m.spec.n_experts, 1, 9
+    x = torch.randn(n, m.spec.d_model, generator=torch.Generator().manual_seed(0))
+    xin = m.ops.moe_input(layer, x)
+
+    def mix(ids):   # mean of the given experts' outputs per token
+        w = torch.full(ids.shape, 1.0 / ids.shape[1])
+        return moe_ffn(xin, w, ids, m.experts, layer, m.ops.act, quant_h=m.ops.moe_hidden(layer))
+
+    target = torch.randn(n, m.spec.d_model, generator=torch.Generator().manual_seed(1))
+    orig_k = m.spec.top_k
+    try:
+        set_top_k(m, E)
+        every = mod.OracleMoE(m, lambda l, v: target)(layer, x)
+        assert torch.allclose(every, mix(torch.arange(E).repeat(n, 1)), atol=1e-5)
+        set_top_k(m, 1)
+        oracle = mod.OracleMoE(m, lambda l, v: target)
+        got = oracle(layer, x)
+        singles = torch.stack([mix(torch.full((n, 1), e)) for e in range(E)], 1)   # [n, E, D]
+        best = (singles - target[:, None]).norm(dim=-1).argmin(-1)
+        assert torch.allclose(got, singles[torch.arange(n), best], atol=1e-5)
+        assert 0.0 <= oracle.agree[0] <= 1.0
+    finally:
+        set_top_k(m, orig_k)
