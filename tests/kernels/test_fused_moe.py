@@ -148,19 +148,22 @@ def test_fused_moe_rejects_bad_inputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("shape,qts", [((128, 768, 2048, 8), (12, 12)), ((64, 1024, 2048, 8), (12, 14)),
                                        ((8, 14336, 4096, 2), (12, 14))],
                          ids=["qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b"])
-def test_fused_moe_full_size_on_gpu(shape, qts, tokens):
+def test_fused_moe_full_size_on_gpu(shape, qts, tokens, split):
     e, f, d, top_k = shape
     gu, wd = experts(*qts, e, f, d, seed=1)
     x = torch.randn(tokens, d, device=DEV, dtype=torch.bfloat16)
     ids, w = route(tokens, e, top_k, seed=2)
+    cfg = {"gate_up": {"split": split}}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")      # no host sync inside the two launches
     try:
-        y = fused_moe(x, gu, wd, ids, w, slot_of=torch.arange(e, dtype=torch.int32, device=DEV))
+        y = fused_moe(x, gu, wd, ids, w, slot_of=torch.arange(e, dtype=torch.int32, device=DEV),
+                      config=cfg)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = fused_moe_ref(x, gu, wd, ids, w)
