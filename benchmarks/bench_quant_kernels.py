@@ -289,8 +289,8 @@ ROUTER_CANDIDATES = [{"num_warps": w} for w in (1, 2, 4, 8)]
 ROUTER_EXPERTS = (8, 64, 128, 256)
 LARGE_N = 32768
 """Weights with at least this many rows (output heads, vocab rows) are their own GEMV class."""
-ROUTER_FUSED_CANDIDATES = [{"num_warps": w, "experts_per_program": eb}
-                           for w in (1, 2, 4, 8) for eb in (1, 2, 4, 8)]
+ROUTER_FUSED_CANDIDATES = [{"num_warps": w, "experts_per_program": eb, "packed_topk": pk}
+                           for w in (1, 2, 4, 8) for eb in (1, 2, 4) for pk in (False, True)]
 """``router_fused`` candidates (the decode step's logits + routing launch)."""
 TUNED_KNOBS = ("gemv", "moe_gate_up", "moe_down", "router", "router_fused")
 TUNE_MODEL = "qwen3-30b-a3b"

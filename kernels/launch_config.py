@@ -53,7 +53,7 @@ features of one launch; each knob names the features it may test:
 
 * MoE router, knob ``router`` (``num_warps``) and the fused logits + routing launch of the
   decode step, knob ``router_fused`` (``num_warps``, ``experts_per_program``: logits per
-  program); features ``tokens``, ``n_experts``, ``top_k``.
+  program, ``packed_topk``: one packed-key reduction per pick); features ``tokens``, ``n_experts``, ``top_k``.
 
 A condition's value is a value (equal), a list (any of) or, for the numeric features
 (:data:`NUMERIC`), ``{"min": a, "max": b}`` (bounds inclusive, either may be left out).
@@ -108,7 +108,7 @@ KNOBS: dict[str, Knob] = {
     "moe_gate_up": Knob(_QUANT_TILE + ("split",), MOE_FEATURES),
     "moe_down": Knob(_QUANT_TILE, MOE_FEATURES),
     "router": Knob(("num_warps",), ROUTER_FEATURES),
-    "router_fused": Knob(("num_warps", "experts_per_program"), ROUTER_FEATURES),
+    "router_fused": Knob(("num_warps", "experts_per_program", "packed_topk"), ROUTER_FEATURES),
     "gemm": Knob(("BM", "BN", "num_warps", "num_stages"), GEMV_FEATURES),
     "moe_gemm": Knob(("BM", "BN", "num_warps", "num_stages"), MOE_FEATURES),
 }

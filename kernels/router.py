@@ -40,7 +40,7 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, l_rs, ids_rs, w_rs, 
     em = e < E
     x = tl.load(logits_ptr + t * l_rs + e, mask=em, other=float("-inf")).to(tl.float32)
     _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
-               EP, TOP_K, KP, GATE, HAS_BIAS, NORM)
+               EP, TOP_K, KP, GATE, HAS_BIAS, NORM, False)
 
 
 @triton.jit
@@ -49,7 +49,8 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
                           EB: tl.constexpr, BD: tl.constexpr, EP: tl.constexpr,
                           TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
                           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                          PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 32):
+                          PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 32,
+                          PACKED: tl.constexpr = False):
     # program (t, j): logits of experts j*EB .. j*EB+EB-1 of token t, each a contiguous row
     # of the expert-major weight [E, D]; the last program of token t to finish (an acq_rel
     # counter orders the others' stores before it) routes the token and resets the counter
@@ -76,15 +77,20 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
         x = tl.load(logits_ptr + t * l_rs + e, mask=em, other=float("-inf"),
                     cache_modifier=".cg")
         _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
-                   EP, TOP_K, KP, GATE, HAS_BIAS, NORM)
+                   EP, TOP_K, KP, GATE, HAS_BIAS, NORM, PACKED)
         tl.atomic_xchg(cnt_ptr + t, 0)
 
 
 @triton.jit
 def _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
                EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
-               HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-    """Gating, top-k and weights of one token's logits ``x [EP]`` (padding -inf)."""
+               HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PACKED: tl.constexpr):
+    """Gating, top-k and weights of one token's logits ``x [EP]`` (padding -inf).
+
+    ``PACKED``: each pick is one int64 max over keys ``(order-preserving int32 of the score)
+    << 32 | (EP - 1 - expert)`` (the highest score, ties to the lower expert), the weights one
+    gather after the loop: TOP_K + 1 reductions instead of 3 * TOP_K (the same ids and
+    weights; -0.0 scores count as +0.0)."""
     if GATE == 0:
         z = tl.exp(x - tl.max(x, axis=0))
         p = z / tl.sum(z, axis=0)
@@ -98,13 +104,25 @@ def _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
     kk = tl.arange(0, KP)
     ids = tl.zeros([KP], dtype=tl.int32)
     wts = tl.zeros([KP], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        m = tl.max(sel, axis=0)
-        idx = tl.min(tl.where(sel == m, e, EP), axis=0)       # lowest index among equal maxima
-        wj = tl.sum(tl.where(e == idx, p, 0.0), axis=0)
-        ids = tl.where(kk == j, idx, ids)
-        wts = tl.where(kk == j, wj, wts)
-        sel = tl.where(e == idx, float("-inf"), sel)
+    if PACKED:
+        b = (sel + 0.0).to(tl.int32, bitcast=True)            # + 0.0: -0.0 becomes +0.0
+        mono = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)            # int32 order = float order
+        key = (mono.to(tl.int64) << 32) | (EP - 1 - e).to(tl.int64)
+        for j in tl.static_range(TOP_K):
+            km = tl.max(key, axis=0)
+            idx = (EP - 1) - (km - ((km >> 32) << 32)).to(tl.int32)   # the low 32 bits
+            ids = tl.where(kk == j, idx, ids)
+            key = tl.where(e == idx, -9223372036854775807, key)
+        wts = tl.sum(tl.where(e[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
+        wts = tl.where(kk < TOP_K, wts, 0.0)
+    else:
+        for j in tl.static_range(TOP_K):
+            m = tl.max(sel, axis=0)
+            idx = tl.min(tl.where(sel == m, e, EP), axis=0)   # lowest index among equal maxima
+            wj = tl.sum(tl.where(e == idx, p, 0.0), axis=0)
+            ids = tl.where(kk == j, idx, ids)
+            wts = tl.where(kk == j, wj, wts)
+            sel = tl.where(e == idx, float("-inf"), sel)
     if NORM:
         wts = wts / tl.maximum(tl.sum(wts, axis=0), 1.1754943508222875e-38)
     wts = wts * scale
@@ -193,7 +211,8 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         top_k, gating, norm_topk_prob, expert_weights_scale, selection_bias: as :func:`router`.
         config: overrides of the ``router_fused`` knob of the device's launch table
             (:mod:`localmoe.kernels.launch_config`): ``num_warps``, ``experts_per_program``
-            (logits per program, a power of two).
+            (logits per program, a power of two), ``packed_topk`` (the routing's picks as one
+            packed-key reduction each; same result).
     Returns:
         ``(weights [T, top_k] float32, ids [T, top_k] int32)`` as :func:`router`.
     Raises:
@@ -230,7 +249,7 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=int(cfg["num_warps"]), PREFETCH=pdl_prefetch(dev), LINE=128 // wt.element_size(),
-        **pdl_args(dev))
+        PACKED=bool(cfg.get("packed_topk", False)), **pdl_args(dev))
     return w, ids
 
 

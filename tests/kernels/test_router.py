@@ -71,6 +71,35 @@ def test_ties_go_to_the_lower_expert_index():
     assert torch.equal(ids.cpu(), rids.cpu())
 
 
+@pytest.mark.parametrize("pk", [False, True])
+def test_fused_router_ties_and_signs(pk):
+    """Tied logits (identical expert rows) go to the lower expert in both top-k forms; with
+    sigmoid gating and a selection bias the selection scores are of both signs, which the
+    packed form's integer keys must order as floats."""
+    from localmoe.kernels.router import router_fused
+
+    g = torch.Generator().manual_seed(11)
+    d, e = 32, 16
+    wr = torch.randn(e, d, generator=g)
+    wr[9] = wr[3]
+    wr[12] = wr[3]                                   # experts 3, 9, 12 always tie
+    h = torch.randn(4, d, generator=g)
+    h[0] = wr[3] * 4                                 # token 0: the tied trio on top
+    wr, h = wr.to(DEV).t(), h.to(DEV)
+    logits = (h.double() @ wr.double()).float()
+    for kw in (dict(gating="softmax", norm_topk_prob=True),
+               dict(gating="sigmoid", norm_topk_prob=True,
+                    selection_bias=torch.linspace(-1.0, 1.0, e).to(DEV))):
+        w, ids = router_fused(h, wr, 4, config={"packed_topk": pk, "num_warps": 1,
+                                                "experts_per_program": 4}, **kw)
+        rw, rids = router_ref(logits, 4, **kw)
+        assert torch.equal(ids.cpu(), rids.cpu()), (kw, ids, rids)
+        assert torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
+        if kw["gating"] == "softmax":
+            assert ids[0].tolist()[:3] == [3, 9, 12]     # the tie, in expert order
+    assert (logits < 0).any() and (logits > 0).any()
+
+
 def test_router_rejects_bad_arguments():
     logits = torch.randn(2, 8, device=DEV)
     with pytest.raises(UnsupportedModelError, match="gating"):
@@ -80,9 +109,9 @@ def test_router_rejects_bad_arguments():
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("t,d,e,k,eb,nw", [(1, 96, 128, 8, 8, 4), (3, 64, 60, 4, 16, 1),
-                                           (8, 48, 8, 2, 4, 2)])
-def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb, nw):
+@pytest.mark.parametrize("t,d,e,k,eb,nw,pk", [(1, 96, 128, 8, 8, 4, False), (1, 96, 128, 8, 2, 1, True),
+                                              (3, 64, 60, 4, 16, 1, True), (8, 48, 8, 2, 4, 2, False)])
+def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb, nw, pk):
     """router_fused (logits and routing in one launch; the last program of a token routes it)
     gives the ids of route(h @ W) and its weights; its counters are left at zero, so a second
     launch (a CUDA graph replay) routes again."""
@@ -99,7 +128,8 @@ def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb, nw):
         kw["selection_bias"] = (torch.randn(e, generator=g) * 0.1).to(DEV)
     rw, rids = router_ref((h.double() @ wr.double()).float(), k, **kw)
     for _ in range(2):
-        w, ids = router_fused(h, wr, k, config={"experts_per_program": eb, "num_warps": nw}, **kw)
+        w, ids = router_fused(h, wr, k, config={"experts_per_program": eb, "num_warps": nw,
+                                                "packed_topk": pk}, **kw)
         assert torch.equal(ids.cpu(), rids.cpu())
         assert torch.allclose(w, rw, rtol=1e-5, atol=1e-6)
         assert int(_counters(t, h.device)[:t].abs().sum()) == 0
