@@ -54,6 +54,7 @@ import triton.language as tl
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
+from localmoe.kernels.scratch import grown
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
     quantize_act_ref, use_asm,
@@ -287,29 +288,18 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
 
 
 _SCRATCH: dict = {}
-_RETIRED: list = []   # outgrown scratch buffers: a captured CUDA graph may still use them
 
 
 def _split_scratch(split: int, rows: int, width: int, blocks: int, device
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 partial sums ``[split, rows, width]`` and zeroed int32 counters ``[rows *
-    blocks]`` of a split-K :func:`moe_gate_up` launch: one pair per device, grown as needed and
-    reused by every launch (the kernel leaves the counters at zero; a CUDA graph records their
-    addresses, so an outgrown pair is kept, never freed). Launches must not overlap on two
-    streams."""
+    blocks]`` of a split-K :func:`moe_gate_up` launch: one pair per device
+    (:func:`localmoe.kernels.scratch.grown`), reused by every launch (the kernel leaves the
+    counters at zero)."""
     key = str(device)
     p, cnt = _SCRATCH.get(key, (None, None))
-    if p is None or p.shape[0] < split or p.shape[1] < rows or p.shape[2] < width:
-        shape = (max(split, p.shape[0] if p is not None else 0),
-                 max(rows, p.shape[1] if p is not None else 0),
-                 max(width, p.shape[2] if p is not None else 0))
-        if p is not None:
-            _RETIRED.append(p)
-        p = torch.empty(shape, dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < rows * blocks:
-        if cnt is not None:
-            _RETIRED.append(cnt)
-        cnt = torch.zeros(max(rows * blocks, 1024), dtype=torch.int32, device=device)
+    p = grown(p, (split, rows, width), torch.float32, device)
+    cnt = grown(cnt, (max(rows * blocks, 1024),), torch.int32, device, zero=True)
     _SCRATCH[key] = (p, cnt)
     return p, cnt
 

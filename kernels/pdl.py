@@ -28,8 +28,9 @@ but 3.907 -> 4.006 ms at 16k, and the graph alone replayed back to back 2.530 ->
 summed time equals the replay's), so there was little idle time for PDL to hide. One GPU test
 (the fused step against the shared block, OLMoE-shaped, int4 KV) picked a different greedy
 token at one step of six with PDL on (logits within the test's tolerance); whether that is a
-race (a load placed before the wait) or a near tie moved by a legitimate difference is open: ``tests/backends/test_triton_quant.py``'s
-PDL on/off test compares the two bit for bit on the GPU. The L2 prefetch of the weights before
+race (a load placed before the wait) or a near tie moved by a legitimate difference is open:
+``tests/backends/test_triton_quant.py``'s PDL on/off test compares the two bit for bit on the
+GPU. The L2 prefetch of the weights before
 the wait (``LOCALMOE_PDL_PREFETCH``) was not measured.
 """
 

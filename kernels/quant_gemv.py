@@ -545,7 +545,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
               and t == triton.next_power_of_2(t)),
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
-        PREFETCH=w.nbytes <= _PREFETCH_MAX and pdl_prefetch(y.device),
+        PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
         LINE=128 // ptrs[0].element_size(),
         num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
     if y is not out:

@@ -24,6 +24,7 @@ import triton.language as tl
 from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
+from localmoe.kernels.scratch import grown
 
 __all__ = ["router", "router_fused", "router_ref", "router_config"]
 
@@ -183,11 +184,9 @@ _COUNTERS: dict = {}
 
 def _counters(n: int, device) -> torch.Tensor:
     """Zeroed int32 per-token counters of :func:`router_fused` (at least ``n``), one buffer
-    per device, left at zero by every launch. Launches must not overlap on two streams."""
+    per device (:func:`localmoe.kernels.scratch.grown`), left at zero by every launch."""
     key = str(device)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[key] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+    c = _COUNTERS[key] = grown(_COUNTERS.get(key), (max(n, 64),), torch.int32, device, zero=True)
     return c
 
 
@@ -249,7 +248,7 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=int(cfg["num_warps"]), PREFETCH=pdl_prefetch(dev), LINE=128 // wt.element_size(),
-        PACKED=bool(cfg.get("packed_topk", False)), **pdl_args(dev))
+        PACKED=bool(cfg["packed_topk"]), **pdl_args(dev))
     return w, ids
 
 
