@@ -108,7 +108,7 @@ def test_moe_and_router_tables_give_the_old_choices(table):
     for tokens, top_k, e, (d, f), qt in itertools.product(
             range(1, 9), [1, 2, 8], [8, 64, 128, 256], [(2048, 768), (4096, 14336), (256, 32)],
             ["Q4_K", "Q8_0", "Q2_K", "Q6_K"]):
-        for stage in ("gate_up", "down"):
+        for stage in ("down",):  # gate/up was re-tuned since: the test below
             got = t.lookup(f"moe_{stage}", tokens=tokens, top_k=top_k, n_experts=e,
                            d_model=d, d_ff=f, qtype=qt)
             assert got == OLD_MOE[stage], (table, stage, tokens, top_k, e, d, f, qt)
@@ -130,9 +130,20 @@ def test_cpu_table_takes_interpreter_tiles_and_keeps_the_router():
         assert t.lookup("router", tokens=tokens, n_experts=e, top_k=8) == {"num_warps": warps}
 
 
+@pytest.mark.parametrize("table", TABLES)
+def test_gate_up_splits_k_for_one_token_only(table):
+    """The H200's re-tuned gate/up rule (quant_tune_h200-2026-12-02-s10.json; the other GPU
+    tables extend it): K split 2 ways for one token, unsplit from 2 tokens on."""
+    t = lc.load_table(table)
+    got = {n: t.lookup("moe_gate_up", tokens=n, top_k=8, n_experts=128, d_model=2048, d_ff=768,
+                       qtype="Q4_K") for n in range(1, 9)}
+    assert got[1]["split"] == 2 and got[1]["num_warps"] == 4
+    assert all(got[n]["split"] == 1 for n in range(2, 9))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_and_router_config_by_device(device):
-    assert moe_config("gate_up", 1, 8, 128, 2048, 768, 12, device) == OLD_MOE["gate_up"]
+    assert moe_config("gate_up", 1, 8, 128, 2048, 768, 12, device)["split"] == 2
     assert moe_config("down", 8, 8, 128, 2048, 768, 12, device) == OLD_MOE["down"]
     assert router_config(1, 128, 8, device) == {"num_warps": 1}
     assert router_config(4, 256, 8, device) == {"num_warps": 4}
