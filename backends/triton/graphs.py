@@ -83,14 +83,18 @@ def _capture(g, step, pool, what: str):
 class _Graph:
     batch: int
     max_len: int
-    staging: torch.Tensor            # pinned int64 [4*B + B*W] on the host
+    staging: Any                     # pinned int64 [4*B + B*W] on the host (decode: a list of
+                                     # two, written in turn)
     dev_staging: torch.Tensor        # the same on the device: tokens, positions, slots,
                                      # len | row << 32, block table rows
     out: torch.Tensor | None = None
     graph: Any = None
     replays: int = 0
-    host: Any = None                 # numpy view of ``staging`` (cheap element writes)
-    tables: list = field(default_factory=list)   # per row: (seq id, table version) written
+    host: Any = None                 # numpy views of ``staging`` (cheap element writes)
+    tables: list = field(default_factory=list)   # per buffer, per row: (seq id, table
+                                                  # version) written there
+    copied: list = field(default_factory=list)   # per buffer: CUDA event after its last copy
+    turn: int = 0                    # the buffer the next step writes
 
 
 class DecodeGraphs:
@@ -126,22 +130,36 @@ class DecodeGraphs:
         dev = torch.device(self.runner.device)
         w = self.width
         n = 4 * batch + batch * w
-        staging = torch.zeros(n, dtype=torch.int64)
-        if dev.type == "cuda":
-            staging = staging.pin_memory()
+        cuda = dev.type == "cuda"
+        staging = [torch.zeros(n, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         return _Graph(batch, max_len, staging=staging,
                       dev_staging=torch.zeros(n, dtype=torch.int64, device=dev),
-                      host=staging.numpy(), tables=[None] * batch)
+                      host=[t.numpy() for t in staging], tables=[[None] * batch, [None] * batch],
+                      copied=[None, None])
 
-    def _fill(self, g: _Graph, batch: list[tuple[int, list[int]]]) -> None:
-        """Write the step's inputs into the pinned buffer (through its numpy view: a torch
+    def _fill(self, g: _Graph, batch: list[tuple[int, list[int]]],
+              tokens_on_device: torch.Tensor | None = None) -> None:
+        """Write the step's inputs into a pinned buffer (through its numpy view: a torch
         element write costs microseconds) and copy them to the device. A block-table row is
         written only when its sequence or that sequence's table changed since the row was
-        last written (every ``block_size`` tokens, not every step: at 16k tokens the row is
-        1,024 entries)."""
+        last written to that buffer (every ``block_size`` tokens, not every step: at 16k
+        tokens the row is 1,024 entries).
+
+        Two pinned buffers take turns: the host may fill the next step's while the copy of
+        this one is still queued behind GPU work (a step launched before the previous token
+        was read, see ``tokens_on_device``); a buffer is rewritten only after the event
+        recorded after its last copy.
+
+        ``tokens_on_device``: int64 ``[B]`` device tensor of the new tokens (the ids in
+        ``batch`` are then ignored): copied over the staged ones on the device, in stream
+        order, so nothing waits for it."""
         c = self.runner.cache
         bs, b, w = c.block_size, g.batch, self.width
-        s = g.host
+        k = g.turn
+        g.turn ^= 1
+        if g.copied[k] is not None:
+            g.copied[k].synchronize()
+        s, tables = g.host[k], g.tables[k]
         for i, (sid, toks) in enumerate(batch):
             pos = c.seq_len(sid)
             table = c.host_block_table(sid)
@@ -150,12 +168,19 @@ class DecodeGraphs:
             s[2 * b + i] = table[pos // bs] * bs + pos % bs
             s[3 * b + i] = (pos + 1) | (c.seq_row(sid) << 32)
             ver = (sid, c.table_version(sid))
-            if g.tables[i] != ver:
+            if tables[i] != ver:
                 row = s[4 * b + i * w: 4 * b + (i + 1) * w]
                 row[len(table):] = 0
                 row[:len(table)] = table
-                g.tables[i] = ver
-        g.dev_staging.copy_(g.staging, non_blocking=True)
+                tables[i] = ver
+        cuda = g.dev_staging.is_cuda
+        g.dev_staging.copy_(g.staging[k], non_blocking=cuda)
+        if cuda:
+            if g.copied[k] is None:
+                g.copied[k] = torch.cuda.Event()
+            g.copied[k].record()
+        if tokens_on_device is not None:
+            g.dev_staging[:b].copy_(tokens_on_device.reshape(-1)[:b])
 
     def _step(self, g: _Graph) -> torch.Tensor:
         """The decode step on the static buffers (what the graph records)."""
@@ -188,16 +213,18 @@ class DecodeGraphs:
         hidden = m.forward_hidden(tokens, positions, attn)
         return m.logits(hidden)
 
-    def run(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def run(self, batch: list[tuple[int, list[int]]],
+            tokens_on_device: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, vocab]`` float32 on the device of one decode step (inputs checked and
-        KV space reserved by the caller; the caller commits the tokens)."""
+        KV space reserved by the caller; the caller commits the tokens). ``tokens_on_device``:
+        see :meth:`_fill`."""
         c = self.runner.cache
         max_len = max(c.seq_len(sid) + 1 for sid, _ in batch)
         key = (len(batch), self.bucket(max_len))
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._new(*key)
-        self._fill(g, batch)
+        self._fill(g, batch, tokens_on_device)
         if not self.capture:       # eager: the same static-buffer step, launched op by op
             return self._step(g)
         if g.graph is None:

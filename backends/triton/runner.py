@@ -112,9 +112,12 @@ class TritonRunner(CacheSequences):
 
     #: forward(..., on_device=True) may return logits on the GPU (for GPU sampling)
     supports_device_logits = True
+    #: forward(..., tokens_on_device=ids) takes a decode step's tokens from a device tensor
+    supports_device_tokens = True
 
     def forward(self, batch: list[tuple[int, list[int]]], all_logits: bool = False,
-                on_device: bool = False) -> list[torch.Tensor]:
+                on_device: bool = False, tokens_on_device: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
         """Append each sequence's new tokens and return logits (as
         :meth:`localmoe.backends.torch_backend.TorchRunner.forward`); starts a new per-call memo
         of launch metadata. Runs with the runner's GPU as the current CUDA device: Triton
@@ -125,13 +128,19 @@ class TritonRunner(CacheSequences):
         the graph's buffer), so a GPU sampler reads them without moving ``[vocab]`` floats to
         the host; other steps return CPU tensors as usual.
 
+        ``tokens_on_device``: int64 ``[len(batch)]`` tensor on the runner's device holding
+        each sequence's one new token (the ids in ``batch`` are placeholders, e.g. ``[0]``):
+        a decode step on the static buffers reads them on the device, so a caller can launch
+        this step before reading the token its GPU sampler picked from the previous logits
+        (:meth:`localmoe.engine.sampling.Sampler.launch`); other steps read them first.
+
         Raises:
             ContextOverflowError, InvalidRequestError, LocalMoEError: as the torch runner.
         """
         self._step += 1
         dev = torch.device(self.device)
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            return self._forward(batch, all_logits, on_device)
+            return self._forward(batch, all_logits, on_device, tokens_on_device)
 
     def _setup_fused(self) -> None:
         import os
@@ -173,12 +182,18 @@ class TritonRunner(CacheSequences):
         if self.prefill_graphs_off is None:
             self.prefill_graphs = PrefillGraphs(self, pool=self.graphs.pool)
 
-    def _forward(self, batch, all_logits: bool, on_device: bool = False) -> list[torch.Tensor]:
+    def _forward(self, batch, all_logits: bool, on_device: bool = False,
+                 tokens_on_device: torch.Tensor | None = None) -> list[torch.Tensor]:
         from localmoe.backends.triton.graphs import MAX_BATCH
 
+        if tokens_on_device is not None and (
+                len(batch) != tokens_on_device.numel() or any(len(t) != 1 for _, t in batch)):
+            raise ValueError("tokens_on_device needs one new token per sequence")
         if (self.graphs is not None and not all_logits and len(batch) <= MAX_BATCH
                 and all(len(t) == 1 for _, t in batch)):
-            return self._graph_forward(batch, on_device)
+            return self._graph_forward(batch, on_device, tokens_on_device)
+        if tokens_on_device is not None:   # not a static-buffer step: read the tokens here
+            batch = [(sid, [int(t)]) for (sid, _), t in zip(batch, tokens_on_device.tolist())]
         pg = self.prefill_graphs
         if pg is not None and not all_logits and pg.usable(batch):
             with torch.inference_mode():
@@ -196,11 +211,12 @@ class TritonRunner(CacheSequences):
         return out
 
     @torch.inference_mode()
-    def _graph_forward(self, batch, on_device: bool = False) -> list[torch.Tensor]:
+    def _graph_forward(self, batch, on_device: bool = False,
+                       tokens_on_device: torch.Tensor | None = None) -> list[torch.Tensor]:
         """One decode step (every sequence adds one token) on the static buffers (its CUDA
         graph, or the same step launched eagerly)."""
         prepare_batch(self.model, self.cache, self.n_ctx, batch)
-        logits = self.graphs.run(batch)
+        logits = self.graphs.run(batch, tokens_on_device)
         if self.graphs.failed:
             self.graphs_off = self.graphs.failed
             if self.fused is not None:

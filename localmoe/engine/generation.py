@@ -63,6 +63,11 @@ class Generation:
         self._fwd_kw = ({"on_device": True} if getattr(engine.runner, "supports_device_logits",
                                                        False) is True
                         and self.sampler.device_sampling is not False else {})
+        # ... and one that takes a decode step's token from a device tensor gets the next step
+        # launched before the sampled id is read (LOCALMOE_PIPELINE=0 turns it off)
+        self._pipe = bool(self._fwd_kw) and getattr(
+            engine.runner, "supports_device_tokens", False) is True and \
+            os.environ.get("LOCALMOE_PIPELINE", "1") != "0"
         self.stopper = StopChecker(tuple(p.stop or ()), eog)
         self.detok = IncrementalDetokenizer(tok)
         self.generated: list[int] = []
@@ -189,6 +194,13 @@ class Generation:
         detokenizes, checks stop strings and hands the event to the consumer while the GPU
         computes. A stop string found then leaves that one forward unused (the runner's cache
         and ``Engine._cached`` both hold the token, consistently).
+
+        With a runner that also takes tokens on the device (``self._pipe``; no grammar, no
+        log-probabilities), the forward of the sampled token is launched before the token is
+        read at all: the sampler's kernels, the copy of the id into the step's input and the
+        step follow each other on the GPU with no wait for the host, which reads the id while
+        the step runs. Only a step that the budget rules out is not launched; one after an end
+        token or a stop string is spent (both records hold that token).
         """
         stopper, cons = self.stopper, self.constraint
         history = list(self.ids)
@@ -207,7 +219,15 @@ class Generation:
                 next_allowed = None
             else:
                 allowed = None
-            t_id = int(self.sampler.sample(logits, history, allowed))
+            launched = (self._pipe and cons is None and len(self.generated) + 1 < self.budget
+                        and self.sampler.can_launch(logits))
+            if launched:
+                pend = self.sampler.launch(logits, history)
+                logits = self._step_on_device(pend)
+                t_id = self.sampler.finish(pend, history)
+                self.engine._cached.append(t_id)
+            else:
+                t_id = int(self.sampler.sample(logits, history, allowed))
             if self.t_first is None:
                 self.t_first = time.perf_counter()
             self.generated.append(t_id)
@@ -222,8 +242,8 @@ class Generation:
             pending = None
             # read before any mask job starts: the matcher must not be used from two threads
             done = cons is not None and cons.done
-            ahead = (ahead_ok and len(self.generated) < self.budget and not done
-                     and not self._cancelled())
+            ahead = (not launched and ahead_ok and len(self.generated) < self.budget
+                     and not done and not self._cancelled())
             if ahead:
                 pending, logits = self._step(t_id, mask_fn)
             try:
@@ -250,10 +270,17 @@ class Generation:
                 _wait_quietly(pending)
                 self.finish = "cancelled"
                 return
-            if not ahead:
+            if not ahead and not launched:
                 pending, logits = self._step(t_id, mask_fn)
             if pending is not None:
                 next_allowed = pending.result()
+
+    def _step_on_device(self, pend):
+        """The forward pass of the token ``pend`` holds on the device (not read yet); the
+        caller records the token once read. Returns the logits."""
+        eng = self.engine
+        return eng.runner.forward([(eng._seq, [0])], tokens_on_device=pend.ids,
+                                  **self._fwd_kw)[0]
 
     def _step(self, t_id: int, mask_fn):
         """The forward pass of ``t_id``; with a grammar, its next mask is computed on a worker

@@ -392,10 +392,9 @@ class Sampler:
             self.last_logprob = token_logprob(x, t, self.params.logprobs)
         return t
 
-    def _sample_device(self, logits, history, allowed) -> int:
-        """:meth:`sample` on the logits' device (one read of the id, and of its logprob)."""
-        from localmoe.kernels.sampling import sample_device
-
+    def _device_input(self, logits):
+        """``(x, state)``: the logits as a float ``[1, V']`` tensor and the sampler's tensors
+        on its device."""
         x = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits))
         x = x.detach().reshape(1, -1)
         if not x.is_floating_point():
@@ -403,6 +402,13 @@ class Sampler:
         st = self._dev
         if st is None or st.device != x.device:
             st = self._dev = _DeviceState(self, x.device)
+        return x, st
+
+    def _sample_device(self, logits, history, allowed) -> int:
+        """:meth:`sample` on the logits' device (one read of the id, and of its logprob)."""
+        from localmoe.kernels.sampling import sample_device
+
+        x, st = self._device_input(logits)
         counts = st.counts_for(history) if st.params.has_penalties else None
         bits = st.upload_mask(allowed) if allowed is not None else None
         n_top = self.params.logprobs
@@ -420,6 +426,32 @@ class Sampler:
         else:
             t = int(out.ids[0])
         st.seen(history, t)
+        return t
+
+    # -- sampling split in two: the device work, then the read of the id ------------------------
+    def can_launch(self, logits, allowed=None) -> bool:
+        """Whether :meth:`launch` can sample ``logits``: the device path, no grammar mask and no
+        log-probabilities (those are read with the id)."""
+        return allowed is None and self.params.logprobs is None and self.uses_device(logits)
+
+    def launch(self, logits, history: Sequence[int] = ()) -> "PendingToken":
+        """Start sampling ``logits`` on their device and return at once (nothing waits for the
+        GPU): the id stays on the device (``.ids``, int64 ``[1]``) for the caller to feed into
+        the next forward pass before reading it with :meth:`finish` (the same token
+        :meth:`sample` would return). Only where :meth:`can_launch` says so.
+        """
+        from localmoe.kernels.sampling import sample_device
+
+        x, st = self._device_input(logits)
+        counts = st.counts_for(history) if st.params.has_penalties else None
+        out = sample_device(x, st.params, counts=counts, workspace=st.workspace)
+        return st.read_later(out.ids)
+
+    def finish(self, pending: "PendingToken", history: Sequence[int] = ()) -> int:
+        """The id :meth:`launch` sampled (waits for the sampler's kernels and the copy of the
+        id, not for work queued after them). ``history`` is the one given to :meth:`launch`."""
+        t = pending.read()
+        self._dev.seen(history, t)
         return t
 
     def _processed(self, logits, history, allowed):
@@ -533,6 +565,8 @@ class _DeviceState:
         self.bits_dev = (torch.empty((1, self.words), dtype=torch.int32, device=device)
                          if pin else None)
         self.small_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.id_host = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        self.id_event = torch.cuda.Event() if device.type == "cuda" else None
         self.workspace: dict = {}  # sample_device's buffers, reused every step
         self.counts: torch.Tensor | None = None
         self.hist_len = -1
@@ -577,6 +611,14 @@ class _DeviceState:
         self.hist_len = n
         return self.counts
 
+    def read_later(self, ids: torch.Tensor) -> "PendingToken":
+        """Queue the copy of ``ids[0]`` into the pinned host buffer behind the sampler's
+        kernels, with an event after it (one pending read at a time per sampler)."""
+        self.id_host.copy_(ids[:1], non_blocking=self.id_event is not None)
+        if self.id_event is not None:
+            self.id_event.record()
+        return PendingToken(ids, self.id_host, self.id_event)
+
     def _countable(self, tid) -> int:
         t = int(tid)
         return t if 0 <= t < self.vocab and t not in self.sampler.exempt_ids else -1
@@ -585,6 +627,24 @@ class _DeviceState:
         """Record the call (the next history is expected to be this one plus ``token_id``)."""
         self.hist_len = len(history)
         self.last_id = int(token_id)
+
+
+class PendingToken:
+    """A token id sampled on the device and not read yet (:meth:`Sampler.launch`).
+
+    Attributes:
+        ids: int64 ``[1]`` device tensor holding the id (overwritten by the sampler's next
+            call).
+    """
+
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor, event):
+        self.ids, self._host, self._event = ids, host, event
+
+    def read(self) -> int:
+        """The id: waits for the event recorded after its copy (not for later work)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return int(self._host[0])
 
 
 def _bool_mask(allowed, vocab_size: int) -> np.ndarray:

@@ -315,21 +315,25 @@ def test_failed_capture_falls_back_to_eager(files, monkeypatch):
 def test_static_buffers_follow_the_block_tables(files):
     """The decode graphs' staged inputs (DecodeGraphs._fill) rewrite a block-table row only when
     its sequence or that sequence's table changed (PagedKVCache.table_version): across block
-    boundaries, a truncation, and another sequence taking the row, they always equal what a
-    fresh fill writes, and reach the device buffer."""
+    boundaries, a truncation, and another sequence taking the row, each of the two pinned
+    buffers (written in turn) always equals what a fresh fill writes, and reaches the device
+    buffer. Tokens given on the device replace the staged ids there."""
     r = TritonRunner(open_model(str(files["tiny-qwen3moe"])), n_ctx=256, device=DEV, dtype=DT,
                      max_seqs=2)
     g, c = r.graphs, r.cache
     gg = g._new(1, 256)
-    versions = set()
+    versions, turns = set(), []
 
     def step(sid):
         c.reserve(sid, 1)
         batch = [(sid, [7])]
+        k = gg.turn
+        turns.append(k)
         g._fill(gg, batch)
         fresh = g._new(1, 256)
         g._fill(fresh, batch)
-        assert torch.equal(gg.staging, fresh.staging), (sid, c.seq_len(sid))
+        assert torch.equal(gg.staging[k], fresh.staging[0]), (sid, c.seq_len(sid))
+        assert torch.equal(gg.dev_staging.cpu(), gg.staging[k])
         versions.add((sid, c.table_version(sid)))
         c.commit(sid, 1)
 
@@ -343,9 +347,12 @@ def test_static_buffers_follow_the_block_tables(files):
     r.free_sequence(a)
     for _ in range(20):            # another sequence in the same row
         step(b)
-    assert len(versions) >= 7
-    if not CUDA:
-        assert torch.equal(gg.dev_staging, gg.staging)
+    assert len(versions) >= 7 and set(turns) == {0, 1}
+    c.reserve(b, 1)
+    k = gg.turn
+    g._fill(gg, [(b, [7])], torch.tensor([42], device=DEV))
+    assert int(gg.dev_staging[0]) == 42 and int(gg.staging[k][0]) == 7
+    assert torch.equal(gg.dev_staging[1:].cpu(), gg.staging[k][1:])
 
 
 @pytest.mark.gpu
@@ -375,6 +382,30 @@ def test_decode_step_makes_no_host_sync(files, preset):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (1, r.spec.vocab_size) and bool(out.isfinite().all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="steps launched ahead of the token read need a CUDA graph")
+def test_pipelined_generation_gives_the_tokens_of_the_plain_loop(files, monkeypatch):
+    """Generation on the GPU launches each decode step (its CUDA graph) with the token the
+    device sampler left on the device, before reading it (Sampler.launch, forward with
+    tokens_on_device): greedy and seeded sampling give the token ids of the loop that reads
+    every token first (LOCALMOE_PIPELINE=0), and the engine's record of the cache matches."""
+    from localmoe import LLM
+
+    monkeypatch.delenv("LOCALMOE_DEVICE_SAMPLING", raising=False)
+    llm = LLM(str(files["tiny-qwen3moe"]), backend="triton", n_ctx=256, device=DEV)
+    assert llm.runner.supports_device_tokens and llm.runner.graphs is not None
+    ban = {int(i): -100.0 for i in llm.tokenizer.eog_ids}   # 40 tokens, no early end
+    got = {}
+    for pipe in ("1", "0"):
+        monkeypatch.setenv("LOCALMOE_PIPELINE", pipe)
+        got[pipe] = [llm.generate("hello there", max_tokens=40, logit_bias=ban, **kw).token_ids
+                     for kw in (dict(temperature=0),
+                                dict(temperature=0.9, top_k=50, seed=3, repeat_penalty=1.2))]
+        assert llm.runner.cache.seq_len(llm._seq) == len(llm._cached)
+    assert got["1"] == got["0"] and all(len(t) == 40 for t in got["1"])
+    assert llm.runner.stats()["cuda_graphs"]["replays"] > 0
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-qwen2moe"])

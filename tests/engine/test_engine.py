@@ -670,6 +670,54 @@ def test_forward_ahead_gives_the_same_stream_and_a_consistent_cache(kw, monkeypa
     assert held[1] == held[0] + string_stop  # the forward launched ahead of the stop string
 
 
+class PipeRunner(DeviceRunner):
+    """A runner that also takes a decode step's token as a device tensor (as the triton
+    runner's static-buffer step): the engine launches the step before reading the token."""
+
+    supports_device_tokens = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.piped = 0
+
+    def forward(self, batch, all_logits=False, on_device=False, tokens_on_device=None):
+        if tokens_on_device is not None:
+            assert [t for _, t in batch] == [[0]] * len(batch)   # placeholders
+            batch = [(sid, [int(t)]) for (sid, _), t in zip(batch, tokens_on_device.tolist())]
+            self.piped += 1
+        return super().forward(batch, all_logits, on_device)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(stop=("o wo",)), dict(stop=("world😀",)), dict(max_tokens=3), dict(max_tokens=1),
+    dict(max_tokens=2), dict(repeat_penalty=1.3, presence_penalty=0.5)])
+def test_pipelined_steps_give_the_same_stream_and_a_consistent_cache(kw, monkeypatch):
+    """A step launched with its token still on the device (Sampler.launch, read after the
+    launch): the events, text, finish reason and tokens are those of the plain loop (penalties
+    included: the device counts see every token); the engine's record of the cached tokens
+    matches the runner's, which hold one spent step after an end token or a stop string and
+    none past the budget. LOCALMOE_PIPELINE=0 turns it off."""
+    monkeypatch.setenv("LOCALMOE_DEVICE_SAMPLING", "1")   # the device path on these CPU logits
+    plain = make_llm()
+    piped = LLM.from_parts(PipeRunner(), FakeTokenizer(), model_name="fake")
+    out, held = [], []
+    for llm in (plain, piped):
+        deltas, r = collect(llm.generate("x", temperature=0, stream=True, **kw))
+        out.append((deltas, r.text, r.finish_reason, r.token_ids))
+        (seq,) = llm.runner.seqs.values()
+        assert llm._cached == seq
+        held.append(len(seq))
+    assert out[0] == out[1]
+    n = len(out[0][3])
+    assert piped.runner.piped == max(0, n - 1) + (out[0][2] == "stop" and n < (
+        kw.get("max_tokens") or 10 ** 9))
+    assert held[1] == held[0] + (out[0][2] == "stop")
+    monkeypatch.setenv("LOCALMOE_PIPELINE", "0")
+    piped.runner.piped = 0
+    assert piped.generate("x", temperature=0, **kw).text == out[0][1]
+    assert piped.runner.piped == 0
+
+
 def test_forward_ahead_cancel_and_close(monkeypatch):
     monkeypatch.delenv("LOCALMOE_DEVICE_SAMPLING", raising=False)
     llm = LLM.from_parts(DeviceRunner(chain={}, default_next=9), FakeTokenizer(),

@@ -327,6 +327,32 @@ def test_sampler_device_path_seed_reproducible_and_logprob_only():
     assert lp.top == [] and abs(lp.logprob - ref) < 1e-4
 
 
+def test_launch_then_finish_gives_what_sample_gives():
+    """Sampler.launch (device work only, the id left on the device) then Sampler.finish (the
+    read) picks the tokens sample() picks, seeded draws and penalty counts included, and
+    can_launch refuses what needs the host (a grammar mask, log-probabilities, NumPy)."""
+    V = 300
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(V, generator=g) * 2 for _ in range(6)]
+    p = SamplingParams(temperature=0.8, top_k=40, seed=11, repeat_penalty=1.3,
+                       presence_penalty=0.4)
+    a = Sampler(p, V, exempt_ids=(0,), device_sampling=True)
+    b = Sampler(p, V, exempt_ids=(0,), device_sampling=True)
+    ha, hb, ta, tb = [5, 6], [5, 6], [], []
+    for x in xs:
+        ta.append(a.sample(x.to(DEV), ha))
+        ha.append(ta[-1])
+        assert b.can_launch(x.to(DEV))
+        pend = b.launch(x.to(DEV), hb)
+        assert pend.ids.device == x.to(DEV).device
+        tb.append(b.finish(pend, hb))
+        hb.append(tb[-1])
+    assert ta == tb and len(set(ta)) > 1
+    assert not b.can_launch(xs[0].to(DEV), allowed=np.ones(V, bool))
+    assert not Sampler(SamplingParams(logprobs=0), V, device_sampling=True).can_launch(xs[0])
+    assert not Sampler(p, V, device_sampling=False).can_launch(xs[0])
+
+
 # ------------------------------------------------------------------------------ GPU only
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
