@@ -22,6 +22,12 @@ measures both engines at batch 1:
   (llama.cpp: ``pp<n>``);
 * ``replay_ms`` (localmoe only): the decode step with 32 steps queued back to back (logits left
   on the device): its GPU time without the per-step host work that ``tpot_ms`` includes;
+* ``tpot_generate_ms`` (localmoe only): the engine's decode loop on the runner
+  (:func:`time_generate`: device sampling, each step launched with the sampled token still on
+  the device and read after the launch), ``tpot_generate_unpipelined_ms`` the same loop reading
+  each token before launching the next step, and at context 0 ``tpot_engine_ms``: the TPOT of
+  ``LLM.generate`` itself (:func:`time_engine`). llama-bench's ``tg`` has no sampling: it is
+  ``tpot_ms``'s counterpart;
 * ``kernels_per_token`` (and ``kernels_per_layer``), ``host_syncs_per_token``, ``gpu_busy``,
   ``kernel_us_per_token`` and ``kernel_table`` (the 12 costliest kernels: launches and us per
   token) (localmoe only): a
@@ -275,6 +281,52 @@ def time_decode(runner, seq: int, n: int) -> float:
     return statistics.median(times[3:] if len(times) > 6 else times) * 1e3
 
 
+def time_generate(runner, seq: int, n: int, pipeline: bool = True) -> float | None:
+    """Milliseconds per token of the engine's decode loop on the runner (its detokenizing and
+    stop checks aside, which overlap the GPU): each step's logits sampled on the device
+    (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, a fixed seed) and the sampled token fed
+    to the next step. ``pipeline``: the step is launched with the token still on the device and
+    the id read after the launch (:meth:`Sampler.launch`); otherwise the id is read first (the
+    loop before pipelining). None where the runner cannot keep logits on the device."""
+    from localmoe.engine.sampling import Sampler, SamplingParams
+
+    if not getattr(runner, "supports_device_logits", False):
+        return None
+    sampler = Sampler(SamplingParams(seed=0), runner.spec.vocab_size)
+    hist = [11]
+    logits = runner.forward([(seq, hist[-1:])], on_device=True)[0]
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        if pipeline:
+            pend = sampler.launch(logits, hist)
+            logits = runner.forward([(seq, [0])], on_device=True, tokens_on_device=pend.ids)[0]
+            tok = sampler.finish(pend, hist)
+        else:
+            tok = sampler.sample(logits, hist)
+            logits = runner.forward([(seq, [tok])], on_device=True)[0]
+        hist.append(tok)
+        times.append(time.perf_counter() - t)
+    _sync()
+    return statistics.median(times[3:] if len(times) > 6 else times) * 1e3
+
+
+def time_engine(runner, mf, n: int) -> float:
+    """TPOT (ms) of ``LLM.generate`` over ``runner`` as a user calls it (default sampling, the
+    end tokens banned so that ``n`` tokens come), from the result's timings."""
+    from localmoe.engine.engine import Engine
+    from localmoe.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model(mf)
+    eng = Engine.from_parts(runner, tok, model_file=mf)
+    ban = {int(i): -100.0 for i in getattr(tok, "eog_ids", ()) or ()}
+    try:
+        eng.generate("hello", max_tokens=8, logit_bias=ban)     # warm-up
+        return eng.generate("The quick brown fox", max_tokens=n, logit_bias=ban).timings.tpot_ms
+    finally:
+        runner.free_sequence(eng._seq)       # the runner stays open for the next rows
+
+
 def fill_context(runner, seq: int, depth: int, chunk: int = 4096) -> None:
     """Give sequence ``seq`` ``depth`` cached tokens without running the model: random K/V
     (unit normal, what the attention reads costs the same whatever the values) written through
@@ -347,6 +399,8 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                 runner.forward([(s, prompt[:1])])
             tpot = time_decode(runner, s, n_gen)
             replay = replay_ms(runner, s)
+            gen = time_generate(runner, s, n_gen)
+            gen_plain = time_generate(runner, s, n_gen, pipeline=False)
             prof = profile_decode(runner, s) if profile else {}
             graphs = runner.graphs
             eager_ms, eager_prof = None, {}
@@ -356,12 +410,16 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                 eager_prof = profile_decode(runner, s, 4) if profile else {}
                 graphs.capture = True
             runner.free_sequence(s)
+            engine_ms = time_engine(runner, mf, n_gen) if depth == 0 else None
             kpt = prof.get("kernels_per_token")
             row = {"engine": "localmoe", "kv": kv, "ctx": depth, "load_s": round(load_s, 2),
                    "peak_vram_gib": None,
                    "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
                    "tpot_ms": round(tpot, 3),
                    "replay_ms": round(replay, 3) if replay else None,
+                   "tpot_generate_ms": round(gen, 3) if gen else None,
+                   "tpot_generate_unpipelined_ms": round(gen_plain, 3) if gen_plain else None,
+                   "tpot_engine_ms": round(engine_ms, 3) if engine_ms else None,
                    "kernels_per_token": kpt,
                    "kernel_us_per_token": prof.get("kernel_us_per_token"),
                    "kernel_table": prof.get("kernel_table"),
