@@ -195,12 +195,14 @@ class Generation:
         computes. A stop string found then leaves that one forward unused (the runner's cache
         and ``Engine._cached`` both hold the token, consistently).
 
-        With a runner that also takes tokens on the device (``self._pipe``; no grammar, no
+        With a runner that also takes tokens on the device (``self._pipe``; no
         log-probabilities), the forward of the sampled token is launched before the token is
         read at all: the sampler's kernels, the copy of the id into the step's input and the
         step follow each other on the GPU with no wait for the host, which reads the id while
-        the step runs. Only a step that the budget rules out is not launched; one after an end
-        token or a stop string is spent (both records hold that token).
+        the step runs (and, under a grammar, accepts it and computes the next mask then, with
+        no worker thread). Only a step that the budget rules out is not launched; one after an
+        end token, a stop string or a complete grammar is spent (both records hold that
+        token).
         """
         stopper, cons = self.stopper, self.constraint
         history = list(self.ids)
@@ -219,10 +221,10 @@ class Generation:
                 next_allowed = None
             else:
                 allowed = None
-            launched = (self._pipe and cons is None and len(self.generated) + 1 < self.budget
+            launched = (self._pipe and len(self.generated) + 1 < self.budget
                         and self.sampler.can_launch(logits))
             if launched:
-                pend = self.sampler.launch(logits, history)
+                pend = self.sampler.launch(logits, history, allowed)
                 logits = self._step_on_device(pend)
                 t_id = self.sampler.finish(pend, history)
                 self.engine._cached.append(t_id)

@@ -429,22 +429,24 @@ class Sampler:
         return t
 
     # -- sampling split in two: the device work, then the read of the id ------------------------
-    def can_launch(self, logits, allowed=None) -> bool:
-        """Whether :meth:`launch` can sample ``logits``: the device path, no grammar mask and no
+    def can_launch(self, logits) -> bool:
+        """Whether :meth:`launch` can sample ``logits``: the device path and no
         log-probabilities (those are read with the id)."""
-        return allowed is None and self.params.logprobs is None and self.uses_device(logits)
+        return self.params.logprobs is None and self.uses_device(logits)
 
-    def launch(self, logits, history: Sequence[int] = ()) -> "PendingToken":
+    def launch(self, logits, history: Sequence[int] = (), allowed=None) -> "PendingToken":
         """Start sampling ``logits`` on their device and return at once (nothing waits for the
         GPU): the id stays on the device (``.ids``, int64 ``[1]``) for the caller to feed into
         the next forward pass before reading it with :meth:`finish` (the same token
-        :meth:`sample` would return). Only where :meth:`can_launch` says so.
+        :meth:`sample` would return; ``allowed`` as there). Only where :meth:`can_launch` says
+        so.
         """
         from localmoe.kernels.sampling import sample_device
 
         x, st = self._device_input(logits)
         counts = st.counts_for(history) if st.params.has_penalties else None
-        out = sample_device(x, st.params, counts=counts, workspace=st.workspace)
+        bits = st.upload_mask(allowed) if allowed is not None else None
+        out = sample_device(x, st.params, counts=counts, bitmask=bits, workspace=st.workspace)
         return st.read_later(out.ids)
 
     def finish(self, pending: "PendingToken", history: Sequence[int] = ()) -> int:

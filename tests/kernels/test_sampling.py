@@ -330,7 +330,7 @@ def test_sampler_device_path_seed_reproducible_and_logprob_only():
 def test_launch_then_finish_gives_what_sample_gives():
     """Sampler.launch (device work only, the id left on the device) then Sampler.finish (the
     read) picks the tokens sample() picks, seeded draws and penalty counts included, and
-    can_launch refuses what needs the host (a grammar mask, log-probabilities, NumPy)."""
+    can_launch refuses what needs the host (log-probabilities, NumPy); a grammar mask holds."""
     V = 300
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(V, generator=g) * 2 for _ in range(6)]
@@ -348,7 +348,10 @@ def test_launch_then_finish_gives_what_sample_gives():
         tb.append(b.finish(pend, hb))
         hb.append(tb[-1])
     assert ta == tb and len(set(ta)) > 1
-    assert not b.can_launch(xs[0].to(DEV), allowed=np.ones(V, bool))
+    allowed = np.zeros(V, bool)
+    allowed[[3, 50, 77]] = True
+    c = Sampler(p, V, exempt_ids=(0,), device_sampling=True)
+    assert c.finish(c.launch(xs[0].to(DEV), [5, 6], allowed), [5, 6]) in (3, 50, 77)
     assert not Sampler(SamplingParams(logprobs=0), V, device_sampling=True).can_launch(xs[0])
     assert not Sampler(p, V, device_sampling=False).can_launch(xs[0])
 
