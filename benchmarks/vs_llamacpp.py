@@ -352,14 +352,14 @@ def time_prefill(runner, prompt: list[int], reps: int = 3, chunk: int = 4096) ->
     """Median seconds to prefill ``prompt`` on a fresh sequence (chunks of ``chunk`` tokens),
     after one untimed run (it compiles kernels and captures the prompt's prefill graph)."""
     ts = []
-    for i in range(reps + 1):
+    for rep in range(reps + 1):
         s = runner.new_sequence()
         _sync()
         t = time.perf_counter()
         for i in range(0, len(prompt), chunk):
             runner.forward([(s, prompt[i:i + chunk])])
         _sync()
-        if i:
+        if rep:
             ts.append(time.perf_counter() - t)
         runner.free_sequence(s)
     return statistics.median(ts)

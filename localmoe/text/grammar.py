@@ -114,7 +114,11 @@ def grammar_tokenizer(tok: Any):
         if cached is not None:
             return cached
         w = _Wrapper(tok)
-        lt = ll.LLTokenizer(ll.TokenizerWrapper(w), n_vocab=len(w.tokens), eos_token=w.eog)
+        try:    # recent llguidance takes every end-of-generation id
+            lt = ll.LLTokenizer(ll.TokenizerWrapper(w), n_vocab=len(w.tokens), eos_token=w.eog)
+        except TypeError:   # older releases take one: the tokenizer's EOS
+            lt = ll.LLTokenizer(ll.TokenizerWrapper(w), n_vocab=len(w.tokens),
+                                eos_token=w.eos_token_id)
         try:
             setattr(tok, "_llg_tokenizer", lt)
         except Exception:  # noqa: BLE001 -- an object without attributes: no cache

@@ -134,8 +134,14 @@ def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypat
     scale = outs["0"].abs().max()
     # float KV: float32 summation order apart; quantized KV: a code may move one step
     tol_rel = (2e-3 if not CUDA else 2e-2) if kv == "f16" else DECODE_REL
-    assert (outs["1"] - outs["0"]).abs().max() < tol_rel * scale
-    assert torch.equal(outs["1"].argmax(-1), outs["0"].argmax(-1))
+    diff = (outs["1"] - outs["0"]).abs().max()
+    assert diff < tol_rel * scale
+    # the same top token wherever the reference's top-2 margin exceeds twice the observed
+    # difference (a near-tie of this random model may flip with the summation order)
+    top2 = outs["0"].topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert clear.any()
+    assert torch.equal(outs["1"].argmax(-1)[clear], outs["0"].argmax(-1)[clear])
     assert (caches["1"] - caches["0"]).abs().max() < (
         (1e-3 if not CUDA else 1e-2) if kv == "f16" else 0.1 * caches["0"].abs().max())
 
