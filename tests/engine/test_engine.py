@@ -647,6 +647,20 @@ def test_device_logits_are_asked_of_a_runner_that_can_keep_them(monkeypatch):
     assert texts["1"] == texts["0"] and texts["0"][0].startswith('{"n": ')
 
 
+def _same_stream_as_plain(other, kw):
+    """Generate greedily with ``kw`` on a plain fake engine and on ``other``: returns
+    ``(out, held)``: per engine the (deltas, text, finish reason, token ids) and how many
+    tokens its runner holds (checked equal to the engine's record of its cache)."""
+    out, held = [], []
+    for llm in (make_llm(), other):
+        deltas, r = collect(llm.generate("x", temperature=0, stream=True, **kw))
+        out.append((deltas, r.text, r.finish_reason, r.token_ids))
+        (seq,) = llm.runner.seqs.values()
+        assert llm._cached == seq
+        held.append(len(seq))
+    return out, held
+
+
 @pytest.mark.parametrize("kw", [
     dict(), dict(stop=("o wo",)), dict(stop=("world😀",)), dict(stop=("Hello world😀!",)),
     dict(stop=("!x",)), dict(max_tokens=3), dict(max_tokens=1)])
@@ -655,15 +669,8 @@ def test_forward_ahead_gives_the_same_stream_and_a_consistent_cache(kw, monkeypa
     text, finish reason and tokens are those of the plain loop, and the engine's record of
     the cached tokens matches what the runner holds (a stop string leaves one forward spent)."""
     monkeypatch.delenv("LOCALMOE_DEVICE_SAMPLING", raising=False)
-    plain = make_llm()
     ahead = LLM.from_parts(DeviceRunner(), FakeTokenizer(), model_name="fake")
-    out, held = [], []
-    for llm in (plain, ahead):
-        deltas, r = collect(llm.generate("x", temperature=0, stream=True, **kw))
-        out.append((deltas, r.text, r.finish_reason, r.token_ids))
-        (seq,) = llm.runner.seqs.values()
-        assert llm._cached == seq
-        held.append(len(seq))
+    out, held = _same_stream_as_plain(ahead, kw)
     assert out[0] == out[1]
     assert all(ahead.runner.asked)
     string_stop = out[0][2] == "stop" and out[0][3][-1] != EOS
@@ -705,15 +712,8 @@ def test_pipelined_steps_give_the_same_stream_and_a_consistent_cache(kw, monkeyp
     if "json_schema" in kw or "json_object" in kw:
         pytest.importorskip("llguidance")
     monkeypatch.setenv("LOCALMOE_DEVICE_SAMPLING", "1")   # the device path on these CPU logits
-    plain = make_llm()
     piped = LLM.from_parts(PipeRunner(), FakeTokenizer(), model_name="fake")
-    out, held = [], []
-    for llm in (plain, piped):
-        deltas, r = collect(llm.generate("x", temperature=0, stream=True, **kw))
-        out.append((deltas, r.text, r.finish_reason, r.token_ids))
-        (seq,) = llm.runner.seqs.values()
-        assert llm._cached == seq
-        held.append(len(seq))
+    out, held = _same_stream_as_plain(piped, kw)
     assert out[0] == out[1]
     n = len(out[0][3])
     assert piped.runner.piped == max(0, n - 1) + (out[0][2] == "stop" and n < (
