@@ -4,7 +4,12 @@ reservation) and ``DecodeGraphs._fill`` (token, position, slot, length and the b
 row written into the pinned buffer, then one copy). Runs on any machine: the tiny synthetic
 qwen3moe model on the CPU (the staging code is the same as on a GPU; nothing is launched).
 
-Usage: ``python benchmarks/bench_host_step.py --depths 0 16384 [--out FILE]``
+``--wrappers``: also the host time of the fused decode step's Python (the kernel wrappers:
+launch choices, buffers, arguments) with every Triton launch replaced by a no-op, on a
+2-layer Qwen3-30B-A3B-shaped model: what an eager step (``--no-cuda-graph``) spends per layer
+before Triton's own launcher.
+
+Usage: ``python benchmarks/bench_host_step.py --depths 0 16384 [--wrappers] [--out FILE]``
 """
 
 from __future__ import annotations
@@ -62,19 +67,63 @@ def measure(depths: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def measure_wrappers(reps: int) -> dict:
+    """Microseconds per decode step (and per layer) of ``FusedDecode.step``'s host code with
+    the Triton launches made no-ops (``JITFunction``/``InterpretedFunction.__getitem__``)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from localmoe.backends.reference import prepare_batch
+    from localmoe.backends.triton.runner import TritonRunner
+    from localmoe.io.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    saved = JITFunction.__getitem__, InterpretedFunction.__getitem__
+    with tempfile.TemporaryDirectory() as d:
+        path = write_gguf(Path(d) / "m.gguf", "qwen3-30b-a3b", seed=0, n_layers=2)
+        r = TritonRunner(open_model(str(path)), n_ctx=1024, device="cpu")
+        s = r.new_sequence()
+        g = r.graphs
+        gg = g._new(1, g.bucket(1))
+        batch = [(s, [5])]
+        prepare_batch(r.model, r.cache, r.n_ctx, batch)
+        g._fill(gg, batch)
+        noop = lambda self, grid: (lambda *a, **k: None)  # noqa: E731
+        JITFunction.__getitem__ = InterpretedFunction.__getitem__ = noop
+        try:
+            for _ in range(5):
+                g._step(gg)
+            t = time.perf_counter()
+            for _ in range(reps):
+                g._step(gg)
+            dt = (time.perf_counter() - t) / reps
+        finally:
+            JITFunction.__getitem__, InterpretedFunction.__getitem__ = saved
+        n = r.spec.n_layers
+        r.close()
+    row = {"model": "qwen3-30b-a3b shapes, 2 layers", "step_us": round(dt * 1e6, 1),
+           "per_layer_us": round(dt * 1e6 / n, 1)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[0, 16384])
     ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--wrappers", action="store_true",
+                    help="also time the fused step's Python with no-op launches")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     rows = measure(a.depths, a.reps)
+    wrappers = measure_wrappers(max(10, a.reps // 50)) if a.wrappers else None
     if a.out:
         Path(a.out).write_text(json.dumps({
             "machine": f"{platform.node()} ({os.cpu_count()} CPUs)",
             "date": time.strftime("%Y-%m-%d"),
             "command": "python benchmarks/bench_host_step.py " + " ".join(sys.argv[1:]),
-            "rows": rows}, indent=1))
+            "rows": rows, **({"wrappers": wrappers} if wrappers else {})}, indent=1))
     return 0
 
 

@@ -64,6 +64,7 @@ import triton.language as tl
 from localmoe.kernels.launch_config import CHOICE_FIELDS, device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import pack_store_blocks
+from localmoe.kernels.host import cdiv, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -782,11 +783,11 @@ def choose_splits(batch: int, n_kv_heads: int, max_len: int, block_n: int, devic
     count is a whole number of waves where possible, with at least one ``block_n`` tile per
     split."""
     pairs = max(1, batch * n_kv_heads)
-    cap = max(1, triton.cdiv(max_len, block_n))
+    cap = max(1, cdiv(max_len, block_n))
     if device.type != "cuda":
         return max(1, min(4, cap))
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    s = max(1, triton.cdiv(int(waves * n_sm), pairs))
+    s = max(1, cdiv(int(waves * n_sm), pairs))
     for cand in range(s, 2 * s + 1):  # prefer an exact multiple of the SM count
         if (cand * pairs) % n_sm == 0:
             s = cand
@@ -853,15 +854,15 @@ def _constexprs(q, k_codec, kspec, v_codec, vspec, ch: dict, page_size: int, has
     # head_dim 32 the join gave wrong results on the H200 (triton 3.6) though not in the
     # interpreter
     vjoin = bool(vf == 1 and vb in (2, 3) and DV >= 64 and ch["v_join"])
-    splits_p = max(2, triton.next_power_of_2(num_splits))
+    splits_p = max(2, next_pow2(num_splits))
     if asm is None:
         asm = q.device.type == "cuda" and not _interpreting() and \
             os.environ.get("LOCALMOE_KV_ASM", "1") != "0"
     return dict(
-        HKV=HKV, QPK=QPK, QPK_P=triton.next_power_of_2(QPK),
-        BLOCK_H=max(8 if swap else 16, triton.next_power_of_2(QPK)), D=D, DV=DV,
+        HKV=HKV, QPK=QPK, QPK_P=next_pow2(QPK),
+        BLOCK_H=max(8 if swap else 16, next_pow2(QPK)), D=D, DV=DV,
         PAGE=page_size, K_FMT=kf, K_BITS=kb, K_G=kg, K_NOUT=kno, K_SIDE=bool(kns or knr),
-        K_CHAN=kchan, K_NSINK=kns, K_NRING=knr, K_NOP=triton.next_power_of_2(max(kno, 1)),
+        K_CHAN=kchan, K_NSINK=kns, K_NRING=knr, K_NOP=next_pow2(max(kno, 1)),
         V_FMT=vf, V_BITS=vb, V_G=vg, V_NOUT=vno, V_SIDE=bool(vns or vnr), V_NSINK=vns,
         V_NRING=vnr, ROT=bool(getattr(k_codec, "rotate", False)), HAS_ROWS=has_rows,
         FUSE=bool(ch["fused_reduce"]), SPLITS_P=splits_p, MERGE_C=min(8, splits_p),
@@ -987,7 +988,7 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
     :func:`decode_attention` with the resolved choices ``ch`` and ``num_splits``."""
     B, HQ, _ = q.shape
     HKV, DV, dev = k_codec.n_kv_heads, v_codec.head_dim, q.device
-    chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), ch["block_n"]) * ch["block_n"]
+    chunk = cdiv(cdiv(max(max_len, 1), num_splits), ch["block_n"]) * ch["block_n"]
     *kspec, kt, ksh, kss, knb = _codec_args(k_codec, k_store)
     *vspec, vt, vsh, vss, _ = _codec_args(v_codec, v_store)
     n_slots = (kt[0].shape[1] if kspec[0] else kt[0].shape[0])

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
@@ -266,11 +267,11 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     h = QuantAct.empty(t * top_k, f, topk_ids.device)
     ptrs, strides = plane_args(w_gate_up)
     n_chunks = d // cv
-    ch = min(c["CH"], triton.next_power_of_2(n_chunks))
+    ch = min(c["CH"], next_pow2(n_chunks))
     # K parts of whole tiles; "split" asks for that many, fewer when K has too few tiles
-    split_chunks = triton.cdiv(triton.cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
-    split = triton.cdiv(n_chunks, split_chunks)
-    blocks = triton.cdiv(f, c["BN"])
+    split_chunks = cdiv(cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
+    split = cdiv(n_chunks, split_chunks)
+    blocks = cdiv(f, c["BN"])
     if split > 1:
         p, cnt = _split_scratch(split, t * top_k, 2 * f, blocks, topk_ids.device)
     else:
@@ -317,8 +318,8 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
     if out is None:
         out = torch.empty((t, d), dtype=dtype, device=topk_ids.device)
     ptrs, strides = plane_args(w_down)
-    ch = min(c["CH"], triton.next_power_of_2(f // cv))
-    _moe_down_kernel[(triton.cdiv(d, c["BN"]), t)](
+    ch = min(c["CH"], next_pow2(f // cv))
+    _moe_down_kernel[(cdiv(d, c["BN"]), t)](
         h.q, h.s, h.d, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
         h.q.stride(0), h.s.stride(0), h.d.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,

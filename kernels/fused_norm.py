@@ -49,6 +49,7 @@ import triton.language as tl
 
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import QuantAct, pack_store_blocks, sum_partials
+from localmoe.kernels.host import cdiv, next_pow2
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "MAX_DELTAS", "MAX_D"]
 
@@ -145,7 +146,7 @@ def _delta_args(x: torch.Tensor, d: torch.Tensor, i: int) -> tuple:
 
 def _program_shape(n: int) -> tuple[int, int, int]:
     """(rows per program, block, warps): kernels/rms_norm.py's choice for rows of ``n``."""
-    block = triton.next_power_of_2(n)
+    block = next_pow2(n)
     rows = max(1, min(16, 4096 // block))
     return rows, block, 4 if block >= 1024 else 1
 
@@ -236,7 +237,7 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
         r = residual_out if residual_out is not None else x
         h = hf if hf is not None else x
         qq, qs, qd = hq if hq is not None else (x, x, x)
-        _add_rms_norm_quant_kernel[(triton.cdiv(t, rows),)](
+        _add_rms_norm_quant_kernel[(cdiv(t, rows),)](
             x, d0, d1, d2, w if w is not None else x, r, h, qq, qs, qd,
             t, n, x.stride(0), d0s, d0r, s0, d1s, d1r, s1, d2s, d2r, s2,
             r.stride(0), h.stride(0),

@@ -47,6 +47,7 @@ from localmoe.kernels.kv_quant_append import quant_store_row
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.rms_norm import rms_norm_ref
 from localmoe.kernels.rope import rope_partner, rope_ref
+from localmoe.kernels.host import next_pow2
 
 __all__ = ["qk_rope_append", "qk_rope_append_ref", "qk_rope", "fusable"]
 
@@ -422,10 +423,10 @@ def _launch(x3, act, cos, sin, norm, *, n_heads, n_kv_heads, head_dim, v_head_di
     (kp, kc), (vp, vc) = k_args, v_args
     qw = q_norm_w.contiguous() if q_norm_w is not None else q
     kw = k_norm_w.contiguous() if k_norm_w is not None else q
-    bd, bdv = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_head_dim)
+    bd, bdv = next_pow2(head_dim), next_pow2(v_head_dim)
     full = norm == 2
-    bq = triton.next_power_of_2(n_heads * head_dim) if full else 1
-    bk = triton.next_power_of_2(n_kv_heads * head_dim) if full else 1
+    bq = next_pow2(n_heads * head_dim) if full else 1
+    bk = next_pow2(n_kv_heads * head_dim) if full else 1
     warps = 4 if full and bq >= 2048 else (2 if max(bd, bdv) >= 128 or full else 1)
     _qk_rope_append_kernel[(t, n_heads + 2 * n_kv_heads)](
         x3, bias.contiguous() if bias is not None else q, qw, kw, cos, sin, slots,

@@ -36,6 +36,7 @@ import triton.language as tl
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values
 from localmoe.kernels.quant_gemv import plane_args
+from localmoe.kernels.host import cdiv
 
 __all__ = ["quant_gemm", "quant_gemm_ref", "dequantize_rows", "moe_align", "moe_gemm_gate_up",
            "moe_gemm_down", "moe_prefill", "gemm_config"]
@@ -209,7 +210,7 @@ def quant_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
     cfg = dict(gemm_config(m, n, k, w.qtype, w.device), **(config or {}))
     cv = chunk_values(w.qtype)
     ptrs, strides = plane_args(w)
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
+    grid = (cdiv(n, cfg["BN"]), cdiv(m, cfg["BM"]))
     _quant_gemm_kernel[grid](
         x, out, *ptrs, m, n, k // cv, x.stride(0), out.stride(0), *strides,
         QTYPE=w.qtype, CV=cv, BM=cfg["BM"], BN=cfg["BN"], num_warps=cfg.get("num_warps", 4),
@@ -239,7 +240,7 @@ def dequantize_rows(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype = torc
     cv = chunk_values(w.qtype)
     ptrs, strides = plane_args(w)
     br = 16
-    _dequant_rows_kernel[(triton.cdiv(t, br), k // cv)](
+    _dequant_rows_kernel[(cdiv(t, br), k // cv)](
         ids.reshape(-1).contiguous(), out, *ptrs, t, k // cv, out.stride(0), *strides,
         QTYPE=w.qtype, CV=cv, BR=br, num_warps=4)
     return out
@@ -342,7 +343,7 @@ def _moe_gemm(x, w: QuantTensor, y, align, slot_of, wts, top_k: int, gate_up: bo
     e, nw, k = w.shape
     cv = chunk_values(w.qtype)
     ptrs, strides = plane_args(w)
-    grid = (triton.cdiv(nw, cfg["BN"]), block_expert.numel())
+    grid = (cdiv(nw, cfg["BN"]), block_expert.numel())
     _moe_gemm_kernel[grid](
         x, y, sorted_ids, block_expert, n_pad, slot_of, wts if wts is not None else y,
         *ptrs, y.shape[0], nw, k // cv, x.stride(0), y.stride(0), *strides,

@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.qtensor import (
@@ -397,7 +398,7 @@ def quantize_act(x: torch.Tensor, blocks_per_program: int = 16) -> QuantAct:
                          f"got {tuple(x.shape)}")
     xa = QuantAct.empty(t, k, x.device)
     nb = k // 32
-    _quantize_act_kernel[(t, triton.cdiv(nb, blocks_per_program))](
+    _quantize_act_kernel[(t, cdiv(nb, blocks_per_program))](
         x, xa.q, xa.s, xa.d, nb, x.stride(0), xa.q.stride(0), xa.s.stride(0), xa.d.stride(0),
         NB=blocks_per_program, num_warps=2)
     return xa
@@ -428,8 +429,8 @@ def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
     cfg = table.lookup("gemv", **feats)
     sp = table.lookup("gemv_split", **feats)
     n_chunks = k // chunk_values(qtype)
-    cfg["CH"] = min(cfg["CH"], triton.next_power_of_2(n_chunks))
-    blocks = triton.cdiv(n, cfg["BN"])
+    cfg["CH"] = min(cfg["CH"], next_pow2(n_chunks))
+    blocks = cdiv(n, cfg["BN"])
     split = 1
     while (blocks * split < sp["min_programs"] and split < sp["max_split"]
            and n_chunks // (split * 2) >= cfg["CH"]):
@@ -508,8 +509,8 @@ def _plan(w: QuantTensor, t: int, config: dict | None) -> tuple[dict, int, int, 
     cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device), **(config or {}))
     n_chunks = k // chunk_values(w.qtype)
     split = cfg.get("split", 1)
-    split_chunks = triton.cdiv(triton.cdiv(n_chunks, split), cfg["CH"]) * cfg["CH"]
-    return cfg, n_chunks, triton.cdiv(n_chunks, split_chunks), split_chunks
+    split_chunks = cdiv(cdiv(n_chunks, split), cfg["CH"]) * cfg["CH"]
+    return cfg, n_chunks, cdiv(n_chunks, split_chunks), split_chunks
 
 
 # weights at most this large are prefetched into L2 (50 MB on the H200) before PDL's wait; an
@@ -536,14 +537,14 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
             torch.empty((t, n), dtype=torch.float32, device=out.device)
         y.zero_()
     ptrs, strides = plane_args(w)
-    grid = (triton.cdiv(n, cfg["BN"]), split)
+    grid = (cdiv(n, cfg["BN"]), split)
     _quant_gemv_kernel[grid](
         x.q, x.s, x.d, y, *ptrs, n, t, n_chunks, split_chunks,
         x.q.stride(0), x.s.stride(0), x.d.stride(0), y.stride(-2),
         y.stride(0) if partials else 0, *strides,
-        QTYPE=w.qtype, CV=cv, TP=triton.next_power_of_2(t), BN=cfg["BN"], CH=cfg["CH"],
+        QTYPE=w.qtype, CV=cv, TP=next_pow2(t), BN=cfg["BN"], CH=cfg["CH"],
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
-              and t == triton.next_power_of_2(t)),
+              and t == next_pow2(t)),
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
         LINE=128 // ptrs[0].element_size(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from localmoe.kernels.host import cdiv, next_pow2
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -56,9 +57,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
     r = x2.shape[0]
     y = torch.empty((r, n), dtype=x.dtype, device=x.device)
     if r:
-        block = triton.next_power_of_2(n)
+        block = next_pow2(n)
         rows = max(1, min(16, 4096 // block))
-        _rms_norm_kernel[(triton.cdiv(r, rows),)](
+        _rms_norm_kernel[(cdiv(r, rows),)](
             x2, w if w is not None else x2, y, r, n, x2.stride(0), y.stride(0), float(eps),
             HAS_W=w is not None, ROWS=rows, BLOCK=block, num_warps=4 if block >= 1024 else 1)
     return y.reshape(x.shape)

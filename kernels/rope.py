@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from localmoe.kernels.host import cdiv, next_pow2
 
 __all__ = ["rope", "rope_ref"]
 
@@ -71,10 +72,10 @@ def rope(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, style: str) ->
     s = sin2.reshape(t, r).float().contiguous()
     y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t:
-        hb = min(triton.next_power_of_2(h), 16)
-        _rope_kernel[(t, triton.cdiv(h, hb))](
+        hb = min(next_pow2(h), 16)
+        _rope_kernel[(t, cdiv(h, hb))](
             x, c, s, y, h, d, r, x.stride(0), x.stride(1), c.stride(0), y.stride(0), y.stride(1),
-            NEOX=style == "neox", HB=hb, BD=triton.next_power_of_2(d), num_warps=2)
+            NEOX=style == "neox", HB=hb, BD=next_pow2(d), num_warps=2)
     return y
 
 

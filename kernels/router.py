@@ -25,6 +25,7 @@ from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.scratch import grown
+from localmoe.kernels.host import cdiv, next_pow2
 
 __all__ = ["router", "router_fused", "router_ref", "router_config"]
 
@@ -173,7 +174,7 @@ def router(logits: torch.Tensor, top_k: int, *, gating: str = "softmax", norm_to
     _router_kernel[(t,)](
         logits, bias, ids, w, e, logits.stride(0), ids.stride(0), w.stride(0),
         float(expert_weights_scale),
-        EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        EP=next_pow2(e), TOP_K=top_k, KP=next_pow2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=cfg["num_warps"], **pdl_args(logits.device))
     return w, ids
@@ -239,13 +240,13 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
         return w, ids
     cfg = dict(device_table(dev).lookup("router_fused", tokens=t, n_experts=e, top_k=top_k),
                **(config or {}))
-    eb = min(int(cfg["experts_per_program"]), triton.next_power_of_2(e))
+    eb = min(int(cfg["experts_per_program"]), next_pow2(e))
     bias = selection_bias if selection_bias is not None else logits
-    _router_logits_kernel[(t, triton.cdiv(e, eb))](
+    _router_logits_kernel[(t, cdiv(e, eb))](
         h, wt, logits, _counters(t, dev), bias, ids, w, d, e, h.stride(0),
         wt.stride(0), logits.stride(0), ids.stride(0), w.stride(0),
         float(expert_weights_scale), EB=eb, BD=max(64, min(1024, 2048 // eb)),
-        EP=triton.next_power_of_2(e), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        EP=next_pow2(e), TOP_K=top_k, KP=next_pow2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         num_warps=int(cfg["num_warps"]), PREFETCH=pdl_prefetch(dev), LINE=128 // wt.element_size(),
         PACKED=bool(cfg["packed_topk"]), **pdl_args(dev))

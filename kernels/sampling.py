@@ -57,6 +57,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from localmoe.kernels.host import cdiv, next_pow2
+
 __all__ = ["DeviceSamplingParams", "DeviceSample", "sample_device", "sample_ref",
            "update_counts", "counts_from_history", "pack_mask", "GREEDY_TEMPERATURE"]
 
@@ -529,8 +531,8 @@ def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
     if x.stride(-1) != 1:
         x = x.contiguous()
     dev = x.device
-    S = triton.cdiv(V, BLOCK)
-    SB = triton.next_power_of_2(S)
+    S = cdiv(V, BLOCK)
+    SB = next_pow2(S)
     write_x = params.stochastic or want_processed
     ws = workspace if workspace is not None else {}
     key = (B, V, dev)
