@@ -333,7 +333,7 @@ def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
 
     monkeypatch.setattr(triton_runner.torch.cuda, "device", FakeDevice)
     monkeypatch.setattr(triton_runner.TritonRunner, "_forward",
-                        lambda self, batch, all_logits=False, on_device=False:
+                        lambda self, batch, all_logits=False, on_device=False, tokens=None:
                         seen.append(current[0]) or "out")
     for dev, want in (("cuda:1", 1), ("cuda", None), ("cpu", None)):
         r = triton_runner.TritonRunner.__new__(triton_runner.TritonRunner)
