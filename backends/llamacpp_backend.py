@@ -200,6 +200,24 @@ class LlamaCppBackend(Backend):
     """Whole-model CPU fallback through llama-cpp-python (GGUF only)."""
 
     description = "llama.cpp through llama-cpp-python: GGUF on the CPU (f16/bf16/int8/int4 KV)"
+    options = ("n_threads", "n_batch", "max_seqs")
+
+    def accepts(self, option: str) -> bool:
+        """Its own options, and the named parameters of ``llama_cpp.Llama`` (passed through)
+        when llama-cpp-python is installed."""
+        if option in self.options:
+            return True
+        if self.available():
+            return False
+        import inspect
+
+        import llama_cpp
+
+        params = inspect.signature(llama_cpp.Llama.__init__).parameters
+        reserved = {"self", "model_path", "n_ctx", "n_ubatch", "n_threads_batch", "type_k",
+                    "type_v", "n_gpu_layers", "flash_attn", "logits_all", "verbose"}
+        return option in params and option not in reserved and \
+            params[option].kind is not inspect.Parameter.VAR_KEYWORD
 
     def available(self) -> str | None:
         if importlib.util.find_spec("llama_cpp") is None:

@@ -33,6 +33,12 @@ class Backend:
 
     name: str = ""
     description: str = ""
+    #: keyword options :meth:`load` takes beyond ``n_ctx``, ``kv_spec`` and ``device``
+    options: tuple[str, ...] = ()
+
+    def accepts(self, option: str) -> bool:
+        """Whether :meth:`load` takes the keyword option ``option``."""
+        return option in self.options
 
     def available(self) -> str | None:
         """None when the backend can run here, else a short human reason."""
@@ -54,6 +60,42 @@ class Backend:
              device: str | None = None, **options: Any):
         """Build and return a Runner for ``model`` (a ModelFile). Raises LocalMoEError subclasses."""
         raise BackendUnavailableError(f"backend {self.name!r} cannot load models")
+
+
+def check_backend_options(options: Any, backend: Backend | None = None) -> None:
+    """Refuse keyword options that no registered backend takes (``backend`` None; before any
+    I/O) or that ``backend`` does not take (before its weights load).
+
+    Raises:
+        InvalidRequestError: naming the option, the backends that take it (if any) and the
+            closest known option.
+    """
+    import difflib
+
+    from localmoe.errors import InvalidRequestError
+
+    names = list(options or ())
+    if not names:
+        return
+    backends = [get_backend(n) for n in backend_names()]
+    known = sorted({o for b in backends for o in b.options})
+    for opt in names:
+        if backend is not None:
+            if backend.accepts(opt):
+                continue
+            takers = [b.name for b in backends if b.accepts(opt)]
+            where = (f"an option of the {', '.join(takers)} backend{'s' if len(takers) > 1 else ''}"
+                     f", not of {backend.name!r} (which runs this model)") if takers else \
+                f"not an option of the {backend.name!r} backend"
+            raise InvalidRequestError(f"{opt!r} is {where}; {backend.name!r} takes: "
+                                      f"{', '.join(backend.options) or 'no options'}",
+                                      param=opt)
+        if any(b.accepts(opt) for b in backends):
+            continue
+        close = difflib.get_close_matches(opt, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidRequestError(f"unknown option {opt!r}{hint}; the backends take: "
+                                  f"{', '.join(known)}", param=opt)
 
 
 def cuda_device_problem(device: str | None) -> str | None:

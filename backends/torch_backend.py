@@ -130,6 +130,9 @@ class TorchBackend(Backend):
 
     description = "reference PyTorch (CPU fp32 or CUDA); runs GGUF and safetensors models"
 
+    options = ("dtype", "max_seqs", "block_size", "experts", "numerics", "packed_weights",
+               "n_threads")
+
     def available(self) -> str | None:
         try:
             import torch  # noqa: F401

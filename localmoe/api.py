@@ -33,11 +33,17 @@ class LLM(Engine):
             ``llm.n_ctx``, :meth:`prompt_ids`, :meth:`count_tokens` and :meth:`render_chat`
             work there (generation does not yet); an exception it raises stops the load
             (``localmoe generate`` refuses a prompt longer than the context this way).
+        **backend_options: options of the backend that runs the model: ``n_threads`` (CPU
+            threads; all backends), ``max_seqs`` (concurrent sequences; all), ``n_batch``
+            (llamacpp's prefill chunk, and the parameters of ``llama_cpp.Llama``), ``dtype``,
+            ``numerics``, ``cuda_graphs`` (triton: False launches the decode step eagerly),
+            ... (``Backend.options`` of each backend).
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,
         KVCacheFormatError, InvalidRequestError (bad n_ctx or device, a ``$LOCALMOE_THREADS``
-        that is no thread count), StoreError (pull failed).
+        that is no thread count, a backend option that no backend or not the chosen one
+        takes), StoreError (pull failed).
     """
 
     @staticmethod
@@ -82,6 +88,7 @@ class LLM(Engine):
         """
         from localmoe.openai import chat_completion
 
+        _check_chat_fields(sampling)
         request: dict[str, Any] = {"model": self.model_name, "messages": messages,
                                    "stream": bool(stream)}
         if tools is not None:
@@ -96,3 +103,24 @@ class LLM(Engine):
                 "name": "output", "schema": schema, "strict": True}}
         request.update({k: v for k, v in sampling.items() if v is not None})
         return chat_completion(self, request, cancel=cancel)
+
+
+def _check_chat_fields(fields: dict) -> None:
+    """Refuse keyword arguments of :meth:`LLM.chat` that are no request field it reads (the
+    server ignores unknown body fields, as OpenAI's does; a Python call gets told).
+
+    Raises:
+        InvalidRequestError: naming the field and the closest known one.
+    """
+    import difflib
+
+    from localmoe.errors import InvalidRequestError
+    from localmoe.openai.requests import CHAT_FIELDS
+
+    for k in fields:
+        if k not in CHAT_FIELDS and k not in ("json_schema", "json_object"):
+            close = difflib.get_close_matches(k, sorted(CHAT_FIELDS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InvalidRequestError(f"unknown chat parameter {k!r}{hint}; known: "
+                                      f"{', '.join(sorted(CHAT_FIELDS))}, json_schema, "
+                                      f"json_object", param=k)

@@ -14,6 +14,8 @@ class TritonBackend(Backend):
     """Fused GPU path (Triton kernels over the paged, possibly quantized KV cache)."""
 
     description = "CUDA + Triton: fused sub-byte KV-cache decode attention (torch for the rest)"
+    options = ("dtype", "max_seqs", "block_size", "experts", "numerics", "packed_weights",
+               "n_threads", "cuda_graphs", "load_progress")
 
     def available(self) -> str | None:
         import importlib.util

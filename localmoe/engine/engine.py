@@ -75,10 +75,11 @@ class Engine:
                  kv_cache_v: str | None = None, device: str | None = None,
                  progress: Callable[[float, str], None] | None = None,
                  before_load: Callable[[Any], None] | None = None, **backend_options: Any):
-        from localmoe.backends.registry import env_threads, select_backend
+        from localmoe.backends.registry import check_backend_options, env_threads, select_backend
 
         prog = progress or (lambda f, m: None)
         check_n_ctx(n_ctx)
+        check_backend_options(backend_options)  # an option no backend takes: before any I/O
         kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)  # errors before any I/O
         device = check_device(device)
         if backend_options.get("n_threads") is None:
@@ -87,6 +88,7 @@ class Engine:
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")
         be, reason = select_backend(backend or "auto", model_file.format, kv_spec)
+        check_backend_options(backend_options, be)
         check_backend_device(be, device)
         ctx = context_size(n_ctx, model_file.spec.n_ctx_train)
         from localmoe.text.chat_template import ChatTemplate

@@ -21,6 +21,12 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _SAMPLING_NUM = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repeat_penalty")
 _SAMPLING_INT = ("top_k", "repeat_last_n", "seed")
+#: the chat request fields beside ``model``, ``messages``, ``tools``, ``tool_choice`` and
+#: ``stream`` that the chat path reads (sampling, output shape, logprobs, legacy functions)
+CHAT_FIELDS = frozenset(_SAMPLING_NUM + _SAMPLING_INT + (
+    "max_tokens", "max_completion_tokens", "stop", "logit_bias", "response_format", "logprobs",
+    "top_logprobs", "n", "parallel_tool_calls", "stream_options", "reasoning_format",
+    "functions", "function_call", "user", "text"))
 
 
 def _is_num(v) -> bool:

@@ -537,6 +537,36 @@ def test_device_index_given_is_the_device_used_and_reported(tmp_path, monkeypatc
     assert got == ["cuda:7"]
 
 
+def test_backend_options_are_checked_before_loading(tmp_path):
+    """A keyword option no backend takes is refused before the model is even opened (with the
+    closest known one suggested); one that another backend takes is refused, naming it, before
+    the weights load; a known one works."""
+    from localmoe.testing.synthetic import write_gguf
+
+    with pytest.raises(InvalidRequestError, match="unknown option 'foo'") as e:
+        LLM(str(tmp_path / "missing.gguf"), foo=1)     # no "file not found": checked first
+    assert e.value.param == "foo"
+    with pytest.raises(InvalidRequestError, match="did you mean 'n_threads'"):
+        LLM(str(tmp_path / "missing.gguf"), threads=2)
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    with pytest.raises(InvalidRequestError, match="'n_batch' is an option of the llamacpp "
+                                                  "backend, not of 'torch'"):
+        LLM(path, backend="torch", n_ctx=32, n_batch=64)
+    with pytest.raises(InvalidRequestError, match="'cuda_graphs' is an option of the triton"):
+        LLM(path, backend="torch", n_ctx=32, cuda_graphs=False)
+    assert LLM(path, backend="torch", n_ctx=32, n_threads=1).generate(
+        "a", max_tokens=2).completion_tokens >= 1
+
+
+def test_chat_refuses_unknown_parameters_like_generate():
+    llm = make_llm()
+    with pytest.raises(InvalidRequestError, match="did you mean 'max_tokens'") as e:
+        llm.chat([{"role": "user", "content": "x"}], max_token=2)
+    assert e.value.param == "max_token"
+    r = llm.chat([{"role": "user", "content": "x"}], max_tokens=2, temperature=0, user="u")
+    assert r["usage"]["completion_tokens"] <= 2
+
+
 def test_model_name_is_the_name_the_user_gave(tmp_path):
     from localmoe.api import LLM
     from localmoe.io.loader import open_model
