@@ -327,8 +327,13 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
 
 
 def list_chats_text(store: ChatStore | None = None) -> str:
-    """The saved chats as a text table for ``localmoe chat --list`` (most recent first)."""
+    """The saved chats as a text table for ``localmoe chat --list`` (most recent first). Without
+    a chat database yet, says so and creates none (listing writes nothing)."""
+    from .store import default_db_path
+
     own = store is None
+    if own and not default_db_path().is_file():
+        return "No saved chats. Start one with `localmoe chat -m MODEL`."
     store = store or ChatStore()
     try:
         chats = store.list_chats()

@@ -770,6 +770,8 @@ def test_store_location_honours_localmoe_home(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LOCALMOE_HOME", str(tmp_path / "lm"))
     assert data_dir() == tmp_path / "lm"
+    assert "No saved chats" in list_chats_text()   # listing creates no database
+    assert not (tmp_path / "lm").exists()
     assert default_db_path() == tmp_path / "lm" / "chats.sqlite3"
     store = ChatStore()
     c = store.create_chat("via env")
