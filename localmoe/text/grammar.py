@@ -246,7 +246,7 @@ def _explain(err: str, param: str) -> InvalidRequestError:
         return InvalidRequestError(
             f"{param}: unsupported JSON Schema keyword{'s' if len(keys) > 1 else ''} "
             f"{', '.join(map(repr, keys))} (docs/STRUCTURED_OUTPUT.md lists the supported "
-            f"ones; a non-strict json_schema ignores unsupported keywords)", param=param)
+            f"ones; on the server a non-strict json_schema ignores unsupported keywords)", param=param)
     return InvalidRequestError(f"{param}: the schema cannot be used for constrained decoding: "
                                f"{_one_line(err)[:300]}", param=param)
 
