@@ -139,7 +139,9 @@ def backends():
         click.echo(f"{'':<{w}}  {desc}")
     for fmt in ("gguf", "safetensors"):
         try:
-            _, why = select_backend("auto", fmt)
-            click.echo(f"auto for {fmt}: {why}")
+            be, why = select_backend("auto", fmt)
+            # why reads "torch (auto; skipped ...)": the backend, then what auto passed over
+            skipped = why.partition("; skipped ")[2].rstrip(")")
+            click.echo(f"auto for {fmt}: {be.name}" + (f" (skipped {skipped})" if skipped else ""))
         except LocalMoEError as e:
             click.echo(f"auto for {fmt}: none ({e})")
