@@ -6,6 +6,7 @@ from typing import Any
 
 from localmoe.backends.reference import torch_supports
 from localmoe.backends.registry import Backend, register_backend
+from localmoe.backends.torch_backend import TorchBackend
 from localmoe.errors import BackendUnavailableError
 
 
@@ -14,8 +15,7 @@ class TritonBackend(Backend):
     """Fused GPU path (Triton kernels over the paged, possibly quantized KV cache)."""
 
     description = "CUDA + Triton: fused sub-byte KV-cache decode attention (torch for the rest)"
-    options = ("dtype", "max_seqs", "block_size", "experts", "numerics", "packed_weights",
-               "n_threads", "cuda_graphs", "load_progress")
+    options = TorchBackend.options + ("cuda_graphs", "load_progress")
 
     def available(self) -> str | None:
         import importlib.util
