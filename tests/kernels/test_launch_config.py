@@ -196,6 +196,11 @@ CHANGED = {
     # per-token int2/int4 keys at few pairs take 64-token tiles up to 4096 tokens
     "int2 int2": "GBG GBG EEE EEE | T | v v v v",
     "int4 int2": "ABA ABA CCC CCC | T | vk vk vk vk",
+    # the default int4 and int2 caches (per-channel keys) at few pairs: int4 64-token tiles up
+    # to 4096 tokens, int2 one warp over 32-token tiles beyond
+    "int4:c int4": "CBC CBC CCC CCC | F | v v v v",
+    "int4:c+out int4": "CBC CBC CCC CCC | F | v v v v",
+    "int2:c int2": "CAC CAC CCC CCC | T | v v v v",
 }
 """Recorded changes to :data:`OLD`, each with the measurement that made it (the tables' own
 ``why`` notes)."""
