@@ -440,12 +440,12 @@ def test_undecodable_prompt_bytes_are_a_one_line_error(smollm2_path):
                         "--backend", "torch", "--raw", "-n", "2", b"caf\xe9"],
                        capture_output=True, timeout=300)
     r.stderr = r.stderr.decode("utf-8", "replace")
-    assert_one_line_error(r, "UTF-8")
+    assert_one_line_error(r, "the prompt is not valid UTF-8")
     r = subprocess.run([sys.executable, "-m", "localmoe", "generate", "-m", str(smollm2_path),
                         "--backend", "torch", "-n", "2"], input=b"\xff\xfe hello",
                        capture_output=True, timeout=300)
     r.stderr = r.stderr.decode("utf-8", "replace")
-    assert_one_line_error(r, "UTF-8")
+    assert_one_line_error(r, "the prompt is not valid UTF-8")
 
 
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(smollm2_path):

@@ -155,6 +155,7 @@ def _read_prompt(prompt: str | None) -> str:
 
     Raises:
         OneLineUsageError: no prompt (nothing piped either) or an empty one.
+        InvalidRequestError: a prompt UTF-8 cannot encode (undecodable input bytes).
     """
     if prompt is None or prompt == "-":
         if sys.stdin is None or (sys.stdin.isatty() and prompt is None):
@@ -167,6 +168,13 @@ def _read_prompt(prompt: str | None) -> str:
     if not prompt.strip():
         raise OneLineUsageError("the prompt is empty; give a PROMPT argument or pipe the prompt on "
                                 "stdin")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable argv/stdin bytes arrive as lone surrogates
+        from localmoe.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"the prompt is not valid UTF-8 (an undecodable byte at "
+                                  f"character {e.start})", "prompt") from None
     return prompt
 
 

@@ -44,6 +44,14 @@ from localmoe.engine.results import StreamEvent
 from localmoe.errors import ContextOverflowError, InvalidRequestError, LocalMoEError
 
 
+def _token_id(t) -> int:
+    """``t`` as a token id: an integer (Python, numpy or a 0-d tensor); TypeError for text,
+    bytes, bools and floats (``[1.7]`` is not silently token 1)."""
+    if isinstance(t, (str, bytes, bool, float)):
+        raise TypeError(type(t).__name__)
+    return int(t)
+
+
 class Engine:
     """A loaded model ready to generate (docs/INTERFACES.md, "Engine / Python API").
 
@@ -217,8 +225,12 @@ class Engine:
 
     def _encode_prompt(self, prompt: str | Sequence[int], templated: bool) -> list[int]:
         if not isinstance(prompt, str):
+            if isinstance(prompt, (bytes, bytearray, memoryview)):
+                raise InvalidRequestError(
+                    "the prompt is bytes: decode it to a string first (token ids go as a list "
+                    "of ints)", param="prompt")
             try:
-                ids = [int(t) for t in prompt]
+                ids = [_token_id(t) for t in prompt]
             except (TypeError, ValueError):
                 raise InvalidRequestError(
                     f"the prompt must be a string or a sequence of token ids, not "

@@ -51,7 +51,7 @@ def open_model(path: str | os.PathLike) -> ModelFile:
     if p.is_dir():
         if (p / "config.json").is_file():
             return HFModelFile(p)
-        ggufs = sorted(p.glob("*.gguf"))
+        ggufs = sorted(q for q in p.glob("*.gguf") if q.is_file())  # not a dir named x.gguf
         models = _gguf_models(ggufs)  # a split set is one model (its first shard)
         if len(models) == 1:
             return GGUFModelFile(models[0])

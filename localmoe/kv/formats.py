@@ -102,6 +102,9 @@ class KVFormat:
                         "channel) or ':t' (per token)")
                 grouping = GROUPING_ALIASES[opt]
                 continue
+            if name == "fp4" and opt == f"g{group}" and not seen_group:
+                seen_group = True       # the one group fp4 has, spelled out
+                continue
             if name == "fp4" and opt.startswith("g"):
                 raise KVCacheFormatError(
                     f"fp4 has a fixed group of {group} values (one E4M3 scale per {group}, the "

@@ -72,8 +72,13 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             sock.bind(addr)
         except OSError as e:
+            import errno
+
+            # an address this machine does not have is the host's fault, not the port's
+            fix = ("choose a --host this machine has (127.0.0.1, 0.0.0.0 or one of its "
+                   "addresses)" if e.errno == errno.EADDRNOTAVAIL else "choose another --port")
             raise LocalMoEError(f"cannot listen on {host}:{port}: {e.strerror or e}; "
-                                f"choose another --port") from None
+                                f"{fix}") from None
 
 
 def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

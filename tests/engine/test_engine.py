@@ -320,9 +320,12 @@ def test_bad_parameters_are_user_errors():
     with pytest.raises(InvalidRequestError):
         llm.generate([], temperature=0)
     assert isinstance(ei.value, LocalMoEError)
-    for bad in (None, 5, [1, "x"]):  # not text, not token ids: a user error, not a TypeError
+    for bad in (None, 5, [1, "x"], [1.7], [True]):  # not text, not token ids: a user error
         with pytest.raises(InvalidRequestError, match="string or a sequence of token ids"):
             llm.generate(bad)
+    for raw in (b"\xff\xfe", bytearray(b"hi")):  # bytes are not token ids [255, 254]
+        with pytest.raises(InvalidRequestError, match="prompt is bytes: decode it"):
+            llm.generate(raw)
 
 
 def test_seeded_sampling_is_reproducible():

@@ -285,6 +285,9 @@ def test_directory_and_missing_path(tmp_path):
         open_model(tmp_path / "nope.gguf")
     with pytest.raises(ModelLoadError, match="config.json"):
         open_model(tmp_path)
+    (tmp_path / "dir.gguf").mkdir()  # a folder named like a model is not one
+    with pytest.raises(ModelLoadError, match="without config.json or .gguf files"):
+        open_model(tmp_path)
 
 
 def test_directory_of_several_models_lists_them_and_a_split_set_is_one(tmp_path):

@@ -783,3 +783,21 @@ def test_rm_prefers_the_exact_store_name_over_a_file_name(home):
     st = ModelStore(progress=False)
     assert st.remove("X").name == "X" and st.remove("X.gguf").name == "Y"
     assert not (home / "models" / "X.gguf").exists()
+
+
+@pytest.mark.parametrize("content", [
+    '{"smollm2": 5}', '{"smollm2": null}', '{"smollm2": {"files": [5]}}',
+    '{"smollm2": {"files": "x.gguf"}}', '{"smollm2": {"files": ["x.gguf"], "size": "big"}}',
+    '{"smollm2": {"files": ["x.gguf"], "sha256": 7}}', '[]', '5', 'null', '{not json'])
+def test_a_manifest_of_the_wrong_shape_is_a_clear_error_for_every_command(home, content):
+    """A manifest that parses but is not {name: entry} with entries of the right types is
+    refused like one that does not parse: one StoreError naming the file and the way out
+    (delete it, pull again), from list, get and remove alike; the file is left as it was."""
+    (home / "models").mkdir(parents=True)
+    path = home / "models" / "manifest.json"
+    path.write_text(content)
+    st = ModelStore(progress=False)
+    for call in (lambda: st.list(), lambda: st.get("smollm2"), lambda: st.remove("smollm2")):
+        with pytest.raises(StoreError, match="manifest.*unreadable.*delete it"):
+            call()
+    assert path.read_text() == content

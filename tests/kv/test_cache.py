@@ -87,6 +87,7 @@ def test_unnamed_side_still_defaults_to_f16():
     ("int4:c:t", "contradictory key groupings"),
     ("int4:g32:g64", "two group sizes"),
     ("fp4:g64", "fp4 has a fixed group of 16"),
+    ("fp4:g16:g16", "fp4 has a fixed group of 16"),
     ("k=int4,v=int2,k=int8", "'k' given twice"),
     ("int4,sinks=4,sinks=8", "'sinks' given twice"),
     ("int4,int8", "'format' given twice")])
@@ -95,6 +96,13 @@ def test_parse_refuses_huge_contradictory_and_repeated_options(text, match):
     # silently resolved one way
     with pytest.raises(KVCacheFormatError, match=match):
         KVSpec.parse(text)
+
+
+def test_fp4_takes_its_own_group_spelled_out():
+    """``fp4:g16`` names the one group fp4 has (NVFP4: an E4M3 scale per 16 values): it is
+    plain fp4, not an error."""
+    assert KVSpec.parse("fp4:g16") == KVSpec.parse("fp4")
+    assert str(KVSpec.parse("k=fp4:g16,v=int4")) == str(KVSpec.parse("k=fp4,v=int4"))
 
 
 def test_side_buffers_are_clamped_to_the_context():
@@ -182,7 +190,7 @@ def test_readme_koutliers_on_per_token_keys_is_true():
                   r"in place of `outliers=`", line)
     assert m, "docs/KV-CACHE.md: koutliers= on per-token keys"
     spec = _spec()
-    x = torch.randn(32, 2, 8)
+    x = torch.randn(32, 2, 8, generator=torch.Generator().manual_seed(0))
     x[:, :, 5] *= 40  # one outlier channel
     for fmt in (f"{m.group(1)}:t", m.group(2)):
         kv = KVSpec.parse(f"{fmt},koutliers=0.125")
@@ -198,4 +206,5 @@ def test_readme_koutliers_on_per_token_keys_is_true():
             k, _ = cache.read(0, sid, 32)
             errs.append((k - x).abs().max().item())
             assert cache.k_codec.n_out == (1 if "koutliers" in text else 0)
-        assert errs[1] < errs[0] / 4, (fmt, errs)
+        # seeded: over 200 seeds the max error drops 3.2x at least (int8), 4x+ for int4:t
+        assert errs[1] < errs[0] / 2, (fmt, errs)

@@ -1002,6 +1002,17 @@ def test_port_in_use_is_a_clear_error():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(LocalMoEError, match=f"cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(LocalMoEError, match=f"cannot listen on 127.0.0.1:{port}.*another --port"):
             _check_port_free("127.0.0.1", port)
     _check_port_free("127.0.0.1", port)  # free again once released
+
+
+def test_a_host_this_machine_does_not_have_names_the_host():
+    """Binding an address no interface holds (a TEST-NET-1 address, RFC 5737) fails with
+    EADDRNOTAVAIL: the error points at --host, not at the port."""
+    from localmoe.errors import LocalMoEError
+    from localmoe.serve.server import _check_port_free
+
+    with pytest.raises(LocalMoEError, match="cannot listen on 192.0.2.1:8000.*--host") as ei:
+        _check_port_free("192.0.2.1", 8000)
+    assert "--port" not in str(ei.value)

@@ -63,6 +63,27 @@ class StoredModel:
     shared_with: list[str] = field(default_factory=list)
 
 
+def _check_manifest(data) -> None:
+    """Raise ValueError where ``data`` (a parsed manifest) is not ``{name: entry}`` with
+    entries as :meth:`ModelStore._entry` reads them: ``files`` a list of path strings,
+    ``size``/``pulled_at`` numbers, ``sha256``/``source`` strings."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON object of models was expected, found {type(data).__name__}")
+    for name, e in data.items():
+        if not isinstance(e, dict):
+            raise ValueError(f"the entry of {name!r} is {type(e).__name__}, not an object")
+        files = e.get("files", [])
+        if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+            raise ValueError(f"the files of {name!r} are not a list of paths")
+        for key in ("size", "pulled_at"):
+            v = e.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"the {key} of {name!r} is not a number")
+        for key in ("sha256", "source"):
+            if not isinstance(e.get(key, ""), str):
+                raise ValueError(f"the {key} of {name!r} is not a string")
+
+
 class ModelStore(PullMixin):
     """The local model store (see :mod:`localmoe.io.store` for the layout).
 
@@ -93,7 +114,8 @@ class ModelStore(PullMixin):
         try:
             with open(self.manifest_path, encoding="utf-8") as f:
                 data = json.load(f)
-            return data if isinstance(data, dict) else {}
+            _check_manifest(data)
+            return data
         except FileNotFoundError:
             return {}
         except NotADirectoryError:
