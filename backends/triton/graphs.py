@@ -23,6 +23,7 @@ positions), and non-CUDA devices.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,8 @@ class _Graph:
                                                   # version) written there
     copied: list = field(default_factory=list)   # per buffer: CUDA event after its last copy
     turn: int = 0                    # the buffer the next step writes
+    eager_runs: int = 0              # eager steps launched from Python (no graph)
+    tape: Any = None                 # the eager step's launch tape (backends.triton.tape)
 
 
 class DecodeGraphs:
@@ -119,6 +122,12 @@ class DecodeGraphs:
         self.replays = 0
         #: why a capture failed (then the runner drops its graphs and decodes eagerly), or None
         self.failed: str | None = None
+        #: eager steps (no graph) replay a launch tape (backends.triton.tape) unless this says
+        #: why not (``LOCALMOE_LAUNCH_TAPE=0``, or a step the tape could not record)
+        self.tape_off: str | None = ("LOCALMOE_LAUNCH_TAPE=0"
+                                     if os.environ.get("LOCALMOE_LAUNCH_TAPE", "1") == "0" else None)
+        self.tapes = 0
+        self.tape_replays = 0
 
     def bucket(self, max_len: int) -> int:
         b = MIN_BUCKET
@@ -226,7 +235,7 @@ class DecodeGraphs:
             g = self.graphs[key] = self._new(*key)
         self._fill(g, batch, tokens_on_device)
         if not self.capture:       # eager: the same static-buffer step, launched op by op
-            return self._step(g)
+            return self._eager(g)
         if g.graph is None:
             out, self.failed = _capture(g, self._step, self.pool, "decoding")
             if self.failed:
@@ -238,6 +247,29 @@ class DecodeGraphs:
         g.replays += 1
         self.replays += 1
         return g.out
+
+    def _eager(self, g: _Graph) -> torch.Tensor:
+        """The step without a graph: launched from Python the first time (warming up every
+        kernel, as before a capture), recorded into a launch tape the second time, replayed
+        from the tape after that (:mod:`localmoe.backends.triton.tape`)."""
+        from localmoe.backends.triton.tape import record
+
+        t = g.tape
+        if t is not None and t.usable():
+            self.tape_replays += 1
+            return t.replay()
+        g.eager_runs += 1
+        if self.tape_off is not None or g.eager_runs < 2:
+            return self._step(g)
+        out, g.tape, why = record(lambda: self._step(g))
+        if why is not None:
+            self.tape_off = f"not recorded: {why}"
+            log.info("eager decode steps launch from Python: %s", why)
+        else:
+            self.tapes += 1
+            log.info("eager decode step (batch %d, up to %d tokens) recorded: %d Triton launches, "
+                     "%d PyTorch operators", g.batch, g.max_len, g.tape.n_triton, g.tape.n_torch)
+        return out
 
 
 #: prompts of a new sequence up to this many tokens prefill through a graph

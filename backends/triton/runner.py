@@ -313,6 +313,9 @@ class TritonRunner(CacheSequences):
         out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays}
                               if g is not None and g.capture else f"off ({self.graphs_off})")
         out["fused_step"] = "on" if self.fused is not None else f"off ({self.fused_off})"
+        if g is not None and not g.capture:
+            out["launch_tape"] = ({"recorded": g.tapes, "replays": g.tape_replays}
+                                  if g.tape_off is None else f"off ({g.tape_off})")
         pg = self.prefill_graphs
         out["prefill_graphs"] = ({"captured": pg.captures, "replays": pg.replays}
                                  if pg is not None else f"off ({self.prefill_graphs_off})")
