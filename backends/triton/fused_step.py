@@ -155,13 +155,21 @@ class FusedDecode:
         return self._head(hq)
 
     # -- prefill of a new sequence (the body of the prefill graphs) ---------------------------
-    def prefill(self, tokens, positions, slots, last) -> torch.Tensor:
-        """Logits ``[1, vocab]`` float32 of the token at index ``last`` after a prompt that
-        starts a sequence (positions ``0 .. P-1``; causal attention among the new tokens only,
-        so nothing is read from the cache), its K/V written at ``slots``. Tokens past ``last``
-        are padding: their K/V land in slots the sequence reserved but does not count yet (its
-        next tokens overwrite them before anything reads them) and causality keeps them out of
-        the real tokens' attention.
+    def prefill(self, tokens, positions, slots, last) -> tuple[torch.Tensor, list]:
+        """``(logits, pending)``: logits ``[1, vocab]`` float32 of the token at index ``last``
+        after a prompt that starts a sequence (positions ``0 .. P-1``; causal attention among
+        the new tokens only, so nothing is read from the cache). Tokens past ``last`` are
+        padding: causality keeps them out of the real tokens' attention.
+
+        K/V of a float cache are written at ``slots`` here (the padding's land in slots the
+        sequence reserved but does not count yet; its next tokens overwrite them before
+        anything reads them), and the attention reads them as the cache holds them. A
+        quantized cache's writes depend on the prompt's true length (pages completed per
+        channel, the sink and window rings), so they are left to the caller: ``pending[i]`` is
+        ``(k, v)`` of layer ``i``, each ``[P, Hkv, D]`` in the model's dtype, or None for a side
+        already written (:meth:`TritonRunner.write_prompt_kv` writes the first ``last + 1``
+        rows). The attention among the prompt's tokens then reads these exact K/V, as vLLM's
+        prefill does; decode steps read the quantized cache.
 
         Args:
             tokens, positions, slots: int64 ``[P]`` device tensors; last: int64 ``[1]``.
@@ -174,6 +182,7 @@ class FusedDecode:
         n = tokens.shape[0]
         x = m.embed(tokens)
         deltas: list = []
+        pending: list = []
         ropes = m.layer_rope_tables(positions)
         for i in range(s.n_layers):
             L = m.layers[i]
@@ -186,12 +195,17 @@ class FusedDecode:
                 k_norm_w=L.get("attn_k_norm"), norm_full=bool(s.qk_norm_full), eps=eps,
                 cos=cos2.reshape(n, -1), sin=sin2.reshape(n, -1), style=s.rope_style,
                 q_dtype=m.dtype)
-            kv = []
+            kv, later = [], []
             for store, t in ((c.k_stores[i], k), (c.v_stores[i], v)):
-                t = t.to(store["data"].dtype)
-                store["data"].index_copy_(0, slots, t)
+                if "data" in store:
+                    t = t.to(store["data"].dtype)
+                    store["data"].index_copy_(0, slots, t)
+                    later.append(None)
+                else:                        # quantized: written by the caller
+                    later.append(t)
                 kv.append(t.to(q.dtype))     # attend over what the cache holds (as decode will)
             k, v = kv
+            pending.append(None if later == [None, None] else tuple(later))
             o = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, scale=m.scale, enable_gqa=s.n_heads != s.n_kv_heads)
@@ -201,7 +215,7 @@ class FusedDecode:
             deltas = self._ffn(i, L, None, h)
         _, _, h = self._norm_quant(x, deltas, m.output_norm, eps, None, quant=False,
                                    want_float=m.dtype)
-        return m.logits(h.index_select(0, last))
+        return m.logits(h.index_select(0, last)), pending
 
     def _ffn(self, i: int, L: dict, hq, hf) -> list:
         """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed

@@ -281,9 +281,6 @@ def prefill_unavailable(runner) -> str | None:
     """Why a new sequence's prompt cannot prefill through :class:`PrefillGraphs`, or None."""
     if runner.fused is None:
         return "no fused step"
-    c = runner.cache
-    if "data" not in c.k_stores[0] or "data" not in c.v_stores[0]:
-        return "a quantized KV cache (prefill graphs write float K/V)"
     m = runner.model
     if any(m.layer_window(i) for i in range(m.spec.n_layers)):
         return "sliding-window layers"
@@ -334,7 +331,9 @@ class PrefillGraphs:
 
     def run(self, sid: int, toks: list[int]) -> torch.Tensor:
         """Logits ``[1, vocab]`` float32 (device) after ``toks``, the first tokens of ``sid``
-        (checked and reserved by the caller; the caller commits them)."""
+        (checked and reserved by the caller; the caller commits them). A quantized KV cache is
+        written after the replay, from the graph's K/V of the ``len(toks)`` real tokens
+        (:meth:`~localmoe.backends.triton.fused_step.FusedDecode.prefill`)."""
         c = self.runner.cache
         n = len(toks)
         p = self.bucket(n)
@@ -362,8 +361,11 @@ class PrefillGraphs:
                 self.captures += 1
                 log.info("captured the %d-token prefill graph in %.2f s", p,
                          time.perf_counter() - t)
-            return out
-        g.graph.replay()
-        g.replays += 1
-        self.replays += 1
-        return g.out
+        else:
+            g.graph.replay()
+            g.replays += 1
+            self.replays += 1
+            out = g.out
+        logits, pending = out
+        self.runner.write_prompt_kv(sid, n, pending)   # a quantized cache's K/V, exact length
+        return logits

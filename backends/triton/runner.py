@@ -244,18 +244,32 @@ class TritonRunner(CacheSequences):
         """Pack one sequence's new K ``[T, Hkv, D]`` / V ``[T, Hkv, Dv]`` with the append kernel."""
         if not self._fused:
             return self.ref.write_kv(layer, seq, k, v)
-        from localmoe.kernels.kv_quant_append import kv_quant_append
-
         c = self.cache
         n = k.shape[0]
         slots, pos, row = self._per_call(("w", seq.seq_id, seq.start, n), lambda: (
             c.slots(seq.seq_id, seq.start, seq.start + n),
             torch.arange(seq.start, seq.start + n, device=c.device), c.seq_row(seq.seq_id)))
         for codec, store, x in ((c.k_codec, c.k_stores[layer], k), (c.v_codec, c.v_stores[layer], v)):
-            if hasattr(codec, "quantize_rows") and not getattr(codec, "channel", False):
-                kv_quant_append(codec, store, slots, x, pos, row, start=seq.start)
-            else:
-                codec.write(store, slots, x, pos, seq_row=row, start=seq.start)
+            _write_codec(codec, store, slots, x, pos, row, seq.start)
+
+    def write_prompt_kv(self, seq_id: int, n: int, pending: list) -> None:
+        """Write the first ``n`` rows of a prefill graph's K/V (``pending``: per layer None or
+        ``(k, v)``, each ``[P, Hkv, D]`` or None, see
+        :meth:`~localmoe.backends.triton.fused_step.FusedDecode.prefill`) for ``seq_id``'s
+        positions ``0 .. n-1`` into the quantized stores."""
+        if not any(pending):
+            return
+        c = self.cache
+        slots = c.slots(seq_id, 0, n)
+        pos = torch.arange(n, device=c.device)
+        row = c.seq_row(seq_id)
+        for layer, kv in enumerate(pending):
+            if kv is None:
+                continue
+            for codec, store, x in zip((c.k_codec, c.v_codec),
+                                       (c.k_stores[layer], c.v_stores[layer]), kv):
+                if x is not None:
+                    _write_codec(codec, store, slots, x[:n], pos, row, 0)
 
     # ---- attention -------------------------------------------------------------------------
     def attention_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -328,3 +342,15 @@ class TritonRunner(CacheSequences):
         self.ref = None
         self.graphs = None
         self.prefill_graphs = None
+
+
+def _write_codec(codec, store: dict, slots: torch.Tensor, x: torch.Tensor, pos: torch.Tensor,
+                 row: int, start: int) -> None:
+    """Append ``x [T, Hkv, D]`` at ``slots`` (positions ``start ..``) in ``codec``'s format: the
+    append kernel for per-token quantized formats, the codec's own write otherwise."""
+    from localmoe.kernels.kv_quant_append import kv_quant_append
+
+    if hasattr(codec, "quantize_rows") and not getattr(codec, "channel", False):
+        kv_quant_append(codec, store, slots, x, pos, row, start=start)
+    else:
+        codec.write(store, slots, x, pos, seq_row=row, start=start)

@@ -254,6 +254,88 @@ def test_cuda_graph_decode_matches_eager(files, preset, monkeypatch):
     assert (runs[True].argmax(-1) == runs[False].argmax(-1)).float().mean() > 0.95
 
 
+def _prefill_body(r, prompt: list, pad: int):
+    """A new sequence of ``r`` prefilled through FusedDecode.prefill with ``prompt`` padded to
+    ``pad`` tokens, its quantized K/V written after (as PrefillGraphs.run does). Returns
+    (sequence id, last logits)."""
+    from localmoe.backends.reference import prepare_batch
+
+    c, n = r.cache, len(prompt)
+    s = r.new_sequence()
+    prepare_batch(r.model, c, r.n_ctx, [(s, prompt)])
+    c.reserve(s, pad)
+    toks = torch.tensor(prompt + [prompt[-1]] * (pad - n), device=DEV)
+    pos = torch.arange(pad, device=DEV)
+    table = torch.tensor(c.host_block_table(s), device=DEV)
+    slots = table[pos // c.block_size] * c.block_size + pos % c.block_size
+    with torch.inference_mode():
+        logits, pending = r.fused.prefill(toks, pos, slots, torch.tensor([n - 1], device=DEV))
+        r.write_prompt_kv(s, n, pending)
+    c.commit(s, n)
+    return s, logits[0], pending
+
+
+@pytest.mark.parametrize("kv", ["int4", "k=int2:t,v=int4,sinks=2,window=4", "fp4", "k=f32,v=int2"])
+def test_fused_prefill_into_a_quantized_cache(files, kv):
+    """A quantized cache under the prefill graphs' body: the prompt's own attention reads its
+    exact K/V (the logits equal those of an f32 cache's prefill), the quantized stores are written for the true length only (padding to
+    the bucket writes nothing: per-channel pages, sink and window rings included), and the
+    decode step after it reads them."""
+    mf = open_model(str(files["tiny-qwen3moe"]))
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 200, (11,), generator=g).tolist()
+    f = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, kv_spec="f32")   # K/V kept exactly
+    _, want, _ = _prefill_body(f, prompt, 11)
+    runs = {}
+    for pad in (11, 16):
+        r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, kv_spec=kv)
+        s, got, pending = _prefill_body(r, prompt, pad)
+        assert all(p is not None for p in pending)      # every layer left to the caller
+        assert (got - want).abs().max() < (1e-5 if not CUDA else 2e-2) * want.abs().max()
+        stores = [{k: t.clone() for k, t in st.items()} for st in r.cache.k_stores + r.cache.v_stores]
+        runs[pad] = (stores, r.forward([(s, [7])])[0])
+    # the GEMMs over 11 and 16 rows may round a row's K/V differently (a last-place change
+    # moves a code by one step now and then); padding written into the cache would change
+    # whole rows, pages or ring entries
+    for a, b in zip(runs[11][0], runs[16][0]):
+        for key in a:
+            if key == "data":      # a float side: its padding lands in reserved slots (above)
+                continue
+            x, y = a[key], b[key]
+            if x.dtype == torch.uint8:
+                assert (x != y).float().mean() < (0.02 if not CUDA else 0.05), key
+            else:
+                x, y = x.float(), y.float()
+                assert (x - y).abs().max() <= (1e-3 if not CUDA else 2e-2) * x.abs().max(), key
+    n11, n16 = runs[11][1], runs[16][1]
+    assert (n11 - n16).abs().max() < (1e-4 if not CUDA else 2e-2) * n11.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_prefill_graphs_fill_a_quantized_cache(files):
+    """Prompts into an int4 cache (per-channel keys, fp16 ring) through the prefill graphs:
+    the capture's eager run and a replay write the same cache (the decode steps after them
+    agree) and give the logits of an f32 cache's prefill (the prompt attends over its exact
+    K/V)."""
+    mf = open_model(str(files["tiny-qwen3moe"]))
+    prompt = [3 + (7 * i) % 190 for i in range(70)]           # the 128-token bucket
+    ref = TritonRunner(mf, n_ctx=256, device=DEV, dtype=DT, kv_spec="f32")
+    want = ref.forward([(ref.new_sequence(), prompt)])[0]
+    r = TritonRunner(mf, n_ctx=256, device=DEV, dtype=DT, kv_spec="int4", max_seqs=2)
+    outs, nexts = [], []
+    for _ in range(2):                                         # the capture, then a replay
+        s = r.new_sequence()
+        outs.append(r.forward([(s, prompt)])[0])
+        nexts.append(r.forward([(s, [7])])[0])
+    st = r.stats()["prefill_graphs"]
+    assert st == {"captured": 1, "replays": 1}, st
+    for o in outs:
+        assert (o - want).abs().max() < 2e-2 * want.abs().max()
+    assert (nexts[0] - nexts[1]).abs().max() < 1e-2 * nexts[0].abs().max()
+    assert int(nexts[0].argmax()) == int(nexts[1].argmax())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
 @pytest.mark.parametrize("preset,kv", [("tiny-qwen3moe", "f16"), ("tiny-olmoe", "int4")])
@@ -439,7 +521,9 @@ def test_fused_prefill_of_a_new_sequence_matches_the_shared_block(files, preset)
         table = torch.tensor(c.host_block_table(s), device=DEV)
         slots = table[pos // c.block_size] * c.block_size + pos % c.block_size
         with torch.inference_mode():
-            got = r.fused.prefill(toks, pos, slots, torch.tensor([10], device=DEV))[0]
+            logits, pending = r.fused.prefill(toks, pos, slots, torch.tensor([10], device=DEV))
+        assert not any(pending)                 # a float cache is written inside the step
+        got = logits[0]
         c.commit(s, 11)
         scale = want.abs().max()
         assert (got.cpu() - want).abs().max() < (1e-3 if not CUDA else 2e-2) * scale, pad
