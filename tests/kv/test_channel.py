@@ -377,13 +377,23 @@ def test_triton_routing_twin_matches_cache_write():
     assert torch.equal(a.read(0, sa, 45)[0], b.read(0, sb, 45)[0])
 
 
-def test_triton_backend_routes_channel_keys_to_codec_write():
-    import inspect
+def test_triton_backend_routes_channel_keys_to_codec_write(monkeypatch):
+    """The triton runner's K/V writes (decode steps, eager prefill, a prefill graph's writes
+    after the replay): per-channel keys go to the codec's own write (pages, ring), per-token
+    values to the append kernel."""
+    import localmoe.kernels.kv_quant_append as kqa
+    from localmoe.backends.triton.runner import _write_codec
 
-    from localmoe.backends.triton.runner import TritonRunner
-
-    src = inspect.getsource(TritonRunner.write_kv)
-    assert 'getattr(codec, "channel", False)' in src
+    cache = _cache("int4:c", n_ctx=64, max_seqs=1)
+    calls = []
+    monkeypatch.setattr(kqa, "kv_quant_append", lambda *a, **k: calls.append("kernel"))
+    monkeypatch.setattr(type(cache.k_codec), "write", lambda *a, **k: calls.append("codec"))
+    x, pos = _data(3), torch.arange(3)
+    _write_codec(cache.k_codec, cache.k_stores[0], pos, x, pos, 0, 0)
+    assert calls == ["codec"]
+    assert getattr(cache.v_codec, "channel", False) is False
+    _write_codec(cache.v_codec, cache.v_stores[0], pos, x, pos, 0, 0)
+    assert calls == ["codec", "kernel"]
 
 
 def test_decode_attention_ref_reads_channel_keys():
