@@ -341,7 +341,7 @@ class PrefillGraphs:
         g = self.graphs.get(p)
         if g is None:
             dev = torch.device(self.runner.device)
-            staging = torch.zeros(3 * p + 1, dtype=torch.int64).pin_memory()
+            staging = torch.zeros(3 * p + 1, dtype=torch.int64, pin_memory=dev.type == "cuda")
             g = self.graphs[p] = _Graph(p, p, staging, torch.zeros_like(staging, device=dev))
         s = g.staging
         s[:n] = torch.tensor(toks, dtype=torch.int64)

@@ -311,6 +311,48 @@ def test_fused_prefill_into_a_quantized_cache(files, kv):
     assert (n11 - n16).abs().max() < (1e-4 if not CUDA else 2e-2) * n11.abs().max()
 
 
+def test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length(files, monkeypatch):
+    """PrefillGraphs.run's bookkeeping with a quantized cache, on any device: the capture's
+    eager run and later replays (here a stand-in graph that reruns the step on the static
+    buffers) leave the cache as the step body with the exact prompt length does."""
+    from types import SimpleNamespace
+
+    from localmoe.backends.reference import prepare_batch
+    from localmoe.backends.triton import graphs as G
+
+    def fake_capture(g, step, pool, what):
+        out = step(g)
+
+        def replay():
+            g.out = step(g)
+        g.out, g.graph = step(g), SimpleNamespace(replay=replay)
+        return out, None
+
+    monkeypatch.setattr(G, "_capture", fake_capture)
+    mf = open_model(str(files["tiny-qwen3moe"]))
+    prompt = [3 + (7 * i) % 190 for i in range(37)]            # the 64-token bucket
+    ref = TritonRunner(mf, n_ctx=128, device=DEV, dtype=DT, kv_spec="int4")
+    sr, want, _ = _prefill_body(ref, prompt, len(prompt))
+    want_store = {k: t.clone() for k, t in ref.cache.k_stores[1].items()}
+    r = TritonRunner(mf, n_ctx=128, device=DEV, dtype=DT, kv_spec="int4", max_seqs=2)
+    pg = G.PrefillGraphs(r, pool=object())
+    for i in range(2):                                          # the capture, then a replay
+        s = r.new_sequence()
+        with torch.inference_mode():
+            prepare_batch(r.model, r.cache, r.n_ctx, [(s, [int(t) for t in prompt])])
+            got = pg.run(s, prompt)
+        r.cache.commit(s, len(prompt))
+        assert (got[0] - want).abs().max() < 1e-5 * want.abs().max(), i
+        for key in ("ring", "ring_pos"):     # the keys' fp16 ring, in each sequence's row
+            assert torch.equal(r.cache.k_stores[1][key][r.cache.seq_row(s)],
+                               want_store[key][ref.cache.seq_row(sr)]), key
+        kr, vr = ref.cache.read(1, sr, len(prompt))
+        kg, vg = r.cache.read(1, s, len(prompt))
+        assert torch.equal(kr, kg) and torch.equal(vr, vg), i
+        r.free_sequence(s)
+    assert pg.captures == 1 and pg.replays == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_prefill_graphs_fill_a_quantized_cache(files):
