@@ -194,6 +194,8 @@ def test_backends_lists_every_backend():
     assert r.exit_code == 0
     assert "torch" in r.output and "llamacpp" in r.output
     assert "auto for gguf:" in r.output
+    auto = [l for l in r.output.splitlines() if l.startswith("auto for")]
+    assert auto and all(l.count("(") == l.count(")") for l in auto), auto
     if not has_llamacpp():
         assert "llama-cpp-python not installed" in r.output
 

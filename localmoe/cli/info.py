@@ -141,7 +141,8 @@ def backends():
         try:
             be, why = select_backend("auto", fmt)
             # why reads "torch (auto; skipped ...)": the backend, then what auto passed over
-            skipped = why.partition("; skipped ")[2].rstrip(")")
+            skipped = why.partition("; skipped ")[2]
+            skipped = skipped[:-1] if skipped.endswith(")") else skipped   # the wrapper's ")"
             click.echo(f"auto for {fmt}: {be.name}" + (f" (skipped {skipped})" if skipped else ""))
         except LocalMoEError as e:
             click.echo(f"auto for {fmt}: none ({e})")

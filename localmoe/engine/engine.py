@@ -324,6 +324,10 @@ class Engine:
         return self._encode_prompt(text, templated=self.template is not None)
 
     def _start(self, ids: list[int], p, cancel, stream: bool, t0: float):
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise InvalidRequestError(
+                f"cancel must be a threading.Event (or None), got {type(cancel).__name__}",
+                param="cancel")
         n_max_out = self.n_ctx - len(ids)
         if n_max_out < 0:
             raise ContextOverflowError(len(ids), self.n_ctx)

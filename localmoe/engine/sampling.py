@@ -248,6 +248,9 @@ class SamplingParams:
             stop = ()
         if isinstance(stop, str):
             stop = (stop,)
+        if isinstance(stop, (bytes, bytearray)):
+            raise InvalidRequestError("stop must be a string or a list of strings, not bytes",
+                                      param="stop")
         try:
             stop = tuple(stop)
         except TypeError:

@@ -326,6 +326,13 @@ def test_bad_parameters_are_user_errors():
     for raw in (b"\xff\xfe", bytearray(b"hi")):  # bytes are not token ids [255, 254]
         with pytest.raises(InvalidRequestError, match="prompt is bytes: decode it"):
             llm.generate(raw)
+    for stop in (b"x", bytearray(b"x")):           # not a list of the ints 120
+        with pytest.raises(InvalidRequestError, match="not bytes"):
+            llm.generate("x", stop=stop)
+    for cancel in (True, "yes", 1):                  # checked before the run, not mid-decode
+        with pytest.raises(InvalidRequestError, match="cancel must be a threading.Event"):
+            llm.generate("x", cancel=cancel)
+    assert llm.generate("x", max_tokens=2, temperature=0).text is not None   # still usable
 
 
 def test_seeded_sampling_is_reproducible():
