@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from localmoe.errors import ModelNotFoundError, StoreError
+from localmoe.errors import LocalMoEError, ModelNotFoundError, StoreError
 from localmoe.io.store import CATALOG, ModelStore
 from localmoe.io.store.catalog import CatalogEntry
 from localmoe.io.store.names import parse_hf_ref
@@ -428,18 +428,33 @@ def test_leftovers_of_killed_pulls_are_cleaned(tmp_path, home):
 
 
 def test_hf_folder_is_linked_not_copied(tmp_path, home):
-    d = tmp_path / "my-hf-model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    (d / "model.safetensors").write_bytes(b"x" * 10)
+    from localmoe.testing.synthetic import write_hf
+
+    d = write_hf(tmp_path / "my-hf-model", "tiny-llama")
+    shards = sorted(d.glob("*.safetensors"))
     st = ModelStore(progress=False)
     m = st.pull(str(d))
     assert m.linked and m.path == d and st.resolve("my-hf-model") == d
     st.remove("my-hf-model")
-    assert (d / "model.safetensors").exists() and st.find("my-hf-model") is None
+    assert shards and all(p.exists() for p in shards) and st.find("my-hf-model") is None
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="config.json"):
         st.pull(str(tmp_path / "empty"))
+
+
+def test_pull_refuses_an_hf_folder_that_could_not_load(tmp_path, home):
+    """A folder with a config.json but no (or broken) weights is refused at pull, as a broken
+    GGUF file is, instead of being listed and failing at generate."""
+    st = ModelStore(progress=False)
+    d = tmp_path / "weightless"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    with pytest.raises(LocalMoEError, match="no .safetensors"):
+        st.pull(str(d))
+    (d / "model.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(LocalMoEError):
+        st.pull(str(d))
+    assert st.find("weightless") is None
 
 
 def test_pull_refuses_a_truncated_gguf(home, tmp_path, smollm2_path):

@@ -477,6 +477,9 @@ class PullMixin:
             if not (p / "config.json").is_file():
                 raise ModelNotFoundError(f"{p} is a folder without config.json; give a .gguf file "
                                          f"or an HF model folder")
+            from localmoe.io.loader import open_model
+
+            open_model(p).close()  # config and shards: refuse what could not load, as for GGUF
             return self._commit(p.name, f"file:{p}", "", linked=[p])
         with open(p, "rb") as f:
             magic = f.read(4)
