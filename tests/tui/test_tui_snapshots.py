@@ -100,6 +100,15 @@ def test_snapshot_settings_dialog(snap_compare, tmp_path):
         from localmoe.tui.screens.dialogs import SettingsScreen
 
         await _send(pilot, "hello")
+        # this picture is about the dialog: the stats bar behind it is pinned to the reply's
+        # figures (the fake engine's) and painted before the modal keeps the chat screen's last
+        # frame. Unpinned, about half the runs painted the bar without them (a paint race, or
+        # a reset of the stats after a new chat's first reply: not settled yet)
+        await pilot.pause(0.1)
+        bar = pilot.app._statsbar()
+        bar.show(ttft_ms=12.0, tok_s=42.0, ctx_used=15)
+        await _until(pilot, lambda: "tok/s" in str(bar.render()))
+        await pilot.pause(0.1)
         await pilot.press("f3")
         # on a loaded machine the dialog can mount after two pauses: wait for it
         await _until(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
