@@ -252,8 +252,6 @@ class DecodeGraphs:
         """The step without a graph: launched from Python the first time (warming up every
         kernel, as before a capture), recorded into a launch tape the second time, replayed
         from the tape after that (:mod:`localmoe.backends.triton.tape`)."""
-        from localmoe.backends.triton.tape import record
-
         t = g.tape
         if t is not None and t.usable():
             self.tape_replays += 1
@@ -261,6 +259,8 @@ class DecodeGraphs:
         g.eager_runs += 1
         if self.tape_off is not None or g.eager_runs < 2:
             return self._step(g)
+        from localmoe.backends.triton.tape import record
+
         out, g.tape, why = record(lambda: self._step(g))
         if why is not None:
             self.tape_off = f"not recorded: {why}"

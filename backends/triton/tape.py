@@ -61,7 +61,6 @@ class LaunchTape:
         self.n_triton = 0
         self.n_torch = 0
         self.stream: int | None = None
-        self.replays = 0
 
     def usable(self) -> bool:
         """False when the current CUDA stream is not the one the launches were recorded on."""
@@ -71,12 +70,7 @@ class LaunchTape:
         """Launch the recorded step again; returns :attr:`out`."""
         for fn, args, kwargs in self.entries:
             fn(*args, **kwargs)
-        self.replays += 1
         return self.out
-
-
-class _Why(Exception):
-    pass
 
 
 def _views(func, args, out) -> bool:
