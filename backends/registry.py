@@ -159,12 +159,15 @@ def backend_names() -> list[str]:
 
 
 def get_backend(name: str) -> Backend:
-    """Instantiate the backend registered as ``name``.
+    """Instantiate the backend registered as ``name`` (case and surrounding spaces ignored:
+    ``"Torch"`` is ``torch``).
 
     Raises:
         BackendUnavailableError: no backend of that name is registered.
     """
     _load_all()
+    if isinstance(name, str) and name not in _REGISTRY:
+        name = name.strip().lower()
     if name not in _REGISTRY:
         raise BackendUnavailableError(
             f"unknown backend {name!r}; choose one of: auto, {', '.join(backend_names())}")
@@ -205,6 +208,8 @@ def select_backend(requested: str = "auto", model_format: str = "gguf",
     Raises:
         BackendUnavailableError: the named backend cannot run here, or none can.
     """
+    if isinstance(requested, str) and requested not in _REGISTRY:
+        requested = requested.strip().lower()
     if requested and requested != "auto":
         b = get_backend(requested)
         why = b.available()

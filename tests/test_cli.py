@@ -363,6 +363,12 @@ def test_prompt_over_the_context_is_refused_before_weights_load(monkeypatch, tmp
     msgs = ([{"role": "system", "content": args[1]}] if args[1:] else []) + \
            [{"role": "user", "content": prompt}]
     assert n == len(llm.prompt_ids(prompt) if args == ["--raw"] else llm.prompt_ids(messages=msgs))
+    # a prompt that fills the context exactly would end at once with nothing printed: refused
+    loads.clear()
+    r = run(["generate", "-m", m, "--backend", "torch", "-c", str(n), *args, prompt])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          f"fills the whole context ({n})")
+    assert not loads
     # a prompt that fits still loads and runs
     loads.clear()
     r = run(["generate", "-m", m, "--backend", "torch", "-c", "256", "-n", "1", *args, prompt])
@@ -628,6 +634,21 @@ def test_unknown_backend_lists_auto_too(tmp_path):
     r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "foo", "hi"])
     assert r.exit_code == 1 and "unknown backend 'foo'" in r.output
     assert "auto, " in r.output and "torch" in r.output
+
+
+def test_backend_names_ignore_case_and_greedy_refuses_a_temperature(tmp_path):
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "TORCH", "-n", "2",
+                                 "--greedy", "hi"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "torch", "--greedy",
+                                 "--temperature", "0.7", "hi"])
+    assert r.exit_code == 2 and "--greedy and --temperature 0.7 contradict" in r.output
+    r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "torch", "--greedy",
+                                 "--temperature", "0", "-n", "2", "hi"])
+    assert r.exit_code == 0, r.output
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

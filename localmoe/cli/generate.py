@@ -64,6 +64,10 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         n = len(llm.prompt_ids(prompt) if plain(llm) else llm.prompt_ids(messages=msgs))
         if n > llm.n_ctx:
             raise ContextOverflowError(n, llm.n_ctx)
+        if n == llm.n_ctx:   # it would end at once with nothing printed
+            raise ContextOverflowError(n, llm.n_ctx, (
+                f"prompt is {n} tokens and fills the whole context ({llm.n_ctx}), leaving no "
+                f"room to generate; shorten the prompt or raise --ctx-size"))
         if record_routing:
             routing.check_model(llm)
 

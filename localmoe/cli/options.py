@@ -116,6 +116,10 @@ def sampling_kwargs(kw: dict) -> dict:
     if stop:
         out["stop"] = tuple(stop)
     if kw.pop("greedy", False):
+        if out.get("temperature", 0.0) != 0.0:
+            raise click.UsageError(
+                f"--greedy and --temperature {out['temperature']:g} contradict each other "
+                "(--greedy means --temperature 0): give one of them")
         out["temperature"] = 0.0
     return out
 
