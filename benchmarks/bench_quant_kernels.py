@@ -277,14 +277,24 @@ GEMV_CANDIDATES = [_q(1, 64, 1), _q(1, 32, 1), _q(2, 64, 2), _q(2, 64, 1), _q(4,
 warps, xb (x loaded once per row)."""
 HEAD_CANDIDATES = [_q(4, 64, 4), _q(2, 64, 2), _q(1, 64, 1), _q(4, 64, 4, True), _q(8, 64, 8)]
 """``gemv`` candidates for output heads (N >= LARGE_N)."""
-GATE_UP_CANDIDATES = [dict(c, split=s) for c in (
+GATE_UP_CANDIDATES = [dict(c, split=s, maxnreg=0) for c in (
     _q(32, 16, 8), _q(32, 16, 8, True), _q(32, 32, 8, True), _q(32, 16, 16), _q(32, 8, 8),
-    _q(32, 32, 16)) for s in (1,)] + [dict(_q(32, ch, nw, xb), split=s) for s in (2, 4)
-                                       for ch, nw, xb in ((16, 8, True), (8, 4, True), (16, 4, False))]
+    _q(32, 32, 16)) for s in (1,)] + [dict(_q(32, ch, nw, xb), split=s, maxnreg=r)
+                                       for s in (2, 4)
+                                       for ch, nw, xb in ((16, 8, True), (8, 4, True), (16, 4, False))
+                                       for r in ((0, 128, 96) if (s, ch, nw) == (2, 16, 4) else (0,))]
 """``moe_gate_up`` candidates: the unsplit tiles, and K split in 2 or 4 parts (more programs
-for the few (row block, expert) pairs of one token)."""
-DOWN_CANDIDATES = [_q(1, 32, 1), _q(1, 16, 1), _q(2, 32, 2), _q(4, 32, 4), _q(2, 16, 1),
-                   _q(2, 32, 2, True)]
+for the few (row block, expert) pairs of one token); ``maxnreg`` caps the registers per
+thread (0: the compiler's choice; at 140 registers 3 programs of 4 warps fit an SM, at 128
+four)."""
+DOWN_CANDIDATES = [dict(_q(bn, ch, nw, xb), experts_tile=False, maxnreg=0) for bn, ch, nw, xb in (
+    (1, 32, 1, False), (1, 16, 1, False), (2, 32, 2, False), (4, 32, 4, False), (2, 16, 1, False),
+    (2, 32, 2, True))] + [dict(_q(bn, ch, nw), experts_tile=True, maxnreg=r) for bn, ch, nw, r in (
+        (1, 8, 1, 0), (2, 8, 2, 0), (4, 8, 4, 0), (4, 16, 4, 0), (4, 16, 4, 128), (4, 16, 4, 96),
+        (8, 8, 8, 0), (8, 16, 8, 0), (4, 8, 2, 0))]
+"""``moe_down`` candidates: the experts' K loops one after another (unrolled), or the
+token's experts as the tile's first dimension (``experts_tile``: every expert's rows are
+requested at once)."""
 ROUTER_CANDIDATES = [{"num_warps": w} for w in (1, 2, 4, 8)]
 ROUTER_EXPERTS = (8, 64, 128, 256)
 LARGE_N = 32768

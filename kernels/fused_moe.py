@@ -22,7 +22,11 @@ For every token ``t`` and each of its ``top_k`` routed experts ``e = topk_ids[t,
   program per (row block, token) walks the token's ``top_k`` experts (unrolled, so their
   id -> slot -> weight loads overlap), computes ``BN`` rows of each down GEMV and accumulates
   them weighted by the routing weights in registers (no atomics, no zeroing, deterministic),
-  then writes ``out [T, D]`` once.
+  then writes ``out [T, D]`` once. With ``experts_tile`` the token's experts are instead the
+  first dimension of one ``[top_k, BN, CH, 4]`` tile (padded to a power of two), so every
+  expert's rows are requested together rather than one expert's K loop after another: at one
+  token on the H200 8.38 against 9.49 us for Qwen3-30B-A3B (the H200 table's rule for
+  ``d_ff <= 1024``; more tokens keep the loop, 36.75 against 43.30 us at 8).
 
 ``x`` comes as a :class:`QuantAct` (from the kernel that produces it, e.g. the router/norm
 kernel of the decode step) or as floats (then :func:`fused_moe` adds one ``quantize_act``
@@ -37,6 +41,12 @@ CUDA graph, routings rotating over disjoint experts): Qwen3-30B-A3B 1 token 22.5
 Mixtral 43%; 8 tokens 22-32%. Both launches are latency-bound: launch 1 has only
 ``T*top_k*F/32`` programs (192 for Qwen3) of 64 rows, each starting with a serial
 id -> slot -> weights chain, and Triton does not pipeline the K loop's loads.
+
+A register cap (``maxnreg``, on either launch) measured no faster (gate/up 11.73 -> 11.95 us at
+128 registers; quant_tune_h200-2026-12-03-s13c.json). ncu of gate/up at one token
+(quant_tune_h200-2026-12-03-s13.json): 140 registers, 3 programs of 4 warps per SM (18.75%
+occupancy), DRAM 21% of peak, 59% of the stall cycles waiting on L1TEX loads: latency-bound
+on the many small scale loads of the K-quant planes.
 
 Launch choices (BN, CH, warps, xb of each launch) come from the ``moe_gate_up`` and
 ``moe_down`` knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config`,
@@ -158,13 +168,52 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
-                     USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                     USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
+                     TKP: tl.constexpr = 1):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     loc = pid_n * BN + tl.arange(0, BN)
     rmask4 = (loc < D)[None, :, None, None]
     loc4 = loc[None, :, None, None]
+    op = out_ptr + t.to(tl.int64) * out_rs + loc[None, :]
+    if ET:
+        # the token's experts are the tile's first dimension [TKP, BN, CH, 4|1]: one load of
+        # ids, weights and slots, then every expert's weight rows are requested in the same
+        # tile (with an unrolled loop over experts, each expert's K loop waits for its own
+        # loads before the next expert's are issued)
+        jj = tl.arange(0, TKP)
+        jm = jj < TOP_K
+        pidv = t * TOP_K + jj
+        e = tl.load(ids_ptr + pidv, mask=jm, other=0)
+        wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr + e, mask=jm, other=0).to(tl.int64)
+        rows4 = slot[:, None, None, None] * D + loc4
+        tmask4 = jm[:, None, None, None]
+        xb4, xsb4, xdb4 = _x_rows(hq_rs, hs_rs, hd_rs, pidv, rows4, XB)
+        acc = tl.zeros([TKP, BN, CH, 1], dtype=tl.float32)
+        for c0 in range(0, n_chunks, CH):
+            acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr, hd_ptr,
+                         xb4, xsb4, xdb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+        y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
+        total = tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
+    else:
+        total = _down_experts_unrolled(
+            hq_ptr, hs_ptr, hd_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
+            sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs, hd_rs,
+            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM)
+    tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
+
+
+@triton.jit
+def _down_experts_unrolled(hq_ptr, hs_ptr, hd_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr,
+                           d_ptr, dm_ptr, sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks,
+                           hq_rs, hs_rs, hd_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                           TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
+                           BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+                           XB: tl.constexpr, USE_ASM: tl.constexpr):
+    """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
     for j in tl.static_range(TOP_K):
@@ -182,8 +231,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
                          xb4, xsb4, xdb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
         total += wgt * tl.sum(tl.sum(acc, axis=3), axis=2)
-    op = out_ptr + t.to(tl.int64) * out_rs + loc[None, :]
-    tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
+    return total
 
 
 def _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of):
@@ -284,8 +332,21 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         ACT=ACTIVATIONS[activation],
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split,
-        num_warps=c.get("num_warps", 4), **pdl_args(h.q.device))
+        num_warps=c.get("num_warps", 4), **_reg_cap(c), **pdl_args(h.q.device))
     return h
+
+
+def _reg_cap(c: dict) -> dict:
+    """``maxnreg`` (registers per thread the compiler may use) of a launch choice, when it
+    sets one (0 or absent: the compiler's choice); the interpreter ignores it."""
+    n = int(c.get("maxnreg") or 0)
+    return {"maxnreg": n} if n > 0 and not _interpreting() else {}
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
 _SCRATCH: dict = {}
@@ -319,13 +380,15 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         out = torch.empty((t, d), dtype=dtype, device=topk_ids.device)
     ptrs, strides = plane_args(w_down)
     ch = min(c["CH"], next_pow2(f // cv))
+    et = bool(c.get("experts_tile", False))
+    tkp = next_pow2(top_k) if et else 1
     _moe_down_kernel[(cdiv(d, c["BN"]), t)](
         h.q, h.s, h.d, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
         h.q.stride(0), h.s.stride(0), h.d.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
-        EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0), XB=c.get("xb", False),
-        USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
-        **pdl_args(out.device))
+        EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
+        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
+        ET=et, TKP=tkp, **_reg_cap(c), **pdl_args(out.device))
     return out
 
 

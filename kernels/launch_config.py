@@ -47,8 +47,11 @@ features of one launch; each knob names the features it may test:
   ... while the grid has fewer than ``min_programs`` programs, at most ``max_split`` ways).
 
 * fused MoE, knobs ``moe_gate_up`` (launch 1) and ``moe_down`` (launch 2), fields ``BN``,
-  ``CH``, ``num_warps``, ``xb`` as for the GEMV (``moe_gate_up`` also ``split``: K parts per
-  row block, the last to finish adding them); features ``tokens``, ``top_k``,
+  ``CH``, ``num_warps``, ``xb`` as for the GEMV, and ``maxnreg`` (a cap on registers per
+  thread; 0: the compiler's choice); ``moe_gate_up`` also ``split`` (K parts per row block,
+  the last to finish adding them), ``moe_down`` also ``experts_tile`` (a token's top-k
+  experts as one dimension of the tile, every expert's rows requested at once, rather than
+  their K loops one after another); features ``tokens``, ``top_k``,
   ``n_experts``, ``d_model``, ``d_ff`` (per expert), ``qtype`` (of that launch's weights).
 
 * MoE router, knob ``router`` (``num_warps``) and the fused logits + routing launch of the
@@ -105,8 +108,8 @@ KNOBS: dict[str, Knob] = {
     "fused_reduce": Knob(("fused_reduce",), ATTENTION_FEATURES),
     "gemv": Knob(_QUANT_TILE, GEMV_FEATURES),
     "gemv_split": Knob(("min_programs", "max_split"), GEMV_FEATURES),
-    "moe_gate_up": Knob(_QUANT_TILE + ("split",), MOE_FEATURES),
-    "moe_down": Knob(_QUANT_TILE, MOE_FEATURES),
+    "moe_gate_up": Knob(_QUANT_TILE + ("split", "maxnreg"), MOE_FEATURES),
+    "moe_down": Knob(_QUANT_TILE + ("experts_tile", "maxnreg"), MOE_FEATURES),
     "router": Knob(("num_warps",), ROUTER_FEATURES),
     "router_fused": Knob(("num_warps", "experts_per_program", "packed_topk"), ROUTER_FEATURES),
     "gemm": Knob(("BM", "BN", "num_warps", "num_stages"), GEMV_FEATURES),
