@@ -24,10 +24,11 @@ import triton.language as tl
 from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
+from localmoe.kernels.quant_gemv import pack_store_blocks
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.host import cdiv, next_pow2
 
-__all__ = ["router", "router_fused", "router_ref", "router_config"]
+__all__ = ["router", "router_fused", "router_ref", "router_config", "norm_router_fused"]
 
 GATING = {"softmax": 0, "sigmoid": 1}
 
@@ -54,8 +55,7 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
                           PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 32,
                           PACKED: tl.constexpr = False):
     # program (t, j): logits of experts j*EB .. j*EB+EB-1 of token t, each a contiguous row
-    # of the expert-major weight [E, D]; the last program of token t to finish (an acq_rel
-    # counter orders the others' stores before it) routes the token and resets the counter
+    # of the expert-major weight [E, D]; the last program of token t routes it
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     eb = j * EB + tl.arange(0, EB)
@@ -71,7 +71,20 @@ def _router_logits_kernel(h_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr,
         w = tl.load(wr_ptr + eb[:, None].to(tl.int64) * wr_rs + (d0 + dd)[None, :],
                     mask=ebm[:, None] & dm[None, :], other=0.0).to(tl.float32)
         acc += w * h[None, :]
-    tl.store(logits_ptr + t * l_rs + eb, tl.sum(acc, axis=1), mask=ebm)
+    _store_logits_route_last(tl.sum(acc, axis=1), eb, ebm, t, E, logits_ptr, l_rs, cnt_ptr,
+                             bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
+                             EP, TOP_K, KP, GATE, HAS_BIAS, NORM, PACKED)
+
+
+@triton.jit
+def _store_logits_route_last(logit, eb, ebm, t, E, logits_ptr, l_rs, cnt_ptr, bias_ptr, ids_ptr,
+                             w_ptr, ids_rs, w_rs, scale, EP: tl.constexpr, TOP_K: tl.constexpr,
+                             KP: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             NORM: tl.constexpr, PACKED: tl.constexpr):
+    """Store this program's logits ``logit [EB]`` (experts ``eb``) of token ``t``; the last
+    program of the token to do so (an acq_rel counter orders the others' stores before it)
+    routes the token and resets the counter for the next launch."""
+    tl.store(logits_ptr + t * l_rs + eb, logit, mask=ebm)
     cnt = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
     if cnt == tl.num_programs(1) - 1:
         e = tl.arange(0, EP)
@@ -191,6 +204,23 @@ def _counters(n: int, device) -> torch.Tensor:
     return c
 
 
+def _expert_major(w_router: torch.Tensor, d: int, top_k: int, gating: str, what: str
+                  ) -> torch.Tensor:
+    """The router weight ``[D, E]`` as its expert-major ``[E, D]`` view (copied when that
+    view's rows are not contiguous), after checking ``gating``, the shape and ``top_k``."""
+    if gating not in GATING:
+        raise UnsupportedModelError(f"unknown MoE gating function {gating!r}; supported: "
+                                    f"{', '.join(GATING)}")
+    if w_router.dim() != 2 or w_router.shape[0] != d:
+        raise ValueError(f"{what}: w_router must be [{d}, E], got {tuple(w_router.shape)}")
+    wt = w_router.t()
+    if wt.stride(1) != 1:
+        wt = wt.contiguous()
+    if not 1 <= top_k <= wt.shape[0]:
+        raise ValueError(f"top_k={top_k} must be in [1, {wt.shape[0]}]")
+    return wt
+
+
 def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating: str = "softmax",
                  norm_topk_prob: bool = False, expert_weights_scale: float = 1.0,
                  selection_bias: torch.Tensor | None = None, config: dict | None = None
@@ -218,18 +248,9 @@ def router_fused(h: torch.Tensor, w_router: torch.Tensor, top_k: int, *, gating:
     Raises:
         UnsupportedModelError: unknown gating. ValueError: shapes or top_k that do not fit.
     """
-    if gating not in GATING:
-        raise UnsupportedModelError(f"unknown MoE gating function {gating!r}; supported: "
-                                    f"{', '.join(GATING)}")
     t, d = h.shape
-    if w_router.dim() != 2 or w_router.shape[0] != d:
-        raise ValueError(f"router_fused: w_router must be [{d}, E], got {tuple(w_router.shape)}")
-    wt = w_router.t()
-    if wt.stride(1) != 1:
-        wt = wt.contiguous()
+    wt = _expert_major(w_router, d, top_k, gating, "router_fused")
     e = wt.shape[0]
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k={top_k} must be in [1, {e}]")
     if h.stride(1) != 1:
         h = h.contiguous()
     dev = h.device
@@ -279,3 +300,141 @@ def router_ref(logits: torch.Tensor, top_k: int, *, gating: str = "softmax",
     if norm_topk_prob:
         w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return w * float(expert_weights_scale), ids.to(torch.int32)
+
+
+# -----------------------------------------------------------------------------------------------
+# residual add + RMSNorm + int8 quantization + router logits + routing, one launch
+# -----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr, dq_ptr,
+                        wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr,
+                        D, E, S, x_rs, dl_ss, dl_rs, r_rs, hf_rs, q_rs, s_rs, dq_rs, wr_rs,
+                        l_rs, ids_rs, w_rs, eps, scale,
+                        EB: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                        EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                        GATE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                        HAS_DELTA: tl.constexpr, HAS_W: tl.constexpr, STORE_H: tl.constexpr,
+                        PACKED: tl.constexpr, PDL: tl.constexpr):
+    # program (t, j): the whole row of token t is summed and normalized by every program (its
+    # expert block's logits need all of h); program j == 0 also stores the residual, the
+    # int8 blocks of h and the optional float h. The router weights are constant: their loads
+    # are issued before the wait for the previous kernel's outputs.
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    c = tl.arange(0, BLOCK)
+    cm = c < D
+    eb = j * EB + tl.arange(0, EB)
+    ebm = eb < E
+    wr = tl.load(wr_ptr + eb[:, None].to(tl.int64) * wr_rs + c[None, :],
+                 mask=ebm[:, None] & cm[None, :], other=0.0)
+    pdl_begin(PDL)
+    acc = tl.load(x_ptr + t * x_rs + c, mask=cm, other=0.0).to(tl.float32)
+    if HAS_DELTA:   # a [T, D] delta, or S float32 split-K slices summed in order first
+        dp = dl_ptr + t * dl_rs + c
+        d = tl.load(dp, mask=cm, other=0.0).to(tl.float32)
+        for s in range(1, S):
+            d += tl.load(dp + s * dl_ss, mask=cm, other=0.0).to(tl.float32)
+        acc = acc + d
+    res = acc.to(x_ptr.dtype.element_ty)
+    v = res.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+    y = v * inv
+    if HAS_W:
+        y = y * tl.load(nw_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    h = y.to(x_ptr.dtype.element_ty).to(tl.float32)        # the activation dtype's rounding
+    if j == 0:
+        tl.store(r_ptr + t * r_rs + c, res, mask=cm)
+        if STORE_H:
+            tl.store(hf_ptr + t * hf_rs + c, h.to(hf_ptr.dtype.element_ty), mask=cm)
+        blk = tl.arange(0, NB)
+        pack_store_blocks(tl.reshape(h, (NB, 2, 4, 4)), blk[:, None, None, None],
+                          (blk < D // 32)[:, None, None, None], q_ptr + t * q_rs,
+                          s_ptr + t * s_rs, dq_ptr + t * dq_rs)
+    _store_logits_route_last(tl.sum(wr.to(tl.float32) * h[None, :], axis=1), eb, ebm, t, E,
+                             logits_ptr, l_rs, cnt_ptr, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs,
+                             scale, EP, TOP_K, KP, GATE, HAS_BIAS, NORM, PACKED)
+
+
+def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor | None,
+                      eps: float, w_router: torch.Tensor, top_k: int, *,
+                      residual_out: torch.Tensor, want_float: torch.dtype | None = None,
+                      gating: str = "softmax", norm_topk_prob: bool = False,
+                      expert_weights_scale: float = 1.0,
+                      selection_bias: torch.Tensor | None = None, config: dict | None = None):
+    """The MoE layer's input in one launch: residual add, RMSNorm and int8 quantization of
+    :func:`localmoe.kernels.fused_norm.add_rms_norm_quant`, then the router logits and routing
+    of :func:`router_fused` on the normed rows (one kernel instead of two).
+
+    Programs ``(token, expert block)`` each sum and normalize the token's whole row (every
+    logit needs all of ``h``; the row is read from L2 by each), compute ``experts_per_program``
+    logits, and the last program of a token to finish routes it; program 0 of each token
+    stores the residual, the int8 blocks of ``h`` and the optional float ``h``. The router
+    weights are loaded before the wait for the previous kernel (programmatic dependent
+    launch, :mod:`localmoe.kernels.pdl`).
+
+    Args:
+        x: the residual stream ``[T, D]`` (float16/bfloat16/float32, rows contiguous; ``D`` a
+            multiple of 32, at most 8192). Not written.
+        delta: ``[T, D]`` added to ``x`` first, or float32 split-K partials ``[S, T, D]``, or
+            None.
+        norm_w: the norm weight ``[D]`` or None; eps: its epsilon.
+        w_router: ``[D, E]`` float32 router weight (as :func:`router_fused`).
+        top_k, gating, norm_topk_prob, expert_weights_scale, selection_bias, config: as
+            :func:`router_fused` (its ``router_fused`` launch knob).
+        residual_out: ``[T, D]`` in ``x``'s dtype, rows contiguous, a buffer other than ``x``
+            (the programs of a token all read ``x``): receives ``x + delta``.
+        want_float: dtype of an extra float output of the normed rows, or None.
+    Returns:
+        ``(residual_out, hq, hf, weights, ids)``: ``hq`` the :class:`QuantAct` of the normed
+        rows, ``hf`` the float rows or None, ``weights [T, top_k]`` float32 and ``ids
+        [T, top_k]`` int32 as :func:`router`.
+    Raises:
+        UnsupportedModelError: unknown gating. ValueError: shapes, strides or devices that do
+        not fit, ``residual_out`` sharing ``x``'s memory. TypeError: dtypes that do not fit.
+    """
+    from localmoe.kernels.fused_norm import MAX_D, _delta_args
+    from localmoe.kernels.quant_gemv import QuantAct
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("norm_router_fused: x must be [T, D] with contiguous rows")
+    t, d = x.shape
+    if d % 32 or not 1 <= d <= MAX_D:
+        raise ValueError(f"norm_router_fused: D = {d} must be a multiple of 32 up to {MAX_D}")
+    dl, dl_ss, dl_rs, s = (_delta_args(x, delta, 0) if delta is not None else (x, 0, 0, 1))
+    if (not isinstance(residual_out, torch.Tensor) or tuple(residual_out.shape) != (t, d)
+            or residual_out.dtype != x.dtype or residual_out.stride(1) != 1
+            or residual_out.device != x.device):
+        raise ValueError(f"norm_router_fused: residual_out must be [{t}, {d}] {x.dtype} with "
+                         f"contiguous rows on {x.device}")
+    if residual_out.data_ptr() == x.data_ptr() and t:
+        raise ValueError("norm_router_fused: residual_out must not be x (every program reads x)")
+    wt = _expert_major(w_router, d, top_k, gating, "norm_router_fused")
+    e = wt.shape[0]
+    if norm_w is not None:
+        norm_w = norm_w.reshape(d)
+    dev = x.device
+    hq = QuantAct.empty(t, d, dev)
+    hf = torch.empty((t, d), dtype=want_float, device=dev) if want_float is not None else None
+    logits = torch.empty((t, e), dtype=torch.float32, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    if t == 0:
+        return residual_out, hq, hf, w, ids
+    cfg = dict(device_table(dev).lookup("router_fused", tokens=t, n_experts=e, top_k=top_k),
+               **(config or {}))
+    eb = min(int(cfg["experts_per_program"]), next_pow2(e))
+    block = next_pow2(d)
+    bias = selection_bias if selection_bias is not None else logits
+    h_out = hf if hf is not None else residual_out
+    _norm_router_kernel[(t, cdiv(e, eb))](
+        x, dl, norm_w if norm_w is not None else x, residual_out, h_out, hq.q, hq.s, hq.d,
+        wt, logits, _counters(t, dev), bias, ids, w,
+        d, e, s, x.stride(0), dl_ss, dl_rs, residual_out.stride(0), h_out.stride(0),
+        hq.q.stride(0), hq.s.stride(0), hq.d.stride(0), wt.stride(0), logits.stride(0),
+        ids.stride(0), w.stride(0), float(eps), float(expert_weights_scale),
+        EB=eb, BLOCK=block, NB=block // 32, EP=next_pow2(e), TOP_K=top_k, KP=next_pow2(top_k),
+        GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
+        HAS_DELTA=delta is not None, HAS_W=norm_w is not None, STORE_H=hf is not None,
+        PACKED=bool(cfg["packed_topk"]), num_warps=int(cfg["num_warps"]), **pdl_args(dev))
+    return residual_out, hq, hf, w, ids

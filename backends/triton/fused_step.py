@@ -20,8 +20,9 @@ q/k norm + RoPE + K/V append            :func:`localmoe.kernels.qk_rope_append.q
 attention                               :func:`localmoe.kernels.decode_attention.decode_attention`
 O projection                            GEMV partials (the attention's reduction writes its int8
                                         input blocks)
-add + RMSNorm + quant (+ fp32 copy)     :func:`add_rms_norm_quant` (the fp32 copy feeds the router)
-router logits, router                   fp32 matmul, :func:`localmoe.kernels.router.router`
+add + RMSNorm + quant, router logits,   one launch in MoE layers:
+router                                  :func:`localmoe.kernels.router.norm_router_fused` (dense
+                                        FFN layers: :func:`add_rms_norm_quant`)
 routed experts                          :func:`localmoe.kernels.fused_moe.fused_moe` (2 launches)
 ======================================  =========================================================
 
@@ -35,6 +36,8 @@ block (:func:`unavailable` says why); both compute the same function (tests comp
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -81,6 +84,10 @@ class FusedDecode:
         if why:
             raise ValueError(why)
         self.runner = runner
+        # MoE layers: the norm before the experts and the router in one launch
+        # (LOCALMOE_NORM_ROUTER=0: two launches, for comparisons)
+        self.norm_router = (os.environ.get("LOCALMOE_NORM_ROUTER", "1") != "0"
+                            and runner.model.spec.d_model <= 8192)
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -148,6 +155,12 @@ class FusedDecode:
                 sliding_window=m.layer_window(i) or 0, max_len=max_len, quant_out=oq)
             op = self._gemv(oq, L["wo"])
             moe = "router" in L
+            if moe and self.norm_router:
+                # norm + router logits + routing in one launch; every program of a token reads
+                # the old residual, so the new one goes to another buffer
+                x, hq, hf, rw, rids = self._norm_route(i, L, x, op)
+                deltas = self._ffn(i, L, hq, hf, routed=(rw, rids))
+                continue
             x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, x,
                                          want_float=torch.float32 if moe else m.dtype)
             deltas = self._ffn(i, L, hq, hf)
@@ -217,10 +230,28 @@ class FusedDecode:
                                    want_float=m.dtype)
         return m.logits(h.index_select(0, last)), pending
 
-    def _ffn(self, i: int, L: dict, hq, hf) -> list:
+    def _norm_route(self, i: int, L: dict, x, op):
+        """``(r, hq, hf, weights, ids)`` of MoE layer ``i``'s input in one launch
+        (:func:`localmoe.kernels.router.norm_router_fused`): the residual ``x + op`` in a new
+        buffer, its normed rows as a QuantAct (and floats in the model's dtype when a shared
+        expert needs them), the routing."""
+        from localmoe.kernels.router import norm_router_fused
+
+        m = self.runner.model
+        s = m.spec
+        bias = L.get("exp_bias")
+        return norm_router_fused(
+            x, op, L["ffn_norm"], s.norm_eps, L["router"], s.top_k,
+            residual_out=torch.empty_like(x),
+            want_float=m.dtype if "sh_gate_up" in L else None, gating=s.gating,
+            norm_topk_prob=s.norm_topk_prob, expert_weights_scale=s.expert_weights_scale,
+            selection_bias=None if bias is None else bias.float())
+
+    def _ffn(self, i: int, L: dict, hq, hf, routed=None) -> list:
         """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed
         input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its QuantAct: the fused
-        decode MoE); ``hq`` None: many tokens (the grouped prefill MoE)."""
+        decode MoE); ``hq`` None: many tokens (the grouped prefill MoE). ``routed``: the
+        routing ``(weights, ids)`` when it was computed with the norm."""
         from localmoe.kernels.fused_moe import fused_moe
         from localmoe.kernels.quant_gemm import moe_prefill
         from localmoe.model.routing import shared_expert_gate
@@ -229,7 +260,7 @@ class FusedDecode:
         if "router" not in L:
             return [m._glu(i, hf, "gate_up", "down")]
         moe = m.moe
-        w, ids = moe.route(i, hf)
+        w, ids = routed if routed is not None else moe.route(i, hf)
         ex = m.experts
         run = fused_moe if hq is not None else moe_prefill
         out = [run(hq if hq is not None else hf, ex.gate_up[i], ex.down[i], ids, w,

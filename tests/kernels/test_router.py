@@ -135,3 +135,51 @@ def test_fused_router_matches_matmul_then_route(family, t, d, e, k, eb, nw, pk):
         assert int(_counters(t, h.device)[:t].abs().sum()) == 0
     with pytest.raises(ValueError, match="w_router"):
         router_fused(h, torch.zeros(d + 1, e, device=DEV), k)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("t,d,e,k,eb,nw,pk,delta", [
+    (1, 96, 128, 8, 8, 4, False, "partials"), (1, 64, 128, 8, 1, 1, True, "plain"),
+    (3, 64, 60, 4, 16, 1, True, "partials"), (8, 32, 8, 2, 4, 2, False, None)])
+def test_norm_router_matches_norm_then_route(family, t, d, e, k, eb, nw, pk, delta):
+    """norm_router_fused (residual add + RMSNorm + int8 blocks + router logits + routing in
+    one launch) against its two-launch equivalent add_rms_norm_quant -> router_fused: the same
+    residual, int8 blocks and float rows bit for bit, ids equal and weights to float32
+    rounding (the logits' sums run in another order); counters left at zero (a graph replay
+    routes again); x itself is refused as the residual output. D = 96 pads the row to 128
+    lanes (masked), the partials have 3 slices, E = 60 pads the experts."""
+    from localmoe.kernels.fused_norm import add_rms_norm_quant
+    from localmoe.kernels.router import _counters, norm_router_fused, router_fused
+
+    kw = dict(FAMILIES[family])
+    g = torch.Generator().manual_seed(t * 10 + e)
+    x = torch.randn(t, d, generator=g).to(torch.bfloat16).to(DEV)
+    dl = {"partials": torch.randn(3, t, d, generator=g), "plain": torch.randn(t, d, generator=g),
+          None: None}[delta]
+    dl = dl.to(DEV) if dl is not None else None
+    nw_ = (1.0 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).to(DEV)
+    wr = (torch.randn(e, d, generator=g) * 0.5).to(DEV).t()
+    if kw.pop("bias", False):
+        kw["selection_bias"] = (torch.randn(e, generator=g) * 0.1).to(DEV)
+    cfg = {"experts_per_program": eb, "num_warps": nw, "packed_topk": pk}
+    r0, hq0, hf0 = add_rms_norm_quant(x, [dl] if dl is not None else [], nw_, 1e-6,
+                                      residual_out=torch.empty_like(x), want_float=torch.float32)
+    w0, ids0 = router_fused(hf0, wr, k, config=cfg, **kw)
+    for _ in range(2):
+        r, hq, hf, w, ids = norm_router_fused(x, dl, nw_, 1e-6, wr, k, config=cfg,
+                                              residual_out=torch.empty_like(x),
+                                              want_float=torch.float32, **kw)
+        assert torch.equal(r, r0)
+        if CUDA:   # the norm's sum may run in another order: h to one bf16 ulp
+            from localmoe.kernels.quant_gemv import dequantize_act
+
+            assert torch.allclose(hf, hf0, rtol=2 ** -7, atol=1e-6)
+            assert torch.allclose(dequantize_act(hq), dequantize_act(hq0), rtol=0.02, atol=0.02)
+        else:
+            assert torch.equal(hf, hf0)
+            assert all(torch.equal(a, b) for a, b in zip(hq, hq0))
+        assert torch.equal(ids.cpu(), ids0.cpu())
+        assert torch.allclose(w, w0, rtol=1e-5, atol=1e-6)
+        assert int(_counters(t, x.device)[:t].abs().sum()) == 0
+    with pytest.raises(ValueError, match="must not be x"):
+        norm_router_fused(x, dl, nw_, 1e-6, wr, k, residual_out=x, **kw)
