@@ -201,6 +201,9 @@ CHANGED = {
     "int4:c int4": "CBC CBC CCC CCC | F | v v v v",
     "int4:c+out int4": "CBC CBC CCC CCC | F | v v v v",
     "int2:c int2": "CAC CAC CCC CCC | T | v v v v",
+    # session 13 (attention_h200-2026-12-03-s13-int8.json): the default int8 cache at few
+    # pairs takes one warp over 32-token tiles from 64k tokens (None: unknown, long)
+    "int8 int8": "CAA CAA DDD DDD | F | v v v v",
 }
 """Recorded changes to :data:`OLD`, each with the measurement that made it (the tables' own
 ``why`` notes)."""
