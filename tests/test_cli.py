@@ -649,6 +649,14 @@ def test_backend_names_ignore_case_and_greedy_refuses_a_temperature(tmp_path):
     r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "torch", "--greedy",
                                  "--temperature", "0", "-n", "2", "hi"])
     assert r.exit_code == 0, r.output
+    # --seed -1 is llama.cpp's "a fresh seed": no seed reaches the sampler
+    from localmoe.cli.options import sampling_kwargs
+
+    assert "seed" not in sampling_kwargs({"seed": -1}) and sampling_kwargs({"seed": 7})["seed"] == 7
+    # a sampling value out of range names the flag as well as the API's parameter
+    r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "torch", "--top-p",
+                                 "2", "hi"])
+    assert r.exit_code == 1 and "top_p must be <= 1.0, got 2 (--top-p)" in r.output, r.output
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -83,7 +83,7 @@ class _Group(click.Group):
             _one_line_usage(e)
             raise
         except LocalMoEError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {e}{_flag_of(e)}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("\ninterrupted", err=True)
@@ -94,6 +94,21 @@ class _Group(click.Group):
             except OSError:
                 pass
             ctx.exit(0)
+
+
+#: sampling parameters (the API's names, an error's ``param``) -> the command line's flags
+_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                   "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
+                   "repeat_last_n": "--repeat-last-n", "frequency_penalty": "--frequency-penalty",
+                   "presence_penalty": "--presence-penalty", "seed": "--seed",
+                   "max_tokens": "--max-tokens", "stop": "--stop"}
+
+
+def _flag_of(e: LocalMoEError) -> str:
+    """`` (--top-p)`` for an error about a sampling parameter the command line sets by a flag
+    (the message uses the API's name, ``top_p``), else ``""``."""
+    flag = _SAMPLING_FLAGS.get(getattr(e, "param", None) or "")
+    return f" ({flag})" if flag else ""
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

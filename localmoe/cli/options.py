@@ -95,7 +95,9 @@ def sampling_options(f):
         click.option("--repeat-last-n", type=int, default=None, help="Tokens the repetition penalty looks back."),
         click.option("--frequency-penalty", type=float, default=None, help="OpenAI-style frequency penalty."),
         click.option("--presence-penalty", type=float, default=None, help="OpenAI-style presence penalty."),
-        click.option("--seed", type=int, default=None, help="Random seed (same seed, same output)."),
+        click.option("--seed", type=int, default=None,
+                     help="Random seed (same seed, same output); -1: a fresh seed each run (as "
+                          "llama.cpp). Default: a fresh seed."),
         click.option("-n", "--max-tokens", type=click.IntRange(min=1), default=None,
                      help="Stop after this many generated tokens (default: until the end or the context is full)."),
         click.option("--stop", multiple=True, metavar="TEXT", help="Stop string (repeatable)."),
@@ -112,6 +114,8 @@ def sampling_kwargs(kw: dict) -> dict:
     out = {k: kw.pop(k) for k in keys if kw.get(k) is not None}
     for k in keys:
         kw.pop(k, None)
+    if out.get("seed") == -1:   # llama.cpp's "random seed"
+        del out["seed"]
     stop = kw.pop("stop", ())
     if stop:
         out["stop"] = tuple(stop)

@@ -60,8 +60,11 @@ def open_model(path: str | os.PathLike) -> ModelFile:
                                  f"a .gguf file or an HF model folder")
         shown = ", ".join(m.name for m in models[:8])
         more = f" and {len(models) - 8} more" if len(models) > 8 else ""
-        raise ModelLoadError(f"{p} holds {len(models)} GGUF models: {shown}{more}; pass one of "
-                             f"them, e.g. -m {models[0]}")
+        # the example is the largest file (a 0-byte leftover sorts first as often as not);
+        # the path alone, since `info` takes it as an argument and the others after -m
+        example = max(models, key=lambda m: m.stat().st_size)
+        raise ModelLoadError(f"{p} holds {len(models)} GGUF models: {shown}{more}; give the "
+                             f"path of one of them, e.g. {example}")
     if not p.exists():
         # maybe a split name given as prefix.gguf
         raise ModelLoadError(f"model file not found: {p}")

@@ -299,8 +299,13 @@ def test_directory_of_several_models_lists_them_and_a_split_set_is_one(tmp_path)
     with pytest.raises(ModelLoadError) as e:
         open_model(d)
     msg = str(e.value)
-    assert f"{d} holds 2 GGUF models: a.gguf, m-00001-of-00003.gguf; pass one" in msg, msg
-    assert f"-m {d / 'a.gguf'}" in msg
+    assert f"{d} holds 2 GGUF models: a.gguf, m-00001-of-00003.gguf; give the path" in msg, msg
+    big = max([d / "a.gguf", d / "m-00001-of-00003.gguf"], key=lambda q: q.stat().st_size)
+    assert msg.endswith(f"e.g. {big}") and "-m " not in msg   # the largest, not a 0-byte file
+    (d / "0.gguf").write_bytes(b"")            # sorts first; an empty file is no model to suggest
+    with pytest.raises(ModelLoadError) as e:
+        open_model(d)
+    assert str(e.value).endswith(f"e.g. {big}")
     split_only = write_gguf(tmp_path / "split" / "m.gguf", "tiny-qwen3moe", seed=3,
                             split_max_tensors=10).parent
     with open_model(split_only) as m:

@@ -264,6 +264,10 @@ def test_first_use_pull_says_so_in_plain_lines_off_a_terminal(server, home, caps
     assert lines[0] == f"pulling tiny (16.0 KiB) into {home / 'models'} (once) ...", lines
     assert lines[1].startswith("pulled tiny (16.0 KiB) in ") and lines[1].endswith(f": {path}")
     assert st.resolve("tiny") == path and capsys.readouterr().err == ""  # stored: silent
+    # a malformed hf: reference is refused before any "pulling ..." line
+    with pytest.raises(ModelNotFoundError, match="bad Hugging Face reference"):
+        st.resolve("hf:foo")
+    assert capsys.readouterr().err == ""
     # progress=False stays silent; on a terminal the bars (and their own line) are kept
     st.remove("tiny")
     quiet = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())

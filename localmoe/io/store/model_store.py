@@ -405,6 +405,10 @@ class ModelStore(PullMixin):
         if s in self.catalog or s.startswith("hf:"):
             if not pull:
                 raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
+            if s.startswith("hf:"):  # a malformed reference fails before "pulling ..."
+                from localmoe.io.store.names import parse_hf_ref
+
+                parse_hf_ref(s)
             t0 = time.monotonic()
             if self.plain_progress:  # no terminal for a bar: one line now, one when done
                 entry = self.catalog.get(s)
