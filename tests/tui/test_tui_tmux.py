@@ -42,4 +42,4 @@ def test_tui_in_tmux_real_smollm2(tmp_path, smollm2_path):
     screen = _run(tmp_path, "--real", str(smollm2_path), timeout=600)
     assert "What is 2+3? Answer briefly." in screen
     assert "Assistant" in screen and "tokens" in screen
-    assert "ctx " in screen and "/512" in screen
+    assert "ctx " in screen and "/192" in screen

@@ -26,7 +26,7 @@ cleanup() { tmux -S "$SOCK" kill-server >/dev/null 2>&1 || true; rm -rf "$WORK";
 trap cleanup EXIT
 
 if [[ -n "$REAL" ]]; then
-  CMD="$PY -m localmoe chat -m '$REAL' -c 512"
+  CMD="$PY -m localmoe chat -m '$REAL' -c 192"
   ANSWER_MARK="tokens"        # the answer's header note "TTFT .. · N tokens" once it is done
   LIMIT=400
 else
