@@ -4,7 +4,7 @@
 #
 # Usage: tests/tui/tui_tmux.sh [--real MODEL] [OUT]
 #   default   the app on the scripted fake engine (tests/tui/tui_fakes.py): fast, no model needed
-#   --real    `localmoe chat -m MODEL -c 512` (the real engine; slow on a CPU)
+#   --real    `localmoe chat -m MODEL -c 192` (the real engine; slow on a CPU)
 #   OUT       file for the captured screen (default: stdout)
 # Exit status: 0 ok, 77 tmux missing (a "skip"), anything else a failure.
 # Uses a private tmux server socket in a temp dir and LOCALMOE_HOME there: it never touches the
