@@ -340,13 +340,7 @@ def _reg_cap(c: dict) -> dict:
     """``maxnreg`` (registers per thread the compiler may use) of a launch choice, when it
     sets one (0 or absent: the compiler's choice); the interpreter ignores it."""
     n = int(c.get("maxnreg") or 0)
-    return {"maxnreg": n} if n > 0 and not _interpreting() else {}
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+    return {"maxnreg": n} if n > 0 and use_asm() else {}   # use_asm: not the interpreter
 
 
 _SCRATCH: dict = {}

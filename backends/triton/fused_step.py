@@ -78,6 +78,7 @@ class FusedDecode:
     """
 
     def __init__(self, runner):
+        from localmoe.kernels.fused_norm import MAX_D
         from localmoe.kernels.qk_rope_append import fusable
 
         why = fusable(runner.cache.k_codec, runner.cache.v_codec, decode=True)
@@ -87,7 +88,7 @@ class FusedDecode:
         # MoE layers: the norm before the experts and the router in one launch
         # (LOCALMOE_NORM_ROUTER=0: two launches, for comparisons)
         self.norm_router = (os.environ.get("LOCALMOE_NORM_ROUTER", "1") != "0"
-                            and runner.model.spec.d_model <= 8192)
+                            and runner.model.spec.d_model <= MAX_D)
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -155,15 +156,15 @@ class FusedDecode:
                 sliding_window=m.layer_window(i) or 0, max_len=max_len, quant_out=oq)
             op = self._gemv(oq, L["wo"])
             moe = "router" in L
+            routed = None
             if moe and self.norm_router:
                 # norm + router logits + routing in one launch; every program of a token reads
                 # the old residual, so the new one goes to another buffer
-                x, hq, hf, rw, rids = self._norm_route(i, L, x, op)
-                deltas = self._ffn(i, L, hq, hf, routed=(rw, rids))
-                continue
-            x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, x,
-                                         want_float=torch.float32 if moe else m.dtype)
-            deltas = self._ffn(i, L, hq, hf)
+                x, hq, hf, *routed = self._norm_route(i, L, x, op)
+            else:
+                x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, x,
+                                             want_float=torch.float32 if moe else m.dtype)
+            deltas = self._ffn(i, L, hq, hf, routed=routed)
         _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
         return self._head(hq)
 
@@ -238,14 +239,10 @@ class FusedDecode:
         from localmoe.kernels.router import norm_router_fused
 
         m = self.runner.model
-        s = m.spec
-        bias = L.get("exp_bias")
         return norm_router_fused(
-            x, op, L["ffn_norm"], s.norm_eps, L["router"], s.top_k,
+            x, op, L["ffn_norm"], m.spec.norm_eps, L["router"], m.spec.top_k,
             residual_out=torch.empty_like(x),
-            want_float=m.dtype if "sh_gate_up" in L else None, gating=s.gating,
-            norm_topk_prob=s.norm_topk_prob, expert_weights_scale=s.expert_weights_scale,
-            selection_bias=None if bias is None else bias.float())
+            want_float=m.dtype if "sh_gate_up" in L else None, **m.moe.route_kwargs(i))
 
     def _ffn(self, i: int, L: dict, hq, hf, routed=None) -> list:
         """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed

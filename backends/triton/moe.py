@@ -57,13 +57,18 @@ class TritonMoE:
         from localmoe.kernels.router import router, router_fused
 
         s, L = self.model.spec, self.model.layers[layer]
-        bias = L.get("exp_bias")
-        kw = dict(gating=s.gating, norm_topk_prob=s.norm_topk_prob,
-                  expert_weights_scale=s.expert_weights_scale,
-                  selection_bias=None if bias is None else bias.float())
+        kw = self.route_kwargs(layer)
         if x.shape[0] <= GEMV_MAX_TOKENS:    # decode: logits and routing in one launch
             return router_fused(x, L["router"], s.top_k, **kw)
         return router(x.float() @ L["router"], s.top_k, **kw)
+
+    def route_kwargs(self, layer: int) -> dict:
+        """The routing options of ``layer`` for the router kernels (gating, norm_topk_prob,
+        expert_weights_scale, selection_bias)."""
+        s, bias = self.model.spec, self.model.layers[layer].get("exp_bias")
+        return dict(gating=s.gating, norm_topk_prob=s.norm_topk_prob,
+                    expert_weights_scale=s.expert_weights_scale,
+                    selection_bias=None if bias is None else bias.float())
 
     def __call__(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         from localmoe.kernels.fused_moe import fused_moe
