@@ -35,7 +35,7 @@ import triton.language as tl
 
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values
-from localmoe.kernels.quant_gemv import plane_args
+from localmoe.kernels.quant_gemv import k_chunk_scales, k_super_scales, plane_args
 from localmoe.kernels.host import cdiv
 
 __all__ = ["quant_gemm", "quant_gemm_ref", "dequantize_rows", "moe_align", "moe_gemm_gate_up",
@@ -79,11 +79,9 @@ def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
             sc = tl.load(sc_ptr + r4 * sc_rs + c * 2 + s4, mask=m4, other=0).to(tl.float32)
             val = (d * sc) * (codef - 32.0)
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            d = tl.load(d_ptr + r4 * d_rs + c // 8, mask=m4, other=0.0).to(tl.float32)
-            dm = tl.load(dm_ptr + r4 * dm_rs + c // 8, mask=m4, other=0.0).to(tl.float32)
-            sc = tl.load(sc_ptr + r4 * sc_rs + c, mask=m4, other=0).to(tl.float32)
-            mn = tl.load(mn_ptr + r4 * mn_rs + c, mask=m4, other=0).to(tl.float32)
-            val = (d * sc) * codef - dm * mn
+            d, dm = k_super_scales(tl.load(d_ptr + r4 * d_rs + c // 8, mask=m4, other=0))
+            sc, mn = k_chunk_scales(tl.load(sc_ptr + r4 * sc_rs + c, mask=m4, other=0))
+            val = (d * sc.to(tl.float32)) * codef - dm * mn.to(tl.float32)
         else:
             d = tl.load(d_ptr + r4 * d_rs + c, mask=m4, other=0.0).to(tl.float32)
             if QTYPE == _Q4_0:

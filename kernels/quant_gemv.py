@@ -179,6 +179,21 @@ def _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb, mx, EVEN: tl.constexpr
 
 
 @triton.jit
+def k_super_scales(w):
+    """Q4_K/Q5_K ``d`` plane words (float16 bits of d | dmin << 16) -> (d, dmin) float32."""
+    d = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dm = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d, dm
+
+
+@triton.jit
+def k_chunk_scales(v):
+    """Q4_K/Q5_K ``sc`` plane int16 (6-bit scale | 6-bit min << 8) -> (scale, min) int32."""
+    v = v.to(tl.int32)
+    return v & 0xFF, v >> 8
+
+
+@triton.jit
 def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
            q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
@@ -218,25 +233,27 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, x
             lo = lo | (((h >> i4) & 0x01010101) << 4)
             hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
         if QTYPE == _Q6_K:
-            hp = qh_ptr + rows4 * qh_rs + c4 * 2
-            h0 = _ld(hp, mw, 0, EVEN)
-            h1 = _ld(hp + 1, mw, 0, EVEN)
+            # the chunk's two high-bit words in one 8-byte load (qh_rs is even: K/16)
+            hp = qh_ptr.to(tl.pointer_type(tl.int64)) + rows4 * (qh_rs // 2) + c4
+            h = _ld(hp, mw, 0, EVEN)
+            h0 = h.to(tl.int32)
+            h1 = (h >> 32).to(tl.int32)
             lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
             hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
         i_lo = _idot(lo, x0, USE_ASM)
         i_hi = _idot(hi, x1, USE_ASM)
         if QTYPE == _Q6_K:
             d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
-            sp = sc_ptr + rows4 * sc_rs + c4 * 2
-            sc0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
-            sc1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
+            # the chunk's two int8 scales in one 2-byte load (sc_rs is even: K/16)
+            sp = sc_ptr.to(tl.pointer_type(tl.int16)) + rows4 * (sc_rs // 2) + c4
+            sv = _ld(sp, mw, 0, EVEN).to(tl.int32)
+            sc0 = (sv << 24) >> 24
+            sc1 = sv >> 8
             it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
             acc += dx0 * (d * it.to(tl.float32))
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
-            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
-            sc = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN).to(tl.int32)
-            mn = _ld(mn_ptr + rows4 * mn_rs + c4, mw, 0, EVEN).to(tl.int32)
+            d, dm = k_super_scales(_ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN))
+            sc, mn = k_chunk_scales(_ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN))
             i_d = (sc * (i_lo + i_hi)).to(tl.float32)
             i_m = (mn * (s0 + s1)).to(tl.float32)
             acc += dx0 * (d * i_d - dm * i_m)
