@@ -975,6 +975,9 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
     if quant_out is not None and v_codec.head_dim % 32:
         raise ValueError("quant_out needs a value head size that is a multiple of 32, got "
                          f"{v_codec.head_dim}")
+    if quant_out is not None and not quant_out.is_packed(B, q.shape[1] * v_codec.head_dim, dev):
+        raise ValueError(f"quant_out must be a QuantAct [{B}, {q.shape[1] * v_codec.head_dim}] "
+                         "as QuantAct.empty makes it")
     return _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, seq_rows,
                    ch, page_size=page_size, sm_scale=sm_scale, sliding_window=sliding_window,
                    max_len=max_len, num_splits=num_splits, asm=asm, maxnreg=maxnreg,

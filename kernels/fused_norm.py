@@ -224,10 +224,7 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
     hq = None
     if quant:
         hq = quant_out if quant_out is not None else QuantAct.empty(t, n, x.device)
-        if (hq.q.shape != (t, n // 4) or hq.s.shape != (t, n // 32) or hq.d.shape != (t, n // 32)
-                or hq.q.dtype != torch.int32 or hq.s.dtype != torch.int32
-                or hq.d.dtype != torch.float32 or hq.q.device != x.device
-                or hq.q.stride(1) != 1 or hq.s.stride(1) != 1 or hq.d.stride(1) != 1):
+        if not hq.is_packed(t, n, x.device):
             _fail(f"quant_out must be a QuantAct for [{t}, {n}] on {x.device}")
     if t:
         rows, block, warps = _program_shape(n)

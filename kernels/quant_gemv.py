@@ -136,8 +136,9 @@ def pack_store_blocks(v, b4, bm, q_row, s_row, d_row):
     tl.store(q_row + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
     sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [NB, 2, 1, 1]
     packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)         # [NB, 1, 1, 1]
-    tl.store(s_row + b4, packed, mask=bm)
-    tl.store(d_row + b4, amax / 127.0, mask=bm)
+    dbits = (amax / 127.0).to(tl.int32, bitcast=True)
+    pair = (packed.to(tl.int64) & 0xFFFFFFFF) | (dbits.to(tl.int64) << 32)
+    tl.store(s_row.to(tl.pointer_type(tl.int64)) + b4, pair, mask=bm)
 
 
 @triton.jit
@@ -173,8 +174,9 @@ def _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb, mx, EVEN: tl.constexpr
     i4 = tl.arange(0, 4)[None, None, None, :]
     x0 = _ld(xq_ptr + xb4 + kb // 4 + i4, mx, 0, EVEN)
     x1 = _ld(xq_ptr + xb4 + kb // 4 + 4 + i4, mx, 0, EVEN)
-    sp = _ld(xs_ptr + xsb4 + kb // 32, mx, 0, EVEN)
-    dx = _ld(xd_ptr + xdb4 + kb // 32, mx, 0.0, EVEN)
+    pair = _ld(xs_ptr.to(tl.pointer_type(tl.int64)) + xsb4 // 2 + kb // 32, mx, 0, EVEN)
+    sp = pair.to(tl.int32)
+    dx = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     return x0, x1, (sp << 16) >> 16, sp >> 16, dx
 
 
@@ -382,6 +384,10 @@ class QuantAct(NamedTuple):
         s: int32 ``[T, K/32]``: the sums of the codes of the two 16-value slices of each 32-value
             block as two int16 halves (low half: values 0-15).
         d: float32 ``[T, K/32]``: the scale of each 32-value block (``amax / 127``).
+
+    ``s`` and ``d`` are views of one int32 buffer ``[T, K/32, 2]`` (a block's sums, then its
+    scale's bits), so a kernel reads both with one 8-byte load (:meth:`empty` allocates them
+    so; :meth:`is_packed` checks it).
     """
 
     q: torch.Tensor
@@ -399,11 +405,23 @@ class QuantAct(NamedTuple):
     def rows(self, a: int, b: int) -> "QuantAct":
         return QuantAct(self.q[a:b], self.s[a:b], self.d[a:b])
 
+    def is_packed(self, t: int, k: int, device) -> bool:
+        """Whether this is a QuantAct of ``[t, k]`` on ``device`` in the kernels' layout (``q``
+        rows contiguous, ``s``/``d`` interleaved in one buffer as :meth:`empty` makes them)."""
+        q, s, d = self
+        return (q.shape == (t, k // 4) and s.shape == (t, k // 32) and d.shape == (t, k // 32)
+                and q.dtype == torch.int32 and s.dtype == torch.int32 and d.dtype == torch.float32
+                and q.device == torch.device(device) and s.device == q.device
+                and d.device == q.device and q.stride(1) == 1 and s.stride(1) == 2
+                and d.stride(1) == 2 and s.stride(0) == d.stride(0)
+                and (s.numel() == 0 or (d.data_ptr() == s.data_ptr() + 4
+                                        and s.data_ptr() % 8 == 0)))
+
     @staticmethod
     def empty(t: int, k: int, device) -> "QuantAct":
+        sd = torch.empty((t, k // 32, 2), dtype=torch.int32, device=device)
         return QuantAct(torch.empty((t, k // 4), dtype=torch.int32, device=device),
-                        torch.empty((t, k // 32), dtype=torch.int32, device=device),
-                        torch.empty((t, k // 32), dtype=torch.float32, device=device))
+                        sd[..., 0], sd.view(torch.float32)[..., 1])
 
 
 def quantize_act(x: torch.Tensor, blocks_per_program: int = 16) -> QuantAct:
@@ -458,10 +476,9 @@ def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
 
 def _check_x(x, k: int, what: str) -> None:
     if isinstance(x, QuantAct):
-        t = x.q.shape[0]
-        if (x.q.dim() != 2 or x.shape[1] != k or x.q.dtype != torch.int32
-                or x.s.shape != (t, k // 32) or x.d.shape != (t, k // 32)):
-            raise ValueError(f"{what}: quantized x must be q int32 [T, {k // 4}], s and d [T, {k // 32}]")
+        if x.q.dim() != 2 or not x.is_packed(x.q.shape[0], k, x.q.device):
+            raise ValueError(f"{what}: quantized x must be a QuantAct [T, {k}] as "
+                             "QuantAct.empty or quantize_act makes it")
         return
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{what}: x must be [T, {k}], got {tuple(x.shape)}")
