@@ -235,22 +235,18 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, x
             lo = lo | (((h >> i4) & 0x01010101) << 4)
             hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
         if QTYPE == _Q6_K:
-            # the chunk's two high-bit words in one 8-byte load (qh_rs is even: K/16)
-            hp = qh_ptr.to(tl.pointer_type(tl.int64)) + rows4 * (qh_rs // 2) + c4
-            h = _ld(hp, mw, 0, EVEN)
-            h0 = h.to(tl.int32)
-            h1 = (h >> 32).to(tl.int32)
+            hp = qh_ptr + rows4 * qh_rs + c4 * 2
+            h0 = _ld(hp, mw, 0, EVEN)
+            h1 = _ld(hp + 1, mw, 0, EVEN)
             lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
             hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
         i_lo = _idot(lo, x0, USE_ASM)
         i_hi = _idot(hi, x1, USE_ASM)
         if QTYPE == _Q6_K:
             d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
-            # the chunk's two int8 scales in one 2-byte load (sc_rs is even: K/16)
-            sp = sc_ptr.to(tl.pointer_type(tl.int16)) + rows4 * (sc_rs // 2) + c4
-            sv = _ld(sp, mw, 0, EVEN).to(tl.int32)
-            sc0 = (sv << 24) >> 24
-            sc1 = sv >> 8
+            sp = sc_ptr + rows4 * sc_rs + c4 * 2
+            sc0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
+            sc1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
             it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
             acc += dx0 * (d * it.to(tl.float32))
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
