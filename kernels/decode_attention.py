@@ -715,7 +715,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
-                          Qq, Qs, Qd, q_rs, s_rs, d_rs,
+                          Qq, Qs, q_rs, s_rs,
                           HQ: tl.constexpr, DV: tl.constexpr, SPLITS_P: tl.constexpr,
                           QUANT: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
@@ -738,7 +738,7 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
         b4 = (h * NB + tl.arange(0, NB))[:, None, None, None]
         bl = b.to(tl.int64)
         pack_store_blocks(tl.reshape(out, [NB, 2, 4, 4]), b4, b4 >= 0, Qq + bl * q_rs,
-                          Qs + bl * s_rs, Qd + bl * d_rs)
+                          Qs + bl * s_rs)
 
 
 def _codec_args(codec, store):
@@ -1013,8 +1013,7 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
         num_splits), meta, ch["block_n"], {} if maxnreg is None else {"maxnreg": int(maxnreg)})
     qa = quant_out
     if not meta["FUSE"]:
-        qt = (qa.q, qa.s, qa.d, qa.q.stride(0), qa.s.stride(0), qa.d.stride(0)) if qa else \
-            (out, out, out, 0, 0, 0)
+        qt = (qa.q, qa.s, qa.q.stride(0), qa.s.stride(0)) if qa else (out, out, 0, 0)
         _decode_reduce_kernel[(B * HQ,)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
             HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,

@@ -91,9 +91,9 @@ def moe_config(stage: str, tokens: int, top_k: int, n_experts: int, d_model: int
 
 
 @triton.jit
-def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr, slot_ptr,
+def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, p_ptr, cnt_ptr,
-                        F, n_chunks, split_chunks, xq_rs, xs_rs, xd_rs, hq_rs, hs_rs, hd_rs,
+                        F, n_chunks, split_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
@@ -110,12 +110,12 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
     rows4 = (slot * (2 * F) + loc)[None, :, None, None]
     tt = tl.zeros([1], dtype=tl.int32) + t
     tmask4 = (tt >= 0)[:, None, None, None]
-    xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4, XB)
+    xb4, xsb4 = _x_rows(xq_rs, xs_rs, tt, rows4, XB)
     acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
     c_begin = tl.program_id(2) * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
     for c0 in range(c_begin, c_end, CH):
-        acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
+        acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
     gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
@@ -135,15 +135,14 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, xd_ptr, hq_ptr, hs_ptr, hd_ptr, ids_ptr,
             gu = tl.zeros([1, 2 * BN], dtype=tl.float32)
             for k in tl.static_range(SPLIT):
                 gu += tl.load(lp + k * p_ss, mask=lm, other=0.0, cache_modifier=".cg")
-            _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, hd_rs,
-                              BN, ACT)
+            _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT)
             tl.atomic_xchg(cp, 0)
     else:
-        _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, hd_rs, BN, ACT)
+        _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT)
 
 
 @triton.jit
-def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, hd_rs,
+def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs,
                       BN: tl.constexpr, ACT: tl.constexpr):
     """h = act(gate) * up of the ``2*BN`` interleaved sums ``gu [1, 2BN]``, quantized like
     quantize_act: the program owns BN/32 whole 32-value blocks of row ``pid`` of h."""
@@ -157,14 +156,13 @@ def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hd_ptr, hq_rs, hs_rs, h
     hv = tl.reshape(a * u, [NB, 2, 4, 4])                   # [block, slice, word, byte]
     b4 = (pid_n * NB + tl.arange(0, NB))[:, None, None, None]
     row = pid.to(tl.int64)
-    pack_store_blocks(hv, b4, b4 * 32 < F, hq_ptr + row * hq_rs, hs_ptr + row * hs_rs,
-                      hd_ptr + row * hd_rs)
+    pack_store_blocks(hv, b4, b4 * 32 < F, hq_ptr + row * hq_rs, hs_ptr + row * hs_rs)
 
 
 @triton.jit
-def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
+def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     D, n_chunks, hq_rs, hs_rs, hd_rs, out_rs,
+                     D, n_chunks, hq_rs, hs_rs, out_rs,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
@@ -190,26 +188,26 @@ def _moe_down_kernel(hq_ptr, hs_ptr, hd_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr
         slot = tl.load(slot_ptr + e, mask=jm, other=0).to(tl.int64)
         rows4 = slot[:, None, None, None] * D + loc4
         tmask4 = jm[:, None, None, None]
-        xb4, xsb4, xdb4 = _x_rows(hq_rs, hs_rs, hd_rs, pidv, rows4, XB)
+        xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
         acc = tl.zeros([TKP, BN, CH, 1], dtype=tl.float32)
         for c0 in range(0, n_chunks, CH):
-            acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr, hd_ptr,
-                         xb4, xsb4, xdb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+            acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
+                         xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
         y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
         total = tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
     else:
         total = _down_experts_unrolled(
-            hq_ptr, hs_ptr, hd_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
-            sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs, hd_rs,
+            hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
+            sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM)
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
 
 
 @triton.jit
-def _down_experts_unrolled(hq_ptr, hs_ptr, hd_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr,
+def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr,
                            d_ptr, dm_ptr, sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks,
-                           hq_rs, hs_rs, hd_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                           hq_rs, hs_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                            TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
                            XB: tl.constexpr, USE_ASM: tl.constexpr):
@@ -224,11 +222,11 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, hd_ptr, ids_ptr, wts_ptr, slot_ptr, q
         rows4 = slot * D + loc4
         tt = tl.zeros([1], dtype=tl.int32) + pid
         tmask4 = (tt >= 0)[:, None, None, None]
-        xb4, xsb4, xdb4 = _x_rows(hq_rs, hs_rs, hd_rs, tt, rows4, XB)
+        xb4, xsb4 = _x_rows(hq_rs, hs_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
         for c0 in range(0, n_chunks, CH):
-            acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr, hd_ptr,
-                         xb4, xsb4, xdb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+            acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr,
+                         xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
         total += wgt * tl.sum(tl.sum(acc, axis=3), axis=2)
     return total
@@ -325,8 +323,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     else:
         p = cnt = h.d
     _moe_gate_up_kernel[(blocks, t * top_k, split)](
-        x.q, x.s, x.d, h.q, h.s, h.d, topk_ids, slot_of, *ptrs, p, cnt, f, n_chunks, split_chunks,
-        x.q.stride(0), x.s.stride(0), x.d.stride(0), h.q.stride(0), h.s.stride(0), h.d.stride(0),
+        x.q, x.s, h.q, h.s, topk_ids, slot_of, *ptrs, p, cnt, f, n_chunks, split_chunks,
+        x.q.stride(0), x.s.stride(0), h.q.stride(0), h.s.stride(0),
         *strides, p.stride(0) if split > 1 else 0, p.stride(1) if split > 1 else 0,
         TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
         ACT=ACTIVATIONS[activation],
@@ -377,8 +375,8 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
     et = bool(c.get("experts_tile", False))
     tkp = next_pow2(top_k) if et else 1
     _moe_down_kernel[(cdiv(d, c["BN"]), t)](
-        h.q, h.s, h.d, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
-        h.q.stride(0), h.s.stride(0), h.d.stride(0), out.stride(0), *strides,
+        h.q, h.s, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
+        h.q.stride(0), h.s.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),

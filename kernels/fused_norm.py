@@ -71,9 +71,9 @@ def _add_delta(acc, d_ptr, d_ss, d_rs, S, r64, c, m):
 
 @triton.jit
 def _add_rms_norm_quant_kernel(
-        x_ptr, d0_ptr, d1_ptr, d2_ptr, w_ptr, r_ptr, h_ptr, q_ptr, s_ptr, dq_ptr,
+        x_ptr, d0_ptr, d1_ptr, d2_ptr, w_ptr, r_ptr, h_ptr, q_ptr, s_ptr,
         T, D, x_rs, d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2,
-        r_rs, h_rs, q_rs, s_rs, dq_rs, eps,
+        r_rs, h_rs, q_rs, s_rs, eps,
         ND: tl.constexpr, HAS_W: tl.constexpr, STORE_R: tl.constexpr, STORE_H: tl.constexpr,
         QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
         PDL: tl.constexpr):
@@ -113,7 +113,7 @@ def _add_rms_norm_quant_kernel(
         bm = ((rr < T) & (blk < D // 32))[:, None, None, None]
         rr4 = rr.to(tl.int64)[:, None, None, None]
         pack_store_blocks(h4, blk[:, None, None, None], bm, q_ptr + rr4 * q_rs,
-                          s_ptr + rr4 * s_rs, dq_ptr + rr4 * dq_rs)
+                          s_ptr + rr4 * s_rs)
 
 
 def _fail(msg: str):
@@ -233,13 +233,13 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
         (d0, d0s, d0r, s0), (d1, d1s, d1r, s1), (d2, d2s, d2r, s2) = dargs
         r = residual_out if residual_out is not None else x
         h = hf if hf is not None else x
-        qq, qs, qd = hq if hq is not None else (x, x, x)
+        qq, qs = (hq.q, hq.s) if hq is not None else (x, x)
         _add_rms_norm_quant_kernel[(cdiv(t, rows),)](
-            x, d0, d1, d2, w if w is not None else x, r, h, qq, qs, qd,
+            x, d0, d1, d2, w if w is not None else x, r, h, qq, qs,
             t, n, x.stride(0), d0s, d0r, s0, d1s, d1r, s1, d2s, d2r, s2,
             r.stride(0), h.stride(0),
             qq.stride(0) if hq is not None else 0, qs.stride(0) if hq is not None else 0,
-            qd.stride(0) if hq is not None else 0, float(eps),
+            float(eps),
             ND=len(deltas), HAS_W=w is not None, STORE_R=residual_out is not None,
             STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block,
             NB=block // 32, num_warps=warps, **pdl_args(x.device))

@@ -121,11 +121,11 @@ def _quant_block(v, amax):
 
 
 @triton.jit
-def pack_store_blocks(v, b4, bm, q_row, s_row, d_row):
+def pack_store_blocks(v, b4, bm, q_row, sd_row):
     """Quantize and store 32-value blocks the :class:`QuantAct` way: ``v`` float32
     ``[NB, 2, 4, 4]`` (block, 16-value slice, word, byte) holds blocks ``b4`` (``[NB, 1, 1, 1]``
-    block indices in the row, ``bm`` their mask); ``q_row``/``s_row``/``d_row`` point at the
-    row's code words, slice sums and scales."""
+    block indices in the row, ``bm`` their mask); ``q_row`` points at the row's code words,
+    ``sd_row`` at its (slice sums, scale) pairs (``QuantAct.s``'s row: one 8-byte store each)."""
     i2 = tl.arange(0, 2)[None, :, None, None]
     i4w = tl.arange(0, 4)[None, None, :, None]
     i4b = tl.arange(0, 4)[None, None, None, :]
@@ -138,12 +138,11 @@ def pack_store_blocks(v, b4, bm, q_row, s_row, d_row):
     packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)         # [NB, 1, 1, 1]
     dbits = (amax / 127.0).to(tl.int32, bitcast=True)
     pair = (packed.to(tl.int64) & 0xFFFFFFFF) | (dbits.to(tl.int64) << 32)
-    tl.store(s_row.to(tl.pointer_type(tl.int64)) + b4, pair, mask=bm)
+    tl.store(sd_row.to(tl.pointer_type(tl.int64)) + b4, pair, mask=bm)
 
 
 @triton.jit
-def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, xd_ptr, n_blocks, x_rs, xq_rs, xs_rs, xd_rs,
-                         NB: tl.constexpr):
+def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, n_blocks, x_rs, xq_rs, xs_rs, NB: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     bm = (blk < n_blocks)[:, None, None, None]
@@ -152,8 +151,7 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, xd_ptr, n_blocks, x_rs, xq_rs, x
     i4b = tl.arange(0, 4)[None, None, None, :]
     b4 = blk[:, None, None, None]
     v = tl.load(x_ptr + t * x_rs + b4 * 32 + i2 * 16 + i4w * 4 + i4b, mask=bm, other=0.0)
-    pack_store_blocks(v.to(tl.float32), b4, bm, xq_ptr + t * xq_rs, xs_ptr + t * xs_rs,
-                      xd_ptr + t * xd_rs)
+    pack_store_blocks(v.to(tl.float32), b4, bm, xq_ptr + t * xq_rs, xs_ptr + t * xs_rs)
 
 
 @triton.jit
@@ -166,9 +164,9 @@ def _ld(ptr, mask, other, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb, mx, EVEN: tl.constexpr):
+def _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr):
     """The quantized x of the 32-value blocks starting at value offsets kb [1, 1, CH, 1],
-    broadcast over the BN rows (xb4 / xsb4 / xdb4: the token rows' offsets as [TP, BN, 1, 1]):
+    broadcast over the BN rows (xb4 / xsb4: the token rows' offsets as [TP, BN, 1, 1]):
     words of its two 16-value slices [TP, BN, CH, 4] each, their int8 sums and the block scale
     [TP, BN, CH, 1] each."""
     i4 = tl.arange(0, 4)[None, None, None, :]
@@ -196,13 +194,13 @@ def k_chunk_scales(v):
 
 
 @triton.jit
-def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
+def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
            q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
            QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
            USE_ASM: tl.constexpr):
     """acc [TP, BN, CH, 1] += contributions of chunks c0 .. c0+CH-1 (< c_end) of the rows4
-    [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4 / xdb4.
+    [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4.
 
     Every operand is loaded as a 4-D tile [TP|1, BN, CH, 4|1] (x broadcast over rows by a
     zero-stride pointer), so all of them get the same register layout and nothing moves
@@ -215,9 +213,9 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, x
     mx = tmask4 & cm4
     # ---- x: int8 words + sums of each 16-value slice, one scale per 32 values ----------------
     kb = c4 * CV
-    x0, x1, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb, mx, EVEN)
+    x0, x1, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN)
     if CV == 64:
-        x2, x3, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4, kb + 32, mx, EVEN)
+        x2, x3, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN)
     # ---- weights ------------------------------------------------------------------------------
     if QTYPE == _Q8_0:
         wp = q_ptr + rows4 * q_rs + c4 * 8 + i4
@@ -304,15 +302,15 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, x
 
 
 @triton.jit
-def _x_rows(xq_rs, xs_rs, xd_rs, xrow, rows4, BROADCAST_ROWS: tl.constexpr = False):
-    """Word / sum / scale offsets [TP, BN, 1, 1] (int64) of the x rows ``xrow`` [TP], broadcast
-    over the BN rows of ``rows4`` (a zero-stride dimension)."""
+def _x_rows(xq_rs, xs_rs, xrow, rows4, BROADCAST_ROWS: tl.constexpr = False):
+    """Word / (sum, scale) offsets [TP, BN, 1, 1] (int64) of the x rows ``xrow`` [TP],
+    broadcast over the BN rows of ``rows4`` (a zero-stride dimension)."""
     r = xrow.to(tl.int64)[:, None, None, None]
     if BROADCAST_ROWS:
         z = rows4 * 0
-        return r * xq_rs + z, r * xs_rs + z, r * xd_rs + z
+        return r * xq_rs + z, r * xs_rs + z
     else:
-        return r * xq_rs, r * xs_rs, r * xd_rs
+        return r * xq_rs, r * xs_rs
 
 
 # -----------------------------------------------------------------------------------------------
@@ -329,9 +327,9 @@ def _words(QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                        N, T, n_chunks, split_chunks,
-                       xq_rs, xs_rs, xd_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                       xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
@@ -352,10 +350,10 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, xd_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_p
     for ti in tl.static_range(TP):
         tt = tl.zeros([1], dtype=tl.int32) + ti
         tmask4 = (tt < T)[:, None, None, None]
-        xb4, xsb4, xdb4 = _x_rows(xq_rs, xs_rs, xd_rs, tt, rows4, XB)
+        xb4, xsb4 = _x_rows(xq_rs, xs_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
         for c0 in range(c_begin, c_end, CH):
-            acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xd_ptr, xb4, xsb4, xdb4,
+            acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                          q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
         out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
@@ -430,7 +428,7 @@ def quantize_act(x: torch.Tensor, blocks_per_program: int = 16) -> QuantAct:
     xa = QuantAct.empty(t, k, x.device)
     nb = k // 32
     _quantize_act_kernel[(t, cdiv(nb, blocks_per_program))](
-        x, xa.q, xa.s, xa.d, nb, x.stride(0), xa.q.stride(0), xa.s.stride(0), xa.d.stride(0),
+        x, xa.q, xa.s, nb, x.stride(0), xa.q.stride(0), xa.s.stride(0),
         NB=blocks_per_program, num_warps=2)
     return xa
 
@@ -569,8 +567,8 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
     ptrs, strides = plane_args(w)
     grid = (cdiv(n, cfg["BN"]), split)
     _quant_gemv_kernel[grid](
-        x.q, x.s, x.d, y, *ptrs, n, t, n_chunks, split_chunks,
-        x.q.stride(0), x.s.stride(0), x.d.stride(0), y.stride(-2),
+        x.q, x.s, y, *ptrs, n, t, n_chunks, split_chunks,
+        x.q.stride(0), x.s.stride(0), y.stride(-2),
         y.stride(0) if partials else 0, *strides,
         QTYPE=w.qtype, CV=cv, TP=next_pow2(t), BN=cfg["BN"], CH=cfg["CH"],
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0

@@ -307,9 +307,9 @@ def router_ref(logits: torch.Tensor, top_k: int, *, gating: str = "softmax",
 # -----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr, dq_ptr,
+def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr,
                         wr_ptr, logits_ptr, cnt_ptr, bias_ptr, ids_ptr, w_ptr,
-                        D, E, S, x_rs, dl_ss, dl_rs, r_rs, hf_rs, q_rs, s_rs, dq_rs, wr_rs,
+                        D, E, S, x_rs, dl_ss, dl_rs, r_rs, hf_rs, q_rs, s_rs, wr_rs,
                         l_rs, ids_rs, w_rs, eps, scale,
                         EB: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
                         EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
@@ -350,7 +350,7 @@ def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr, dq_p
         blk = tl.arange(0, NB)
         pack_store_blocks(tl.reshape(h, (NB, 2, 4, 4)), blk[:, None, None, None],
                           (blk < D // 32)[:, None, None, None], q_ptr + t * q_rs,
-                          s_ptr + t * s_rs, dq_ptr + t * dq_rs)
+                          s_ptr + t * s_rs)
     _store_logits_route_last(tl.sum(wr.to(tl.float32) * h[None, :], axis=1), eb, ebm, t, E,
                              logits_ptr, l_rs, cnt_ptr, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs,
                              scale, EP, TOP_K, KP, GATE, HAS_BIAS, NORM, PACKED)
@@ -428,10 +428,10 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
     bias = selection_bias if selection_bias is not None else logits
     h_out = hf if hf is not None else residual_out
     _norm_router_kernel[(t, cdiv(e, eb))](
-        x, dl, norm_w if norm_w is not None else x, residual_out, h_out, hq.q, hq.s, hq.d,
+        x, dl, norm_w if norm_w is not None else x, residual_out, h_out, hq.q, hq.s,
         wt, logits, _counters(t, dev), bias, ids, w,
         d, e, s, x.stride(0), dl_ss, dl_rs, residual_out.stride(0), h_out.stride(0),
-        hq.q.stride(0), hq.s.stride(0), hq.d.stride(0), wt.stride(0), logits.stride(0),
+        hq.q.stride(0), hq.s.stride(0), wt.stride(0), logits.stride(0),
         ids.stride(0), w.stride(0), float(eps), float(expert_weights_scale),
         EB=eb, BLOCK=block, NB=block // 32, EP=next_pow2(e), TOP_K=top_k, KP=next_pow2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
