@@ -454,6 +454,15 @@ def test_undecodable_prompt_bytes_are_a_one_line_error(smollm2_path):
                        capture_output=True, timeout=300)
     r.stderr = r.stderr.decode("utf-8", "replace")
     assert_one_line_error(r, "the prompt is not valid UTF-8")
+    # the same bytes in --system or --stop: refused before the weights load, naming the option
+    for flag, want in (("--system", "--system is not valid UTF-8"),
+                       ("--stop", "is not valid UTF-8")):
+        r = subprocess.run([sys.executable, "-m", "localmoe", "generate", "-m", str(smollm2_path),
+                            "--backend", "torch", "-n", "2", flag, b"caf\xe9", "hello"],
+                           capture_output=True, timeout=300)
+        r.stderr = r.stderr.decode("utf-8", "replace")
+        assert_one_line_error(r, want)
+        assert flag in r.stderr
 
 
 def test_ctrl_c_during_start_up_exits_130_without_a_traceback(smollm2_path):
@@ -538,6 +547,10 @@ def test_info_shows_both_key_groupings(tmp_path):
         b = kv[name]
         assert re.search(rf"^  {re.escape(name)} +{keys} +{b:,.0f} ", r.output, re.M), (name, r.output)
     assert f"{d['n_ctx_default']} tok" in r.output
+    # the tiny file's training context is the default context: one size column, not two
+    assert d["context"] == d["n_ctx_default"]
+    header = next(line for line in r.output.splitlines() if "bytes/token" in line)
+    assert header.count(" tok") == 1, header
     assert json.loads(run(["info", "--json", str(p)]).output)["kv_bytes_per_token"]["int4:t"] == kv["int4:t"]
 
 

@@ -112,18 +112,22 @@ def info(model, as_json):
     n_def, n_full = d["n_ctx_default"], d["context"] or d["n_ctx_default"]
     click.echo(f"KV cache of one sequence (--kv-cache FMT; keys grouped per channel ':c' or per "
                f"token ':t'):")
-    click.echo(f"  {'format':<7} {'keys':<11} {'bytes/token':>11}  {f'{n_def} tok':>10}"
-               f"  {f'{n_full} tok':>10}")
+    sizes = [n_def] if n_full == n_def else [n_def, n_full]   # one column when they are equal
+    click.echo(f"  {'format':<7} {'keys':<11} {'bytes/token':>11}"
+               + "".join(f"  {f'{n} tok':>10}" for n in sizes))
     for fmt, b in d["kv_bytes_per_token"].items():
         g = d["kv_key_grouping"].get(fmt)
         keys = {"channel": "per channel", "token": "per token"}.get(g, "-")
         if b is None:
             click.echo(f"  {fmt:<7} {keys:<11} (not available in this build)")
         else:
-            click.echo(f"  {fmt:<7} {keys:<11} {b:>11,.0f}  {format_size(b * n_def):>10}"
-                       f"  {format_size(b * n_full):>10}")
-    click.echo(f"  ({n_def}: the default context, allocated without --ctx-size; {n_full}: the "
-               f"training context)")
+            click.echo(f"  {fmt:<7} {keys:<11} {b:>11,.0f}"
+                       + "".join(f"  {format_size(b * n):>10}" for n in sizes))
+    if len(sizes) == 1:
+        click.echo(f"  ({n_def}: the default context, which is also the training context)")
+    else:
+        click.echo(f"  ({n_def}: the default context, allocated without --ctx-size; {n_full}: the "
+                   f"training context)")
 
 
 @click.command()

@@ -259,6 +259,12 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}",
                                           param="stop")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:   # no generated text can ever match it
+                raise InvalidRequestError(
+                    f"stop string {s!r} is not valid UTF-8 (an undecodable byte or a lone "
+                    f"surrogate at character {e.start})", param="stop") from None
         self.stop = stop
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0)
