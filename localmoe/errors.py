@@ -68,5 +68,19 @@ class InvalidRequestError(LocalMoEError):
         super().__init__(message)
 
 
+def require_utf8(text: str, what: str, param: str | None) -> None:
+    """Refuse text UTF-8 cannot encode: lone surrogates, which is how Python carries
+    undecodable bytes from argv, stdin or JSON.
+
+    Raises:
+        InvalidRequestError: ``"<what> is not valid UTF-8 (...at character N)"`` with ``param``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} is not valid UTF-8 (an undecodable byte or a lone "
+                                  f"surrogate at character {e.start})", param) from None
+
+
 class StoreError(LocalMoEError):
     """A model store operation failed (download, checksum mismatch, disk)."""

@@ -9,7 +9,7 @@ import click
 
 from localmoe.cli import options, routing
 from localmoe.cli.options import OneLineUsageError, model_options, sampling_kwargs, sampling_options
-from localmoe.errors import LocalMoEError
+from localmoe.errors import LocalMoEError, require_utf8
 
 
 @click.command()
@@ -50,7 +50,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         backend = routing.check_request(record_routing, backend)
     prompt = _read_prompt(prompt)
     if system is not None:
-        _check_utf8(system, "--system", "system")
+        require_utf8(system, "--system", "system")
     if raw and system:
         click.echo("warning: --system is ignored with --raw (plain completion sends the prompt "
                    "as is); put the system text into the prompt instead", err=True)
@@ -174,24 +174,8 @@ def _read_prompt(prompt: str | None) -> str:
     if not prompt.strip():
         raise OneLineUsageError("the prompt is empty; give a PROMPT argument or pipe the prompt on "
                                 "stdin")
-    _check_utf8(prompt, "the prompt", "prompt")
+    require_utf8(prompt, "the prompt", "prompt")
     return prompt
-
-
-def _check_utf8(text: str, what: str, param: str) -> None:
-    """Refuse text UTF-8 cannot encode (undecodable argv/stdin bytes arrive as lone
-    surrogates), naming ``what`` it is.
-
-    Raises:
-        InvalidRequestError: with ``param``.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        from localmoe.errors import InvalidRequestError
-
-        raise InvalidRequestError(f"{what} is not valid UTF-8 (an undecodable byte at "
-                                  f"character {e.start})", param) from None
 
 
 def _header(llm) -> dict:

@@ -54,7 +54,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from localmoe.errors import InvalidRequestError
+from localmoe.errors import InvalidRequestError, require_utf8
 
 __all__ = ["SamplingParams", "Sampler", "TokenLogprob", "GREEDY_TEMPERATURE", "MAX_TOP_LOGPROBS"]
 
@@ -259,12 +259,7 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}",
                                           param="stop")
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as e:   # no generated text can ever match it
-                raise InvalidRequestError(
-                    f"stop string {s!r} is not valid UTF-8 (an undecodable byte or a lone "
-                    f"surrogate at character {e.start})", param="stop") from None
+            require_utf8(s, f"stop string {s!r}", "stop")   # no generated text could match it
         self.stop = stop
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0)

@@ -250,15 +250,10 @@ def _check_utf8(obj: Any, where: str) -> None:
         InvalidRequestError: names the message field (``messages[1].content``) and the
             character position inside it.
     """
-    from localmoe.errors import InvalidRequestError
+    from localmoe.errors import require_utf8
 
     if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(
-                f"{where} is not valid UTF-8 (an undecodable byte or a lone surrogate at character "
-                f"{e.start})", where.split("[")[0].split(".")[0]) from None
+        require_utf8(obj, where, where.split("[")[0].split(".")[0])
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _check_utf8(v, f"{where}.{k}")

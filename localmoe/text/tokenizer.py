@@ -44,7 +44,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
-from localmoe.errors import InvalidRequestError
+from localmoe.errors import require_utf8
 from localmoe.text.bytelevel import SPM_SPACE
 from localmoe.text.vocab import (TT_BYTE, TT_CONTROL, TT_NORMAL, TT_UNKNOWN, TT_UNUSED,
                                  VocabParts)
@@ -274,12 +274,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes from argv/stdin/JSON
-            raise InvalidRequestError(
-                f"the text is not valid UTF-8 (an undecodable byte or a lone surrogate at "
-                f"character {e.start})", "prompt") from None
+        require_utf8(text, "the text", "prompt")
         ids: list[int] = []
         if add_special and self.add_bos:
             ids.append(self.bos_id)
