@@ -42,13 +42,20 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--topk-max", type=int, default=None,
+                    help="override kernels.sampling.TOPK_MAX (0: torch.topk for every top_k)")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of the modes")
     a = ap.parse_args()
     import numpy as np
     import torch
 
     from localmoe.engine.sampling import Sampler, SamplingParams
+    import localmoe.kernels.sampling as ks
     from localmoe.kernels.sampling import (DeviceSamplingParams, counts_from_history,
                                            pack_mask, sample_device, sample_ref)
+
+    if a.topk_max is not None:
+        ks.TOPK_MAX = a.topk_max
 
     V = a.vocab
     cuda = torch.cuda.is_available()
@@ -63,8 +70,11 @@ def main() -> None:
         "temperature": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
         "top_p_full": dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0),
     }
+    if a.modes:
+        modes = {k: v for k, v in modes.items() if k in a.modes.split(",")}
     res = {"machine": platform.node() or "vm", "gpu": torch.cuda.get_device_name() if cuda
-           else None, "command": "python " + " ".join(sys.argv), "vocab": V, "runs": {}}
+           else None, "command": "python " + " ".join(sys.argv), "vocab": V, "topk_max": ks.TOPK_MAX,
+           "runs": {}}
     for name, kw in modes.items():
         for extra in ("plain", "mask", "penalties+mask"):
             pen = dict(repeat_penalty=1.1, frequency_penalty=0.2, repeat_last_n=64) \

@@ -411,3 +411,33 @@ def test_capture_in_cuda_graph_without_host_sync():
         seen.add(int(out.ids[0]))
     assert len(seen) > 1  # replays draw fresh numbers (the step counter lives on the device)
     assert int(dp.step[0]) >= 20
+
+
+@pytest.mark.parametrize("top_k,merge_keys", [(3, 1024), (40, 1024), (64, 128), (5, 16)])
+def test_fused_top_k_candidates_draw_the_twin_ids_with_ties(top_k, merge_keys, monkeypatch):
+    """top_k <= TOPK_MAX goes through the top-k kernels (their packed keys order equal logits
+    by increasing id, as the twin's stable sort): on logits with many ties, over several blocks
+    of the split pass and one or several merge passes (``MERGE_KEYS`` small: 2 lists per
+    program, 3 -> 2 -> 1), the kernels draw the twin's ids step after step."""
+    import localmoe.kernels.sampling as ks
+
+    if ks.fused_topk_width(top_k) == 0:
+        pytest.skip("this Triton has no tl.topk: torch.topk serves")
+    monkeypatch.setattr(ks, "MERGE_KEYS", merge_keys)
+    V = 2 * ks.BLOCK + 37
+    g = torch.Generator().manual_seed(11)
+    rows = torch.round(torch.randn(4, V, generator=g) * 4) / 2     # few distinct values
+    rows[1, 5] = rows[1].max() + 1.0                                 # a clear winner
+    rows[2, :] = 0.0                                                 # one big tie
+    ps = [SamplingParams(seed=70 + i, temperature=1.3, top_k=top_k, top_p=0.97).validate()
+          for i in range(4)]
+    a = DeviceSamplingParams.build(ps, V, DEV)
+    b = DeviceSamplingParams.build(ps, V, DEV)
+    assert a.n_cand == top_k
+    for _ in range(3):
+        x = sample_device(rows.to(DEV), a, want_logprobs=True)
+        y = sample_ref(rows.to(DEV), b, want_logprobs=True)
+        assert x.ids.tolist() == y.ids.tolist()
+        assert torch.allclose(x.logprobs, y.logprobs, atol=1e-4)
+    if top_k >= 40:     # the all-zero row draws among the lowest top_k ids only
+        assert 0 <= x.ids[2].item() < top_k
