@@ -22,6 +22,7 @@ measures both engines at batch 1:
   (llama.cpp: ``pp<n>``);
 * ``replay_ms`` (localmoe only): the decode step with 32 steps queued back to back (logits left
   on the device): its GPU time without the per-step host work that ``tpot_ms`` includes;
+  ``graph_ms`` the captured graph alone replayed back to back (no input staging between);
 * ``tpot_generate_ms`` (localmoe only): the engine's decode loop on the runner
   (:func:`time_generate`: device sampling, each step launched with the sampled token still on
   the device and read after the launch), ``tpot_generate_unpipelined_ms`` the same loop reading
@@ -270,6 +271,31 @@ def replay_ms(runner, seq: int, steps: int = 32) -> float | None:
     return e0.elapsed_time(e1) / steps
 
 
+def graph_ms(runner, seq: int, steps: int = 32) -> float | None:
+    """Milliseconds per replay of the captured decode graph that ``seq``'s next step uses (its
+    length bucket), replayed back to back with nothing else queued (no input staging, no
+    copies): the step's time on the device, to set against :func:`replay_ms`. None without a
+    captured graph."""
+    import torch
+
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        return None
+    key = (1, graphs.bucket(runner.cache.seq_len(seq) + 1))
+    g = graphs.graphs.get(key)
+    if g is None or g.graph is None:
+        return None
+    for _ in range(3):
+        g.graph.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(steps):
+        g.graph.replay()
+    e1.record()
+    _sync()
+    return e0.elapsed_time(e1) / steps
+
+
 def time_decode(runner, seq: int, n: int) -> float:
     times = []
     for i in range(n):
@@ -399,6 +425,7 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                 runner.forward([(s, prompt[:1])])
             tpot = time_decode(runner, s, n_gen)
             replay = replay_ms(runner, s)
+            graph = graph_ms(runner, s)
             gen = time_generate(runner, s, n_gen)
             gen_plain = time_generate(runner, s, n_gen, pipeline=False)
             prof = profile_decode(runner, s) if profile else {}
@@ -417,6 +444,7 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                    "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
                    "tpot_ms": round(tpot, 3),
                    "replay_ms": round(replay, 3) if replay else None,
+                   "graph_ms": round(graph, 3) if graph else None,
                    "tpot_generate_ms": round(gen, 3) if gen else None,
                    "tpot_generate_unpipelined_ms": round(gen_plain, 3) if gen_plain else None,
                    "tpot_engine_ms": round(engine_ms, 3) if engine_ms else None,
