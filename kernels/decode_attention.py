@@ -11,6 +11,12 @@ N side, :func:`default_swap`), and an online softmax accumulates ``sum p * V``. 
 split writes its normalized partial output and its log2-sum-exp; stage 2 (the reduction
 kernel, or with ``fused_reduce=True`` the last split of each (sequence, kv head) in the same
 launch, ordered by an acq_rel atomic counter) merges the splits of every (sequence, query head).
+With one split (and value planes of whole 32-channel blocks, not joined) the split program
+writes the normalized output, and the O projection's int8 blocks, itself: no reduction
+launch. Capping short contexts at one split to get there measured slower on the H200 (a
+256-token bucket's programs walk two tiles in turn: 198 + 71 us of split and reduction per
+token became 350 us, the step 2.085 -> 2.167 ms; ``decode_step_h200-2026-12-03-s15.json``), so
+the split count is unchanged and this serves launches whose context fits one tile.
 
 Sub-byte rows use the *split-plane* packing of :func:`localmoe.kv.quant_ops.pack_codes`: plane i of
 a row (bits ``i*P .. i*P+P-1`` of every byte) holds channels ``i*RB .. i*RB+RB-1`` in order, so
@@ -517,9 +523,9 @@ def _decode_split_kernel(
     Qry, QryR,
     Kq, Kqh, Ks, Kz, Koi, Kov, Ksink, Kring, Kpos,
     Vq, Vqh, Vs, Vz, Voi, Vov, Vsink, Vring, Vpos,
-    BlockTable, SeqLens, SeqRows, MidO, MidL, Out, Locks,
+    BlockTable, SeqLens, SeqRows, MidO, MidL, Out, Locks, Qq, Qs,
     n_slots, n_blocks, k_sqh, k_sqs, v_sqh, v_sqs, stride_qb, stride_qh, stride_bt,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, q_rs, s_rs,
     qk_scale, sliding_window, chunk, n_splits,
     HKV: tl.constexpr, QPK: tl.constexpr, QPK_P: tl.constexpr, BLOCK_H: tl.constexpr,
     D: tl.constexpr,
@@ -532,6 +538,7 @@ def _decode_split_kernel(
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
     K_PRE: tl.constexpr, V_PRE: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
+    SINGLE: tl.constexpr = False, QUANT: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -668,49 +675,89 @@ def _decode_split_kernel(
     ok = l_i > 0
     inv = 1.0 / tl.where(ok, l_i, 1.0)
     lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))
-    hq_total = HKV * QPK
-    base = (b * hq_total + qh) * n_splits + split
-    if V_JOIN:
-        _store_acc(MidO, base, vperm, acc0, inv, hmask, DV, SWAP)
+    if SINGLE:
+        # one split: this program holds the whole softmax, so it writes the normalized output
+        # (and its int8 blocks) itself and no reduction runs
+        _single_out(Out, Qq, Qs, b, hk, vc, acc0, inv, 0, stride_ob, stride_oh, q_rs, s_rs,
+                    QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+        if V_NPL >= 2:
+            _single_out(Out, Qq, Qs, b, hk, vc, acc1, inv, 1, stride_ob, stride_oh, q_rs, s_rs,
+                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+        if V_NPL >= 4:
+            _single_out(Out, Qq, Qs, b, hk, vc, acc2, inv, 2, stride_ob, stride_oh, q_rs, s_rs,
+                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+            _single_out(Out, Qq, Qs, b, hk, vc, acc3, inv, 3, stride_ob, stride_oh, q_rs, s_rs,
+                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
     else:
-        _store_acc(MidO, base, vc, acc0, inv, hmask, DV, SWAP)
-    if V_NPL >= 2 and not V_JOIN:
-        _store_acc(MidO, base, VRB + vc, acc1, inv, hmask, DV, SWAP)
-    if V_NPL >= 4 and not V_JOIN:
-        _store_acc(MidO, base, 2 * VRB + vc, acc2, inv, hmask, DV, SWAP)
-        _store_acc(MidO, base, 3 * VRB + vc, acc3, inv, hmask, DV, SWAP)
-    tl.store(MidL + base, lse, mask=hmask)
-    if FUSE:
-        # split-K merge in the same launch: the last split of (sequence, kv head) to finish
-        # (an acq_rel counter orders the other splits' partial stores before it) merges all
-        # partials of the kv head's QPK query heads and resets the counter for the next call
-        cnt = tl.atomic_add(Locks + pid, 1, sem="acq_rel")
-        if cnt == n_splits - 1:
-            hrow = (b * hq_total + qh) * n_splits
-            sp = tl.arange(0, SPLITS_P)
-            lse_all = tl.load(MidL + hrow[:, None] + sp[None, :],
-                              mask=hmask[:, None] & (sp < n_splits)[None, :],
-                              other=float("-inf"), cache_modifier=".cg")
-            mx = tl.max(lse_all, axis=1)
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
-            tot = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
-            dv = tl.arange(0, DV)
-            mc = tl.arange(0, MERGE_C)
-            o = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
-            for s0 in range(0, n_splits, MERGE_C):
-                sm = (s0 + mc) < n_splits
-                m3 = hmask[:, None, None] & sm[None, :, None]
-                lw = tl.load(MidL + hrow[:, None] + s0 + mc[None, :],
-                             mask=hmask[:, None] & sm[None, :], other=float("-inf"),
-                             cache_modifier=".cg")
-                w = tl.exp2(lw - mx[:, None])
-                po = tl.load(MidO + ((hrow[:, None] + s0 + mc[None, :]) * DV)[:, :, None]
-                             + dv[None, None, :], mask=m3, other=0.0, cache_modifier=".cg")
-                o += tl.sum(w[:, :, None] * po, axis=1)
-            o = o / tl.where(tot > 0, tot, 1.0)[:, None]
-            tl.store(Out + b * stride_ob + qh[:, None] * stride_oh + dv[None, :], o,
-                     mask=hmask[:, None])
-            tl.atomic_xchg(Locks + pid, 0)
+        hq_total = HKV * QPK
+        base = (b * hq_total + qh) * n_splits + split
+        if V_JOIN:
+            _store_acc(MidO, base, vperm, acc0, inv, hmask, DV, SWAP)
+        else:
+            _store_acc(MidO, base, vc, acc0, inv, hmask, DV, SWAP)
+        if V_NPL >= 2 and not V_JOIN:
+            _store_acc(MidO, base, VRB + vc, acc1, inv, hmask, DV, SWAP)
+        if V_NPL >= 4 and not V_JOIN:
+            _store_acc(MidO, base, 2 * VRB + vc, acc2, inv, hmask, DV, SWAP)
+            _store_acc(MidO, base, 3 * VRB + vc, acc3, inv, hmask, DV, SWAP)
+        tl.store(MidL + base, lse, mask=hmask)
+        if FUSE:
+            # split-K merge in the same launch: the last split of (sequence, kv head) to finish
+            # (an acq_rel counter orders the other splits' partial stores before it) merges all
+            # partials of the kv head's QPK query heads and resets the counter for the next call
+            cnt = tl.atomic_add(Locks + pid, 1, sem="acq_rel")
+            if cnt == n_splits - 1:
+                hrow = (b * hq_total + qh) * n_splits
+                sp = tl.arange(0, SPLITS_P)
+                lse_all = tl.load(MidL + hrow[:, None] + sp[None, :],
+                                  mask=hmask[:, None] & (sp < n_splits)[None, :],
+                                  other=float("-inf"), cache_modifier=".cg")
+                mx = tl.max(lse_all, axis=1)
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                tot = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
+                dv = tl.arange(0, DV)
+                mc = tl.arange(0, MERGE_C)
+                o = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+                for s0 in range(0, n_splits, MERGE_C):
+                    sm = (s0 + mc) < n_splits
+                    m3 = hmask[:, None, None] & sm[None, :, None]
+                    lw = tl.load(MidL + hrow[:, None] + s0 + mc[None, :],
+                                 mask=hmask[:, None] & sm[None, :], other=float("-inf"),
+                                 cache_modifier=".cg")
+                    w = tl.exp2(lw - mx[:, None])
+                    po = tl.load(MidO + ((hrow[:, None] + s0 + mc[None, :]) * DV)[:, :, None]
+                                 + dv[None, None, :], mask=m3, other=0.0, cache_modifier=".cg")
+                    o += tl.sum(w[:, :, None] * po, axis=1)
+                o = o / tl.where(tot > 0, tot, 1.0)[:, None]
+                tl.store(Out + b * stride_ob + qh[:, None] * stride_oh + dv[None, :], o,
+                         mask=hmask[:, None])
+                tl.atomic_xchg(Locks + pid, 0)
+
+
+@triton.jit
+def _single_out(Out, Qq, Qs, b, hk, vc, acc, inv, i: tl.constexpr, stride_ob, stride_oh, q_rs,
+                s_rs, QPK: tl.constexpr, BLOCK_H: tl.constexpr, VRB: tl.constexpr,
+                DV: tl.constexpr, SWAP: tl.constexpr, QUANT: tl.constexpr):
+    """Value plane ``i`` (channels ``i*VRB ..``) of a single-split program's output: ``acc``
+    (an accumulator of :func:`_pv`) times ``inv``, stored as float32 rows of the kv head's
+    query heads and, with ``QUANT``, as their int8 blocks in the O projection's QuantAct
+    (VRB a multiple of 32: a plane holds whole blocks)."""
+    if SWAP:
+        o = tl.trans(acc) * inv[:, None]                    # [BLOCK_H, VRB]
+    else:
+        o = acc * inv[:, None]
+    hi = tl.arange(0, BLOCK_H)
+    qh = hk * QPK + hi
+    tl.store(Out + b * stride_ob + qh[:, None] * stride_oh + (i * VRB + vc)[None, :], o,
+             mask=(hi < QPK)[:, None])
+    if QUANT:
+        NBP: tl.constexpr = VRB // 32
+        r = tl.arange(0, BLOCK_H * NBP)
+        blk = (hk * QPK + r // NBP) * (DV // 32) + i * NBP + r % NBP
+        b4 = blk[:, None, None, None]
+        bl = b.to(tl.int64)
+        pack_store_blocks(tl.reshape(o, [BLOCK_H * NBP, 2, 4, 4]), b4,
+                          ((r // NBP) < QPK)[:, None, None, None], Qq + bl * q_rs, Qs + bl * s_rs)
 
 
 @triton.jit
@@ -739,6 +786,13 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
         bl = b.to(tl.int64)
         pack_store_blocks(tl.reshape(out, [NB, 2, 4, 4]), b4, b4 >= 0, Qq + bl * q_rs,
                           Qs + bl * s_rs)
+
+
+def _v_planes(vspec) -> int:
+    """Planes a value row is split into (split-plane packing, as the kernel's ``V_NPL``): 1 for
+    float and int8, 2 for int4 and fp4, 4 for int3/int2."""
+    vf, vb = vspec[0], vspec[1]
+    return 1 if (vf == 0 or vb == 8) else (2 if vb == 4 else 4)
 
 
 def _codec_args(codec, store):
@@ -948,8 +1002,8 @@ def decode_attention(q: torch.Tensor, k_codec, k_store: dict, v_codec, v_store: 
             with query-head tiles of max(8, QPK) rows.
         quant_out: a :class:`localmoe.kernels.quant_gemv.QuantAct` ``[B, n_heads * Dv]``
             that also receives the output quantized to int8 blocks (the input of the O
-            projection's GEMV; written by the reduction, so no quantize launch follows;
-            ``Dv`` a multiple of 32).
+            projection's GEMV; written by the reduction, or by the split itself when there is
+            one, so no quantize launch follows; ``Dv`` a multiple of 32).
         asm: unpack int8/int4/int2 codes with inline PTX (:func:`_ptx_codes`, four codes per
             32-bit register) instead of per-element integer ops (default: on a CUDA device
             unless ``TRITON_INTERPRET`` is set, since the interpreter cannot run PTX, or
@@ -1005,15 +1059,23 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
     meta = _constexprs(q, k_codec, kspec, v_codec, vspec, ch, page_size, seq_rows[1], num_splits,
                        asm)
     meta["IDX64"] = max(t.numel() for t in kt + vt) >= 2 ** 31
+    qa = quant_out
+    # one split (and value planes of whole 32-channel blocks, not joined): the split writes the
+    # output and its int8 blocks itself, no reduction launch
+    single = num_splits == 1 and not meta["V_JOIN"] and (DV // _v_planes(vspec)) % 32 == 0
+    if single:
+        meta.update(SINGLE=True, QUANT=qa is not None, FUSE=False)
     locks = _locks(B * HKV, dev) if meta["FUSE"] else mid_l
+    qt = (qa.q, qa.s, qa.q.stride(0), qa.s.stride(0)) if qa is not None else (out, out, 0, 0)
     _launch_split((B * HKV, num_splits), (
         q, qr, *kt, *vt, block_table, seq_lens, seq_rows[0], mid_o, mid_l, out, locks,
-        n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), sm_scale * LOG2E, int(sliding_window or 0), chunk,
-        num_splits), meta, ch["block_n"], {} if maxnreg is None else {"maxnreg": int(maxnreg)})
-    qa = quant_out
+        qt[0], qt[1], n_slots, knb, ksh, kss, vsh, vss, q.stride(0), q.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), qt[2], qt[3], sm_scale * LOG2E,
+        int(sliding_window or 0), chunk, num_splits), meta, ch["block_n"],
+        {} if maxnreg is None else {"maxnreg": int(maxnreg)})
+    if single:
+        return out
     if not meta["FUSE"]:
-        qt = (qa.q, qa.s, qa.q.stride(0), qa.s.stride(0)) if qa else (out, out, 0, 0)
         _decode_reduce_kernel[(B * HQ,)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
             HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,

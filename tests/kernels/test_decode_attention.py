@@ -363,3 +363,34 @@ def test_quantized_output_for_the_o_projection(fused_reduce):
     with pytest.raises(ValueError, match="multiple of 32"):
         decode_attention(torch.randn(1, 4, 16, device=DEV), c16, c16.alloc(64, DEV), c16,
                          c16.alloc(64, DEV), bt[:1], lens[:1], page_size=16, quant_out=qa)
+
+
+@pytest.mark.parametrize("kname,vname,d,swap", [("f16", "f16", 32, False), ("int8", "int8", 32, True),
+                                                 ("int4", "int4", 64, False), ("int4:c", "int4", 64, True),
+                                                 ("f16", "fp4", 64, False), ("int2", "int2", 64, True)])
+def test_one_split_writes_the_output_itself(kname, vname, d, swap):
+    """With one split the split program writes the normalized output and the O projection's
+    int8 blocks itself (no reduction launch; int2/int3 values, whose planes are joined, keep the
+    reduction): the same output as several splits and the twin, and ``quant_out`` bit for bit
+    ``quantize_act`` of it, also for a sequence with no tokens and query heads that do not fill
+    the tile (qpk 3)."""
+    from localmoe.kernels.quant_gemv import QuantAct, quantize_act
+
+    kc, ks, vc, vs, bt, lens = _build(kname, vname, [37, 5, 90], 2, d, 16, seed=3)
+    lens[1] = 0
+    q = torch.randn(3, 6, d, device=DEV)
+    kw = dict(page_size=16, block_n=32, swap_ab=swap)
+    qa = QuantAct.empty(3, 6 * d, DEV)
+    one = decode_attention(q, kc, ks, vc, vs, bt, lens, num_splits=1, quant_out=qa, **kw)
+    many = decode_attention(q, kc, ks, vc, vs, bt, lens, num_splits=3, **kw)
+    assert torch.allclose(one, many, atol=tol.SPLITS, rtol=tol.SPLITS)
+    assert torch.equal(one[1], torch.zeros_like(one[1]))
+    want = quantize_act(one.reshape(3, -1))
+    for got, ref in zip(qa, want):
+        assert torch.equal(got, ref)
+    kw.pop("block_n")
+    kw.pop("swap_ab")
+    r = decode_attention_ref(q, kc, ks, vc, vs, bt, lens, **kw)
+    err = ((one - r).norm() / r.norm()).item()
+    assert err < tol.FP16, err
+
