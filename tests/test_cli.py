@@ -756,3 +756,22 @@ def test_generate_json_schema_errors_are_one_line(tmp_path, schema, needle):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert needle in lines[0] and "No such file" not in lines[0], lines
+
+
+def test_generate_cut_by_a_full_context_says_so(tmp_path):
+    """Generation that stops because the context is full (not at -n) printed the cut answer
+    with no word on the terminal (only --json's finish_reason told): one note on stderr names
+    the context size; stdout keeps the text, exit 0. Stopping at -n adds no note."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    r = run(["generate", "-m", m, "--backend", "torch", "-c", "12", "-n", "50", "--raw",
+             "--seed", "1", "one two three"])
+    assert r.exit_code == 0, r.output
+    notes = [ln for ln in r.stderr.splitlines() if "is full" in ln]
+    assert len(notes) == 1 and "context (12 tokens)" in notes[0] and "--ctx-size" in notes[0], \
+        r.stderr
+    r = run(["generate", "-m", m, "--backend", "torch", "-c", "64", "-n", "2", "--raw",
+             "--seed", "1", "one two three"])
+    assert r.exit_code == 0, r.output
+    assert "is full" not in r.stderr

@@ -96,8 +96,17 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
                            f"a plain completion of the prompt", err=True)
             events = llm.chat_stream(msgs, make_sampling_params(llm.default_sampling(), **sampling))
         result = _stream(llm, events, as_json)
-        if (json_schema is not None or json_object) and result is not None \
-                and result.finish_reason == "length":  # stdout keeps what was generated
+        cut = result is not None and result.finish_reason == "length"
+        # cut because the context is full rather than at --max-tokens: said on stderr (--json
+        # has it in finish_reason and the token counts); stdout keeps what was generated
+        full = cut and result.prompt_tokens + result.completion_tokens >= llm.n_ctx
+        schema = json_schema is not None or json_object
+        if full and (schema or not as_json):
+            click.echo(f"note: the context ({llm.n_ctx} tokens) is full: the answer was cut "
+                       f"after {result.completion_tokens} tokens"
+                       + ("; the JSON is incomplete" if schema else "")
+                       + "; a larger -c/--ctx-size leaves more room", err=True)
+        elif cut and schema:
             n = sampling.get("max_tokens") or result.completion_tokens
             click.echo(f"warning: the answer was cut at --max-tokens ({n}); the JSON is "
                        f"incomplete", err=True)
