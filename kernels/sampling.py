@@ -599,7 +599,8 @@ def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
     # sorted candidates of few top_k: the prep pass keeps each block's KC largest, merge passes
     # the row's (torch.topk over the vocabulary: ~48 us of kernels at 151,936 entries)
     KC = fused_topk_width(params.n_cand) if params.stochastic else 0
-    pk = buf("pk", (B, S, KC), torch.int64) if KC else x
+    # (the top-k buffers' names carry KC: one workspace may serve calls of other top_k)
+    pk = buf(f"pk{KC}", (B, S, KC), torch.int64) if KC else x
     pmax, psum = buf("pmax", (B, S), f32), buf("psum", (B, S), f32)
     parg, pfirst, pok = (buf(n, (B, S), i32) for n in ("parg", "pfirst", "pok"))
     ids = buf("ids", (B,), torch.int64)
@@ -627,14 +628,14 @@ def sample_device(logits: torch.Tensor, params: DeviceSamplingParams, *,
                                       lp, V, S, SB=SB, num_warps=1, **opts)
         else:
             if KC:
-                vals, idx = buf("cvals", (B, KC), f32), buf("cidx", (B, KC), i32)
+                vals, idx = buf(f"cvals{KC}", (B, KC), f32), buf(f"cidx{KC}", (B, KC), i32)
                 # merge passes of at most MERGE_KEYS keys per program until one list is left
                 # (151,936 entries, KC 64: 75 lists -> 5 -> 1)
                 GS = max(2, MERGE_KEYS // KC)
                 src, n, lvl = pk, S, 0
                 while True:
                     G = cdiv(n, GS)
-                    dst = buf(f"pk{lvl}", (B, G, KC), torch.int64) if G > 1 else src
+                    dst = buf(f"pk{KC}_{lvl}", (B, G, KC), torch.int64) if G > 1 else src
                     _topk_merge_kernel[(B, G)](src, dst, vals, idx, n, G, KC=KC,
                                                GS=next_pow2(min(GS, n)), FINAL=G == 1,
                                                num_warps=4)

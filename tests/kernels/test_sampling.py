@@ -441,3 +441,10 @@ def test_fused_top_k_candidates_draw_the_twin_ids_with_ties(top_k, merge_keys, m
         assert torch.allclose(x.logprobs, y.logprobs, atol=1e-4)
     if top_k >= 40:     # the all-zero row draws among the lowest top_k ids only
         assert 0 <= x.ids[2].item() < top_k
+    # one workspace across calls of two top_k (buffers of another candidate count)
+    ws: dict = {}
+    for k in (top_k, 7, top_k):
+        ps = [SamplingParams(seed=9, top_k=k, top_p=0.97).validate()] * 4
+        c, d = (DeviceSamplingParams.build(ps, V, DEV) for _ in range(2))
+        assert sample_device(rows.to(DEV), c, workspace=ws).ids.tolist() == \
+            sample_ref(rows.to(DEV), d).ids.tolist()
