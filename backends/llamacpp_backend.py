@@ -26,10 +26,12 @@ Sequences: llama.cpp's context holds ``max_seqs`` sequences (default 1) in one K
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
+import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCacheFormatError,
                              LocalMoEError, ModelLoadError, UnsupportedModelError)
@@ -91,6 +93,46 @@ _LOG_CB = None
 #: llama.cpp's recent error lines, kept while a model loads (its load errors name the cause:
 #: "tensor 'x' has wrong shape", "key y has wrong type", ...) to put them in our error message
 _LOAD_LOG: list[str] | None = None
+
+log = logging.getLogger("localmoe.backends.llamacpp")
+
+
+def amx_build(llama_cpp: Any) -> bool:
+    """Whether this llama.cpp build multiplies with Intel AMX (``AMX_INT8 = 1`` in its system
+    info: built natively on a CPU with AMX, e.g. Sapphire Rapids)."""
+    try:
+        return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+    except Exception:  # noqa: BLE001 -- an older binding: assume not
+        return False
+
+
+@contextlib.contextmanager
+def safe_model_params(llama_cpp: Any) -> Iterator[bool]:
+    """Around a ``llama_cpp.Llama(...)`` call: on an AMX build, its models are loaded without
+    llama.cpp's extra CPU buffer types (``use_extra_bufts = False``: no AMX or repacked weight
+    copies). The AMX matrix multiply crashes llama.cpp with a segmentation fault on some
+    machines (ggml-org/llama.cpp#20824; seen here with llama-cpp-python 0.3.36 on a
+    Sapphire Rapids VM, on the first decode of a Q4_1 model). ``LOCALMOE_LLAMACPP_AMX=1``
+    keeps them. Yields whether the extra buffers were turned off."""
+    low = getattr(llama_cpp, "llama_cpp", None)
+    default = getattr(low, "llama_model_default_params", None)
+    off = (default is not None and amx_build(llama_cpp)
+           and os.environ.get("LOCALMOE_LLAMACPP_AMX", "") != "1"
+           and any(f[0] == "use_extra_bufts" for f in getattr(default(), "_fields_", ())))
+    if not off:
+        yield False
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield True
+    finally:
+        low.llama_model_default_params = default
 
 #: limits of the llama.cpp llama-cpp-python ships (src/llama-hparams.h), asserted (abort) on load
 LLAMA_MAX_EXPERTS = 512
@@ -157,7 +199,6 @@ def _load_llama(llama_cpp: Any, path: str, **kw: Any) -> Any:
     Raises:
         ModelLoadError: llama.cpp could not load the file (with what llama.cpp said).
     """
-    import contextlib
     import io
 
     global _LOAD_LOG
@@ -166,8 +207,13 @@ def _load_llama(llama_cpp: Any, path: str, **kw: Any) -> Any:
     _LOAD_LOG = []
     sink = io.StringIO()
     try:
-        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            return llama_cpp.Llama(model_path=path, verbose=True, **kw)
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
+                safe_model_params(llama_cpp) as off:
+            llm = llama_cpp.Llama(model_path=path, verbose=True, **kw)
+        if off:
+            log.info("llama.cpp built with AMX: weights loaded without the AMX/repacked copies "
+                     "(llama.cpp#20824; LOCALMOE_LLAMACPP_AMX=1 keeps them)")
+        return llm
     except (ValueError, RuntimeError, OSError) as e:
         said = " ".join(" ".join(_LOAD_LOG).split())
         said = f" (llama.cpp: {said[-400:]})" if said else ""

@@ -72,6 +72,19 @@ def has_llamacpp() -> bool:
         return False
 
 
+def raw_llama(*args, **kw):
+    """``llama_cpp.Llama(*args, **kw)`` loaded as the llamacpp backend loads it (on a build
+    with AMX, without the extra CPU buffers whose matrix multiply crashes on some machines:
+    :func:`localmoe.backends.llamacpp_backend.safe_model_params`), so raw references and the
+    backend compute alike and neither crashes."""
+    import llama_cpp
+
+    from localmoe.backends.llamacpp_backend import safe_model_params
+
+    with safe_model_params(llama_cpp):
+        return llama_cpp.Llama(*args, **kw)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_llama = pytest.mark.skip(reason="llama-cpp-python not installed")

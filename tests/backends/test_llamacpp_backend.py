@@ -11,7 +11,7 @@ from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCa
 from localmoe.kv.spec import KVSpec
 from localmoe.backends.registry import get_backend, select_backend
 
-from tests.conftest import has_llamacpp
+from tests.conftest import has_llamacpp, raw_llama
 
 
 def backend():
@@ -226,7 +226,7 @@ def test_engine_greedy_matches_raw_llama_cpp(smollm2_path):
     from localmoe.api import LLM
 
     prompt = "The capital of France is"
-    raw = llama_cpp.Llama(str(smollm2_path), n_ctx=128, n_threads=1, verbose=False)
+    raw = raw_llama(str(smollm2_path), n_ctx=128, n_threads=1, verbose=False)
     try:
         ref_ids = raw.tokenize(prompt.encode(), add_bos=True)
         ref = raw.create_completion(prompt, max_tokens=12, temperature=0.0, top_k=1)
@@ -265,7 +265,7 @@ def test_moe_model_generates_like_llama_cpp(tmp_path):
     finally:
         llm.close()
     eog = sorted(LLM_EOG)
-    raw = llama_cpp.Llama(p, n_ctx=64, n_threads=1, verbose=False, logits_all=True)
+    raw = raw_llama(p, n_ctx=64, n_threads=1, verbose=False, logits_all=True)
     try:
         ref = []
         raw.eval(prompt)
@@ -350,3 +350,30 @@ def test_an_unavailable_backend_names_the_ones_that_run_here(monkeypatch):
     msg = str(e.value)
     assert "available here: " in msg and "torch" in msg.split("available here: ")[1]
     assert "llamacpp" not in msg.split("available here: ")[1]
+
+
+@pytest.mark.parametrize("info,env,off", [(b"AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", "", True),
+                                          (b"AVX2 = 1 | AMX_INT8 = 1", "1", False),
+                                          (b"AVX2 = 1 | REPACK = 1", "", False)])
+def test_amx_builds_load_without_the_extra_cpu_buffers(monkeypatch, info, env, off):
+    """On a llama.cpp built with AMX, models load with ``use_extra_bufts = False`` (the AMX
+    matrix multiply segfaulted on the first decode on a Sapphire Rapids VM,
+    llama.cpp#20824), only for the duration of the load and unless LOCALMOE_LLAMACPP_AMX=1;
+    other builds keep llama.cpp's defaults. A fake binding stands in for llama-cpp-python."""
+    import types
+
+    from localmoe.backends.llamacpp_backend import safe_model_params
+
+    class Params:
+        _fields_ = [("n_gpu_layers", int), ("use_extra_bufts", bool)]
+
+        def __init__(self):
+            self.use_extra_bufts = True
+
+    low = types.SimpleNamespace(llama_model_default_params=Params)
+    fake = types.SimpleNamespace(llama_cpp=low, llama_print_system_info=lambda: info)
+    monkeypatch.setenv("LOCALMOE_LLAMACPP_AMX", env)
+    with safe_model_params(fake) as was_off:
+        inside = low.llama_model_default_params().use_extra_bufts
+    assert was_off is off and inside is (not off)
+    assert low.llama_model_default_params is Params       # restored

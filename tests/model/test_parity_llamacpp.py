@@ -45,6 +45,9 @@ import torch
 
 from pathlib import Path
 
+from localmoe.backends.llamacpp_backend import safe_model_params
+from tests.conftest import raw_llama
+
 GPL_TEXT_PATH = Path(__file__).parents[1] / "data" / "gpl3_excerpt.txt"
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.slow]
@@ -88,11 +91,9 @@ def _llamacpp_logits(path, text: str, flash_attn: bool = False):
     """(token ids, logits [T, vocab] float32) from llama.cpp with logits for every position.
     ``flash_attn=False`` is llama_cpp.Llama's default (the C library's own default, auto, would
     turn it on for the CPU); results do not depend on n_threads or n_ubatch (checked)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=MAX_TOKENS + 16, n_batch=MAX_TOKENS + 16,
-                          n_ubatch=MAX_TOKENS + 16, logits_all=True, n_threads=2,
-                          n_threads_batch=2, flash_attn=flash_attn, verbose=False)
+    llm = raw_llama(model_path=str(path), n_ctx=MAX_TOKENS + 16, n_batch=MAX_TOKENS + 16,
+                    n_ubatch=MAX_TOKENS + 16, logits_all=True, n_threads=2,
+                    n_threads_batch=2, flash_attn=flash_attn, verbose=False)
     toks = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)[:MAX_TOKENS]
     assert len(toks) >= MIN_TOKENS, f"text gives only {len(toks)} tokens"
     llm.eval(toks)
@@ -241,7 +242,8 @@ def _llamacpp_trace(path, toks):
         return True
 
     cb_c = llama_cpp.ggml_backend_sched_eval_callback(cb)
-    mp = llama_cpp.llama_model_default_params()
+    with safe_model_params(llama_cpp):   # as the backend loads (no AMX copies on AMX builds)
+        mp = llama_cpp.llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = cp.n_batch = cp.n_ubatch = len(toks) + 16

@@ -16,6 +16,7 @@ from localmoe.testing.bpe import CHATML_TEMPLATE, build_tokenizer
 from localmoe.testing.quants import quantize_blocks, random_blocks
 from localmoe.testing.synthetic import PRESETS, write_gguf
 from localmoe.text.bytelevel import bytes_to_unicode
+from tests.conftest import raw_llama
 
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
@@ -172,9 +173,8 @@ def test_cli(tmp_path, capsys):
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("preset", TINY)
 def test_llamacpp_loads_and_runs(files, preset):
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(files[preset]), n_ctx=128, n_threads=2, verbose=False, logits_all=True)
+    llm = raw_llama(model_path=str(files[preset]), n_ctx=128, n_threads=2, verbose=False,
+                    logits_all=True)
     try:
         ids = llm.tokenize(b"The quick brown fox jumps over the lazy dog.", add_bos=False, special=False)
         assert 3 < len(ids) < 44
