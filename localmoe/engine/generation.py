@@ -166,7 +166,7 @@ class Generation:
             raise ModelLoadError(
                 f"the model computed non-finite logits (NaN/inf) for the prompt: its weights "
                 f"are probably corrupt or damaged; download "
-                f"{eng.model_name or 'the model'} again")
+                f"{_model_source(eng)} again")
         eng._cached = list(self.ids)
         self.n_prefilled = len(new)
         self.t_prefill_end = time.perf_counter()
@@ -322,6 +322,13 @@ class Generation:
         if emit:
             self.parts.append(emit)
             yield self._event(emit, self.generated[-1] if self.generated else None)
+
+
+def _model_source(eng: Any) -> str:
+    """What to download again: the model file's path where the engine knows it, else its
+    name."""
+    path = getattr(getattr(eng, "model_file", None), "path", None)
+    return str(path) if path else (eng.model_name or "the model")
 
 
 def greedy_prefix_reuse() -> bool:

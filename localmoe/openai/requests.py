@@ -345,8 +345,22 @@ def _check_tool_choice(tc, tools: list[dict]) -> tuple[str, str | None]:
         "\"function\": {\"name\": ...}}", "tool_choice")
 
 
+def _json_kind(v) -> str:
+    """How a JSON value's type reads in an error ("a string", "null", ...)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    return {str: "a string", dict: "an object", int: "a number", float: "a number"}.get(
+        type(v), type(v).__name__)
+
+
 def _check_messages(msgs) -> list[dict]:
-    if not isinstance(msgs, list) or not msgs:
+    if not isinstance(msgs, list):
+        raise InvalidRequestError(
+            "messages must be a list of {\"role\": ..., \"content\": ...} objects, got "
+            f"{_json_kind(msgs)}", "messages")
+    if not msgs:
         raise InvalidRequestError("messages must be a non-empty list", "messages")
     out = []
     call_ids: list[str] = []  # ids of the tool calls of the assistant messages so far

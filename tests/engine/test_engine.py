@@ -575,6 +575,10 @@ def test_chat_refuses_unknown_parameters_like_generate():
     assert e.value.param == "max_token"
     r = llm.chat([{"role": "user", "content": "x"}], max_tokens=2, temperature=0, user="u")
     assert r["usage"]["completion_tokens"] <= 2
+    # a string where the message list goes is named as such (it was "a non-empty list")
+    with pytest.raises(InvalidRequestError, match="list of .* objects, got a string") as e:
+        llm.chat("hi")
+    assert e.value.param == "messages"
 
 
 def test_model_name_is_the_name_the_user_gave(tmp_path):
@@ -626,6 +630,7 @@ def test_non_finite_logits_are_an_error_not_an_empty_reply(tmp_path, monkeypatch
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.exit_code == 1 and lines[-1].startswith("error: the model computed non-finite"), \
         r.output
+    assert lines[-1].endswith(f"download {bad} again"), lines[-1]   # the file, not its stem
 
 
 def test_grammar_masks_the_runner_and_a_failure_still_propagates():
