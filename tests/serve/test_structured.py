@@ -66,7 +66,10 @@ def test_schema_bank_replies_parse_and_validate(client, name, prompt, schema):
 def test_json_object_mode_and_non_strict_schema(client):
     r = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
-        response_format={"type": "json_object"}, max_tokens=120, seed=0)
+        response_format={"type": "json_object"}, max_tokens=400, seed=0)
+    # room for the object whichever backend serves it (the torch backend's seed-0 object is
+    # 166 tokens; 120 cut it there)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     # non-strict: an unsupported keyword is ignored, the rest still constrains
     schema = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3,
