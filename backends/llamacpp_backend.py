@@ -189,6 +189,16 @@ def _llama_limits(model: Any) -> str | None:
     return None
 
 
+def raw_llama(*args: Any, **kw: Any) -> Any:
+    """``llama_cpp.Llama(*args, **kw)`` loaded as this backend loads its models
+    (:func:`safe_model_params`): for references and benchmarks that call llama-cpp-python
+    directly, so they compute as the backend does and do not crash on AMX builds."""
+    import llama_cpp
+
+    with safe_model_params(llama_cpp):
+        return llama_cpp.Llama(*args, **kw)
+
+
 def _load_llama(llama_cpp: Any, path: str, **kw: Any) -> Any:
     """``llama_cpp.Llama(path, **kw)`` with llama.cpp's own error lines in the exception.
 

@@ -114,9 +114,11 @@ def _child_llamacpp(path: str, toks: list[int], n: int, threads: int) -> dict:
     import numpy as np
     import llama_cpp
 
+    from localmoe.backends.llamacpp_backend import raw_llama
+
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=len(toks) + n + 8, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, verbose=False)
+    llm = raw_llama(model_path=path, n_ctx=len(toks) + n + 8, n_threads=threads,
+                    n_threads_batch=threads, n_batch=512, verbose=False)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     n_vocab = llm.n_vocab()

@@ -116,9 +116,10 @@ def main() -> None:
     import llama_cpp
 
     from localmoe.api import LLM
+    from localmoe.backends.llamacpp_backend import raw_llama
 
-    raw = llama_cpp.Llama(model, n_ctx=512, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
+    raw = raw_llama(model, n_ctx=512, n_threads=args.threads, n_threads_batch=args.threads,
+                    verbose=False)
     ours = LLM(model, backend="llamacpp", n_ctx=512, n_threads=args.threads)
     eog = sorted(ours.tokenizer.eog_ids)
     results: dict = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),

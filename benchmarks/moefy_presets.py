@@ -40,10 +40,11 @@ def _texts(tok):
 
 def _flash(path, ids):
     import numpy as np
-    from llama_cpp import Llama
 
-    m = Llama(model_path=str(path), n_ctx=len(ids) + 8, logits_all=True, verbose=False,
-              n_threads=1, flash_attn=True)
+    from localmoe.backends.llamacpp_backend import raw_llama
+
+    m = raw_llama(model_path=str(path), n_ctx=len(ids) + 8, logits_all=True, verbose=False,
+                  n_threads=1, flash_attn=True)
     try:
         m.eval(list(ids))
         return np.array(m.scores[:len(ids)], dtype=np.float32)

@@ -100,16 +100,13 @@ def has_llamacpp() -> bool:
 
 
 def raw_llama(*args, **kw):
-    """``llama_cpp.Llama(*args, **kw)`` loaded as the llamacpp backend loads it (on a build
-    with AMX, without the extra CPU buffers whose matrix multiply crashes on some machines:
-    :func:`localmoe.backends.llamacpp_backend.safe_model_params`), so raw references and the
-    backend compute alike and neither crashes."""
-    import llama_cpp
+    """``llama_cpp.Llama(*args, **kw)`` as the llamacpp backend loads it
+    (:func:`localmoe.backends.llamacpp_backend.raw_llama`: on a build with AMX, without the
+    extra CPU buffers whose matrix multiply crashes on some machines), so raw references and
+    the backend compute alike and neither crashes."""
+    from localmoe.backends.llamacpp_backend import raw_llama as load
 
-    from localmoe.backends.llamacpp_backend import safe_model_params
-
-    with safe_model_params(llama_cpp):
-        return llama_cpp.Llama(*args, **kw)
+    return load(*args, **kw)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -97,10 +97,11 @@ def llamacpp_logits(path, tokens: list[int], n_threads: int = 1):
     """llama.cpp's logits ``[len(tokens), vocab]`` (numpy float32) for ``tokens`` evaluated as one
     prompt (CPU, flash attention off, as docs/PARITY_LLAMACPP.md)."""
     import numpy as np
-    from llama_cpp import Llama
 
-    m = Llama(model_path=str(path), n_ctx=max(64, len(tokens) + 8), n_batch=512,
-              logits_all=True, verbose=False, n_threads=n_threads, seed=0)
+    from localmoe.backends.llamacpp_backend import raw_llama
+
+    m = raw_llama(model_path=str(path), n_ctx=max(64, len(tokens) + 8), n_batch=512,
+                  logits_all=True, verbose=False, n_threads=n_threads, seed=0)
     try:
         m.eval(list(tokens))
         return np.array(m.scores[:len(tokens)], dtype=np.float32)
