@@ -250,25 +250,31 @@ def profile_decode(runner, seq: int, steps: int = 8) -> dict:
                               "us_per_token": round(us / steps, 1)} for k, (n, us) in top]}
 
 
+def _queued_ms(step, steps: int = 32, warmup: int = 3) -> float:
+    """Milliseconds per call of ``step`` with ``steps`` calls queued back to back, CUDA events
+    around them (after ``warmup`` calls and a sync)."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    _sync()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(steps):
+        step()
+    e1.record()
+    _sync()
+    return e0.elapsed_time(e1) / steps
+
+
 def replay_ms(runner, seq: int, steps: int = 32) -> float | None:
     """Milliseconds per decode step with ``steps`` steps queued back to back (logits left on
     the device, CUDA events around them): the step's GPU time without the per-step host work
     and logits copy that :func:`time_decode` includes. None where the runner cannot return
     device logits."""
-    import torch
-
     if not getattr(runner, "supports_device_logits", False):
         return None
-    for _ in range(3):
-        runner.forward([(seq, [9])], on_device=True)
-    _sync()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(steps):
-        runner.forward([(seq, [9])], on_device=True)
-    e1.record()
-    _sync()
-    return e0.elapsed_time(e1) / steps
+    return _queued_ms(lambda: runner.forward([(seq, [9])], on_device=True), steps)
 
 
 def graph_ms(runner, seq: int, steps: int = 32) -> float | None:
@@ -276,24 +282,13 @@ def graph_ms(runner, seq: int, steps: int = 32) -> float | None:
     length bucket), replayed back to back with nothing else queued (no input staging, no
     copies): the step's time on the device, to set against :func:`replay_ms`. None without a
     captured graph."""
-    import torch
-
     graphs = getattr(runner, "graphs", None)
     if graphs is None:
         return None
-    key = (1, graphs.bucket(runner.cache.seq_len(seq) + 1))
-    g = graphs.graphs.get(key)
+    g = graphs.graphs.get((1, graphs.bucket(runner.cache.seq_len(seq) + 1)))
     if g is None or g.graph is None:
         return None
-    for _ in range(3):
-        g.graph.replay()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(steps):
-        g.graph.replay()
-    e1.record()
-    _sync()
-    return e0.elapsed_time(e1) / steps
+    return _queued_ms(g.graph.replay, steps)
 
 
 def time_decode(runner, seq: int, n: int) -> float:

@@ -746,7 +746,9 @@ def sample_ref(logits: torch.Tensor, params: DeviceSamplingParams, *,
             sc = torch.where(keep, (y - m_t[:, None]) / temp + g, torch.full_like(y, -inf))
             _, tid = _argmax_lowest(sc)
         else:  # sorted candidates: Philox position = rank
-            vals, idx = _candidates(xp, params.n_cand, stable=params.n_cand <= TOPK_MAX)
+            # ties in the order of the path sample_device takes
+            vals, idx = _candidates(xp, params.n_cand,
+                                    stable=fused_topk_width(params.n_cand) > 0)
             K = vals.shape[1]
             vals = torch.where(is_pinf[:, None], torch.where(vals == inf, 0.0, -inf), vals)
             tk = params.top_k.long()
