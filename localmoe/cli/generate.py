@@ -104,7 +104,8 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         schema = json_schema is not None or json_object
         if full and (schema or not as_json):
             click.echo(f"note: the context ({llm.n_ctx} tokens) is full: the answer was cut "
-                       f"after {result.completion_tokens} tokens"
+                       f"after {result.completion_tokens} token"
+                       f"{'s' if result.completion_tokens != 1 else ''}"
                        + ("; the JSON is incomplete" if schema else "")
                        + "; a larger -c/--ctx-size leaves more room", err=True)
         elif cut and schema:
