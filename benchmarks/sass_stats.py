@@ -35,7 +35,7 @@ def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, ex
     const = dict(HKV=4, QPK=qpk, QPK_P=qpk, BLOCK_H=max(8 if swap else 16, qpk), D=d, DV=d,
                  PAGE=16, BLOCK_N=block_n, SWAP=swap,
                  N_SINK=0, N_RING=0, ROT=False, IDX64=False, HAS_ROWS=False, FUSE=True,
-                 SPLITS_P=64, MERGE_C=8, V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
+                 SPLITS_P=64, MERGE_C=8, PDL=False, SINGLE=False, QUANT=False, V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
                  K_NARROW=(kfmt[0] == 1 and kfmt[1] in (2, 3) and d < 64))
     for side, f in (("K", kfmt), ("V", vfmt)):
         fmt, bits, g, ch = f
@@ -58,8 +58,10 @@ def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, ex
             sig[n] = "constexpr"
         elif n[0].isupper():
             fp4 = (kfmt if n[0] == "K" else vfmt)[0] == 2
-            if n in ("MidO", "MidL"):
+            if n in ("MidO", "MidL", "Out"):
                 sig[n] = "*fp32"
+            elif n == "Qq":
+                sig[n] = "*i8"
             elif n in ("BlockTable", "SeqLens", "SeqRows", "Kpos", "Vpos"):
                 sig[n] = "*i32"
             elif n in ("Kq", "Kqh", "Vq", "Vqh", "Koi", "Voi") or (n in ("Ks", "Vs") and fp4):

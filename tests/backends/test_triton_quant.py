@@ -132,8 +132,12 @@ def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypat
         outs[fused] = seen.float()
         caches[fused] = r.cache.read(0, a, r.cache.seq_len(a))[0].float()
     scale = outs["0"].abs().max()
-    # float KV: float32 summation order apart; quantized KV: a code may move one step
-    tol_rel = (2e-3 if not CUDA else 2e-2) if kv == "f16" else DECODE_REL
+    # float KV: float32 summation order apart; quantized KV: a code may move one step (on the
+    # GPU the two paths round differently in fp16, and a moved int4 code moves later layers)
+    if kv == "f16":
+        tol_rel = 2e-3 if not CUDA else 2e-2
+    else:
+        tol_rel = tol.FUSED_QUANT_KV_GPU if CUDA else DECODE_REL
     diff = (outs["1"] - outs["0"]).abs().max()
     assert diff < tol_rel * scale
     # the same top token wherever the reference's top-2 margin exceeds twice the observed
