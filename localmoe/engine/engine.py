@@ -164,6 +164,7 @@ class Engine:
         self.model_name = model_name or getattr(model_file, "name", None) or "model"
         self.kv_spec = getattr(runner, "kv_spec", None)
         self._lock = threading.Lock()
+        self._owner: int | None = None   # the thread whose generation holds the lock
         self._seq = runner.new_sequence()
         self._cached: list[int] = []  # token ids whose K/V the runner holds for self._seq
         self._closed = False
@@ -350,9 +351,16 @@ class Engine:
     def _run(self, ids: list[int], p, cancel, t0: float) -> Iterator[StreamEvent]:
         from localmoe.engine.generation import Generation
 
+        me = threading.get_ident()
+        if self._owner == me:
+            # the lock is held by a stream this thread left suspended: waiting would never end
+            raise LocalMoEError(
+                "a stream from this model is still open in this thread; iterate it to the end "
+                "or call its close() before starting another generation")
         with self._lock:
             if self._runner_closed:
                 raise LocalMoEError("this model was closed; create a new LLM")
+            self._owner = me
             gen = Generation(self, ids, p, cancel, t0)
             completed = False
             try:
@@ -367,6 +375,7 @@ class Engine:
                     self._reset_cache()
                 raise
             finally:
+                self._owner = None
                 if self._close_pending:
                     self._release_runner()
         # the final event is yielded after the lock is released, so a consumer that stops

@@ -478,6 +478,33 @@ def test_close_while_a_stream_is_suspended_does_not_deadlock():
         llm.generate("x")
 
 
+def test_a_second_generation_beside_a_suspended_stream_says_so():
+    """A stream left suspended holds the model; a generation started in the same thread used to
+    wait for it forever. It now raises at once, and the model works once the stream is
+    closed."""
+    llm = make_llm(chain={}, default_next=9)
+    it = llm.generate("x", temperature=0, stream=True, max_tokens=20)
+    next(it)
+    with pytest.raises(LocalMoEError, match="still open in this thread"):
+        llm.generate("x", temperature=0, max_tokens=2)
+    with pytest.raises(LocalMoEError, match="still open"):
+        next(llm.generate("x", temperature=0, stream=True))
+    it.close()
+    assert llm.generate("x", temperature=0, max_tokens=2).completion_tokens == 2
+    # another thread still waits its turn rather than failing
+    it = llm.generate("x", temperature=0, stream=True, max_tokens=3)
+    next(it)
+    out = []
+    th = threading.Thread(target=lambda: out.append(llm.generate("x", temperature=0,
+                                                                  max_tokens=2)))
+    th.start()
+    time.sleep(0.05)
+    assert not out
+    list(it)
+    th.join(5)
+    assert out and out[0].completion_tokens == 2
+
+
 def test_raw_false_without_template_is_plain_completion():
     llm = make_llm()
     r = llm.generate("x", raw=False, temperature=0)
