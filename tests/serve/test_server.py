@@ -765,6 +765,12 @@ def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, ca
         server.run_server(str(bad))
     with pytest.raises(LocalMoEError):
         server.run_server(str(smollm2_path), kv_cache="int17")
+    # a context above the model's training context failed in the background load: the server
+    # kept running and answered every request with a 503
+    with pytest.raises(LocalMoEError, match="training context"):
+        server.run_server(str(smollm2_path), n_ctx=99999999)
+    with pytest.raises(LocalMoEError, match="positive integer"):
+        server.run_server(str(smollm2_path), n_ctx=0)
     assert calls == []  # none of those bound a port
     server.run_server(str(smollm2_path), host="0.0.0.0", port=1)
     assert "without an API key" in capsys.readouterr().err
