@@ -78,7 +78,7 @@ class Engine:
         count, a ``model`` that is neither a ModelFile nor a path).
     """
 
-    def __init__(self, model: Any, backend: str = "auto", n_ctx: int | None = None,
+    def __init__(self, model: Any = None, backend: str = "auto", n_ctx: int | None = None,
                  kv_cache: Any = "f16", kv_cache_k: str | None = None,
                  kv_cache_v: str | None = None, device: str | None = None,
                  progress: Callable[[float, str], None] | None = None,

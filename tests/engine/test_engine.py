@@ -818,3 +818,15 @@ def test_forward_ahead_cancel_and_close(monkeypatch):
     assert llm._cached == seq
     r = llm.generate("x", temperature=0, max_tokens=2)
     assert r.completion_tokens == 2 and r.text == " the the"
+
+
+def test_a_model_argument_is_optional_and_none_is_explained_by_the_engine():
+    """``LLM()`` means the default model, as ``LLM(None)`` (it raised a TypeError naming the
+    internal class); the bare engine, which opens paths only, says what it needs."""
+    import inspect
+
+    from localmoe.engine.engine import Engine
+
+    assert inspect.signature(LLM).parameters["model"].default is None
+    with pytest.raises(InvalidRequestError, match="model must be a ModelFile or the path"):
+        Engine()

@@ -341,8 +341,25 @@ def test_hf_pull_honors_endpoint_and_checks_sha(server, home, monkeypatch):
     with pytest.raises(StoreError, match="checksum mismatch"):
         st.pull("hf:org/repo/bad.gguf")
     assert not (home / "models" / "bad.gguf").exists() and no_partials(home)
-    with pytest.raises(StoreError, match="failed"):
+    with pytest.raises(StoreError, match="failed") as err:
         st.pull("hf:org/repo/missing.gguf")
+    assert "cannot reach" not in str(err.value)      # the hub answered: not a network error
+
+
+def test_hf_pull_with_the_hub_out_of_reach_says_so(home, monkeypatch):
+    """Offline (here: an endpoint on a closed local port) the error names the host and the
+    likely cause instead of the resolver's or socket's bare message."""
+    import socket
+
+    with socket.socket() as sk:                      # a port nothing listens on
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+    with pytest.raises(StoreError, match=rf"cannot reach http://127\.0\.0\.1:{port} \(no network"):
+        ModelStore(progress=False).pull("hf:org/repo/model-Q4.gguf")
+    assert no_partials(home)
 
 
 def test_hf_split_set_fetches_every_shard(server, home, monkeypatch):

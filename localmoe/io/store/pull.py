@@ -212,6 +212,36 @@ def _one_line(e: BaseException) -> str:
     return (s[0] if s else type(e).__name__)[:300]
 
 
+def _unreachable(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) says the host could not be reached:
+    a failed name lookup, a refused or timed-out connection (requests/urllib3 wrap these in
+    exceptions of their own, so their class names are checked too)."""
+    import socket
+
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, (socket.gaierror, ConnectionError, TimeoutError)):
+            return True
+        if any(n in ("ConnectionError", "NameResolutionError", "ConnectTimeout",
+                     "NewConnectionError", "MaxRetryError") for n in
+               (c.__name__ for c in type(x).__mro__)):
+            return True
+        x = x.__cause__ or x.__context__
+    return False
+
+
+def _download_error(repo: str, fname: str, e: BaseException, endpoint: str | None) -> StoreError:
+    """The StoreError of a failed hub download: names the host when it could not be reached
+    (offline, a wrong ``HF_ENDPOINT``), else the library's first line."""
+    if _unreachable(e):
+        host = endpoint or "https://huggingface.co"
+        return StoreError(f"download of {repo}/{fname} failed: cannot reach {host} (no network "
+                          f"connection, or a wrong HF_ENDPOINT?): {_one_line(e)}")
+    return StoreError(f"download of {repo}/{fname} failed: {_one_line(e)}")
+
+
 def _tail_errors(out: str, log: Path) -> str:
     text = out
     if not text.strip():
@@ -439,7 +469,7 @@ class PullMixin:
                         repo, fname, revision=revision, cache_dir=str(work / "hf"),
                         endpoint=endpoint, etag_timeout=30)
                 except Exception as e:  # huggingface_hub raises many types (HTTP, IO, auth)
-                    raise StoreError(f"download of {repo}/{fname} failed: {_one_line(e)}") from e
+                    raise _download_error(repo, fname, e, endpoint) from e
                 expected = (meta.etag or "").strip('"').lower()
                 final = self.models_dir / Path(fname).name
                 with _AtomicWriter(final) as out:
