@@ -85,6 +85,9 @@ class Engine:
                  before_load: Callable[[Any], None] | None = None, **backend_options: Any):
         from localmoe.backends.registry import check_backend_options, env_threads, select_backend
 
+        if progress is not None and not callable(progress):
+            raise InvalidRequestError("progress must be a callable progress(fraction, message), "
+                                      f"got {type(progress).__name__}", param="progress")
         prog = progress or (lambda f, m: None)
         check_n_ctx(n_ctx)
         check_backend_options(backend_options)  # an option no backend takes: before any I/O
@@ -190,7 +193,14 @@ class Engine:
 
     # -- text helpers ---------------------------------------------------------------------------
     def count_tokens(self, text: str) -> int:
-        """Number of tokens of ``text`` (plain text, no BOS)."""
+        """Number of tokens of ``text`` (plain text, no BOS).
+
+        Raises:
+            InvalidRequestError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"count_tokens takes a string, got {type(text).__name__}",
+                                      param="text")
         return len(self.tokenizer.encode(text, add_special=False))
 
     def prompt_ids(self, prompt: str | Sequence[int] | None = None, *,
@@ -284,6 +294,9 @@ class Engine:
             InvalidRequestError: bad sampling parameter or empty prompt.
         """
         t0 = time.perf_counter()
+        if not isinstance(stream, bool):
+            raise InvalidRequestError(f"stream must be True or False, got {stream!r}",
+                                      param="stream")
         p = make_sampling_params(params if params is not None else self.default_sampling(), **sampling)
         if not raw and isinstance(prompt, str) and self.template is not None:
             ids = self._chat_ids([{"role": "user", "content": prompt}])
@@ -311,6 +324,10 @@ class Engine:
     def _chat_ids(self, messages: list[dict], tools: list | None = None, cancel: Any = None) -> list[int]:
         """Token ids of a chat prompt: control tokens only from the template (the same text
         inside a message stays plain text), one BOS at most."""
+        if tools is not None and (not isinstance(tools, (list, tuple))
+                                  or not all(isinstance(t, dict) for t in tools)):
+            raise InvalidRequestError("tools must be a list of tool objects (dicts), got "
+                                      f"{type(tools).__name__}", param="tools")
         check_text_fits(message_chars(messages), self.n_ctx, self.tokenizer, "conversation")
         if self.template is not None and hasattr(self.template, "encode"):
             ids = list(self.template.encode(self.tokenizer, messages, tools=tools,
@@ -360,8 +377,8 @@ class Engine:
         with self._lock:
             if self._runner_closed:
                 raise LocalMoEError("this model was closed; create a new LLM")
+            gen = Generation(self, ids, p, cancel, t0)   # may refuse the request: not owned yet
             self._owner = me
-            gen = Generation(self, ids, p, cancel, t0)
             completed = False
             try:
                 yield from gen.events()
@@ -421,9 +438,14 @@ class Engine:
         tokens) for longer than ``timeout`` seconds, the runner is released when that stream
         resumes or is closed instead; ``close`` itself never blocks longer than ``timeout``.
         """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise InvalidRequestError(f"close(timeout=) takes seconds, got {timeout!r}",
+                                      param="timeout")
         self._closed = True
         self._close_pending = True
         self._abort.set()
+        if self._owner == threading.get_ident():
+            timeout = 0.0   # this thread's own suspended stream holds the lock: it releases
         if self._lock.acquire(timeout=max(0.0, timeout)):
             try:
                 self._release_runner()

@@ -114,6 +114,10 @@ def make_sampling_params(params: Any = None, **sampling: Any):
 
     if params is None:
         params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            f"params must be a SamplingParams (or None; sampling fields go as keyword "
+            f"arguments), got {type(params).__name__}", param="params")
     if sampling:
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         unknown = sorted(set(sampling) - names)

@@ -491,6 +491,11 @@ def test_a_second_generation_beside_a_suspended_stream_says_so():
         next(llm.generate("x", temperature=0, stream=True))
     it.close()
     assert llm.generate("x", temperature=0, max_tokens=2).completion_tokens == 2
+    # a request the generation refuses leaves no owner behind (it did: every later call in
+    # the thread said a stream was open)
+    with pytest.raises(InvalidRequestError):
+        llm.generate("x", temperature=0, max_tokens=2, logit_bias={10 ** 8: 1.0})
+    assert llm.generate("x", temperature=0, max_tokens=2).completion_tokens == 2
     # another thread still waits its turn rather than failing
     it = llm.generate("x", temperature=0, stream=True, max_tokens=3)
     next(it)
@@ -503,6 +508,20 @@ def test_a_second_generation_beside_a_suspended_stream_says_so():
     list(it)
     th.join(5)
     assert out and out[0].completion_tokens == 2
+
+
+def test_close_beside_this_threads_own_open_stream_does_not_wait():
+    """close() from the thread whose stream holds the model returns at once (it waited its
+    whole timeout for a lock only this thread could release); the stream then ends cancelled
+    and releases the runner."""
+    llm = make_llm(chain={}, default_next=9)
+    it = llm.generate("x", temperature=0, stream=True, max_tokens=20)
+    next(it)
+    t = time.perf_counter()
+    llm.close(timeout=5)
+    assert time.perf_counter() - t < 1
+    rest = list(it)
+    assert rest[-1].result.finish_reason == "cancelled" and llm.runner.closed
 
 
 def test_raw_false_without_template_is_plain_completion():
@@ -830,3 +849,17 @@ def test_a_model_argument_is_optional_and_none_is_explained_by_the_engine():
     assert inspect.signature(LLM).parameters["model"].default is None
     with pytest.raises(InvalidRequestError, match="model must be a ModelFile or the path"):
         Engine()
+
+
+def test_wrong_argument_types_are_request_errors():
+    """Arguments of the wrong type get a LocalMoEError naming the argument, not an
+    AttributeError/TypeError from inside (fresh-user finding)."""
+    llm = make_llm()
+    cases = [lambda: llm.generate("x", params="x"), lambda: llm.generate("x", params={"a": 1}),
+             lambda: llm.count_tokens(None), lambda: llm.count_tokens(["a"]),
+             lambda: llm.chat_stream([{"role": "user", "content": "hi"}], tools=5),
+             lambda: llm.generate("x", stream="yes"), lambda: llm.close("x")]
+    for case in cases:
+        with pytest.raises(InvalidRequestError):
+            case()
+    assert llm.count_tokens("x") >= 1 and not llm.runner.closed
