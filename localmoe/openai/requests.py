@@ -95,9 +95,9 @@ def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
                 raise InvalidRequestError(f"logit_bias key {k!r} is not a token id",
                                           "logit_bias") from None
             if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                top = "" if vocab_size is None else f" (0..{vocab_size - 1})"
                 raise InvalidRequestError(
-                    f"logit_bias token id {tid} is outside the vocabulary (0..{vocab_size})",
-                    "logit_bias")
+                    f"logit_bias token id {tid} is outside the vocabulary{top}", "logit_bias")
             if not _is_num(v) or not -100 <= v <= 100:
                 raise InvalidRequestError(f"logit_bias value for {k} must be in [-100, 100]",
                                           "logit_bias")

@@ -476,7 +476,12 @@ def test_error_status_codes_and_objects(live, client):
          400, "tool_choice")
     _err(httpx.post(url, json={**ok, "stream_options": {"include_usage": True}}), 400,
          "stream_options")
-    _err(httpx.post(url, json={**ok, "logit_bias": {"999999": 5}}), 400, "logit_bias")
+    body = _err(httpx.post(url, json={**ok, "logit_bias": {"999999": 5}}), 400, "logit_bias")
+    top = int(re.search(r"\(0\.\.(\d+)\)", body["message"]).group(1))   # the last valid id
+    assert 0 < top < 999999
+    ok_bias = httpx.post(url, json={**ok, "max_tokens": 1, "logit_bias": {str(top): 1}})
+    assert ok_bias.status_code == 200, ok_bias.text
+    _err(httpx.post(url, json={**ok, "logit_bias": {str(top + 1): 1}}), 400, "logit_bias")
     body = _err(httpx.post(url, json={**ok, "model": "gpt-4o"}), 404, "model")
     assert body["code"] == "model_not_found"
     _err(httpx.post(live.url + "/v1/nope", json=ok), 404)
