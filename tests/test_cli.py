@@ -739,6 +739,9 @@ def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
     r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "nope.json"), "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
                           "cannot read the JSON schema", "nope.json")
+    r = run(["generate", "-m", missing_model, "--json-schema", " ", "hi"])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          "--json-schema is empty")
     (tmp_path / "bad.json").write_text("{not json")
     r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "bad.json"), "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),

@@ -139,6 +139,8 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
     if json_schema is None:
         return {}
     text = json_schema
+    if not json_schema.strip():
+        raise LocalMoEError("--json-schema is empty: give a JSON schema inline or a file name")
     try:  # inline JSON, else a file name
         inline = json.loads(json_schema)
     except ValueError:
