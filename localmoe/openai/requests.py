@@ -307,6 +307,12 @@ def _check_tools(tools) -> list[dict]:
         if params is not None and not isinstance(params, dict):
             raise InvalidRequestError(f"{p}.function.parameters must be a JSON Schema object",
                                       f"{p}.function.parameters")
+        if params is not None:
+            # shape and types for every tool choice (the grammar compile of tool_choice
+            # "required" checks more); an unknown "type" was accepted under "auto"
+            from localmoe.text.grammar import check_schema
+
+            check_schema(params, f"{p}.function.parameters")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):
             raise InvalidRequestError(f"{p}.function.description must be a string",

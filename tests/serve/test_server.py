@@ -471,6 +471,10 @@ def test_error_status_codes_and_objects(live, client):
     assert body["type"] == "invalid_request_error" and "tool_call_id" in body["message"]
     _err(httpx.post(url, json={**ok, "tools": [{"type": "function", "function": {"name": "a b"}}]}),
          400, "tools[0].function.name")
+    # an unknown schema type is refused whatever the tool choice (it passed under "auto")
+    body = _err(httpx.post(url, json={**ok, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "foo"}}}]}), 400, "tools[0].function.parameters")
+    assert "unknown type 'foo'" in body["message"]
     _err(httpx.post(url, json={**ok, "tools": [WEATHER_TOOL],
                                "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
          400, "tool_choice")
