@@ -35,7 +35,8 @@ def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, ex
     const = dict(HKV=4, QPK=qpk, QPK_P=qpk, BLOCK_H=max(8 if swap else 16, qpk), D=d, DV=d,
                  PAGE=16, BLOCK_N=block_n, SWAP=swap,
                  N_SINK=0, N_RING=0, ROT=False, IDX64=False, HAS_ROWS=False, FUSE=True,
-                 SPLITS_P=64, MERGE_C=8, PDL=False, SINGLE=False, QUANT=False, V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
+                 SPLITS_P=64, MERGE_C=8, PDL=False, SINGLE=False, QUANT=False,
+                 V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
                  K_NARROW=(kfmt[0] == 1 and kfmt[1] in (2, 3) and d < 64))
     for side, f in (("K", kfmt), ("V", vfmt)):
         fmt, bits, g, ch = f

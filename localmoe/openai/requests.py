@@ -282,6 +282,8 @@ def _text_content(content, param: str, allow_none: bool) -> str | None:
 
 
 def _check_tools(tools) -> list[dict]:
+    from localmoe.text.grammar import check_schema
+
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -310,8 +312,6 @@ def _check_tools(tools) -> list[dict]:
         if params is not None:
             # shape and types for every tool choice (the grammar compile of tool_choice
             # "required" checks more); an unknown "type" was accepted under "auto"
-            from localmoe.text.grammar import check_schema
-
             check_schema(params, f"{p}.function.parameters")
         desc = fn.get("description")
         if desc is not None and not isinstance(desc, str):

@@ -127,7 +127,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         env_threads()
     check_n_ctx(n_ctx)
     model_file = open_model(resolve_model(model))
-    context_size(n_ctx, getattr(model_file.spec, "n_ctx_train", None))   # above the model's
+    context_size(n_ctx, model_file.spec.n_ctx_train)   # refuses one above the training context
     be, _ = select_backend(backend or "auto", model_file.format, kv_spec)
     check_backend_device(be, llm_options.get("device"))
     _check_port_free(host, port)

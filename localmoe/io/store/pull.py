@@ -222,14 +222,16 @@ def _unreachable(e: BaseException) -> bool:
     x: BaseException | None = e
     while x is not None and id(x) not in seen:
         seen.add(id(x))
-        if isinstance(x, (socket.gaierror, ConnectionError, TimeoutError)):
-            return True
-        if any(n in ("ConnectionError", "NameResolutionError", "ConnectTimeout",
-                     "NewConnectionError", "MaxRetryError") for n in
-               (c.__name__ for c in type(x).__mro__)):
+        if isinstance(x, (socket.gaierror, ConnectionError, TimeoutError)) or \
+                _UNREACHABLE_NAMES & {c.__name__ for c in type(x).__mro__}:
             return True
         x = x.__cause__ or x.__context__
     return False
+
+
+# class names of the connection errors of requests/urllib3 (not builtin subclasses)
+_UNREACHABLE_NAMES = {"ConnectionError", "NameResolutionError", "ConnectTimeout",
+                      "NewConnectionError", "MaxRetryError"}
 
 
 def _download_error(repo: str, fname: str, e: BaseException, endpoint: str | None) -> StoreError:
