@@ -230,8 +230,10 @@ def _unreachable(e: BaseException) -> bool:
 
 
 # class names of the connection errors of requests/urllib3 (not builtin subclasses)
+# (urllib3's MaxRetryError is not one: it also ends retries on error statuses of a host
+# that answered; a connection failure reaches requests' ConnectionError)
 _UNREACHABLE_NAMES = {"ConnectionError", "NameResolutionError", "ConnectTimeout",
-                      "NewConnectionError", "MaxRetryError"}
+                      "NewConnectionError"}
 
 
 def _download_error(repo: str, fname: str, e: BaseException, endpoint: str | None) -> StoreError:
