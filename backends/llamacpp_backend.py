@@ -493,8 +493,8 @@ class LlamaCppRunner:
                     lc.llama_memory_seq_rm(self._mem, sid, min(it[2] for it in chunk if it[1] == sid), -1)
                 if rc == 1:
                     raise ContextOverflowError(chunk[-1][2] + 1, self.n_ctx,
-                                               "llama.cpp found no free KV cache slot for the batch; "
-                                               "raise the context size (--ctx-size)")
+                                               "llama.cpp found no free KV cache slot for the batch",
+                                               hint="raise the context size (--ctx-size)")
                 raise LocalMoEError(f"llama_decode failed with code {rc}")
             for i, (k, sid, pos, _t, want) in enumerate(chunk):
                 self._lens[sid] = pos + 1

@@ -36,20 +36,25 @@ class KVCacheFormatError(LocalMoEError):
 class ContextOverflowError(LocalMoEError):
     """The prompt does not fit in the context window.
 
+    The message is ``reason`` (what does not fit), then ``hint`` (what to do about it, for a
+    user of the CLI or the Python API; the server puts its own).
+
     Attributes:
         n_prompt: number of prompt tokens (int).
         n_ctx: context size in tokens (int).
+        reason, hint: the two parts of the message (str; ``hint`` may be empty).
     """
 
-    def __init__(self, n_prompt: int, n_ctx: int, message: str | None = None):
+    DEFAULT_HINT = ("shorten the prompt or raise the context size (--ctx-size on the command "
+                    "line, n_ctx in the Python API)")
+
+    def __init__(self, n_prompt: int, n_ctx: int, message: str | None = None,
+                 hint: str | None = None):
         self.n_prompt = int(n_prompt)
         self.n_ctx = int(n_ctx)
-        super().__init__(
-            message
-            or f"prompt is {self.n_prompt} tokens but the context holds {self.n_ctx}; "
-            f"shorten the prompt or raise the context size (--ctx-size on the command line, "
-            f"n_ctx in the Python API)"
-        )
+        self.reason = message or f"prompt is {self.n_prompt} tokens but the context holds {self.n_ctx}"
+        self.hint = self.DEFAULT_HINT if hint is None else hint
+        super().__init__(f"{self.reason}; {self.hint}" if self.hint else self.reason)
 
 
 class TemplateError(LocalMoEError):

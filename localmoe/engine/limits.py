@@ -51,8 +51,8 @@ def check_text_fits(n_chars: int, n_ctx: int, tokenizer: Any, what: str = "promp
         raise ContextOverflowError(
             n_min, n_ctx,
             f"the {what} is {n_chars:,} characters, at least {n_min:,} tokens (no token of this "
-            f"model covers more than {per} characters), but the context holds {n_ctx} tokens; "
-            f"shorten it or raise the context size (--ctx-size, n_ctx)")
+            f"model covers more than {per} characters), but the context holds {n_ctx} tokens",
+            hint="shorten it or raise the context size (--ctx-size, n_ctx)")
 
 
 def message_chars(messages: Iterable[Any]) -> int:

@@ -33,7 +33,10 @@ def error_from_exception(e: BaseException, prompt_param: str = "messages") -> HT
     if isinstance(e, HTTPError):
         return e
     if isinstance(e, ContextOverflowError):
-        return HTTPError(400, str(e), param=prompt_param, code="context_length_exceeded")
+        # the hint for a client: --ctx-size / n_ctx are the server operator's, not its own
+        return HTTPError(400, f"{e.reason}; shorten the {prompt_param}, or restart the server "
+                              f"with a larger context (localmoe serve -c N)",
+                         param=prompt_param, code="context_length_exceeded")
     if isinstance(e, InvalidRequestError):
         return HTTPError(400, str(e), param=e.param, code="invalid_value" if e.param else None)
     if isinstance(e, TemplateError):

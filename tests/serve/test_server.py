@@ -499,6 +499,8 @@ def test_error_status_codes_and_objects(live, client):
         assert body["code"] == "context_length_exceeded"
         nums = [int(x) for x in re.findall(r"\d+", body["message"])]
         assert 512 in nums and any(n > 512 for n in nums), body["message"]
+        # the client's way out, not the CLI's or the Python API's
+        assert "localmoe serve -c" in body["message"] and "n_ctx" not in body["message"]
     # /v1/completions blames its own field
     body = _err(httpx.post(live.url + "/v1/completions",
                            json={"model": "scripted", "prompt": "word " * 800}), 400, "prompt")
