@@ -71,7 +71,9 @@ def test_render_can_be_cancelled_and_the_thread_is_left_clean(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(TemplateLimitError) as ei:
         ChatTemplate(next(iter(HOSTILE))).render(MSGS, cancel=ev)
-    assert ei.value.limit == "cancelled" and time.monotonic() - t0 < 3
+    # well before the 60 s limit: 0.3-1.8 s alone on the 2-core VM, 3.1 s once inside a full
+    # suite run (session 16), so the bound leaves room for a loaded machine
+    assert ei.value.limit == "cancelled" and time.monotonic() - t0 < 10
     import sys
     assert sys.gettrace() is None or sys.gettrace() is not ct._Guard.trace
     assert ct._guard() is None
