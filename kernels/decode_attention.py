@@ -538,7 +538,7 @@ def _decode_split_kernel(
     ROT: tl.constexpr, IDX64: tl.constexpr, HAS_ROWS: tl.constexpr, FUSE: tl.constexpr,
     SPLITS_P: tl.constexpr, MERGE_C: tl.constexpr, V_JOIN: tl.constexpr, K_NARROW: tl.constexpr, ASM: tl.constexpr,
     K_PRE: tl.constexpr, V_PRE: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr,
-    SINGLE: tl.constexpr = False, QUANT: tl.constexpr = False,
+    SINGLE: tl.constexpr = False, QUANT: tl.constexpr = False, WIDE: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     pid = tl.program_id(0)
@@ -679,15 +679,15 @@ def _decode_split_kernel(
         # one split: this program holds the whole softmax, so it writes the normalized output
         # (and its int8 blocks) itself and no reduction runs
         _single_out(Out, Qq, Qs, b, hk, vc, acc0, inv, 0, stride_ob, stride_oh, q_rs, s_rs,
-                    QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+                    QPK, BLOCK_H, VRB, DV, SWAP, QUANT, WIDE)
         if V_NPL >= 2:
             _single_out(Out, Qq, Qs, b, hk, vc, acc1, inv, 1, stride_ob, stride_oh, q_rs, s_rs,
-                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT, WIDE)
         if V_NPL >= 4:
             _single_out(Out, Qq, Qs, b, hk, vc, acc2, inv, 2, stride_ob, stride_oh, q_rs, s_rs,
-                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT, WIDE)
             _single_out(Out, Qq, Qs, b, hk, vc, acc3, inv, 3, stride_ob, stride_oh, q_rs, s_rs,
-                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT)
+                        QPK, BLOCK_H, VRB, DV, SWAP, QUANT, WIDE)
     else:
         hq_total = HKV * QPK
         base = (b * hq_total + qh) * n_splits + split
@@ -737,7 +737,8 @@ def _decode_split_kernel(
 @triton.jit
 def _single_out(Out, Qq, Qs, b, hk, vc, acc, inv, i: tl.constexpr, stride_ob, stride_oh, q_rs,
                 s_rs, QPK: tl.constexpr, BLOCK_H: tl.constexpr, VRB: tl.constexpr,
-                DV: tl.constexpr, SWAP: tl.constexpr, QUANT: tl.constexpr):
+                DV: tl.constexpr, SWAP: tl.constexpr, QUANT: tl.constexpr,
+                WIDE: tl.constexpr = False):
     """Value plane ``i`` (channels ``i*VRB ..``) of a single-split program's output: ``acc``
     (an accumulator of :func:`_pv`) times ``inv``, stored as float32 rows of the kv head's
     query heads and, with ``QUANT``, as their int8 blocks in the O projection's QuantAct
@@ -757,14 +758,15 @@ def _single_out(Out, Qq, Qs, b, hk, vc, acc, inv, i: tl.constexpr, stride_ob, st
         b4 = blk[:, None, None, None]
         bl = b.to(tl.int64)
         pack_store_blocks(tl.reshape(o, [BLOCK_H * NBP, 2, 4, 4]), b4,
-                          ((r // NBP) < QPK)[:, None, None, None], Qq + bl * q_rs, Qs + bl * s_rs)
+                          ((r // NBP) < QPK)[:, None, None, None], Qq + bl * q_rs, Qs + bl * s_rs,
+                          WIDE)
 
 
 @triton.jit
 def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
                           Qq, Qs, q_rs, s_rs,
                           HQ: tl.constexpr, DV: tl.constexpr, SPLITS_P: tl.constexpr,
-                          QUANT: tl.constexpr, PDL: tl.constexpr):
+                          QUANT: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
     pdl_begin(PDL)
     pid = tl.program_id(0)
     b = pid // HQ
@@ -785,7 +787,7 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
         b4 = (h * NB + tl.arange(0, NB))[:, None, None, None]
         bl = b.to(tl.int64)
         pack_store_blocks(tl.reshape(out, [NB, 2, 4, 4]), b4, b4 >= 0, Qq + bl * q_rs,
-                          Qs + bl * s_rs)
+                          Qs + bl * s_rs, WIDE)
 
 
 def _v_planes(vspec) -> int:
@@ -1064,7 +1066,8 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
     # output and its int8 blocks itself, no reduction launch
     single = num_splits == 1 and not meta["V_JOIN"] and (DV // _v_planes(vspec)) % 32 == 0
     if single:
-        meta.update(SINGLE=True, QUANT=qa is not None, FUSE=False)
+        meta.update(SINGLE=True, QUANT=qa is not None, FUSE=False,
+                    WIDE=qa is not None and qa.wide)
     locks = _locks(B * HKV, dev) if meta["FUSE"] else mid_l
     qt = (qa.q, qa.s, qa.q.stride(0), qa.s.stride(0)) if qa is not None else (out, out, 0, 0)
     _launch_split((B * HKV, num_splits), (
@@ -1079,13 +1082,13 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
         _decode_reduce_kernel[(B * HQ,)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
             HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
-            **pdl_args(out.device))
+            WIDE=qa is not None and qa.wide, **pdl_args(out.device))
     elif qa is not None:
         from localmoe.kernels.quant_gemv import quantize_act
 
-        q2 = quantize_act(out.reshape(B, HQ * DV))
-        for dst, src in zip(qa, q2):
-            dst.copy_(src)
+        q2 = quantize_act(out.reshape(B, HQ * DV), wide=qa.wide)
+        qa.q.copy_(q2.q)
+        qa.pairs().copy_(q2.pairs())
     return out
 
 

@@ -68,7 +68,7 @@ from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chu
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
-    quantize_act_ref, use_asm,
+    act_precision, quantize_act_ref, use_asm,
 )
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "moe_config", "ACTIVATIONS"]
@@ -98,7 +98,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
                         EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr,
-                        SPLIT: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -117,7 +117,8 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     for c0 in range(c_begin, c_end, CH):
         acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                     WIDE)
     gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
     if SPLIT > 1:
         # split-K: every K part stores its partial sums in its slice of the scratch; the last
@@ -135,15 +136,15 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
             gu = tl.zeros([1, 2 * BN], dtype=tl.float32)
             for k in tl.static_range(SPLIT):
                 gu += tl.load(lp + k * p_ss, mask=lm, other=0.0, cache_modifier=".cg")
-            _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT)
+            _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
             tl.atomic_xchg(cp, 0)
     else:
-        _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT)
+        _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
 
 
 @triton.jit
 def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs,
-                      BN: tl.constexpr, ACT: tl.constexpr):
+                      BN: tl.constexpr, ACT: tl.constexpr, WIDE: tl.constexpr = False):
     """h = act(gate) * up of the ``2*BN`` interleaved sums ``gu [1, 2BN]``, quantized like
     quantize_act: the program owns BN/32 whole 32-value blocks of row ``pid`` of h."""
     g, u = tl.split(tl.reshape(gu, [BN, 2]))
@@ -156,7 +157,7 @@ def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs,
     hv = tl.reshape(a * u, [NB, 2, 4, 4])                   # [block, slice, word, byte]
     b4 = (pid_n * NB + tl.arange(0, NB))[:, None, None, None]
     row = pid.to(tl.int64)
-    pack_store_blocks(hv, b4, b4 * 32 < F, hq_ptr + row * hq_rs, hs_ptr + row * hs_rs)
+    pack_store_blocks(hv, b4, b4 * 32 < F, hq_ptr + row * hq_rs, hs_ptr + row * hs_rs, WIDE)
 
 
 @triton.jit
@@ -167,7 +168,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
-                     TKP: tl.constexpr = 1):
+                     TKP: tl.constexpr = 1, WIDE: tl.constexpr = False):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -193,14 +194,16 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         for c0 in range(0, n_chunks, CH):
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
                          xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                         WIDE)
         y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
         total = tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
     else:
         total = _down_experts_unrolled(
             hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
-            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM)
+            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
+            WIDE)
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
 
 
@@ -210,7 +213,7 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
                            hq_rs, hs_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                            TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
-                           XB: tl.constexpr, USE_ASM: tl.constexpr):
+                           XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False):
     """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
@@ -227,7 +230,8 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
         for c0 in range(0, n_chunks, CH):
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr,
                          xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                         WIDE)
         total += wgt * tl.sum(tl.sum(acc, axis=3), axis=2)
     return total
 
@@ -310,7 +314,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     if c["BN"] % 32 or f % 32:
         raise ValueError(f"moe_gate_up: BN ({c['BN']}) and d_ff ({f}) must be multiples of 32")
     cv = chunk_values(w_gate_up.qtype)
-    h = QuantAct.empty(t * top_k, f, topk_ids.device)
+    h = QuantAct.empty(t * top_k, f, topk_ids.device, wide=x.wide)
     ptrs, strides = plane_args(w_gate_up)
     n_chunks = d // cv
     ch = min(c["CH"], next_pow2(n_chunks))
@@ -329,7 +333,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
         ACT=ACTIVATIONS[activation],
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
-        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split,
+        XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         num_warps=c.get("num_warps", 4), **_reg_cap(c), **pdl_args(h.q.device))
     return h
 
@@ -380,7 +384,7 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
-        ET=et, TKP=tkp, **_reg_cap(c), **pdl_args(out.device))
+        ET=et, TKP=tkp, WIDE=h.wide, **_reg_cap(c), **pdl_args(out.device))
     return out
 
 
@@ -394,7 +398,8 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
     f = f2 // 2
     t, top_k = topk_ids.shape
     slots = (torch.arange(e) if slot_of is None else slot_of.cpu()).long()
-    q = quantize_act_ref if act_quant else (lambda v: v.float())
+    wide = x.wide if isinstance(x, QuantAct) else act_precision() == "int16"
+    q = (lambda v: quantize_act_ref(v, wide=wide)) if act_quant else (lambda v: v.float())
     xq = dequantize_act(x) if isinstance(x, QuantAct) else q(x)
     out = torch.zeros((t, d), dtype=torch.float32, device=topk_ids.device)
     for ti in range(t):

@@ -48,7 +48,9 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.pdl import pdl_args, pdl_begin
-from localmoe.kernels.quant_gemv import QuantAct, pack_store_blocks, sum_partials
+from localmoe.kernels.quant_gemv import (
+    QuantAct, _act_codes_ref, act_precision, pack_store_blocks, sum_partials,
+)
 from localmoe.kernels.host import cdiv, next_pow2
 
 __all__ = ["add_rms_norm_quant", "add_rms_norm_quant_ref", "MAX_DELTAS", "MAX_D"]
@@ -76,7 +78,7 @@ def _add_rms_norm_quant_kernel(
         r_rs, h_rs, q_rs, s_rs, eps,
         ND: tl.constexpr, HAS_W: tl.constexpr, STORE_R: tl.constexpr, STORE_H: tl.constexpr,
         QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr, WIDE: tl.constexpr = False):
     pdl_begin(PDL)
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
@@ -113,7 +115,7 @@ def _add_rms_norm_quant_kernel(
         bm = ((rr < T) & (blk < D // 32))[:, None, None, None]
         rr4 = rr.to(tl.int64)[:, None, None, None]
         pack_store_blocks(h4, blk[:, None, None, None], bm, q_ptr + rr4 * q_rs,
-                          s_ptr + rr4 * s_rs)
+                          s_ptr + rr4 * s_rs, WIDE)
 
 
 def _fail(msg: str):
@@ -242,28 +244,32 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
             float(eps),
             ND=len(deltas), HAS_W=w is not None, STORE_R=residual_out is not None,
             STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block,
-            NB=block // 32, num_warps=warps, **pdl_args(x.device))
+            NB=block // 32, WIDE=hq is not None and hq.wide, num_warps=warps,
+            **pdl_args(x.device))
     return residual_out, hq, hf
 
 
-def pack_act_ref(h: torch.Tensor) -> QuantAct:
+def pack_act_ref(h: torch.Tensor, wide: bool | None = None) -> QuantAct:
     """Torch twin of :func:`localmoe.kernels.quant_gemv.quantize_act` that returns the packed
     :class:`QuantAct` (codes ``round_half_even(h * (127 / amax))`` per 32 values, four to a
-    little-endian int32 word; the two 16-value code sums as int16 halves; ``amax / 127``).
+    little-endian int32 word; the two 16-value code sums as int16 halves; ``amax / 127``; with
+    ``wide`` (None: the activation precision in effect is ``"int16"``) the residual codes and
+    their sums after each block's, the kernels' layout).
 
     Args: h ``[T, K]`` float, K a multiple of 32. Returns a QuantAct on ``h``'s device."""
+    if wide is None:
+        wide = act_precision() == "int16"
     t, k = h.shape
-    hb = h.float().reshape(t, k // 32, 32)
-    amax = hb.abs().amax(dim=-1, keepdim=True)
-    # a tensor / tensor division: torch computes ``127.0 / tensor`` on the CPU as a reciprocal
-    # times 127, one ulp off the kernels' IEEE quotient (which moves exact .5 codes of fp16 h)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-30),
-                      torch.zeros_like(amax))
-    codes = torch.round(hb * inv).to(torch.int32)                       # [T, K/32, 32]
-    q = codes.to(torch.int8).reshape(t, k).contiguous().view(torch.int32)
-    sums = codes.reshape(t, k // 32, 2, 16).sum(-1, dtype=torch.int32)
-    s = (sums[..., 0] & 0xFFFF) | (sums[..., 1] << 16)
-    return QuantAct(q, s.to(torch.int32), (amax / 127.0).reshape(t, k // 32))
+    q, r, d = _act_codes_ref(h, wide)                    # [T, K/32, 32], [T, K/32, 1]
+    planes = [q] if r is None else [q, r]
+    codes = torch.stack(planes, 2).to(torch.int32)       # [T, K/32, W, 32]
+    q = codes.to(torch.int8).reshape(t, -1).contiguous().view(torch.int32)
+    sums = codes.reshape(t, k // 32, len(planes), 2, 16).sum(-1, dtype=torch.int32)
+    packed = (sums[..., 0] & 0xFFFF) | (sums[..., 1] << 16)          # [T, K/32, W]
+    sd = torch.zeros((t, k // 32, 2 * len(planes)), dtype=torch.int32, device=h.device)
+    sd[..., 0::2] = packed
+    sd[..., 1] = d.reshape(t, k // 32).contiguous().view(torch.int32)
+    return QuantAct(q, sd[..., 0], sd.view(torch.float32)[..., 1], wide)
 
 
 def add_rms_norm_quant_ref(x: torch.Tensor, deltas: Sequence[torch.Tensor],

@@ -51,8 +51,10 @@ knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 import triton
@@ -66,7 +68,58 @@ from localmoe.kernels.qtensor import (
 )
 
 __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "QuantAct",
-           "gemv_config", "quant_gemv_partials", "gemv_partials_split", "sum_partials"]
+           "gemv_config", "quant_gemv_partials", "gemv_partials_split", "sum_partials",
+           "act_precision", "use_act_precision", "ACT_PRECISIONS"]
+
+#: activation precisions of the integer-dot kernels: ``"int8"`` (one int8 code per value and a
+#: scale per 32 values: ggml's q8_1, llama.cpp's GPU scheme) or ``"int16"`` (the same plus the
+#: int8 codes of the rounding error at a 254 times finer scale: ~15 bits, twice the dp4a)
+ACT_PRECISIONS = ("int8", "int16")
+_ACT = contextvars.ContextVar("localmoe_act_precision", default=None)
+
+
+def act_precision() -> str:
+    """The activation precision new :class:`QuantAct` buffers get: the innermost
+    :func:`use_act_precision`, else ``$LOCALMOE_ACT_PRECISION``, else ``"int8"``.
+
+    Raises:
+        InvalidRequestError: ``$LOCALMOE_ACT_PRECISION`` is not one of :data:`ACT_PRECISIONS`."""
+    p = _ACT.get()
+    if p is None:
+        p = os.environ.get("LOCALMOE_ACT_PRECISION", "").strip() or "int8"
+        check_act_precision(p, "LOCALMOE_ACT_PRECISION")
+    return p
+
+
+def check_act_precision(p, param: str = "act_precision") -> str:
+    """``p`` if it is one of :data:`ACT_PRECISIONS`.
+
+    Raises:
+        InvalidRequestError: any other value (``param`` names where it came from)."""
+    if p not in ACT_PRECISIONS:
+        from localmoe.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"{param}={p!r} is not an activation precision; use one of "
+                                  f"{', '.join(ACT_PRECISIONS)}", param=param)
+    return p
+
+
+@contextlib.contextmanager
+def use_act_precision(precision: str | None) -> Iterator[None]:
+    """Within the block, new :class:`QuantAct` buffers (and so the kernels that read them) use
+    ``precision`` (one of :data:`ACT_PRECISIONS`; None: leave it as it is).
+
+    Raises:
+        InvalidRequestError: an unknown precision."""
+    if precision is None:
+        yield
+        return
+    check_act_precision(precision)
+    tok = _ACT.set(precision)
+    try:
+        yield
+    finally:
+        _ACT.reset(tok)
 
 _Q4_0 = tl.constexpr(2)
 _Q4_1 = tl.constexpr(3)
@@ -121,28 +174,51 @@ def _quant_block(v, amax):
 
 
 @triton.jit
-def pack_store_blocks(v, b4, bm, q_row, sd_row):
+def _slice_sums(qi):
+    """The code sums of the two 16-value slices of blocks ``qi`` [NB, 2, 4, 4] (int32 lanes) as
+    two int16 halves of one int32 [NB, 1, 1, 1] (low half: values 0-15)."""
+    i2 = tl.arange(0, 2)[None, :, None, None]
+    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [NB, 2, 1, 1]
+    return tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)
+
+
+@triton.jit
+def pack_store_blocks(v, b4, bm, q_row, sd_row, WIDE: tl.constexpr = False):
     """Quantize and store 32-value blocks the :class:`QuantAct` way: ``v`` float32
     ``[NB, 2, 4, 4]`` (block, 16-value slice, word, byte) holds blocks ``b4`` (``[NB, 1, 1, 1]``
     block indices in the row, ``bm`` their mask); ``q_row`` points at the row's code words,
-    ``sd_row`` at its (slice sums, scale) pairs (``QuantAct.s``'s row: one 8-byte store each)."""
+    ``sd_row`` at its (slice sums, scale) pairs (``QuantAct.s``'s row: one 8-byte store each).
+    ``WIDE`` (a ``wide`` QuantAct): each block also gets the int8 codes of its rounding error
+    at a 254 times finer scale, stored after its own (8 words and one (sums, 0) pair each)."""
     i2 = tl.arange(0, 2)[None, :, None, None]
     i4w = tl.arange(0, 4)[None, None, :, None]
     i4b = tl.arange(0, 4)[None, None, None, :]
     amax = tl.max(tl.max(tl.max(tl.abs(v), axis=3, keep_dims=True), axis=2, keep_dims=True),
                   axis=1, keep_dims=True)
     qi = _quant_block(v, amax)
+    W: tl.constexpr = 2 if WIDE else 1
     words = tl.sum((qi & 255) << (i4b * 8), axis=3, keep_dims=True)   # [NB, 2, 4, 1]
-    tl.store(q_row + b4 * 8 + i2 * 4 + i4w, words, mask=bm)
-    sums = tl.sum(tl.sum(qi, axis=3, keep_dims=True), axis=2, keep_dims=True)   # [NB, 2, 1, 1]
-    packed = tl.sum((sums & 0xFFFF) << (i2 * 16), axis=1, keep_dims=True)         # [NB, 1, 1, 1]
-    dbits = (amax / 127.0).to(tl.int32, bitcast=True)
+    tl.store(q_row + b4 * (8 * W) + i2 * 4 + i4w, words, mask=bm)
+    packed = _slice_sums(qi)                                          # [NB, 1, 1, 1]
+    d = amax / 127.0
+    dbits = d.to(tl.int32, bitcast=True)
     pair = (packed.to(tl.int64) & 0xFFFFFFFF) | (dbits.to(tl.int64) << 32)
-    tl.store(sd_row.to(tl.pointer_type(tl.int64)) + b4, pair, mask=bm)
+    sd64 = sd_row.to(tl.pointer_type(tl.int64))
+    tl.store(sd64 + b4 * W, pair, mask=bm)
+    if WIDE:
+        # the residual v - d*q lies within d/2 of 0: codes at scale d/254 span [-127, 127]
+        # (clamped against the rounding of d itself)
+        r = (v - qi.to(tl.float32) * d) * tl.where(amax > 0, 254.0 / tl.maximum(d, 1e-30), 0.0)
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        qr = (r + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        wr = tl.sum((qr & 255) << (i4b * 8), axis=3, keep_dims=True)
+        tl.store(q_row + b4 * 16 + 8 + i2 * 4 + i4w, wr, mask=bm)
+        tl.store(sd64 + b4 * 2 + 1, _slice_sums(qr).to(tl.int64) & 0xFFFFFFFF, mask=bm)
 
 
 @triton.jit
-def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, n_blocks, x_rs, xq_rs, xs_rs, NB: tl.constexpr):
+def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, n_blocks, x_rs, xq_rs, xs_rs, NB: tl.constexpr,
+                         WIDE: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NB + tl.arange(0, NB)
     bm = (blk < n_blocks)[:, None, None, None]
@@ -151,7 +227,7 @@ def _quantize_act_kernel(x_ptr, xq_ptr, xs_ptr, n_blocks, x_rs, xq_rs, xs_rs, NB
     i4b = tl.arange(0, 4)[None, None, None, :]
     b4 = blk[:, None, None, None]
     v = tl.load(x_ptr + t * x_rs + b4 * 32 + i2 * 16 + i4w * 4 + i4b, mask=bm, other=0.0)
-    pack_store_blocks(v.to(tl.float32), b4, bm, xq_ptr + t * xq_rs, xs_ptr + t * xs_rs)
+    pack_store_blocks(v.to(tl.float32), b4, bm, xq_ptr + t * xq_rs, xs_ptr + t * xs_rs, WIDE)
 
 
 @triton.jit
@@ -164,18 +240,43 @@ def _ld(ptr, mask, other, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr):
+def _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr, WIDE: tl.constexpr = False):
     """The quantized x of the 32-value blocks starting at value offsets kb [1, 1, CH, 1],
     broadcast over the BN rows (xb4 / xsb4: the token rows' offsets as [TP, BN, 1, 1]):
     words of its two 16-value slices [TP, BN, CH, 4] each, their int8 sums and the block scale
-    [TP, BN, CH, 1] each."""
+    [TP, BN, CH, 1] each. ``WIDE``: also the words of the residual codes (``x0r``, ``x1r``;
+    else ``x0``, ``x1`` again), and the sums are float32 ``hi + lo / 254``."""
+    W: tl.constexpr = 2 if WIDE else 1
     i4 = tl.arange(0, 4)[None, None, None, :]
-    x0 = _ld(xq_ptr + xb4 + kb // 4 + i4, mx, 0, EVEN)
-    x1 = _ld(xq_ptr + xb4 + kb // 4 + 4 + i4, mx, 0, EVEN)
-    pair = _ld(xs_ptr.to(tl.pointer_type(tl.int64)) + xsb4 // 2 + kb // 32, mx, 0, EVEN)
+    xw = xq_ptr + xb4 + (kb // 4) * W + i4
+    x0 = _ld(xw, mx, 0, EVEN)
+    x1 = _ld(xw + 4, mx, 0, EVEN)
+    sd = xs_ptr.to(tl.pointer_type(tl.int64)) + xsb4 // 2 + (kb // 32) * W
+    pair = _ld(sd, mx, 0, EVEN)
     sp = pair.to(tl.int32)
     dx = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    return x0, x1, (sp << 16) >> 16, sp >> 16, dx
+    s0 = (sp << 16) >> 16
+    s1 = sp >> 16
+    if WIDE:
+        x0r = _ld(xw + 8, mx, 0, EVEN)
+        x1r = _ld(xw + 12, mx, 0, EVEN)
+        spr = _ld(sd + 1, mx, 0, EVEN).to(tl.int32)
+        s0f = s0.to(tl.float32) + ((spr << 16) >> 16).to(tl.float32) * (1.0 / 254.0)
+        s1f = s1.to(tl.float32) + (spr >> 16).to(tl.float32) * (1.0 / 254.0)
+        return x0, x1, x0r, x1r, s0f, s1f, dx
+    else:
+        return x0, x1, x0, x1, s0, s1, dx
+
+
+@triton.jit
+def _idot_x(wq, xw, xr, USE_ASM: tl.constexpr, WIDE: tl.constexpr):
+    """:func:`_idot` of code words ``wq`` with x's words ``xw``; ``WIDE``: plus the residual
+    codes' dot ``xr`` / 254, in float32."""
+    if WIDE:
+        return (_idot(wq, xw, USE_ASM).to(tl.float32)
+                + _idot(wq, xr, USE_ASM).to(tl.float32) * (1.0 / 254.0))
+    else:
+        return _idot(wq, xw, USE_ASM)
 
 
 @triton.jit
@@ -198,7 +299,7 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
            q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
            QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
-           USE_ASM: tl.constexpr):
+           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False):
     """acc [TP, BN, CH, 1] += contributions of chunks c0 .. c0+CH-1 (< c_end) of the rows4
     [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4.
 
@@ -213,16 +314,17 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
     mx = tmask4 & cm4
     # ---- x: int8 words + sums of each 16-value slice, one scale per 32 values ----------------
     kb = c4 * CV
-    x0, x1, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN)
+    x0, x1, x0r, x1r, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN, WIDE)
     if CV == 64:
-        x2, x3, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN)
+        x2, x3, x2r, x3r, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN,
+                                                 WIDE)
     # ---- weights ------------------------------------------------------------------------------
     if QTYPE == _Q8_0:
         wp = q_ptr + rows4 * q_rs + c4 * 8 + i4
         wlo = _ld(wp, mw, 0, EVEN)
         whi = _ld(wp + 4, mw, 0, EVEN)
         d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
-        idot = _idot(wlo, x0, USE_ASM) + _idot(whi, x1, USE_ASM)
+        idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
         acc += dx0 * (d * idot.to(tl.float32))
     elif CV == 32:
         wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
@@ -238,8 +340,8 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             h1 = _ld(hp + 1, mw, 0, EVEN)
             lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
             hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
-        i_lo = _idot(lo, x0, USE_ASM)
-        i_hi = _idot(hi, x1, USE_ASM)
+        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE)
+        i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE)
         if QTYPE == _Q6_K:
             d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
             sp = sc_ptr + rows4 * sc_rs + c4 * 2
@@ -283,8 +385,10 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             a1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
             a2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
             a3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
-            ia = a0 * (_idot(c0w, x0, USE_ASM) - 4 * s0) + a1 * (_idot(c1w, x1, USE_ASM) - 4 * s1)
-            ib = a2 * (_idot(c2w, x2, USE_ASM) - 4 * s2) + a3 * (_idot(c3w, x3, USE_ASM) - 4 * s3)
+            ia = (a0 * (_idot_x(c0w, x0, x0r, USE_ASM, WIDE) - 4 * s0)
+                  + a1 * (_idot_x(c1w, x1, x1r, USE_ASM, WIDE) - 4 * s1))
+            ib = (a2 * (_idot_x(c2w, x2, x2r, USE_ASM, WIDE) - 4 * s2)
+                  + a3 * (_idot_x(c3w, x3, x3r, USE_ASM, WIDE) - 4 * s3))
             acc += d * (dx0 * ia.to(tl.float32) + dx1 * ib.to(tl.float32))
         else:  # Q2_K: byte = scale | min << 4
             dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
@@ -292,8 +396,10 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             b1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
             b2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
             b3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
-            ia = (b0 & 15) * _idot(c0w, x0, USE_ASM) + (b1 & 15) * _idot(c1w, x1, USE_ASM)
-            ib = (b2 & 15) * _idot(c2w, x2, USE_ASM) + (b3 & 15) * _idot(c3w, x3, USE_ASM)
+            ia = ((b0 & 15) * _idot_x(c0w, x0, x0r, USE_ASM, WIDE)
+                  + (b1 & 15) * _idot_x(c1w, x1, x1r, USE_ASM, WIDE))
+            ib = ((b2 & 15) * _idot_x(c2w, x2, x2r, USE_ASM, WIDE)
+                  + (b3 & 15) * _idot_x(c3w, x3, x3r, USE_ASM, WIDE))
             ma = (b0 >> 4) * s0 + (b1 >> 4) * s1
             mb = (b2 >> 4) * s2 + (b3 >> 4) * s3
             acc += dx0 * (d * ia.to(tl.float32) - dm * ma.to(tl.float32)) \
@@ -333,7 +439,7 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                       LINE: tl.constexpr = 32):
+                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -355,7 +461,8 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
         for c0 in range(c_begin, c_end, CH):
             acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                          q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM)
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                         WIDE)
         out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
         # y_ss: the partials' slice stride (0: every split adds into one output)
         yp = y_ptr + pid_k.to(tl.int64) * y_ss + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
@@ -378,58 +485,80 @@ class QuantAct(NamedTuple):
         s: int32 ``[T, K/32]``: the sums of the codes of the two 16-value slices of each 32-value
             block as two int16 halves (low half: values 0-15).
         d: float32 ``[T, K/32]``: the scale of each 32-value block (``amax / 127``).
+        wide: ``"int16"`` activation precision (:func:`act_precision`): each block also holds
+            the int8 codes ``r`` of its rounding error at the scale ``d / 254``
+            (``x ~ d * (q + r / 254)``, about 15 bits per value), which the kernels dot with the
+            same weight codes (twice the ``dp4a``). Then ``q`` is ``[T, K/2]`` (block ``b``'s 8
+            words at ``16b``, its residual's at ``16b + 8``) and the pairs buffer holds
+            ``(sums, scale), (residual sums, 0)`` per block.
 
-    ``s`` and ``d`` are views of one int32 buffer ``[T, K/32, 2]`` (a block's sums, then its
-    scale's bits), so a kernel reads both with one 8-byte load (:meth:`empty` allocates them
-    so; :meth:`is_packed` checks it).
+    ``s`` and ``d`` are views of one int32 buffer ``[T, K/32, 2]`` (``[T, K/32, 4]`` wide: a
+    block's sums, then its scale's bits), so a kernel reads both with one 8-byte load
+    (:meth:`empty` allocates them so; :meth:`is_packed` checks it).
     """
 
     q: torch.Tensor
     s: torch.Tensor
     d: torch.Tensor
+    wide: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.q.shape[0], self.q.shape[1] * 4)
+        return (self.q.shape[0], self.q.shape[1] * (2 if self.wide else 4))
 
     @property
     def device(self) -> torch.device:
         return self.q.device
 
+    def pairs(self) -> torch.Tensor:
+        """The int32 buffer that ``s`` and ``d`` view, ``[T, K/32, 2]`` (``[T, K/32, 4]`` wide:
+        the residual codes' sums third), in the kernels' layout (:meth:`is_packed`)."""
+        t, k = self.shape
+        w = 2 if self.wide else 1
+        return self.s.as_strided((t, k // 32, 2 * w), (self.s.stride(0), 2 * w, 1))
+
     def rows(self, a: int, b: int) -> "QuantAct":
-        return QuantAct(self.q[a:b], self.s[a:b], self.d[a:b])
+        return QuantAct(self.q[a:b], self.s[a:b], self.d[a:b], self.wide)
 
     def is_packed(self, t: int, k: int, device) -> bool:
         """Whether this is a QuantAct of ``[t, k]`` on ``device`` in the kernels' layout (``q``
         rows contiguous, ``s``/``d`` interleaved in one buffer as :meth:`empty` makes them)."""
-        q, s, d = self
-        return (q.shape == (t, k // 4) and s.shape == (t, k // 32) and d.shape == (t, k // 32)
+        q, s, d, wide = self
+        w = 2 if wide else 1
+        return (q.shape == (t, k // 4 * w) and s.shape == (t, k // 32) and d.shape == (t, k // 32)
                 and q.dtype == torch.int32 and s.dtype == torch.int32 and d.dtype == torch.float32
                 and q.device == torch.device(device) and s.device == q.device
-                and d.device == q.device and q.stride(1) == 1 and s.stride(1) == 2
-                and d.stride(1) == 2 and s.stride(0) == d.stride(0)
+                and d.device == q.device and q.stride(1) == 1 and s.stride(1) == 2 * w
+                and d.stride(1) == 2 * w and s.stride(0) == d.stride(0)
                 and (s.numel() == 0 or (d.data_ptr() == s.data_ptr() + 4
                                         and s.data_ptr() % 8 == 0)))
 
     @staticmethod
-    def empty(t: int, k: int, device) -> "QuantAct":
-        sd = torch.empty((t, k // 32, 2), dtype=torch.int32, device=device)
-        return QuantAct(torch.empty((t, k // 4), dtype=torch.int32, device=device),
-                        sd[..., 0], sd.view(torch.float32)[..., 1])
+    def empty(t: int, k: int, device, wide: bool | None = None) -> "QuantAct":
+        """Uninitialized buffers for ``[t, k]`` activations; ``wide`` None: the precision in
+        effect (:func:`act_precision`)."""
+        if wide is None:
+            wide = act_precision() == "int16"
+        w = 2 if wide else 1
+        sd = torch.empty((t, k // 32, 2 * w), dtype=torch.int32, device=device)
+        return QuantAct(torch.empty((t, k // 4 * w), dtype=torch.int32, device=device),
+                        sd[..., 0], sd.view(torch.float32)[..., 1], wide)
 
 
-def quantize_act(x: torch.Tensor, blocks_per_program: int = 16) -> QuantAct:
+def quantize_act(x: torch.Tensor, blocks_per_program: int = 16,
+                 wide: bool | None = None) -> QuantAct:
     """Quantize ``x [T, K]`` (float, K a multiple of 32, rows contiguous) to int8 per 32-value
-    block (one launch). The torch twin is :func:`quantize_act_ref`."""
+    block (one launch); ``wide`` (None: the :func:`act_precision` in effect is ``"int16"``)
+    adds the residual codes. The torch twin is :func:`quantize_act_ref`."""
     t, k = x.shape
     if k % 32 or x.stride(1) != 1:
         raise ValueError(f"quantize_act: x must be [T, K] with K % 32 == 0 and contiguous rows, "
                          f"got {tuple(x.shape)}")
-    xa = QuantAct.empty(t, k, x.device)
+    xa = QuantAct.empty(t, k, x.device, wide)
     nb = k // 32
     _quantize_act_kernel[(t, cdiv(nb, blocks_per_program))](
         x, xa.q, xa.s, nb, x.stride(0), xa.q.stride(0), xa.s.stride(0),
-        NB=blocks_per_program, num_warps=2)
+        NB=blocks_per_program, WIDE=xa.wide, num_warps=2)
     return xa
 
 
@@ -575,7 +704,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
               and t == next_pow2(t)),
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
-        LINE=128 // ptrs[0].element_size(),
+        LINE=128 // ptrs[0].element_size(), WIDE=x.wide,
         num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
     if y is not out:
         out.copy_(y)
@@ -657,11 +786,9 @@ def sum_partials(p: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' activation quantization, dequantized: per 32-value block of each row,
-    ``round_half_even(x * (127 / amax)) * (amax / 127)`` in float32 (0 for an all-zero block).
-
-    Args: x ``[T, K]`` float (K a multiple of 32). Returns float32 ``[T, K]``."""
+def _act_codes_ref(x: torch.Tensor, wide: bool) -> tuple[torch.Tensor, ...]:
+    """(codes, residual codes or None, scale) of ``x [T, K]`` per 32-value block, float32
+    ``[T, K/32, 32]`` / ``[T, K/32, 1]``: what :func:`pack_store_blocks` stores."""
     t, k = x.shape
     xb = x.float().reshape(t, k // 32, 32)
     amax = xb.abs().amax(dim=-1, keepdim=True)
@@ -670,14 +797,38 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax.clamp_min(1e-30),
                       torch.zeros_like(amax))
     q = torch.round(xb * inv)
-    return (q * (amax / 127.0)).reshape(t, k)
+    d = amax / 127.0
+    if not wide:
+        return q, None, d
+    rs = torch.where(amax > 0, torch.full_like(d, 254.0) / d.clamp_min(1e-30), torch.zeros_like(d))
+    r = torch.round(((xb - q * d) * rs).clamp(-127.0, 127.0))
+    return q, r, d
+
+
+def quantize_act_ref(x: torch.Tensor, wide: bool | None = None) -> torch.Tensor:
+    """The kernels' activation quantization, dequantized: per 32-value block of each row,
+    ``round_half_even(x * (127 / amax)) * (amax / 127)`` in float32 (0 for an all-zero block);
+    ``wide`` (None: the :func:`act_precision` in effect is ``"int16"``) adds the residual
+    codes' ``r * d / 254``.
+
+    Args: x ``[T, K]`` float (K a multiple of 32). Returns float32 ``[T, K]``."""
+    if wide is None:
+        wide = act_precision() == "int16"
+    t, k = x.shape
+    q, r, d = _act_codes_ref(x, wide)
+    if r is not None:
+        return ((q + r * (1.0 / 254.0)) * d).reshape(t, k)
+    return (q * d).reshape(t, k)
 
 
 def dequantize_act(xa: QuantAct) -> torch.Tensor:
-    """Float32 ``[T, K]`` values of a :class:`QuantAct`."""
+    """Float32 ``[T, K]`` values of a :class:`QuantAct` (codes plus residual codes / 254 when
+    ``wide``, times the block scale)."""
     t, k = xa.shape
-    codes = xa.q.contiguous().view(torch.int8).float().reshape(t, k // 32, 32)
-    return (codes * xa.d.float()[..., None]).reshape(t, k)
+    w = 2 if xa.wide else 1
+    codes = xa.q.contiguous().view(torch.int8).float().reshape(t, k // 32, w, 32)
+    v = codes[:, :, 0] + (codes[:, :, 1] * (1.0 / 254.0) if xa.wide else 0.0)
+    return (v * xa.d.float()[..., None]).reshape(t, k)
 
 
 def quant_gemv_ref(x: torch.Tensor | QuantAct, w: QuantTensor, act_quant: bool = True) -> torch.Tensor:

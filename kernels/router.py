@@ -315,7 +315,7 @@ def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr,
                         EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                         GATE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                         HAS_DELTA: tl.constexpr, HAS_W: tl.constexpr, STORE_H: tl.constexpr,
-                        PACKED: tl.constexpr, PDL: tl.constexpr):
+                        PACKED: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
     # program (t, j): the whole row of token t is summed and normalized by every program (its
     # expert block's logits need all of h); program j == 0 also stores the residual, the
     # int8 blocks of h and the optional float h. The router weights are constant: their loads
@@ -350,7 +350,7 @@ def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr,
         blk = tl.arange(0, NB)
         pack_store_blocks(tl.reshape(h, (NB, 2, 4, 4)), blk[:, None, None, None],
                           (blk < D // 32)[:, None, None, None], q_ptr + t * q_rs,
-                          s_ptr + t * s_rs)
+                          s_ptr + t * s_rs, WIDE)
     _store_logits_route_last(tl.sum(wr.to(tl.float32) * h[None, :], axis=1), eb, ebm, t, E,
                              logits_ptr, l_rs, cnt_ptr, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs,
                              scale, EP, TOP_K, KP, GATE, HAS_BIAS, NORM, PACKED)
@@ -436,5 +436,6 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
         EB=eb, BLOCK=block, NB=block // 32, EP=next_pow2(e), TOP_K=top_k, KP=next_pow2(top_k),
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         HAS_DELTA=delta is not None, HAS_W=norm_w is not None, STORE_H=hf is not None,
-        PACKED=bool(cfg["packed_topk"]), num_warps=int(cfg["num_warps"]), **pdl_args(dev))
+        PACKED=bool(cfg["packed_topk"]), WIDE=hq.wide, num_warps=int(cfg["num_warps"]),
+        **pdl_args(dev))
     return residual_out, hq, hf, w, ids

@@ -29,6 +29,8 @@ class Family:
             builder hard-codes it), or None to use the spec.
         qk_norm_full: q/k RMSNorm over the whole projection (OLMoE) instead of per head.
         act: FFN activation, or None to use ``spec.act``.
+        gpu_dtype: the activation dtype a GPU runner uses unless told otherwise: ``"float16"``,
+            or ``"bfloat16"`` for families whose activations outgrow float16's range (65504).
     """
 
     arch: str = ""
@@ -36,6 +38,7 @@ class Family:
     gguf_norm_topk_prob: bool | None = None
     qk_norm_full: bool = False
     act: str | None = None
+    gpu_dtype: str = "float16"
 
     def configure(self, spec: ModelSpec, model_format: str, tensor_names: set[str]) -> ModelSpec:
         """Return the spec this family runs with (a copy; the loader's spec is not mutated)."""

@@ -19,6 +19,10 @@ from localmoe.models.family import Family, register_family
 class Gemma3(Family):
     gguf_rope_style = "neox"
     act = "gelu_tanh"
+    # Gemma's residual stream and FFN activations pass float16's 65504 (measured: Gemma-3-270M
+    # gives NaN logits from the first token in float16, in the torch and triton runners alike);
+    # the reference implementations run it in bfloat16 or float32
+    gpu_dtype = "bfloat16"
 
     def configure(self, spec, model_format, tensor_names):
         spec = super().configure(spec, model_format, tensor_names)

@@ -34,6 +34,10 @@ QUANT_INT4_VS_FLOAT     0.3      int4 cache attention against the f16 cache, as 
                                  (random data: averaged outputs have large relative errors)
 ACT_QUANT_GEMV          3e-2     GEMV with int8-rounded activations against float ones
 ACT_QUANT_MOE           6e-2     fused MoE against float activations (x and h both rounded)
+ACT16_QUANT_GEMV        1e-3     GEMV and fused MoE with "int16" activations (int8 codes
+                                 plus their rounding error's int8 codes, act_precision)
+                                 against float ones: 254x finer than int8's rounding, so at
+                                 least 10x under the int8 error of the same product
 LOGITS_FP16_DOTS        0.1      max |logit delta| / max |logit| of the triton runner (fp16
                                  dot operands, 30 layers) against the torch runner
 APPEND_CODES_GPU        1e-3     fraction of packed code bytes the append kernel may write
@@ -70,6 +74,7 @@ QUANT_INT8_VS_FLOAT = 0.01
 QUANT_INT4_VS_FLOAT = 0.3
 ACT_QUANT_GEMV = 3e-2
 ACT_QUANT_MOE = 6e-2
+ACT16_QUANT_GEMV = 1e-3
 LOGITS_FP16_DOTS = 0.1
 APPEND_CODES_GPU = 1e-3
 FUSED_APPEND_GPU = 2e-2

@@ -15,7 +15,7 @@ class TritonBackend(Backend):
     """Fused GPU path (Triton kernels over the paged, possibly quantized KV cache)."""
 
     description = "CUDA + Triton: fused sub-byte KV-cache decode attention (torch for the rest)"
-    options = TorchBackend.options + ("cuda_graphs", "load_progress")
+    options = TorchBackend.options + ("cuda_graphs", "load_progress", "act_precision")
 
     def available(self) -> str | None:
         import importlib.util

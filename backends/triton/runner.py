@@ -45,27 +45,43 @@ class TritonRunner(CacheSequences):
     Runner contract of INTERFACES.md).
 
     Same arguments as :class:`localmoe.backends.torch_backend.TorchRunner` (``device``
-    defaults to ``"cuda"`` and ``dtype`` to float16; ``packed_weights=False`` dequantizes the
+    defaults to ``"cuda"`` and ``dtype`` to the family's ``gpu_dtype``: float16, bfloat16 for
+    Gemma-3, whose activations overflow float16; ``packed_weights=False`` dequantizes the
     weights instead of keeping them quantized), plus ``cuda_graphs``: decode steps (1-8
     sequences adding one token each) replay CUDA graphs (:mod:`localmoe.backends.triton.graphs`)
     -- ``None`` (default): on where possible unless ``LOCALMOE_CUDA_GRAPHS=0``; and
     ``load_progress(bytes_done, bytes_total)``, called as quantized weights reach the GPU (the
-    Engine turns it into its load progress).
+    Engine turns it into its load progress); and ``act_precision``: the activations of the
+    decode step's integer-dot kernels, ``"int8"`` (llama.cpp's q8_1 scheme, the fastest) or
+    ``"int16"`` (an int8 residual per value on top: closer to the float reference, twice the
+    ``dp4a``; :mod:`localmoe.kernels.quant_gemv`), None: ``$LOCALMOE_ACT_PRECISION`` or int8.
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.
         KVCacheFormatError: unknown KV format.
+        InvalidRequestError: an unknown ``act_precision`` (or ``$LOCALMOE_ACT_PRECISION``).
     """
 
     backend_name = "triton"
+    #: activation precision of the integer-dot kernels, set by ``__init__`` (None: leave the
+    #: precision in effect alone)
+    act_precision: str | None = None
 
     def __init__(self, model_file, *, n_ctx: int | None = None, kv_spec: Any = None,
                  device: str | None = None, dtype: torch.dtype | None = None, max_seqs: int = 1,
                  block_size: int = 16, experts: Any = None, numerics: str = "exact",
                  packed_weights: bool | None = None, n_threads: int | None = None,
                  cuda_graphs: bool | None = None,
-                 load_progress: Callable[[int, int], None] | None = None):
+                 load_progress: Callable[[int, int], None] | None = None,
+                 act_precision: str | None = None):
         from localmoe.backends.triton.quant_model import load_quant_model, quant_unavailable
+        from localmoe.kernels.quant_gemv import act_precision as _default_precision
+        from localmoe.kernels.quant_gemv import check_act_precision
+
+        act_precision = (_default_precision() if act_precision is None
+                         else check_act_precision(act_precision))
+        #: activation precision of the integer-dot kernels ("int8" or "int16")
+        self.act_precision = act_precision
 
         why = ("packed_weights=False" if packed_weights is False else
                "a custom expert provider" if experts is not None else
@@ -76,7 +92,7 @@ class TritonRunner(CacheSequences):
             mf, device=dev, dtype=dt, progress=load_progress))
         #: the reference attention, for prefill and the cases the kernels do not cover
         self.ref = load_runner(self, model_file, device=device or "cuda",
-                               dtype=dtype or torch.float16, n_threads=n_threads,
+                               dtype=dtype or default_gpu_dtype(model_file), n_threads=n_threads,
                                max_seqs=max_seqs, n_ctx=n_ctx, kv_spec=kv_spec,
                                block_size=block_size, experts=experts, numerics=numerics,
                                packed_weights=None, model_loader=loader)
@@ -137,9 +153,12 @@ class TritonRunner(CacheSequences):
         Raises:
             ContextOverflowError, InvalidRequestError, LocalMoEError: as the torch runner.
         """
+        from localmoe.kernels.quant_gemv import use_act_precision
+
         self._step += 1
         dev = torch.device(self.device)
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext(), \
+                use_act_precision(self.act_precision):
             return self._forward(batch, all_logits, on_device, tokens_on_device)
 
     def _setup_fused(self) -> None:
@@ -225,7 +244,9 @@ class TritonRunner(CacheSequences):
                 self.graphs = None
         for sid, _ in batch:
             self.cache.commit(sid, 1)
-        out = logits.clone() if on_device else logits.cpu()
+        # a copy either way: ``logits`` is the static step's buffer, which the next step
+        # overwrites (on a CPU device ``.cpu()`` would return that buffer itself)
+        out = logits.clone() if on_device or logits.device.type == "cpu" else logits.cpu()
         self.tokens_processed += len(batch)
         return [out[i] for i in range(len(batch))]
 
@@ -323,6 +344,7 @@ class TritonRunner(CacheSequences):
         out["fused_decode_calls"] = self.n_fused_calls
         out["fused_attention"] = self._fused
         out["weights"] = self.weights
+        out["act_precision"] = self.act_precision
         g = self.graphs
         out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays}
                               if g is not None and g.capture else f"off ({self.graphs_off})")
@@ -342,6 +364,19 @@ class TritonRunner(CacheSequences):
         self.ref = None
         self.graphs = None
         self.prefill_graphs = None
+
+
+def default_gpu_dtype(model_file) -> torch.dtype:
+    """The activation dtype of a GPU runner for ``model_file`` when none is asked for: its
+    family's ``gpu_dtype`` (:class:`localmoe.models.family.Family`), float16 for an unknown
+    architecture (the load reports that one itself)."""
+    from localmoe.errors import UnsupportedModelError
+    from localmoe.models.family import get_family
+
+    try:
+        return getattr(torch, get_family(model_file.spec.arch).gpu_dtype)
+    except (UnsupportedModelError, AttributeError):   # the loader reports an unknown family
+        return torch.float16
 
 
 def _write_codec(codec, store: dict, slots: torch.Tensor, x: torch.Tensor, pos: torch.Tensor,

@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from localmoe.engine.options import (check_backend_device, check_device, check_n_ctx,
-                                     context_size, make_sampling_params, parse_kv_request)
+from localmoe.engine.options import (check_act_env, check_backend_device, check_device,
+                                     check_n_ctx, context_size, make_sampling_params,
+                                     parse_kv_request)
 from localmoe.engine.limits import check_text_fits, check_token_ids, check_vocab_fits, message_chars
 from localmoe.engine.results import StreamEvent
 from localmoe.errors import ContextOverflowError, InvalidRequestError, LocalMoEError
@@ -95,6 +96,7 @@ class Engine:
         device = check_device(device)
         if backend_options.get("n_threads") is None:
             env_threads()  # a bad $LOCALMOE_THREADS is an error before any I/O
+        check_act_env()    # so is a bad $LOCALMOE_ACT_PRECISION
         prog(0.0, "resolving model")
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")

@@ -4,6 +4,8 @@ the CLI, the server and the Python API report."""
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from localmoe.errors import InvalidRequestError, LocalMoEError
@@ -158,3 +160,13 @@ def context_size(n_ctx: int | None, n_ctx_train: int | None) -> int:
             f"context size {n_ctx} is larger than the model's training context of {n_train} "
             f"tokens; use a context size of at most {n_train}", param="n_ctx")
     return int(n_ctx) if n_ctx else min(int(n_ctx_train or DEFAULT_N_CTX), DEFAULT_N_CTX)
+
+
+def check_act_env() -> None:
+    """Raise InvalidRequestError for a ``$LOCALMOE_ACT_PRECISION`` that is not ``int8`` or
+    ``int16`` (the triton backend's activation precision, ``--act-precision``), before any
+    weights load; the kernels' module (and Triton) is imported only when the variable is set."""
+    if os.environ.get("LOCALMOE_ACT_PRECISION", "").strip():
+        from localmoe.kernels.quant_gemv import act_precision
+
+        act_precision()

@@ -27,6 +27,7 @@ from localmoe.backends.triton.runner import TritonRunner  # noqa: E402
 from localmoe.io.loader import open_model  # noqa: E402
 from localmoe.testing.synthetic import write_gguf  # noqa: E402
 
+from localmoe.errors import InvalidRequestError  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -48,9 +49,9 @@ def files(tmp_path_factory):
     return {p: write_gguf(d / f"{p}.gguf", p, seed=1) for p in PRESETS}
 
 
-def _compare(mf, steps=2, prompt_len=11):
+def _compare(mf, steps=2, prompt_len=11, **opts):
     a = TorchRunner(mf, n_ctx=64, device=DEV, dtype=DT, packed_weights=False)
-    b = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT)
+    b = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, **opts)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, a.spec.vocab_size, (prompt_len,), generator=g).tolist()
     sa, sb = a.new_sequence(), b.new_sequence()
@@ -109,6 +110,23 @@ def test_quantized_triton_runner_matches_torch(files, preset):
     size = os.path.getsize(files[preset])
     assert st["weights_bytes"] + st.get("expert_bytes", 0) < 1.1 * size
     assert a.stats()["weights_bytes"] + a.stats().get("expert_bytes", 0) > 2 * size
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2moe", "tiny-llama"])
+def test_int16_activations_bring_decode_closer_to_torch(files, preset):
+    # act_precision="int16": every QuantAct of the fused step (norms, router, attention output,
+    # MoE hidden) carries its rounding error's codes too
+    mf = open_model(str(files[preset]))
+    *_, r8 = _compare(mf, steps=2)
+    _, b, r16 = _compare(mf, steps=2, act_precision="int16")
+    st = b.stats()
+    assert st["act_precision"] == "int16" and st["fused_step"] == "on"
+    d8, d16 = (max(d for _, d in r["decode"]) for r in (r8, r16))
+    # fp16 dots on the GPU leave a floor of their own (measured 4.5e-4 against 4.0e-3 for
+    # tiny-llama); float32 in the interpreter
+    assert all(same for same, _ in r16["decode"]) and d16 < d8 / (3 if CUDA else 10), (d16, d8)
+    with pytest.raises(InvalidRequestError, match="int8, int16"):
+        TritonRunner(mf, n_ctx=16, device=DEV, dtype=DT, act_precision="fp8")
 
 
 # every family also runs the fused step in test_quantized_triton_runner_matches_torch; here the
@@ -184,47 +202,95 @@ def test_corrupt_scale_names_the_tensor(files, tmp_path):
         TritonRunner(open_model(str(bad)), n_ctx=32, device=DEV, dtype=DT)
 
 
-def teacher_forced(mf, n_tokens=256, text=None):
-    """Top-1 agreement and max |delta log-softmax| of the quantized triton runner against the
-    torch runner over ``n_tokens`` of real text, fed one token at a time after a short prompt
-    (prompt positions run the GEMM, the rest the decode GEMV and fused MoE)."""
-    from localmoe.text.tokenizer import Tokenizer
-
-    text = text or (
-        "The history of the printing press begins in the fifteenth century, when Johannes "
-        "Gutenberg combined movable metal type, oil-based ink and a screw press adapted from "
-        "wine making. Within fifty years presses operated in more than two hundred cities "
-        "across Europe, and the price of books fell sharply. Literacy spread, scholars could "
-        "compare identical copies of a text, and new ideas travelled faster than ever before. "
-        "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
-        "    return a\n\nQuestion: What is the capital of France?\nAnswer: The capital of "
-        "France is Paris, a city on the Seine known for its museums and its cafes. ") * 3
-    ids = Tokenizer.from_model(mf).encode(text)[:n_tokens]
-    a = TorchRunner(mf, n_ctx=n_tokens + 8, device=DEV, dtype=DT, packed_weights=False)
-    b = TritonRunner(mf, n_ctx=n_tokens + 8, device=DEV, dtype=DT)
-    sa, sb = a.new_sequence(), b.new_sequence()
-    pa = a.forward([(sa, ids[:16])], all_logits=True)[0]
-    pb = b.forward([(sb, ids[:16])], all_logits=True)[0]
-    la, lb = [pa], [pb]
-    for t in ids[16:]:
-        la.append(a.forward([(sa, [t])])[0][None])
-        lb.append(b.forward([(sb, [t])])[0][None])
-    la, lb = torch.cat(la), torch.cat(lb)
-    top1 = (la.argmax(-1) == lb.argmax(-1)).float().mean().item()
-    dl = (la.log_softmax(-1) - lb.log_softmax(-1)).abs().max().item()
-    return top1, dl
-
-
-# teacher-forced real text on the GPU (fp16 activations, int8-rounded in the GEMVs): the
-# issue's bar is >= 99% top-1; max |delta log-softmax| is recorded by benchmarks/gpu_e2e.py
+# teacher-forced real text on the GPU (fp16 activations; the GEMVs' activations in "int16",
+# int8 codes plus their rounding error's: with int8 alone SmolLM2 agrees on 98.0%): the issue's
+# bar is >= 99% top-1; benchmarks/teacher_forced.py records both precisions
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not CUDA, reason="real models through the interpreter take minutes per token")
 @pytest.mark.parametrize("which", ["smollm2_path", "gemma3_path"])
 def test_real_models_teacher_forced_on_gpu(which, request):
+    from localmoe.testing.agreement import teacher_forced
+
     mf = open_model(str(request.getfixturevalue(which)))
-    top1, dl = teacher_forced(mf)
-    assert top1 >= 0.99, (top1, dl)
+    r = teacher_forced(mf, device=DEV, act_precision="int16")   # the family's dtype
+    assert r["nonfinite"] == 0 and r["top1"] >= 0.99, r
+
+
+def test_teacher_forced_agreement_reports_positions(files):
+    from localmoe.testing.agreement import teacher_forced
+
+    mf = open_model(str(files["tiny-llama"]))
+    r = teacher_forced(mf, n_tokens=20, device=DEV, dtype=DT, prompt=4)
+    # the random model's logits span ~100: argmax agrees everywhere, log-softmax deltas of
+    # ~1 nat sit far below the top (0.35 when each step's logits aliased the step's buffer)
+    assert r["tokens"] == 20 and r["top1"] >= 0.9 and r["nonfinite"] == 0, r
+    assert len(r["disagree"]) == round((1 - r["top1"]) * 20)
+    assert 0.0 <= r["mean_dlogsm"] <= r["max_dlogsm"] < 5.0, r
+    with pytest.raises(ValueError, match="need more than 4"):
+        teacher_forced(mf, text="a", device=DEV, dtype=DT, prompt=4)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_decode_logits_outlive_the_next_step(files, on_device):
+    # the static step's output buffer is rewritten by every step: forward returns a copy (on
+    # a CPU device ``.cpu()`` of that buffer used to be the buffer itself, so a caller keeping
+    # several steps' logits saw the last step's everywhere)
+    r = TritonRunner(open_model(str(files["tiny-llama"])), n_ctx=32, device=DEV, dtype=DT)
+    s = r.new_sequence()
+    r.forward([(s, [5, 6, 7])])
+    for t in (8, 9, 10):                  # past the eager warm-up: replays of the static step
+        r.forward([(s, [t])])
+    first = r.forward([(s, [11])], on_device=on_device)[0]
+    kept = first.clone()
+    second = r.forward([(s, [12])], on_device=on_device)[0]
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+
+
+def test_gpu_dtype_follows_the_family():
+    # Gemma-3's activations overflow float16 (NaN logits from the first token, measured on
+    # the H200): its GPU runners default to bfloat16; other families to float16
+    from types import SimpleNamespace
+
+    from localmoe.backends.triton.runner import default_gpu_dtype
+
+    def mf(arch):
+        return SimpleNamespace(spec=SimpleNamespace(arch=arch))
+
+    assert default_gpu_dtype(mf("gemma3")) == torch.bfloat16
+    assert default_gpu_dtype(mf("qwen3moe")) == torch.float16
+    assert default_gpu_dtype(mf("no-such-arch")) == torch.float16
+
+
+def test_act_precision_flag_and_a_bad_environment_value(monkeypatch):
+    import os
+
+    from click.testing import CliRunner
+
+    import localmoe.cli.options as cli_options
+    from localmoe.cli import cli
+    from localmoe.engine.options import check_act_env
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(*a, **k):
+        seen["env"] = os.environ.get("LOCALMOE_ACT_PRECISION")
+        raise Stop
+
+    monkeypatch.setattr(cli_options, "load_llm", fake_load)
+    monkeypatch.setenv("LOCALMOE_ACT_PRECISION", "")   # restored after the test (the flag sets it)
+    r = CliRunner().invoke(cli, ["generate", "--act-precision", "int16", "-m", "x.gguf", "hi"])
+    assert isinstance(r.exception, Stop) and seen["env"] == "int16"
+    r = CliRunner().invoke(cli, ["generate", "--act-precision", "int4", "hi"])
+    assert r.exit_code == 2 and "int16" in r.output
+    monkeypatch.setenv("LOCALMOE_ACT_PRECISION", "fp8")
+    with pytest.raises(InvalidRequestError, match="LOCALMOE_ACT_PRECISION='fp8'"):
+        check_act_env()
+    monkeypatch.setenv("LOCALMOE_ACT_PRECISION", "int16")
+    check_act_env()
 
 
 def test_cuda_graphs_off_without_cuda_say_why(files):

@@ -342,23 +342,26 @@ def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
         assert seen[-1] == want and current[0] is None
 
 
-@pytest.mark.parametrize("fused_reduce", [False, True])
-def test_quantized_output_for_the_o_projection(fused_reduce):
+def _same_act(a, b) -> bool:
+    return a.wide == b.wide and torch.equal(a.q, b.q) and torch.equal(a.pairs(), b.pairs())
+
+
+@pytest.mark.parametrize("fused_reduce,wide", [(False, False), (True, False), (False, True),
+                                               (True, True)])
+def test_quantized_output_for_the_o_projection(fused_reduce, wide):
     """``quant_out`` receives the output in the int8 blocks of quantize_act (written by the
-    reduction; by a quantize launch after a fused reduce), bit for bit, and the float output
-    is unchanged."""
+    reduction; by a quantize launch after a fused reduce), bit for bit, with the residual
+    codes of ``wide`` ("int16") activations too, and the float output is unchanged."""
     from localmoe.kernels.quant_gemv import QuantAct, quantize_act
 
     kc, ks, vc, vs, bt, lens = _build("f16", "int4", [5, 40], 2, 32, 16)
     q = torch.randn(2, 4, 32, device=DEV)
     kw = dict(page_size=16, num_splits=3, block_n=16, fused_reduce=fused_reduce)
     plain = decode_attention(q, kc, ks, vc, vs, bt, lens, **kw)
-    qa = QuantAct.empty(2, 4 * 32, DEV)
+    qa = QuantAct.empty(2, 4 * 32, DEV, wide=wide)
     out = decode_attention(q, kc, ks, vc, vs, bt, lens, quant_out=qa, **kw)
     assert torch.equal(out, plain)
-    want = quantize_act(out.reshape(2, -1))
-    for got, ref in zip(qa, want):
-        assert torch.equal(got, ref)
+    assert _same_act(qa, quantize_act(out.reshape(2, -1), wide=wide))
     c16 = FloatCodec(KVFormat.parse("f16"), 2, 16, KVSpec.parse("f16"))
     with pytest.raises(ValueError, match="multiple of 32"):
         decode_attention(torch.randn(1, 4, 16, device=DEV), c16, c16.alloc(64, DEV), c16,
@@ -372,22 +375,20 @@ def test_one_split_writes_the_output_itself(kname, vname, d, swap):
     """With one split the split program writes the normalized output and the O projection's
     int8 blocks itself (no reduction launch; int2/int3 values, whose planes are joined, keep the
     reduction): the same output as several splits and the twin, and ``quant_out`` bit for bit
-    ``quantize_act`` of it, also for a sequence with no tokens and query heads that do not fill
-    the tile (qpk 3)."""
+    ``quantize_act`` of it (wide, "int16", in the swapped cases), also for a sequence with no
+    tokens and query heads that do not fill the tile (qpk 3)."""
     from localmoe.kernels.quant_gemv import QuantAct, quantize_act
 
     kc, ks, vc, vs, bt, lens = _build(kname, vname, [37, 5, 90], 2, d, 16, seed=3)
     lens[1] = 0
     q = torch.randn(3, 6, d, device=DEV)
     kw = dict(page_size=16, block_n=32, swap_ab=swap)
-    qa = QuantAct.empty(3, 6 * d, DEV)
+    qa = QuantAct.empty(3, 6 * d, DEV, wide=swap)
     one = decode_attention(q, kc, ks, vc, vs, bt, lens, num_splits=1, quant_out=qa, **kw)
     many = decode_attention(q, kc, ks, vc, vs, bt, lens, num_splits=3, **kw)
     assert torch.allclose(one, many, atol=tol.SPLITS, rtol=tol.SPLITS)
     assert torch.equal(one[1], torch.zeros_like(one[1]))
-    want = quantize_act(one.reshape(3, -1))
-    for got, ref in zip(qa, want):
-        assert torch.equal(got, ref)
+    assert _same_act(qa, quantize_act(one.reshape(3, -1), wide=swap))
     kw.pop("block_n")
     kw.pop("swap_ab")
     r = decode_attention_ref(q, kc, ks, vc, vs, bt, lens, **kw)

@@ -19,7 +19,7 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
-from localmoe.kernels.quant_gemv import quantize_act  # noqa: E402
+from localmoe.kernels.quant_gemv import quantize_act, use_act_precision  # noqa: E402
 from localmoe.kernels.qtensor import BLOCK_SIZES, QTYPE_NAMES, QuantTensor, random_gguf_blocks  # noqa: E402
 
 from tests import tolerances as tol  # noqa: E402
@@ -90,6 +90,29 @@ def test_quantized_x_and_unmasked_tiles():
     assert y.dtype == torch.float32 and rel(y, fused_moe_ref(xa, gu, wd, ids, w)) < TOL["twin"]
     with pytest.raises(ValueError, match="multiples of 32"):
         fused_moe(x, gu, wd, ids, w, config={"gate_up": {"BN": 16}})
+
+
+@pytest.mark.parametrize("tiled,split", [(False, 1), (True, 2)], ids=["unrolled", "tile-split"])
+def test_int16_activations_match_twin_and_beat_int8(tiled, split):
+    # act_precision "int16": x quantized with its residual codes, h written the same way by the
+    # gate/up epilogue and read by the down launch (both of its launch shapes)
+    e, f, d = 5, 256, 256
+    gu, wd = experts(12, 14, e, f, d, seed=21)
+    torch.manual_seed(21)
+    x = torch.randn(3, d, device=DEV)
+    ids, w = route(3, e, 3, seed=21)
+    cfg = {"gate_up": {"BN": 64, "CH": 4, "split": split},
+           "down": {"BN": 128, "CH": 4, "experts_tile": tiled}}
+    y8 = fused_moe(x, gu, wd, ids, w, config=cfg)
+    with use_act_precision("int16"):
+        xa = quantize_act(x)
+        y16 = fused_moe(xa, gu, wd, ids, w, config=cfg)
+        ref = fused_moe_ref(x, gu, wd, ids, w)
+    assert xa.wide and rel(y16, ref) < TOL["twin"]
+    assert rel(fused_moe_ref(xa, gu, wd, ids, w), ref) < TOL["twin"]     # h follows x's precision
+    flt = fused_moe_ref(x, gu, wd, ids, w, act_quant=False)
+    e16, e8 = rel(y16, flt), rel(y8, flt)
+    assert e16 < tol.ACT16_QUANT_GEMV and e16 < e8 / 10, (e16, e8)
 
 
 @pytest.mark.parametrize("split,qt,f,bn,ch", [(2, 8, 96, 64, 2), (4, 12, 64, 32, 1),

@@ -25,7 +25,9 @@ pytest.importorskip("triton")
 from localmoe.kernels.fused_norm import (  # noqa: E402
     add_rms_norm_quant, add_rms_norm_quant_ref, pack_act_ref,
 )
-from localmoe.kernels.quant_gemv import dequantize_act, quantize_act, sum_partials  # noqa: E402
+from localmoe.kernels.quant_gemv import (  # noqa: E402
+    dequantize_act, quantize_act, sum_partials, use_act_precision,
+)
 from localmoe.kernels.rms_norm import rms_norm  # noqa: E402
 
 from tests import tolerances as tol  # noqa: E402
@@ -43,7 +45,7 @@ def bound(dtype):
 
 
 def same_act(a, b) -> bool:
-    return all(torch.equal(u, v) for u, v in zip(a, b))
+    return a.wide == b.wide and torch.equal(a.q, b.q) and torch.equal(a.pairs(), b.pairs())
 
 
 def make_deltas(kind: str, t: int, d: int, dtype):
@@ -111,6 +113,26 @@ def test_matches_twin(kind, t, d, dtype):
         if deltas[0].dim() == 3:
             short = [deltas[0][1:], *deltas[1:]]
             assert not torch.equal(r, add_rms_norm_quant_ref(x, short, w, EPS)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_int16_activations_match_twin(dtype):
+    # act_precision "int16": the residual codes come out of the same launch, as quantize_act's
+    torch.manual_seed(11)
+    x = (torch.randn(3, 96, device=DEV) * 3).to(dtype)
+    deltas = make_deltas("mixed3", 3, 96, dtype)
+    w = torch.randn(96, device=DEV).to(dtype)
+    with use_act_precision("int16"):
+        r, hq, hf = add_rms_norm_quant(x, deltas, w, EPS, residual_out=torch.empty_like(x),
+                                       want_float=torch.float32)
+        assert hq.wide and same_act(hq, quantize_act(hf))
+        if not CUDA:
+            assert same_act(hq, pack_act_ref(hf))
+        _, hq_ref, _ = add_rms_norm_quant_ref(x, deltas, w, EPS)
+    assert hq_ref.wide and rel(dequantize_act(hq), dequantize_act(hq_ref)) < tol.FP16
+    assert rel(dequantize_act(hq), hf) < rel(dequantize_act(quantize_act(hf)), hf) / 10
+    _, hq8, _ = add_rms_norm_quant(x, deltas, w, EPS, residual_out=torch.empty_like(x))
+    assert not hq8.wide and torch.equal(hq8.q, hq.q.view(3, 3, 2, 8)[:, :, 0].reshape(3, 24))
 
 
 def test_twin_pieces_match_unfused_ops():

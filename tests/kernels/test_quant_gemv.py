@@ -23,10 +23,12 @@ from localmoe.kernels.qtensor import (  # noqa: E402
     BLOCK_SIZES, FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, random_gguf_blocks,
 )
 from localmoe.kernels.quant_gemv import (  # noqa: E402
-    dequantize_act, gemv_config, gemv_partials_split, quant_gemv, quant_gemv_partials,
-    quant_gemv_ref, quantize_act, quantize_act_ref, sum_partials,
+    QuantAct, act_precision, dequantize_act, gemv_config, gemv_partials_split, quant_gemv,
+    quant_gemv_partials, quant_gemv_ref, quantize_act, quantize_act_ref, sum_partials,
+    use_act_precision,
 )
 
+from localmoe.errors import InvalidRequestError  # noqa: E402
 from tests import tolerances as tol  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -107,6 +109,47 @@ def test_quantize_act_matches_twin_and_is_reusable():
         y = quant_gemv(xa, w, config={"BN": 4, "CH": 2, "num_warps": 4, "split": 1})
         assert y.dtype == torch.float32 and rel(y, quant_gemv_ref(x, w)) < TOL["twin"]
         assert rel(y, quant_gemv_ref(xa, w)) < TOL["twin"]
+
+
+@pytest.mark.parametrize("qt", QUANT_QTYPES, ids=IDS)
+def test_gemv_int16_activations_every_qtype(qt):
+    # "int16" activations (int8 codes plus int8 codes of their rounding error at a 254x finer
+    # scale): the kernel equals its twin, and lands far closer to the float product than int8
+    torch.manual_seed(qt + 40)
+    w = make(qt, 13, small_k(qt), seed=qt)
+    x = torch.randn(3, w.K, device=DEV) * torch.rand(3, w.K, device=DEV).pow(3) * 4
+    x[0, 32:64] = 0.0
+    cfg = {"BN": 8, "CH": 4, "num_warps": 4, "split": 2}
+    y8 = quant_gemv(x, w, config=cfg)
+    with use_act_precision("int16"):
+        assert act_precision() == "int16"
+        y16 = quant_gemv(x, w, config=cfg)
+        twin = quant_gemv_ref(x, w)
+    assert act_precision() == "int8"
+    exact = quant_gemv_ref(x, w, act_quant=False)
+    assert rel(y16, twin) < TOL["twin"]
+    e16, e8 = rel(y16, exact), rel(y8, exact)
+    assert e16 < tol.ACT16_QUANT_GEMV and e16 < e8 / 10, (e16, e8)
+
+
+def test_quantize_act_int16_layout_and_errors():
+    torch.manual_seed(6)
+    x = torch.randn(3, 96, device=DEV) * 3
+    x[2] = 0.0
+    xa = quantize_act(x, blocks_per_program=2, wide=True)
+    assert xa.wide and xa.shape == (3, 96) and xa.is_packed(3, 96, DEV)
+    assert not xa.is_packed(3, 96 * 2, DEV) and not quantize_act(x).is_packed(3, 96 // 2, DEV)
+    assert torch.equal(dequantize_act(xa), quantize_act_ref(x, wide=True))
+    codes = xa.q.view(torch.int8).reshape(3, 3, 2, 32)     # [row, block, hi|residual, value]
+    assert torch.equal(codes[:, :, 0], quantize_act(x).q.view(torch.int8).reshape(3, 3, 32))
+    assert codes[:, :, 1].abs().max() <= 127 and codes[2].abs().sum() == 0
+    sums = xa.pairs()[..., 2]                             # the residual codes' slice sums
+    res = codes[:, :, 1].reshape(3, 3, 2, 16).sum(-1).to(torch.int32)
+    assert torch.equal((sums << 16) >> 16, res[..., 0]) and torch.equal(sums >> 16, res[..., 1])
+    assert torch.equal(xa.rows(1, 3).q, xa.q[1:3]) and xa.rows(1, 3).wide
+    with pytest.raises(InvalidRequestError, match="int8, int16"):
+        with use_act_precision("int4"):
+            pass
 
 
 def test_gemv_all_zero_activation_blocks_and_float_weights():
