@@ -6,6 +6,9 @@ prose/code/QA text (:data:`localmoe.testing.agreement.DEFAULT_TEXT`) one at a ti
 runners and reports top-1 agreement and the max / mean |delta log-softmax| against the torch
 runner in each ``--ref-dtypes`` (dequantized weights). The fast path's bar is top-1 >= 99%.
 
+Without a GPU the kernels run through the Triton interpreter (``TRITON_INTERPRET=1`` is set
+here): minutes per token for a real model, so use ``--n-tokens`` of a few dozen there.
+
 Usage (GPU machine):
     python benchmarks/teacher_forced.py --models smollm2.gguf gemma3.gguf \
         --out benchmarks/results/teacher_forced_h200-<date>.json
@@ -20,26 +23,46 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 
 import torch
 
-from localmoe.io.loader import open_model
-from localmoe.testing.agreement import teacher_forced
+if not torch.cuda.is_available():   # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from localmoe.errors import LocalMoEError  # noqa: E402
+from localmoe.io.loader import open_model  # noqa: E402
+from localmoe.kernels.quant_gemv import ACT_PRECISIONS  # noqa: E402
+from localmoe.testing.agreement import teacher_forced  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", required=True, type=Path)
-    ap.add_argument("--precisions", default="int8,int16")
+    ap.add_argument("--models", nargs="+", required=True, type=Path, help="GGUF files")
+    ap.add_argument("--precisions", default="int8,int16",
+                    help=f"activation precisions, comma-separated ({', '.join(ACT_PRECISIONS)})")
     ap.add_argument("--ref-dtypes", default="same,float32",
                     help="the torch runner's dtypes (same: the triton runner's)")
-    ap.add_argument("--n-tokens", type=int, default=256)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--n-tokens", type=int, default=256,
+                    help="tokens of text compared (the first 16 are one prefill)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda[:N] or cpu (the Triton interpreter: slow)")
+    ap.add_argument("--out", type=Path, default=None, help="results JSON path")
     a = ap.parse_args(argv)
+    bad = [p for p in a.precisions.split(",") if p not in ACT_PRECISIONS]
+    if bad or a.n_tokens < 17:
+        ap.error(f"unknown precision {bad[0]!r}" if bad else "--n-tokens must be at least 17")
+    try:
+        return _run(a)
+    except LocalMoEError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(a) -> int:
     rows = []
     for path in a.models:
         mf = open_model(str(path))

@@ -18,7 +18,7 @@ from .store import ChatSettings
 
 NO_MODEL_HELP = (
     "Pick a model with `localmoe chat -m MODEL` (a .gguf file, an HF model folder "
-    "or a name from `localmoe list`); `localmoe pull smollm2` fetches a small one to try."
+    "or a name from `localmoe models`); `localmoe pull smollm2` fetches a small one to try."
 )
 
 

@@ -22,14 +22,16 @@ def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) 
 
 def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
-    KV format, device, $LOCALMOE_THREADS, model file, backend, context size. Raises the same
+    KV format, device, $LOCALMOE_THREADS, $LOCALMOE_ACT_PRECISION, model file, backend, context size. Raises the same
     LocalMoEError."""
-    from localmoe.engine.options import check_backend_device, check_device, parse_kv_request
+    from localmoe.engine.options import (check_act_env, check_backend_device, check_device,
+                                         parse_kv_request)
     from localmoe.backends.registry import env_threads, select_backend
 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(device)
     env_threads()
+    check_act_env()
     if model is None:  # the default / last / continued model is found (or pulled) by the UI
         if backend and backend != "auto":
             check_backend_device(select_backend(backend, "gguf", kv_spec)[0], device)

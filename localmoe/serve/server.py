@@ -105,7 +105,8 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     Raises:
         KVCacheFormatError: invalid kv cache format (or one the backend cannot hold).
         InvalidRequestError: unknown device, or one that does not exist here; a
-            ``$LOCALMOE_THREADS`` that is no thread count; a context size that is not a
+            ``$LOCALMOE_THREADS`` that is no thread count, a ``$LOCALMOE_ACT_PRECISION`` that is
+            not int8 or int16; a context size that is not a
             positive integer or is above the model's training context.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
             be found or read.
@@ -113,18 +114,19 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     """
     import uvicorn
 
-    from localmoe.engine.options import (check_backend_device, check_device, check_n_ctx,
-                                         context_size, parse_kv_request)
+    from localmoe.engine.options import (check_act_env, check_backend_device, check_device,
+                                         check_n_ctx, context_size, parse_kv_request)
     from localmoe.backends.registry import env_threads, select_backend
     from localmoe.io.loader import open_model
     from localmoe.io.store import display_name, resolve_model
 
-    # fail before binding on a bad format, device, context size or $LOCALMOE_THREADS, a
-    # missing or corrupt file or an unusable backend
+    # fail before binding on a bad format, device, context size, $LOCALMOE_THREADS or
+    # $LOCALMOE_ACT_PRECISION, a missing or corrupt file or an unusable backend
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
     check_device(llm_options.get("device"))
     if llm_options.get("n_threads") is None:
         env_threads()
+    check_act_env()
     check_n_ctx(n_ctx)
     model_file = open_model(resolve_model(model))
     context_size(n_ctx, model_file.spec.n_ctx_train)   # refuses one above the training context

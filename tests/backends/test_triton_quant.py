@@ -293,6 +293,29 @@ def test_act_precision_flag_and_a_bad_environment_value(monkeypatch):
     check_act_env()
 
 
+def test_bad_act_precision_env_is_refused_by_every_command_before_loading(files, monkeypatch):
+    # serve used to bind and answer 503 forever, chat to open its UI on the error
+    from click.testing import CliRunner
+
+    import localmoe.backends.torch_backend as tb
+    import localmoe.serve.server as server
+    import localmoe.tui.app as tui_app
+    from localmoe.cli import cli
+
+    opened = []
+    monkeypatch.setattr(tb.TorchBackend, "load", lambda *a, **k: opened.append("weights"))
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "_check_port_free", lambda *a: opened.append("serve"))
+    monkeypatch.setenv("LOCALMOE_ACT_PRECISION", "fp8")
+    m = str(files["tiny-llama"])
+    for cmd in (["generate", "hi"], ["chat"], ["serve"], ["bench"]):
+        r = CliRunner().invoke(cli, [*cmd, "-m", m, "--backend", "torch"])
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, (cmd, r.output)
+        assert "LOCALMOE_ACT_PRECISION='fp8'" in lines[0] and "int8, int16" in lines[0], lines
+    assert not opened
+
+
 def test_cuda_graphs_off_without_cuda_say_why(files):
     if CUDA:
         pytest.skip("CPU-only statement")
