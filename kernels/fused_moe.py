@@ -68,7 +68,7 @@ from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chu
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
-    act_precision, quantize_act_ref, use_asm,
+    quantize_act_ref, use_asm, wide_default,
 )
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "moe_config", "ACTIVATIONS"]
@@ -398,7 +398,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
     f = f2 // 2
     t, top_k = topk_ids.shape
     slots = (torch.arange(e) if slot_of is None else slot_of.cpu()).long()
-    wide = x.wide if isinstance(x, QuantAct) else act_precision() == "int16"
+    wide = x.wide if isinstance(x, QuantAct) else wide_default(None)
     q = (lambda v: quantize_act_ref(v, wide=wide)) if act_quant else (lambda v: v.float())
     xq = dequantize_act(x) if isinstance(x, QuantAct) else q(x)
     out = torch.zeros((t, d), dtype=torch.float32, device=topk_ids.device)

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import (
-    QuantAct, _act_codes_ref, act_precision, pack_store_blocks, sum_partials,
+    QuantAct, _act_codes_ref, pack_store_blocks, sum_partials, wide_default,
 )
 from localmoe.kernels.host import cdiv, next_pow2
 
@@ -257,8 +257,7 @@ def pack_act_ref(h: torch.Tensor, wide: bool | None = None) -> QuantAct:
     their sums after each block's, the kernels' layout).
 
     Args: h ``[T, K]`` float, K a multiple of 32. Returns a QuantAct on ``h``'s device."""
-    if wide is None:
-        wide = act_precision() == "int16"
+    wide = wide_default(wide)
     t, k = h.shape
     q, r, d = _act_codes_ref(h, wide)                    # [T, K/32, 32], [T, K/32, 1]
     planes = [q] if r is None else [q, r]

@@ -78,6 +78,11 @@ ACT_PRECISIONS = ("int8", "int16")
 _ACT = contextvars.ContextVar("localmoe_act_precision", default=None)
 
 
+def wide_default(wide: bool | None) -> bool:
+    """``wide`` itself, or for None whether the :func:`act_precision` in effect is ``"int16"``."""
+    return act_precision() == "int16" if wide is None else wide
+
+
 def act_precision() -> str:
     """The activation precision new :class:`QuantAct` buffers get: the innermost
     :func:`use_act_precision`, else ``$LOCALMOE_ACT_PRECISION``, else ``"int8"``.
@@ -170,7 +175,14 @@ def _quant_block(v, amax):
     """int8 codes (int32 lanes) of float32 ``v`` with its block's amax broadcast to ``v``'s shape:
     ``round_half_even(v * 127 / amax)`` (0 where amax is 0)."""
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-    return (v * inv + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    return _rint(v * inv)
+
+
+@triton.jit
+def _rint(v):
+    """float32 ``v`` (|v| < 2**22) rounded half to even, as int32: the bits of ``v + 1.5 * 2**23``
+    minus those of ``1.5 * 2**23``."""
+    return (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit
@@ -210,7 +222,7 @@ def pack_store_blocks(v, b4, bm, q_row, sd_row, WIDE: tl.constexpr = False):
         # (clamped against the rounding of d itself)
         r = (v - qi.to(tl.float32) * d) * tl.where(amax > 0, 254.0 / tl.maximum(d, 1e-30), 0.0)
         r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-        qr = (r + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        qr = _rint(r)
         wr = tl.sum((qr & 255) << (i4b * 8), axis=3, keep_dims=True)
         tl.store(q_row + b4 * 16 + 8 + i2 * 4 + i4w, wr, mask=bm)
         tl.store(sd64 + b4 * 2 + 1, _slice_sums(qr).to(tl.int64) & 0xFFFFFFFF, mask=bm)
@@ -537,8 +549,7 @@ class QuantAct(NamedTuple):
     def empty(t: int, k: int, device, wide: bool | None = None) -> "QuantAct":
         """Uninitialized buffers for ``[t, k]`` activations; ``wide`` None: the precision in
         effect (:func:`act_precision`)."""
-        if wide is None:
-            wide = act_precision() == "int16"
+        wide = wide_default(wide)
         w = 2 if wide else 1
         sd = torch.empty((t, k // 32, 2 * w), dtype=torch.int32, device=device)
         return QuantAct(torch.empty((t, k // 4 * w), dtype=torch.int32, device=device),
@@ -812,8 +823,7 @@ def quantize_act_ref(x: torch.Tensor, wide: bool | None = None) -> torch.Tensor:
     codes' ``r * d / 254``.
 
     Args: x ``[T, K]`` float (K a multiple of 32). Returns float32 ``[T, K]``."""
-    if wide is None:
-        wide = act_precision() == "int16"
+    wide = wide_default(wide)
     t, k = x.shape
     q, r, d = _act_codes_ref(x, wide)
     if r is not None:
