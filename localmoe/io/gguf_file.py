@@ -242,6 +242,10 @@ class _Header:
         version = self._scalar(4, "version")
         if version not in SUPPORTED_VERSIONS:
             extra = " (byte-swapped: a big-endian GGUF file)" if version & 0xFFFF == 0 else ""
+            if not extra and version > 255:   # no GGUF version has been near this: noise
+                raise ModelLoadError(
+                    f"{self.path.name}: the GGUF version field reads {version}: the file is "
+                    "corrupt or not a GGUF model; download it again")
             raise UnsupportedModelError(
                 f"{self.path.name}: GGUF version {version}{extra} is not supported (supported: 2, 3); "
                 f"re-convert the model with a current llama.cpp"

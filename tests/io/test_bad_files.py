@@ -152,6 +152,12 @@ def test_bad_version(tmp_path, tiny):
     p.write_bytes(bytes(b))
     with pytest.raises(UnsupportedModelError, match="version 7"):
         open_model(p)
+    # a version no GGUF has had is noise in a corrupt file, not a format to re-convert
+    struct.pack_into("<I", b, 4, 1726768829)
+    p.write_bytes(bytes(b))
+    with pytest.raises(ModelLoadError, match="corrupt or not a GGUF model") as e:
+        open_model(p)
+    assert not isinstance(e.value, UnsupportedModelError)
 
 
 @pytest.fixture()
