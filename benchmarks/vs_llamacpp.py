@@ -483,6 +483,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-prompt", type=int, default=0, help="also time a prompt this long")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--moe-prefill-chunk", type=int, default=None,
+                    help="tokens per MoE prefill pass (kernels.quant_gemm.MOE_PREFILL_CHUNK)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (no graph) timing")
     ap.add_argument("--skip-localmoe", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
@@ -497,6 +499,10 @@ def main(argv=None) -> int:
            "date": datetime.date.today().isoformat(),
            "command": "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "rows": []}
+    if a.moe_prefill_chunk is not None:
+        from localmoe.kernels import quant_gemm
+
+        quant_gemm.MOE_PREFILL_CHUNK = a.moe_prefill_chunk
     if not a.skip_localmoe:
         for i, kv in enumerate(a.kv.split(",")):
             out["rows"] += run_localmoe(path, depths, a.n_gen, a.n_prompt, kv, not a.no_profile,

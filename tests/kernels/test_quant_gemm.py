@@ -151,6 +151,27 @@ def test_moe_prefill_matches_twin(qt_gu, qt_d, act):
     assert rel(other, ref) > tol.MUST_DIFFER * TOL
 
 
+def test_moe_prefill_in_chunks():
+    """A prompt in passes of a few tokens (the bound on the prefill's intermediates) gives
+    the one-pass result; a pass of no tokens is refused."""
+    e, d, f, t, k = 6, 256, 64, 21, 2
+    gu = QuantTensor.interleave_rows(make(8, (e, f, d), seed=1, scale=WEIGHT_SCALE[8]),
+                                     make(8, (e, f, d), seed=2, scale=WEIGHT_SCALE[8]))
+    dn = make(2, (e, d, f), seed=3, scale=WEIGHT_SCALE[2])
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(DEV)
+    wts = torch.rand(t, k, generator=gen).to(DEV)
+    x = torch.randn(t, d, generator=gen).to(DT).to(DEV)
+    whole = moe_prefill(x, gu, dn, ids, wts, chunk=t)
+    ref = fused_moe_ref(x, gu, dn, ids, wts, act_quant=False)
+    assert rel(whole, ref) < TOL
+    for c in (1, 8):
+        parts = moe_prefill(x, gu, dn, ids, wts, chunk=c)
+        assert parts.dtype == x.dtype and rel(parts, whole) < 1e-3, c
+    with pytest.raises(ValueError, match="chunk"):
+        moe_prefill(x, gu, dn, ids, wts, chunk=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="full-size shapes on the GPU only")
 @pytest.mark.parametrize("qt,n,k", [(8, 5120, 2048), (14, 151936, 2048), (12, 6144, 4096),
