@@ -294,7 +294,7 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
     if slot_of is None:
         slot_of = torch.arange(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
     ids = topk_ids.contiguous()
-    xa = x if isinstance(x, QuantAct) else quantize_act(x)
+    xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
     h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"])
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
@@ -398,7 +398,7 @@ def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
     f = f2 // 2
     t, top_k = topk_ids.shape
     slots = (torch.arange(e) if slot_of is None else slot_of.cpu()).long()
-    wide = x.wide if isinstance(x, QuantAct) else wide_default(None)
+    wide = x.wide if isinstance(x, QuantAct) else wide_default(None, experts=True)
     q = (lambda v: quantize_act_ref(v, wide=wide)) if act_quant else (lambda v: v.float())
     xq = dequantize_act(x) if isinstance(x, QuantAct) else q(x)
     out = torch.zeros((t, d), dtype=torch.float32, device=topk_ids.device)

@@ -394,7 +394,7 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
         not fit, ``residual_out`` sharing ``x``'s memory. TypeError: dtypes that do not fit.
     """
     from localmoe.kernels.fused_norm import MAX_D, _delta_args
-    from localmoe.kernels.quant_gemv import QuantAct
+    from localmoe.kernels.quant_gemv import QuantAct, wide_default
 
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("norm_router_fused: x must be [T, D] with contiguous rows")
@@ -414,7 +414,7 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
     if norm_w is not None:
         norm_w = norm_w.reshape(d)
     dev = x.device
-    hq = QuantAct.empty(t, d, dev)
+    hq = QuantAct.empty(t, d, dev, wide_default(None, experts=True))   # the experts' input
     hf = torch.empty((t, d), dtype=want_float, device=dev) if want_float is not None else None
     logits = torch.empty((t, e), dtype=torch.float32, device=dev)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)

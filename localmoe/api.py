@@ -37,8 +37,8 @@ class LLM(Engine):
             threads; all backends), ``max_seqs`` (concurrent sequences; all), ``n_batch``
             (llamacpp's prefill chunk, and the parameters of ``llama_cpp.Llama``), ``dtype``,
             ``numerics``, ``cuda_graphs`` (triton: False launches the decode step eagerly),
-            ``act_precision`` (triton: ``"int8"`` or ``"int16"`` activations in the quantized
-            decode kernels), ... (``Backend.options`` of each backend).
+            ``act_precision`` (triton: ``"int8"``, ``"int16"`` or ``"mixed"`` activations in
+            the quantized decode kernels), ... (``Backend.options`` of each backend).
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,

@@ -92,14 +92,14 @@ class FusedDecode:
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
-    def _norm_quant(x, deltas, w, eps, out, want_float=None, quant=True):
+    def _norm_quant(x, deltas, w, eps, out, want_float=None, quant=True, quant_out=None):
         """``(r, hq, hf)``: ``r = x + sum(deltas)`` written to ``out`` (may be ``x``); ``hq``
-        the int8 QuantAct of ``rms_norm(r) * w`` (None without ``quant``); ``hf`` the normed
-        rows in ``want_float`` (or None)."""
+        the int8 QuantAct of ``rms_norm(r) * w`` (None without ``quant``; written to
+        ``quant_out`` if given); ``hf`` the normed rows in ``want_float`` (or None)."""
         from localmoe.kernels.fused_norm import add_rms_norm_quant
 
         return add_rms_norm_quant(x, deltas, w, eps, residual_out=out, want_float=want_float,
-                                  quant=quant)
+                                  quant=quant, quant_out=quant_out)
 
     @staticmethod
     def _gemv(xa, lin):
@@ -126,7 +126,7 @@ class FusedDecode:
         """
         from localmoe.kernels.decode_attention import decode_attention
         from localmoe.kernels.qk_rope_append import qk_rope_append
-        from localmoe.kernels.quant_gemv import QuantAct
+        from localmoe.kernels.quant_gemv import QuantAct, wide_default
 
         r = self.runner
         m, c, s = r.model, r.cache, r.spec
@@ -162,8 +162,11 @@ class FusedDecode:
                 # the old residual, so the new one goes to another buffer
                 x, hq, hf, *routed = self._norm_route(i, L, x, op)
             else:
-                x, hq, hf = self._norm_quant(x, [op], L["ffn_norm"], eps, x,
-                                             want_float=torch.float32 if moe else m.dtype)
+                x, hq, hf = self._norm_quant(
+                    x, [op], L["ffn_norm"], eps, x,
+                    want_float=torch.float32 if moe else m.dtype,
+                    quant_out=(QuantAct.empty(B, s.d_model, x.device, wide_default(None, True))
+                               if moe else None))
             deltas = self._ffn(i, L, hq, hf, routed=routed)
         _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
         return self._head(hq)

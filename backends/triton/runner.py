@@ -54,7 +54,9 @@ class TritonRunner(CacheSequences):
     Engine turns it into its load progress); and ``act_precision``: the activations of the
     decode step's integer-dot kernels, ``"int8"`` (llama.cpp's q8_1 scheme, the fastest) or
     ``"int16"`` (an int8 residual per value on top: closer to the float reference, twice the
-    ``dp4a``; :mod:`localmoe.kernels.quant_gemv`), None: ``$LOCALMOE_ACT_PRECISION`` or int8.
+    ``dp4a``; :mod:`localmoe.kernels.quant_gemv`) or ``"mixed"`` (int16 except the routed
+    experts' inputs, where the second dot costs the most), None: ``$LOCALMOE_ACT_PRECISION``
+    or int8.
 
     Raises:
         ModelLoadError / UnsupportedModelError: the file cannot be run.

@@ -68,12 +68,13 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
                      help="triton backend: launch each decode step's kernels one by one instead "
                           "of replaying a CUDA graph (slower; for debugging and comparisons; "
                           "sets LOCALMOE_CUDA_GRAPHS=0)."),
-        click.option("--act-precision", type=click.Choice(["int8", "int16"]), default=None,
-                     expose_value=False, callback=_act_precision,
+        click.option("--act-precision", type=click.Choice(["int8", "int16", "mixed"]),
+                     default=None, expose_value=False, callback=_act_precision,
                      help="triton backend: activations of the quantized decode kernels. int8 "
-                          "(default: llama.cpp's scheme, fastest) or int16 (int8 plus the int8 "
+                          "(default: llama.cpp's scheme, fastest), int16 (int8 plus the int8 "
                           "of its rounding error: closer to the float model, ~18% slower per "
-                          "token on Qwen3-30B-A3B; sets LOCALMOE_ACT_PRECISION)."),
+                          "token on Qwen3-30B-A3B) or mixed (int16 except the routed experts' "
+                          "inputs); sets LOCALMOE_ACT_PRECISION."),
     ]
     for o in reversed(opts):
         f = o(f)

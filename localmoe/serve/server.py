@@ -106,7 +106,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         KVCacheFormatError: invalid kv cache format (or one the backend cannot hold).
         InvalidRequestError: unknown device, or one that does not exist here; a
             ``$LOCALMOE_THREADS`` that is no thread count, a ``$LOCALMOE_ACT_PRECISION`` that is
-            not int8 or int16; a context size that is not a
+            not int8, int16 or mixed; a context size that is not a
             positive integer or is above the model's training context.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
             be found or read.

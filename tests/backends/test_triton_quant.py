@@ -129,6 +129,37 @@ def test_int16_activations_bring_decode_closer_to_torch(files, preset):
         TritonRunner(mf, n_ctx=16, device=DEV, dtype=DT, act_precision="fp8")
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
+def test_mixed_activations_leave_only_the_routed_experts_int8(files, preset, monkeypatch):
+    """act_precision="mixed": the routed experts' gate/up reads int8 blocks, every other
+    integer-dot GEMV int16 ones; a dense model then runs exactly as with "int16"."""
+    from localmoe.kernels import fused_moe, quant_gemv
+
+    seen: dict = {"experts": set(), "gemv": set()}
+    gate_up, partials = fused_moe.moe_gate_up, quant_gemv.quant_gemv_partials
+
+    def spy_gate_up(x, *a, **k):
+        seen["experts"].add(x.wide)
+        return gate_up(x, *a, **k)
+
+    def spy_partials(x, *a, **k):
+        seen["gemv"].add(getattr(x, "wide", None))
+        return partials(x, *a, **k)
+
+    monkeypatch.setattr(fused_moe, "moe_gate_up", spy_gate_up)
+    monkeypatch.setattr(quant_gemv, "quant_gemv_partials", spy_partials)
+    mf = open_model(str(files[preset]))
+    _, b, rm = _compare(mf, steps=2, act_precision="mixed")
+    assert b.stats()["act_precision"] == "mixed" and b.stats()["fused_step"] == "on"
+    assert seen["gemv"] == {True}, seen
+    assert all(same for same, _ in rm["decode"]), rm
+    if b.spec.is_moe:
+        assert seen["experts"] == {False}, seen
+        return
+    _, _, r16 = _compare(mf, steps=2, act_precision="int16")
+    assert rm == r16
+
+
 # every family also runs the fused step in test_quantized_triton_runner_matches_torch; here the
 # comparison with the shared block is tight (the same int8 GEMVs on both sides)
 @pytest.mark.parametrize("preset,kv", [("tiny-qwen3moe", "f16"), ("tiny-qwen2moe", "f16"),
@@ -229,6 +260,12 @@ def test_teacher_forced_agreement_reports_positions(files):
     assert 0.0 <= r["mean_dlogsm"] <= r["max_dlogsm"] < 5.0, r
     with pytest.raises(ValueError, match="need more than 4"):
         teacher_forced(mf, text="a", device=DEV, dtype=DT, prompt=4)
+    # the torch runner as the candidate: in the reference's own dtype, the same logits
+    same = teacher_forced(mf, n_tokens=12, device=DEV, dtype=DT, prompt=4, candidate="torch")
+    assert same["top1"] == 1.0 and same["max_dlogsm"] == 0.0, same
+    with pytest.raises(ValueError, match="candidate"):
+        teacher_forced(mf, n_tokens=12, device=DEV, dtype=DT, prompt=4, candidate="torch",
+                       act_precision="int16")
 
 
 @pytest.mark.parametrize("on_device", [False, True])

@@ -25,7 +25,7 @@ from localmoe.kernels.qtensor import (  # noqa: E402
 from localmoe.kernels.quant_gemv import (  # noqa: E402
     QuantAct, act_precision, dequantize_act, gemv_config, gemv_partials_split, quant_gemv,
     quant_gemv_partials, quant_gemv_ref, quantize_act, quantize_act_ref, sum_partials,
-    use_act_precision,
+    use_act_precision, wide_default,
 )
 
 from localmoe.errors import InvalidRequestError  # noqa: E402
@@ -150,6 +150,11 @@ def test_quantize_act_int16_layout_and_errors():
     with pytest.raises(InvalidRequestError, match="int8, int16"):
         with use_act_precision("int4"):
             pass
+    # "mixed": int16 blocks except the routed experts' input
+    with use_act_precision("mixed"):
+        assert quantize_act(x).wide and not QuantAct.empty(2, 64, DEV, wide_default(None, True)).wide
+        assert wide_default(False) is False and wide_default(True, experts=True) is True
+    assert not quantize_act(x).wide
 
 
 def test_gemv_all_zero_activation_blocks_and_float_weights():
