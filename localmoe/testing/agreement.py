@@ -31,12 +31,15 @@ DEFAULT_TEXT = (
 def teacher_forced(model_file, n_tokens: int = 256, text: str | None = None, *,
                    device: str = "cuda", dtype: torch.dtype | None = None,
                    ref_dtype: torch.dtype | None = None, prompt: int = 16,
-                   **triton_options: Any) -> dict:
+                   candidate: str = "triton", **triton_options: Any) -> dict:
     """Compare :class:`~localmoe.backends.triton.runner.TritonRunner` (``triton_options``, e.g.
     ``act_precision="int16"``; ``dtype`` None: the runner's own choice, the family's
     ``gpu_dtype``) with the torch runner (``ref_dtype``, default the triton runner's dtype,
     dequantized weights) over the first ``n_tokens`` tokens of ``text`` (default
-    :data:`DEFAULT_TEXT`), ``prompt`` of them as one prefill.
+    :data:`DEFAULT_TEXT`), ``prompt`` of them as one prefill. ``candidate="torch"`` compares
+    the torch runner in ``dtype`` instead (e.g. float16 against a float32 reference: the floor
+    that rounding alone sets on a model, which a random-weight model with near-tied logits
+    puts far below 99%).
 
     Returns:
         ``{"tokens", "dtype", "ref_dtype", "top1", "max_dlogsm", "mean_dlogsm", "disagree",
@@ -46,7 +49,8 @@ def teacher_forced(model_file, n_tokens: int = 256, text: str | None = None, *,
         positions whose argmax differs or whose logits are not finite; ``nonfinite`` how many
         positions have a NaN/inf logit in either runner (must be 0 for a useful comparison).
     Raises:
-        ValueError: text shorter than ``prompt + 1`` tokens.
+        ValueError: text shorter than ``prompt + 1`` tokens; an unknown ``candidate``; torch
+            runner options with ``candidate="torch"``.
     """
     from localmoe.backends.torch_backend import TorchRunner
     from localmoe.backends.triton.runner import TritonRunner
@@ -55,7 +59,15 @@ def teacher_forced(model_file, n_tokens: int = 256, text: str | None = None, *,
     ids = Tokenizer.from_model(model_file).encode(text or DEFAULT_TEXT)[:n_tokens]
     if len(ids) <= prompt:
         raise ValueError(f"teacher_forced: {len(ids)} tokens of text, need more than {prompt}")
-    b = TritonRunner(model_file, n_ctx=len(ids) + 8, device=device, dtype=dtype, **triton_options)
+    if candidate == "triton":
+        b = TritonRunner(model_file, n_ctx=len(ids) + 8, device=device, dtype=dtype,
+                         **triton_options)
+    elif candidate == "torch" and not triton_options:
+        b = TorchRunner(model_file, n_ctx=len(ids) + 8, device=device, dtype=dtype,
+                        packed_weights=False)
+    else:
+        raise ValueError(f"teacher_forced: candidate must be 'triton' or 'torch' (which takes no "
+                         f"triton options), got {candidate!r} with {sorted(triton_options)}")
     a = TorchRunner(model_file, n_ctx=len(ids) + 8, device=device, dtype=ref_dtype or b.dtype,
                     packed_weights=False)
     try:
