@@ -30,7 +30,8 @@ def models_cmd(as_json):
     items = st.list(include_missing=True)
     if as_json:
         click.echo(json.dumps([{"name": m.name, "path": str(m.path), "size": m.size,
-                                "sha256": m.sha256, "source": m.source, "missing": m.missing}
+                                "sha256": m.sha256, "source": m.source, "missing": m.missing,
+                                "damaged": m.damaged}
                                for m in items], indent=1))
         return
     click.echo(f"store: {st.models_dir}")
@@ -38,13 +39,18 @@ def models_cmd(as_json):
         w = max(len(m.name) for m in items)
         for m in items:
             size = "missing" if m.missing else format_size(m.size)
-            click.echo(f"  {m.name:<{w}}  {size:>10}  {m.source}")
+            mark = "  DAMAGED" if m.damaged else ""
+            click.echo(f"  {m.name:<{w}}  {size:>10}  {m.source}{mark}")
     else:
         click.echo("  (empty)")
     gone = [m.name for m in items if m.missing]
     if gone:
         click.echo(f"missing: the files of {', '.join(gone)} are gone; pull "
                    f"{'it' if len(gone) == 1 else 'them'} again or `localmoe rm NAME`")
+    for m in items:
+        if m.damaged:
+            click.echo(f"damaged: {m.name} is {m.size:,} bytes on disk, not the {m.recorded_size:,} "
+                       f"it was pulled with; `localmoe pull {m.name}` downloads it again")
     missing = [e for n, e in CATALOG.items() if st.find(n) is None]
     if missing:
         click.echo("pullable: " + ", ".join(f"{e.name} ({e.description})" for e in missing))

@@ -142,7 +142,9 @@ def _base_spec(md: dict[str, Any], arch: str, model: ModelFile | None) -> ModelS
         head_dim_v=head_dim_v if head_dim_v != head_dim else None,
         vocab_size=int(vocab),
         d_ff=_pos_int(md, a + "feed_forward_length", required=False, default=0),
-        n_ctx_train=_pos_int(md, a + "context_length", required=False, default=2048) or 2048,
+        # absent: 2048 (old conversions); present and 0: corrupt (nothing to size a context by)
+        n_ctx_train=_pos_int(md, a + "context_length", required=a + "context_length" in md,
+                             default=2048),
         norm_eps=_pos_num(md, a + "attention.layer_norm_rms_epsilon",
                           _pos_num(md, a + "attention.layer_norm_epsilon", 1e-5), zero_ok=True),
         norm_type="rms" if (a + "attention.layer_norm_epsilon") not in md or (a + "attention.layer_norm_rms_epsilon") in md else "layer",

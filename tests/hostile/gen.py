@@ -268,6 +268,7 @@ def gguf_cases() -> list[tuple[str, Callable[[Path], Path], str]]:
     add("rope_base_nan", "reject", kv=set_kv("{arch}.rope.freq_base", float("nan"), "f32"))
     add("norm_eps_negative", "reject", kv=set_kv("{arch}.attention.layer_norm_rms_epsilon", -1.0, "f32"))
     add("context_length_huge", "load", kv=set_kv("{arch}.context_length", 2**31, "u32"))
+    add("context_length_0", "reject", kv=set_kv("{arch}.context_length", 0, "u32"))
     add("chat_template_int", "load", kv=set_kv("tokenizer.chat_template", 7, "u32"))
     add("eps_wrong_type", "run_reject", kv=set_kv("{arch}.attention.layer_norm_rms_epsilon", 0, "u32"))
     add("template_2mb", "run_reject", kv=set_kv("tokenizer.chat_template", "{{ 'x' }}" * 250_000, "str"))

@@ -751,6 +751,17 @@ def test_rm_keeps_a_file_another_entry_uses_and_missing_files_are_shown(server, 
     code, out, _ = cli_run("rm", "smol")
     assert code == 0 and "removed smol" in out
     assert st.list(include_missing=True) == [] and "(empty)" in cli_run("models")[1]
+    # a stored file cut short behind the store's back is marked, with the command that repairs it
+    smol = st.pull("smol")
+    assert not smol.damaged
+    with open(smol.path, "r+b") as f:
+        f.truncate(1000)
+    code, out, _ = cli_run("models")
+    assert code == 0 and "DAMAGED" in out and "localmoe pull smol" in out, out
+    assert [d["damaged"] for d in __import__("json").loads(cli_run("models", "--json")[1])] == [True]
+    code, _, err = cli_run("info", "smol")
+    assert code == 1 and "error:" in err and "localmoe pull smol" in err, err
+    assert not st.pull("smol").damaged and "DAMAGED" not in cli_run("models")[1]
 
 
 def test_replacing_an_entry_deletes_its_old_copy(server, home, tmp_path):

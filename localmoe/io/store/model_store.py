@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from localmoe.errors import ModelNotFoundError, StoreError
+from localmoe.errors import ModelLoadError, ModelNotFoundError, StoreError
 from localmoe.io.store.catalog import CATALOG, DEFAULT_MODEL, CatalogEntry
 from localmoe.io.store.names import format_size, nonempty, source_origin, tagged
 from localmoe.io.store.pull import PARTIAL, PullMixin, ctrl_c_raises, hold_ctrl_c, sha256_file
@@ -61,6 +61,13 @@ class StoredModel:
     pulled_at: float = 0.0
     missing: bool = False
     shared_with: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> bool:
+        """The store's own files are there but not the size the pull recorded (truncated or
+        overwritten behind the store's back): ``localmoe pull NAME`` downloads them again."""
+        return (not self.linked and not self.missing and bool(self.recorded_size)
+                and self.size != self.recorded_size)
 
 
 def _check_manifest(data) -> None:
@@ -391,6 +398,7 @@ class ModelStore(PullMixin):
 
         Raises:
             ModelNotFoundError: not a path, not stored, not pullable, empty.
+            ModelLoadError: a stored model whose files are not the size it was pulled with.
             StoreError: the pull failed.
         """
         if name_or_path is None:
@@ -401,6 +409,12 @@ class ModelStore(PullMixin):
             return p
         found = self.find(s)
         if found is not None:
+            m = self.get(s)
+            if m is not None and m.damaged:
+                raise ModelLoadError(
+                    f"model {m.name!r} in the store is {m.size:,} bytes on disk, not the "
+                    f"{m.recorded_size:,} it was pulled with (truncated or damaged); "
+                    f"`localmoe pull {m.name}` downloads it again")
             return found
         if s in self.catalog or s.startswith("hf:"):
             if not pull:
