@@ -848,3 +848,26 @@ def test_a_manifest_of_the_wrong_shape_is_a_clear_error_for_every_command(home, 
         with pytest.raises(StoreError, match="manifest.*unreadable.*delete it"):
             call()
     assert path.read_text() == content
+
+
+def test_files_left_in_the_store_are_listed_again_without_copying(home, tmp_path):
+    """The way out of an unreadable manifest loses no download: once it is deleted,
+    `pull FILE` of a model file already in models/ lists it again in place (same inode, no
+    copy), as the store's own; a file an entry lists is refused as stored already."""
+    from localmoe.testing.synthetic import write_gguf
+
+    st = ModelStore(progress=False)
+    m = st.pull(str(write_gguf(tmp_path / "Tiny.gguf", "tiny-llama")))
+    inode = m.path.stat().st_ino
+    with pytest.raises(StoreError, match="already in the store as 'Tiny'"):
+        st.pull(str(m.path))
+    st.manifest_path.write_text("{not json")
+    with pytest.raises(StoreError, match=r"unreadable.*delete it.*localmoe pull FILE"):
+        st.list()
+    st.manifest_path.unlink()
+    assert st.list() == []
+    again = st.pull(str(m.path))
+    assert again.name == "Tiny" and again.path == m.path and not again.linked
+    assert m.path.stat().st_ino == inode and sorted(p.name for p in st.models_dir.iterdir()) == \
+        ["Tiny.gguf", "manifest.json"]
+    assert again.sha256 == m.sha256 and st.remove("Tiny").name == "Tiny" and not m.path.exists()

@@ -129,7 +129,9 @@ class ModelStore(PullMixin):
             raise self._not_a_folder_error() from None
         except (OSError, ValueError) as e:
             raise StoreError(f"model store manifest {self.manifest_path} is unreadable ({e}); "
-                             f"delete it and pull the models again") from e
+                             f"delete it, then `localmoe pull FILE` for each model file in "
+                             f"{self.models_dir} lists it again without copying or downloading "
+                             f"(or pull the models by name again)") from e
 
     def _not_a_folder_error(self) -> StoreError:
         """The error for a store root (or a folder on its way) that is a file, naming it."""
@@ -265,14 +267,15 @@ class ModelStore(PullMixin):
         return [Path(p) if os.path.isabs(p) else self.models_dir / p for p in e.get("files", [])]
 
     def _commit(self, name: str, source: str, sha: str, *,
-                temps: list[tuple[Path, str, str]] = (), linked: list[Path] | None = None
-                ) -> StoredModel:
+                temps: list[tuple[Path, str, str]] = (), linked: list[Path] | None = None,
+                adopt: list[Path] | None = None) -> StoredModel:
         """Put a pulled model in place and record it in the manifest.
 
         ``temps`` are finished temporaries ``(path, file name, sha256)`` inside ``models/`` (one
         per shard), renamed to their file names, or to names tagged with the sha256 when those
         are taken by a file of different content (:meth:`_place`); ``linked`` are files
-        registered in place instead. ``name`` is replaced when it holds the same model (same
+        registered in place instead (the user's); ``adopt`` are files already in ``models/``
+        that become the store's own. ``name`` is replaced when it holds the same model (same
         origin or content) or a model whose files are gone, else the entry gets a name tagged
         with the sha256: a pull never replaces what another entry stores. Ctrl-C waits until
         the files and the manifest agree. The replaced entry's stored files that no entry
@@ -286,7 +289,7 @@ class ModelStore(PullMixin):
             own = set() if old is None or old.get("linked") else \
                 {os.path.realpath(f) for f in self._files(old)} - others
             if linked is None:
-                files = self._place(temps, own)
+                files = list(adopt) if adopt is not None else self._place(temps, own)
                 rel = [os.path.relpath(f, self.models_dir) for f in files]
             else:
                 files, rel = linked, [str(f) for f in linked]

@@ -495,6 +495,18 @@ class PullMixin:
             for tmp, _, _ in temps:
                 tmp.unlink(missing_ok=True)
 
+    def _adopt(self, name: str, p: Path, shards: list[Path]) -> StoredModel:
+        """Register files already in ``models/`` that no entry lists (e.g. after an unreadable
+        manifest was deleted) as the store's own, without copying; files an entry lists are
+        refused (they are stored already)."""
+        data = self._read_manifest()
+        mine = {os.path.realpath(s) for s in shards}
+        users = [k for k, e in data.items()
+                 if any(os.path.realpath(f) in mine for f in self._files(e))]
+        if users:
+            raise StoreError(f"{p} is already in the store as {users[0]!r}")
+        return self._commit(name, f"file:{p}", sha256_file(shards[0]), adopt=shards)
+
     def _copy_into(self, src: Path, out: "_AtomicWriter", label: str) -> None:
         """Stream ``src`` into ``out`` (hashing as it goes) with a progress bar."""
         bar = _Progress(self.progress, src.stat().st_size, label)
@@ -529,6 +541,8 @@ class PullMixin:
         open_model(p).close()  # header, tensor bounds and types: refuse what could not load
         if link:
             return self._commit(name, f"file:{p}", sha256_file(shards[0]), linked=shards)
+        if all((self.models_dir / s.name).resolve() == s for s in shards):
+            return self._adopt(name, p, shards)
         temps: list[tuple[Path, str, str]] = []
         try:
             for s in shards:
