@@ -410,15 +410,14 @@ class ModelStore(PullMixin):
         p = Path(s).expanduser()
         if p.exists():
             return p
-        found = self.find(s)
-        if found is not None:
-            m = self.get(s)
-            if m is not None and m.damaged:
+        m = self.get(s)
+        if m is not None:
+            if m.damaged:
                 raise ModelLoadError(
                     f"model {m.name!r} in the store is {m.size:,} bytes on disk, not the "
                     f"{m.recorded_size:,} it was pulled with (truncated or damaged); "
                     f"`localmoe pull {m.name}` downloads it again")
-            return found
+            return m.path
         if s in self.catalog or s.startswith("hf:"):
             if not pull:
                 raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
