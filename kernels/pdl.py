@@ -4,42 +4,55 @@ In a CUDA graph of ~500 small kernels, each kernel boundary costs GPU idle time:
 kernel's blocks are only scheduled once the previous kernel has drained, then pay their own
 start-up (argument loads, address arithmetic, the first global loads). With PDL (CUDA
 programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
-``griddepcontrol``) a kernel launched with the programmatic-serialization attribute may start
-while its predecessor still runs: every block of the predecessor signals
-``griddepcontrol.launch_dependents`` when it starts, and the dependent's blocks, resident
-early, run their prologue and then block in ``griddepcontrol.wait`` until the predecessor has
-completed and its writes are visible.
+``griddepcontrol``) a kernel launched with the programmatic-serialization attribute may be
+launched before its predecessor has completed: once every block of the predecessor has
+signalled ``griddepcontrol.launch_dependents`` (or exited), the dependent's blocks are
+scheduled, and each blocks in ``griddepcontrol.wait`` until the predecessor has completed and
+its writes are visible.
 
-The rule every kernel launched this way follows (:func:`pdl_begin` at its very top): signal,
-then wait, before any load of data another kernel writes and before any store. Only constant
-inputs (weights) may be touched before the wait (:func:`prefetch_l2`). Because every block of
-every such kernel waits for its predecessor to complete, completion is transitive: a kernel
-that reads what an earlier kernel (not the immediately preceding one) wrote sees it.
+The rule every kernel launched this way follows (:func:`pdl_begin` at its very top): wait
+before any load of data another kernel writes and before any store. Only constant inputs
+(weights) may be touched before the wait (:func:`prefetch_l2`). Because every block of every
+such kernel waits for its predecessor to complete, completion is transitive: a kernel that
+reads what an earlier kernel (not the immediately preceding one) wrote sees it.
 
-:func:`pdl_args` gives the launch arguments: ``{"PDL": True, "launch_pdl": True}`` when PDL is
-switched on (``LOCALMOE_PDL=1``) for a CUDA device of compute capability 9.0 or later and the
-installed Triton can launch with it, ``{"PDL": False}`` otherwise (the default, the CPU
-interpreter, older GPUs). With ``PDL`` False the kernels compile exactly as without this module.
+Where a kernel signals (``LOCALMOE_PDL_ORDER``, :func:`pdl_order`) decides what PDL gains.
+Measured on the H200 (``benchmarks/results/pdl_order_h200-2026-12-04-s19.json``: the
+Qwen3-30B-A3B decode graph at context 0, f16 KV, replayed back to back; every mode captured
+on the same runner, each capture in a new memory pool):
 
-**Off by default**: measured on the H200 (benchmarks/results/pdl_h200-2026-12-02.json, the
-fused Qwen3-30B-A3B decode graph, f16 KV) it gave TPOT 2.879 -> 2.689 ms at an empty context
-but 3.907 -> 4.006 ms at 16k, and the graph alone replayed back to back 2.530 -> 2.511 ms (ctx
-0) and 3.146 -> 3.213 ms (16k): the kernels already run back to back in the graph (their
-summed time equals the replay's), so there was little idle time for PDL to hide. One GPU test
-(the fused step against the shared block, OLMoE-shaped, int4 KV) picked a different greedy
-token at one step of six with PDL on (logits within the test's tolerance); whether that is a
-race (a load placed before the wait) or a near tie moved by a legitimate difference is open:
-``tests/backends/test_triton_quant.py``'s PDL on/off test compares the two bit for bit on the
-GPU. The L2 prefetch of the weights before
-the wait (``LOCALMOE_PDL_PREFETCH``) was not measured. An A/B/A of the session-14 tree on one
-H200 (``decode_step_h200-2026-12-03-s14.json``, two runs each) settles the default: the step on
-the device 2.162/2.159 ms without PDL against 2.374/2.376 with it at an empty context, and
-2.774/2.768 against 3.149/3.158 ms at 16k.
+====================== ============================= ============== ===========================
+mode                   signal                        first probe    8 captures, one runner
+====================== ============================= ============== ===========================
+off                    -                             2.217-2.375    2.072 first, then 2.234-2.239
+``signal_first`` (s9)  at the top, before the wait   2.439-2.446    -
+``wait_first``         right after the wait          2.226-2.234    2.266-2.276
+``at_exit`` (default)  none: at the block's exit     2.164-2.168    **2.024-2.031**
+====================== ============================= ============== ===========================
+
+(ms; the first probe ran a kernel trial that was not kept and is ~0.14 ms slower throughout.)
+Signalling at the top lets every later kernel of the graph be launched in turn while the
+first still runs (each resident block signals at once), so waiting blocks of many kernels
+hold the SMs' slots: sessions 9 and 14 measured that mode slower, and PDL stayed off. With
+the signal at the block's exit only the next kernel's launch overlaps the end of the current
+one. That also removed the ~7% slower replay of every capture after a runner's first (2.07
+-> 2.24 ms without PDL, the open question of sessions 10-18): with it every capture replays
+in 2.02-2.03 ms, after prompts, longer decodes and recaptures alike. End to end
+(``vs_llamacpp``, same machine, off then on): graph 2.077 -> 2.027 ms and generation loop
+2.131 -> 2.086 ms at context 0, 2.858 -> 2.791 and 2.907 -> 2.848 ms at 16k.
+
+:func:`pdl_args` gives the launch arguments: ``{"PDL": mode, "launch_pdl": True}`` for a CUDA
+device of compute capability 9.0 or later whose Triton can launch with it, unless
+``LOCALMOE_PDL=0``; ``{"PDL": 0}`` otherwise (older GPUs, the CPU interpreter), with which the
+kernels compile exactly as without this module. The L2 prefetch of a GEMV's weights before
+the wait (:func:`pdl_prefetch`) is off unless ``LOCALMOE_PDL_PREFETCH=1`` (session 16 measured
+prefetching slower: the traffic delays the running kernel's own loads).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import triton
@@ -66,10 +79,10 @@ def _device_supports(index: int) -> bool:
 
 
 def pdl_supported(device) -> bool:
-    """Whether kernels on ``device`` (a torch device) launch with PDL: ``LOCALMOE_PDL=1`` in the
-    environment, a CUDA device of compute capability >= 9.0, a Triton that supports it, and not
-    under ``TRITON_INTERPRET=1``."""
-    if os.environ.get("LOCALMOE_PDL", "0") != "1":
+    """Whether kernels on ``device`` (a torch device) launch with PDL: a CUDA device of compute
+    capability >= 9.0, a Triton that supports it, not under ``TRITON_INTERPRET=1``, and
+    ``LOCALMOE_PDL`` not ``0`` in the environment."""
+    if os.environ.get("LOCALMOE_PDL", "1") == "0":
         return False
     if getattr(device, "type", None) != "cuda":
         return False
@@ -87,25 +100,56 @@ def _current_index() -> int:
 
 def pdl_prefetch(device) -> bool:
     """Whether the GEMV kernels prefetch their weight rows into L2 before PDL's wait (PDL on
-    ``device`` and ``LOCALMOE_PDL_PREFETCH`` not ``0``)."""
-    return pdl_supported(device) and os.environ.get("LOCALMOE_PDL_PREFETCH", "1") != "0"
+    ``device`` and ``LOCALMOE_PDL_PREFETCH=1``)."""
+    return pdl_supported(device) and os.environ.get("LOCALMOE_PDL_PREFETCH", "0") == "1"
+
+
+#: ``LOCALMOE_PDL_ORDER`` -> the ``PDL`` constexpr of :func:`pdl_begin`
+PDL_ORDERS = {"signal_first": 1, "wait_first": 2, "at_exit": 3}
+
+
+def pdl_order() -> int:
+    """Where a PDL kernel lets its dependent start (``LOCALMOE_PDL_ORDER``): ``signal_first``
+    (1: at its top, before its own wait), ``wait_first`` (2: right after its wait) or
+    ``at_exit`` (3, the default: no explicit signal; the dependent is launched as the last
+    block exits). Another value is logged once and read as ``at_exit``."""
+    name = os.environ.get("LOCALMOE_PDL_ORDER", "at_exit")
+    if name not in PDL_ORDERS:
+        _warn_order(name)
+        name = "at_exit"
+    return PDL_ORDERS[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_order(name: str) -> None:
+    logging.getLogger(__name__).warning(
+        "LOCALMOE_PDL_ORDER=%r is not one of %s; using at_exit", name, ", ".join(PDL_ORDERS))
 
 
 def pdl_args(device) -> dict:
     """Keyword arguments for a kernel launch on ``device`` whose kernel takes a ``PDL``
-    constexpr and calls :func:`pdl_begin`: ``PDL`` and, when supported, ``launch_pdl``."""
+    constexpr and calls :func:`pdl_begin`: ``PDL`` (0, or :func:`pdl_order`'s mode) and, when
+    supported, ``launch_pdl``."""
     if pdl_supported(device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return {"PDL": pdl_order(), "launch_pdl": True}
+    return {"PDL": 0}
 
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """Let the next kernel's blocks start, then wait until the previous kernel has completed
-    and its stores are visible. Call it at the top of the kernel, in every program, before any
-    load of non-constant data and any store."""
-    if PDL:
+    """Wait until the previous kernel has completed and its stores are visible, and let the
+    next kernel's blocks start (before the wait with ``PDL`` 1, after it with 2, at this
+    block's exit with 3: :func:`pdl_order`). Call it at the top of the kernel, in every
+    program, before any load of non-constant data and any store. Signalling before the wait
+    lets every later kernel of the graph start in turn while the first still runs (each
+    resident block signals at once), so waiting blocks of many kernels hold the SMs' slots."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL == 2:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    elif PDL == 3:
         tl.extra.cuda.gdc_wait()
 
 

@@ -1,7 +1,8 @@
 """When the decode step's kernels launch with programmatic dependent launch (kernels/pdl.py):
-only when asked (LOCALMOE_PDL=1), on a CUDA device of compute capability 9.0+, with a Triton
-that can, and never under the interpreter; otherwise the launch arguments leave the kernels as
-they were. The bit-for-bit GPU comparison is in tests/backends/test_triton_quant.py."""
+by default on a CUDA device of compute capability 9.0+ with a Triton that can (LOCALMOE_PDL=0
+turns it off), never under the interpreter; otherwise the launch arguments leave the kernels
+as they were. Where a kernel signals its dependent follows LOCALMOE_PDL_ORDER (default: at
+the block's exit). The bit-for-bit GPU comparison is in tests/backends/test_triton_quant.py."""
 from __future__ import annotations
 
 import pytest
@@ -19,18 +20,34 @@ def gpu_that_can(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def test_off_by_default(gpu_that_can, monkeypatch):
+def test_on_by_default_for_a_capable_gpu(gpu_that_can, monkeypatch):
+    for k in ("LOCALMOE_PDL", "LOCALMOE_PDL_ORDER", "LOCALMOE_PDL_PREFETCH"):
+        monkeypatch.delenv(k, raising=False)
+    dev = torch.device("cuda", 0)
+    assert pdl.pdl_args(dev) == {"PDL": pdl.PDL_ORDERS["at_exit"], "launch_pdl": True}
+    assert not pdl.pdl_prefetch(dev)           # the L2 prefetch only when asked
+    monkeypatch.setenv("LOCALMOE_PDL_PREFETCH", "1")
+    assert pdl.pdl_prefetch(dev)
+    monkeypatch.setenv("LOCALMOE_PDL", "0")
+    assert pdl.pdl_args(dev) == {"PDL": 0}
+    assert not pdl.pdl_prefetch(dev)
+
+
+@pytest.mark.parametrize("order", ["signal_first", "wait_first", "at_exit"])
+def test_the_order_picks_the_kernels_mode(order, gpu_that_can, monkeypatch):
     monkeypatch.delenv("LOCALMOE_PDL", raising=False)
-    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": False}
-    assert not pdl.pdl_prefetch(torch.device("cuda", 0))
+    monkeypatch.setenv("LOCALMOE_PDL_ORDER", order)
+    modes = {pdl.pdl_args(torch.device("cuda", 0))["PDL"] for _ in range(2)}
+    assert modes == {pdl.PDL_ORDERS[order]} and 0 not in modes
 
 
-def test_on_when_asked_for_a_capable_gpu(gpu_that_can, monkeypatch):
-    monkeypatch.setenv("LOCALMOE_PDL", "1")
-    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
-    assert pdl.pdl_prefetch(torch.device("cuda", 0))
-    monkeypatch.setenv("LOCALMOE_PDL_PREFETCH", "0")
-    assert not pdl.pdl_prefetch(torch.device("cuda", 0))
+def test_an_unknown_order_is_logged_and_read_as_the_default(gpu_that_can, monkeypatch, caplog):
+    monkeypatch.delenv("LOCALMOE_PDL", raising=False)
+    monkeypatch.setenv("LOCALMOE_PDL_ORDER", "sideways")
+    pdl._warn_order.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert pdl.pdl_args(torch.device("cuda", 0))["PDL"] == pdl.PDL_ORDERS["at_exit"]
+    assert "sideways" in caplog.text
 
 
 @pytest.mark.parametrize("why", ["cpu", "interpreter", "old gpu"])
@@ -44,7 +61,7 @@ def test_never_where_it_cannot_run(why, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert pdl.pdl_args(dev) == {"PDL": False}
+    assert pdl.pdl_args(dev) == {"PDL": 0}
 
 
 def test_the_capability_check_reads_the_device(monkeypatch):
