@@ -267,15 +267,18 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
 
 
 # ---- tuning (--sweep): candidate launch choices, the timer, rules for kernels/configs ----------
-def _q(bn, ch, nw, xb=False):
-    return {"BN": bn, "CH": ch, "num_warps": nw, "xb": xb}
+def _q(bn, ch, nw, xb=False, stages=1):
+    return {"BN": bn, "CH": ch, "num_warps": nw, "xb": xb, "stages": stages}
 
 
 GEMV_CANDIDATES = [_q(1, 64, 1), _q(1, 32, 1), _q(2, 64, 2), _q(2, 64, 1), _q(4, 64, 4), _q(4, 32, 4),
-                   _q(4, 64, 4, True), _q(2, 64, 2, True), _q(1, 128, 1)]
+                   _q(4, 64, 4, True), _q(2, 64, 2, True), _q(1, 128, 1),
+                   _q(1, 32, 1, stages=3), _q(2, 32, 2, stages=3), _q(4, 32, 4, stages=3)]
 """``gemv`` candidates for projections (N < LARGE_N): BN rows per program, CH chunks per tile,
-warps, xb (x loaded once per row)."""
-HEAD_CANDIDATES = [_q(4, 64, 4), _q(2, 64, 2), _q(1, 64, 1), _q(4, 64, 4, True), _q(8, 64, 8)]
+warps, xb (x loaded once per row), stages (the K loop's loads pipelined through shared
+memory with that many buffers: Triton's ``tl.range(num_stages=)``, cp.async on the GPU)."""
+HEAD_CANDIDATES = [_q(4, 64, 4), _q(2, 64, 2), _q(1, 64, 1), _q(4, 64, 4, True), _q(8, 64, 8),
+                   _q(4, 32, 4, stages=3), _q(2, 32, 2, stages=3)]
 """``gemv`` candidates for output heads (N >= LARGE_N)."""
 GATE_UP_CANDIDATES = [dict(c, split=s, maxnreg=0) for c in (
     _q(32, 16, 8), _q(32, 16, 8, True), _q(32, 32, 8, True), _q(32, 16, 16), _q(32, 8, 8),
@@ -283,21 +286,26 @@ GATE_UP_CANDIDATES = [dict(c, split=s, maxnreg=0) for c in (
                                        for s in (2, 4)
                                        for ch, nw, xb in ((16, 8, True), (8, 4, True), (16, 4, False))
                                        for r in ((0, 128, 96) if (s, ch, nw) == (2, 16, 4) else (0,))] + [
-    dict(_q(bn, 8, nw), split=4, maxnreg=0) for bn, nw in ((64, 2), (128, 4))]
+    dict(_q(bn, 8, nw), split=4, maxnreg=0) for bn, nw in ((64, 2), (128, 4))] + [
+    dict(_q(32, ch, nw, stages=st), split=s, maxnreg=0)
+    for ch, nw, s in ((16, 4, 2), (16, 4, 1), (8, 4, 2), (16, 8, 1)) for st in (2, 3)]
 """``moe_gate_up`` candidates: the unsplit tiles, and K split in 2 or 4 parts (more programs
 for the few (row block, expert) pairs of one token); ``maxnreg`` caps the registers per
 thread (0: the compiler's choice; at 140 registers 3 programs of 4 warps fit an SM, at 128
-four). The 64- and 128-row tiles issue fewer loads per byte (the activations' words are
+four); ``stages`` 2-3 pipelines the K loop's loads through shared memory (72 instead of 128
+registers for the one-token tile, 46 KB of shared memory). The 64- and 128-row tiles issue fewer loads per byte (the activations' words are
 loaded once per chunk of a thread, whatever its rows): slower at one token, ~6% faster at
 eight on the H200 (gate_up_candidates_h200-2026-12-04-s19.json)."""
 DOWN_CANDIDATES = [dict(_q(bn, ch, nw, xb), experts_tile=False, maxnreg=0) for bn, ch, nw, xb in (
     (1, 32, 1, False), (1, 16, 1, False), (2, 32, 2, False), (4, 32, 4, False), (2, 16, 1, False),
     (2, 32, 2, True))] + [dict(_q(bn, ch, nw), experts_tile=True, maxnreg=r) for bn, ch, nw, r in (
         (1, 8, 1, 0), (2, 8, 2, 0), (4, 8, 4, 0), (4, 16, 4, 0), (4, 16, 4, 128), (4, 16, 4, 96),
-        (8, 8, 8, 0), (8, 16, 8, 0), (4, 8, 2, 0))]
+        (8, 8, 8, 0), (8, 16, 8, 0), (4, 8, 2, 0))] + [
+    dict(_q(bn, ch, nw, stages=st), experts_tile=et, maxnreg=0)
+    for bn, ch, nw, et in ((4, 8, 2, True), (4, 8, 4, True), (1, 8, 1, False)) for st in (2, 3)]
 """``moe_down`` candidates: the experts' K loops one after another (unrolled), or the
 token's experts as the tile's first dimension (``experts_tile``: every expert's rows are
-requested at once)."""
+requested at once); ``stages`` as for gate/up."""
 ROUTER_CANDIDATES = [{"num_warps": w} for w in (1, 2, 4, 8)]
 ROUTER_EXPERTS = (8, 64, 128, 256)
 LARGE_N = 32768

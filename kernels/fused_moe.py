@@ -98,7 +98,8 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
                         EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr,
-                        SPLIT: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
+                        SPLIT: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False,
+                        STAGES: tl.constexpr = 1):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -114,7 +115,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
     c_begin = tl.program_id(2) * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    for c0 in range(c_begin, c_end, CH):
+    for c0 in tl.range(c_begin, c_end, CH, num_stages=STAGES):
         acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
@@ -168,7 +169,8 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
-                     TKP: tl.constexpr = 1, WIDE: tl.constexpr = False):
+                     TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
+                     STAGES: tl.constexpr = 1):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -191,7 +193,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         tmask4 = jm[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
         acc = tl.zeros([TKP, BN, CH, 1], dtype=tl.float32)
-        for c0 in range(0, n_chunks, CH):
+        for c0 in tl.range(0, n_chunks, CH, num_stages=STAGES):
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
                          xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
@@ -203,7 +205,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
-            WIDE)
+            WIDE, STAGES)
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
 
 
@@ -213,7 +215,8 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
                            hq_rs, hs_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                            TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
-                           XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False):
+                           XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False,
+                           STAGES: tl.constexpr = 1):
     """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
@@ -227,7 +230,7 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
         tmask4 = (tt >= 0)[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
-        for c0 in range(0, n_chunks, CH):
+        for c0 in tl.range(0, n_chunks, CH, num_stages=STAGES):
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr,
                          xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
@@ -334,7 +337,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         ACT=ACTIVATIONS[activation],
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
-        num_warps=c.get("num_warps", 4), **_reg_cap(c), **pdl_args(h.q.device))
+        STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
+        **pdl_args(h.q.device))
     return h
 
 
@@ -384,7 +388,8 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
-        ET=et, TKP=tkp, WIDE=h.wide, **_reg_cap(c), **pdl_args(out.device))
+        ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
+        **pdl_args(out.device))
     return out
 
 

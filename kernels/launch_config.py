@@ -19,8 +19,9 @@ File layout::
                {"block_n": 128, "num_warps": 4, "waves": 2.0}],      # last: no "when"
      "swap_ab": [...], "sz_pre": [...], "v_join": [...], "num_stages": [...],
      "fused_reduce": [...],
-     "gemv": [{"when": {"n": {"min": 32768}}, "BN": 4, "CH": 64, "num_warps": 4, "xb": true},
-              {"BN": 1, "CH": 32, "num_warps": 1, "xb": false}],
+     "gemv": [{"when": {"n": {"min": 32768}}, "BN": 4, "CH": 64, "num_warps": 4, "xb": true,
+               "stages": 1},
+              {"BN": 1, "CH": 32, "num_warps": 1, "xb": false, "stages": 1}],
      "gemv_split": [...], "moe_gate_up": [...], "moe_down": [...], "router": [...]}
 
 Each knob (:data:`KNOBS`) is a list of rules; the first rule whose ``when`` matches gives the
@@ -43,11 +44,12 @@ features of one launch; each knob names the features it may test:
 * quantized GEMV of ``tokens`` rows of x against an ``[n, k]`` weight of GGUF type ``qtype``
   (the name, ``"Q8_0"``, ``"Q6_K"``, ...): knob ``gemv`` (``BN`` weight rows per program,
   ``CH`` chunks per K tile, ``num_warps``, ``xb``: x loaded once per row rather than per
-  thread) and knob ``gemv_split`` (``min_programs``, ``max_split``: K is split in two, four,
+  thread, ``stages``: 1 for a plain K loop, 2-4 to pipeline its loads through shared memory
+  with that many buffers, Triton's ``tl.range(num_stages=)``) and knob ``gemv_split`` (``min_programs``, ``max_split``: K is split in two, four,
   ... while the grid has fewer than ``min_programs`` programs, at most ``max_split`` ways).
 
 * fused MoE, knobs ``moe_gate_up`` (launch 1) and ``moe_down`` (launch 2), fields ``BN``,
-  ``CH``, ``num_warps``, ``xb`` as for the GEMV, and ``maxnreg`` (a cap on registers per
+  ``CH``, ``num_warps``, ``xb``, ``stages`` as for the GEMV, and ``maxnreg`` (a cap on registers per
   thread; 0: the compiler's choice); ``moe_gate_up`` also ``split`` (K parts per row block,
   the last to finish adding them), ``moe_down`` also ``experts_tile`` (a token's top-k
   experts as one dimension of the tile, every expert's rows requested at once, rather than
@@ -97,7 +99,7 @@ ATTENTION_FEATURES = ("k_fmt", "v_fmt", "k_chan", "extras", "pairs", "max_len")
 GEMV_FEATURES = ("tokens", "n", "k", "qtype")
 MOE_FEATURES = ("tokens", "top_k", "n_experts", "d_model", "d_ff", "qtype")
 ROUTER_FEATURES = ("tokens", "n_experts", "top_k")
-_QUANT_TILE = ("BN", "CH", "num_warps", "xb")
+_QUANT_TILE = ("BN", "CH", "num_warps", "xb", "stages")
 
 KNOBS: dict[str, Knob] = {
     "tile": Knob(("block_n", "num_warps", "waves"), ATTENTION_FEATURES),

@@ -459,7 +459,8 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                        QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False):
+                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
+                       STAGES: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -478,7 +479,7 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
         tmask4 = (tt < T)[:, None, None, None]
         xb4, xsb4 = _x_rows(xq_rs, xs_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
-        for c0 in range(c_begin, c_end, CH):
+        for c0 in tl.range(c_begin, c_end, CH, num_stages=STAGES):
             acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                          q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
@@ -726,7 +727,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
               and t == next_pow2(t)),
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
-        LINE=128 // ptrs[0].element_size(), WIDE=x.wide,
+        LINE=128 // ptrs[0].element_size(), WIDE=x.wide, STAGES=int(cfg.get("stages", 1)),
         num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
     if y is not out:
         out.copy_(y)

@@ -169,6 +169,29 @@ def test_down_with_the_experts_in_one_tile(qt, top_k, bn, ch):
     assert rel(tiled, ref) < (TOL["float"] if CUDA else TOL["twin"])
 
 
+@pytest.mark.parametrize("qts", [(12, 14), (10, 11)], ids=["Q4_K-Q6_K", "Q2_K-Q3_K"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipelined_k_loops_compute_what_the_plain_ones_do(qts, stages):
+    """``stages`` > 1 (the K loops' loads pipelined through shared memory on the GPU,
+    Triton's ``tl.range(num_stages=)``) changes when weights arrive, not the arithmetic: the
+    same bits as ``stages`` 1 for gate/up (split and not) and both down launches, over K
+    ranges of several tiles with a tail."""
+    e, f, d = 5, 256, 512
+    gu, wd = experts(*qts, e, f, d, seed=7)
+    x = torch.randn(2, d, device=DEV)
+    ids, w = route(2, e, 2, seed=7)
+    ch = 2 if qts[0] in (10, 11) else 4       # 64-value chunks: 8 of them, 4 tiles
+    for split, et in ((1, False), (2, True)):
+        base = {"gate_up": {"BN": 32, "CH": ch, "split": split},
+                "down": {"BN": 64, "CH": 2, "experts_tile": et}}
+        piped = {k: dict(v, stages=stages) for k, v in base.items()}
+        a = fused_moe(x, gu, wd, ids, w, config=base)
+        b = fused_moe(x, gu, wd, ids, w, config=piped)
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (split, et)
+    assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
+
+
 def test_slot_table_is_read_on_the_device():
     gu, wd = experts(8, 8, 4, 32, 64, seed=7)
     x = torch.randn(1, 64, device=DEV)
@@ -203,9 +226,10 @@ def test_fused_moe_rejects_bad_inputs():
 @pytest.mark.parametrize("variant", [{"gate_up": {"split": 1}}, {"gate_up": {"split": 4}},
                                      {"gate_up": {"split": 2, "maxnreg": 128}},
                                      {"down": {"BN": 1, "CH": 32, "num_warps": 1, "experts_tile": True}},
-                                     {"down": {"BN": 4, "CH": 32, "num_warps": 4, "experts_tile": True}}],
+                                     {"down": {"BN": 4, "CH": 32, "num_warps": 4, "experts_tile": True}},
+                                     {"gate_up": {"stages": 3}, "down": {"stages": 3}}],
                          ids=["split1", "split4", "split2-maxnreg128", "down-experts-tile-bn1",
-                              "down-experts-tile-bn4"])
+                              "down-experts-tile-bn4", "stages3"])
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("shape,qts", [((128, 768, 2048, 8), (12, 12)), ((64, 1024, 2048, 8), (12, 14)),
                                        ((8, 14336, 4096, 2), (12, 14))],

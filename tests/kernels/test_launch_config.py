@@ -294,8 +294,8 @@ def test_wrappers_read_the_default_table():
     ({"tile": [{"block_n": 1, "num_warps": 1}]}, "waves"),
     ({"tiles": []}, "tiles"),
     ({"router": [{"when": {"pairs": 1}, "num_warps": 1}, {"num_warps": 4}]}, "pairs"),
-    ({"gemv": [{"when": {"n": "big"}, "BN": 1, "CH": 32, "num_warps": 1, "xb": False},
-               {"BN": 1, "CH": 32, "num_warps": 1, "xb": False}]}, "condition on n"),
+    ({"gemv": [{"when": {"n": "big"}, "BN": 1, "CH": 32, "num_warps": 1, "xb": False, "stages": 1},
+               {"BN": 1, "CH": 32, "num_warps": 1, "xb": False, "stages": 1}]}, "condition on n"),
     ({"gemv": [{"BN": 1, "CH": 32, "num_warps": 1}]}, "xb"),
 ])
 def test_malformed_files_are_refused(tmp_path, monkeypatch, data, why):

@@ -73,6 +73,20 @@ def test_gemv_matches_twin_every_qtype(qt, tokens):
     check(x, w, y)
 
 
+@pytest.mark.parametrize("qt", [8, 14, 11], ids=["Q8_0", "Q6_K", "Q3_K"])
+def test_gemv_pipelined_k_loop_computes_what_the_plain_one_does(qt):
+    """``stages`` 3 (the K loop's loads pipelined through shared memory on the GPU): the same
+    result as the plain loop, K in several tiles with a tail, a partial row block, 3 tokens."""
+    torch.manual_seed(qt)
+    w = make(qt, 13, small_k(qt), seed=qt)
+    x = torch.randn(3, w.K, device=DEV)
+    cfg = {"BN": 8, "CH": 2, "num_warps": 4, "split": 1}
+    a = quant_gemv(x, w, config=cfg)
+    b = quant_gemv(x, w, config=dict(cfg, stages=3))
+    assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"]
+    check(x, w, b)
+
+
 @pytest.mark.parametrize("qt", [12, 10, 5 + 1], ids=["Q4_K", "Q2_K", "Q5_0"])
 def test_gemv_unmasked_tiles(qt):
     # N % BN == 0, whole K tiles, T a power of two: the kernel drops every bounds mask

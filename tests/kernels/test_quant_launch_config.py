@@ -65,13 +65,13 @@ OLD_GEMV = {f"{q} {k}": (_K64 if q in ("Q2_K", "Q3_K") else _LEGACY)[k]
             for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
             for k in _LEGACY}
 OLD_MOE = {"gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True, "split": 1},
-           "down": {"BN": 1, "CH": 32, "num_warps": 1, "xb": False}}   # xb: absent meant False
+           "down": {"BN": 1, "CH": 32, "num_warps": 1, "xb": False, "stages": 1}}   # xb: absent meant False
 OLD_ROUTER = {2: 1, 8: 1, 60: 1, 64: 1, 128: 1, 129: 4, 160: 4, 256: 4, 512: 4}
 
 # the GPU tables; cpu.json (the interpreter's) keeps the router but takes 64-row GEMV / MoE tiles
 TABLES = ["nvidia_h200", "default", "nvidia_a100_sxm4_80gb"]
 DEVICES = [None] + (["cuda"] if CUDA else [])
-INTERPRETER_TILE = {"BN": 64, "CH": 8, "num_warps": 4, "xb": False}
+INTERPRETER_TILE = {"BN": 64, "CH": 8, "num_warps": 4, "xb": False, "stages": 1}
 
 
 def test_the_recorded_gemv_grid_covers_every_qtype():
@@ -98,7 +98,7 @@ def test_gemv_config_by_device(device):
     """The lookup through the device's file (None: default.json) on a few shapes."""
     assert gemv_config(151936, 2048, 1, 14, device=device)["split"] == 1
     assert gemv_config(5120, 2048, 1, 8, device=device) == dict(
-        BN=2, CH=64, num_warps=2, xb=False, split=1)
+        BN=2, CH=64, num_warps=2, xb=False, stages=1, split=1)
     assert gemv_config(64, 8192, 8, 8, device=device)["split"] == 8
 
 
@@ -231,7 +231,7 @@ def test_tuning_writes_a_device_file_from_timings(tmp_path, monkeypatch):
         t = lc.load_table(key)
         assert t.name == "fake_gpu_9000"
         assert t.lookup("gemv", tokens=2, n=5120, k=2048, qtype="Q8_0") == dict(
-            BN=2, CH=64, num_warps=2, xb=False)
+            BN=2, CH=64, num_warps=2, xb=False, stages=1)
         assert t.lookup("gemv", tokens=3, n=5120, k=2048, qtype="Q8_0")["BN"] == 1
         assert t.lookup("gemv", tokens=8, n=151936, k=2048, qtype="Q6_K")["xb"] is True
         assert t.lookup("moe_down", tokens=1, top_k=8, n_experts=128, d_model=2048, d_ff=768,
