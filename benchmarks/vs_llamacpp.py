@@ -453,6 +453,7 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                    "tpot_eager_ms": round(eager_ms, 3) if eager_ms else None,
                    "eager_profile": eager_prof or None,
                    "cuda_graphs": runner.stats()["cuda_graphs"],
+                   "pdl": runner.stats().get("pdl"),
                    "torch_peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
             if ttft is not None and depth == 0:
                 row[f"ttft_{ttft_prompt}_ms"] = round(ttft, 1)

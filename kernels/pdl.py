@@ -58,7 +58,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["pdl_args", "pdl_begin", "pdl_prefetch", "pdl_supported", "prefetch_l2",
+__all__ = ["pdl_args", "pdl_begin", "pdl_prefetch", "pdl_status", "pdl_supported", "prefetch_l2",
            "prefetch_rows_l2"]
 
 
@@ -82,14 +82,32 @@ def pdl_supported(device) -> bool:
     """Whether kernels on ``device`` (a torch device) launch with PDL: a CUDA device of compute
     capability >= 9.0, a Triton that supports it, not under ``TRITON_INTERPRET=1``, and
     ``LOCALMOE_PDL`` not ``0`` in the environment."""
+    return _why_not(device) is None
+
+
+def pdl_status(device) -> str:
+    """``"on (<order>)"`` (:func:`pdl_order`'s name) or ``"off (<why>)"`` for kernels on
+    ``device`` (a torch device or its name): what ``runner.stats()["pdl"]`` reports."""
+    import torch
+
+    why = _why_not(torch.device(device))
+    if why is not None:
+        return f"off ({why})"
+    order = next(k for k, v in PDL_ORDERS.items() if v == pdl_order())
+    return f"on ({order})"
+
+
+def _why_not(device) -> str | None:
     if os.environ.get("LOCALMOE_PDL", "1") == "0":
-        return False
+        return "LOCALMOE_PDL=0"
     if getattr(device, "type", None) != "cuda":
-        return False
+        return "not a CUDA device"
     if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
-        return False
+        return "TRITON_INTERPRET=1"
     index = device.index if device.index is not None else _current_index()
-    return _device_supports(index)
+    if not _device_supports(index):
+        return "needs compute capability 9.0+ and a Triton that launches with PDL"
+    return None
 
 
 def _current_index() -> int:

@@ -340,13 +340,18 @@ class TritonRunner(CacheSequences):
 
     # ---- misc ------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """The torch runner's stats plus ``fused_decode_calls``, ``fused_attention`` and
-        ``weights`` (``"quantized"`` or why the weights were dequantized)."""
+        """The torch runner's stats plus ``fused_decode_calls``, ``fused_attention``,
+        ``weights`` (``"quantized"`` or why the weights were dequantized), ``act_precision``,
+        ``pdl`` (programmatic dependent launch: ``"on (at_exit)"`` or ``"off (why)"``),
+        ``cuda_graphs``, ``fused_step``, ``launch_tape`` and ``prefill_graphs``."""
         out = runner_stats(self)
         out["fused_decode_calls"] = self.n_fused_calls
         out["fused_attention"] = self._fused
         out["weights"] = self.weights
         out["act_precision"] = self.act_precision
+        from localmoe.kernels.pdl import pdl_status
+
+        out["pdl"] = pdl_status(self.device)
         g = self.graphs
         out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays}
                               if g is not None and g.capture else f"off ({self.graphs_off})")

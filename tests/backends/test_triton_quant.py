@@ -359,6 +359,7 @@ def test_cuda_graphs_off_without_cuda_say_why(files):
     r = TritonRunner(open_model(str(files["tiny-qwen3moe"])), n_ctx=32, device="cpu",
                      dtype=torch.float32)
     assert r.stats()["cuda_graphs"] == "off (not a CUDA device)"
+    assert r.stats()["pdl"] == "off (not a CUDA device)"
 
 
 @pytest.mark.gpu
@@ -529,6 +530,7 @@ def test_pdl_launches_compute_the_same_bits(files, preset, kv, monkeypatch):
             pytest.skip("this GPU or Triton cannot launch with PDL")
         r = TritonRunner(mf, n_ctx=320, device=DEV, dtype=DT, max_seqs=2, kv_spec=kv)
         runs[pdl] = _decode_two(r, 5, (40, 7), 6, (3, 50, 90))[1]
+        assert r.stats()["pdl"].startswith("on" if pdl == "1" else "off (LOCALMOE_PDL=0)")
     assert torch.equal(runs["0"], runs["1"]), (runs["0"] - runs["1"]).abs().max()
 
 

@@ -73,3 +73,18 @@ def test_the_capability_check_reads_the_device(monkeypatch):
         pdl._device_supports.cache_clear()
         assert pdl._device_supports(0) is want
     pdl._device_supports.cache_clear()
+
+
+def test_status_names_the_mode_or_why_not(gpu_that_can, monkeypatch):
+    for k in ("LOCALMOE_PDL", "LOCALMOE_PDL_ORDER"):
+        monkeypatch.delenv(k, raising=False)
+    assert pdl.pdl_status(torch.device("cuda", 0)) == "on (at_exit)"
+    monkeypatch.setenv("LOCALMOE_PDL_ORDER", "wait_first")
+    assert pdl.pdl_status("cuda:0") == "on (wait_first)"
+    assert pdl.pdl_status("cpu") == "off (not a CUDA device)"
+    monkeypatch.setenv("LOCALMOE_PDL", "0")
+    assert pdl.pdl_status("cuda:0") == "off (LOCALMOE_PDL=0)"
+    monkeypatch.delenv("LOCALMOE_PDL")
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: False)
+    assert pdl.pdl_status("cuda:0").startswith("off (needs compute capability 9.0+")
+    assert pdl.pdl_args(torch.device("cuda", 0)) == {"PDL": 0}
