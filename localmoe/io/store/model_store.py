@@ -211,14 +211,25 @@ class ModelStore(PullMixin):
             ModelNotFoundError: unknown name and no such path.
         """
         source = nonempty(source)
-        if not force:
-            m = self.get(source)
-            if m is not None and (source in self.catalog or source.startswith("hf:")
-                                  or m.name == source):
-                bad = self._damage(m, self.catalog.get(source))
-                if bad is None or not (source in self.catalog or source.startswith("hf:")):
-                    return m
-                print(f"{m.name}: {bad}; downloading it again", file=sys.stderr, flush=True)
+        m = self.get(source, include_missing=True)
+        if m is not None and (source in self.catalog or source.startswith("hf:")
+                              or m.name == source):
+            # a stored model named: whole, it is the answer; damaged, missing (or forced) it
+            # is fetched again from where it came from
+            bad = ("its file is missing" if m.missing
+                   else self._damage(m, self.catalog.get(source)))
+            if bad is None and not force:
+                return m
+            origin = self._origin(m, source)
+            if origin is None:
+                raise ModelNotFoundError(
+                    f"model {m.name!r} was pulled from {m.source or 'an unknown source'}, which "
+                    f"is not there any more; pull the file from where it is now, or "
+                    f"`localmoe rm {m.name}`")
+            if bad is not None:
+                print(f"{m.name}: {bad}; pulling it again from {origin}", file=sys.stderr,
+                      flush=True)
+            source, link = origin, link or m.linked
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -244,6 +255,20 @@ class ModelStore(PullMixin):
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
+
+    def _origin(self, m: StoredModel, asked: str) -> str | None:
+        """What :meth:`pull` fetches to store ``m`` again (asked for as ``asked``): the catalog
+        name or ``hf:`` reference asked for or recorded, or the local path it was pulled from
+        while that path exists; None when there is none."""
+        if asked in self.catalog or asked.startswith("hf:"):
+            return asked
+        if m.source.startswith("hf:"):
+            return m.source
+        if m.source.startswith("pip:") and m.name in self.catalog:
+            return m.name
+        if m.source.startswith("file:") and Path(m.source[5:]).exists():
+            return m.source[5:]
+        return None
 
     #: stored files up to this size are checked against the catalog's sha256 on a pull
     HASH_CHECK_MAX = 1 << 30
@@ -416,7 +441,7 @@ class ModelStore(PullMixin):
                 raise ModelLoadError(
                     f"model {m.name!r} in the store is {m.size:,} bytes on disk, not the "
                     f"{m.recorded_size:,} it was pulled with (truncated or damaged); "
-                    f"`localmoe pull {m.name}` downloads it again")
+                    f"`localmoe pull {m.name}` fetches it again")
             return m.path
         if s in self.catalog or s.startswith("hf:"):
             if not pull:
