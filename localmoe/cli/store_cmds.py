@@ -43,16 +43,12 @@ def models_cmd(as_json):
             click.echo(f"  {m.name:<{w}}  {size:>10}  {m.source}{mark}")
     else:
         click.echo("  (empty)")
-    gone = [m.name for m in items if m.missing]
-    if gone:
-        name = gone[0] if len(gone) == 1 else "NAME"
-        click.echo(f"missing: the files of {', '.join(gone)} are gone; `localmoe pull {name}` "
-                   f"fetches {'it' if len(gone) == 1 else 'each'} again from where it was "
-                   f"pulled, or `localmoe rm {name}`")
     for m in items:
-        if m.damaged:
+        if m.missing:
+            click.echo(f"missing: the file of {m.name} is gone; {st.repair_hint(m)}")
+        elif m.damaged:
             click.echo(f"damaged: {m.name} is {m.size:,} bytes on disk, not the {m.recorded_size:,} "
-                       f"it was pulled with; `localmoe pull {m.name}` fetches it again")
+                       f"it was pulled with; {st.repair_hint(m)}")
     missing = [e for n, e in CATALOG.items() if st.get(n, include_missing=True) is None]
     if missing:
         click.echo("pullable: " + ", ".join(f"{e.name} ({e.description})" for e in missing))

@@ -424,8 +424,13 @@ def test_pull_name_repairs_a_model_pulled_from_a_local_file(tmp_path, home, caps
     assert st.pull("x", force=True).path.read_bytes() == src.read_bytes()
     src.unlink()
     m.path.unlink()
-    with pytest.raises(ModelNotFoundError, match=r"pulled from file:.*not there any more.*localmoe rm x"):
+    assert "`localmoe pull x`" not in st.repair_hint(st.get("x", include_missing=True))
+    with pytest.raises(ModelNotFoundError,
+                       match=r"its file is missing; it was pulled from .*x\.gguf, which is not "
+                             r"there any more.*localmoe rm x"):
         st.pull("x")
+    with pytest.raises(ModelNotFoundError, match="not there any more"):
+        st.resolve("x")
 
 
 @pytest.mark.slow
@@ -786,10 +791,12 @@ def test_rm_keeps_a_file_another_entry_uses_and_missing_files_are_shown(server, 
     with open(smol.path, "r+b") as f:
         f.truncate(1000)
     code, out, _ = cli_run("models")
-    assert code == 0 and "DAMAGED" in out and "localmoe pull smol" in out, out
+    # the CLI's catalog has no "smol" (this store's fake one has): it cannot fetch it again
+    assert code == 0 and "DAMAGED" in out and "`localmoe rm smol`, then pull it again" in out, out
     assert [d["damaged"] for d in __import__("json").loads(cli_run("models", "--json")[1])] == [True]
     code, _, err = cli_run("info", "smol")
-    assert code == 1 and "error:" in err and "localmoe pull smol" in err, err
+    assert code == 1 and "error:" in err and "localmoe rm smol" in err, err
+    assert "`localmoe pull smol` fetches it again" in st.repair_hint(st.get("smol"))
     assert not st.pull("smol").damaged and "DAMAGED" not in cli_run("models")[1]
 
 

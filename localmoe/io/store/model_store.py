@@ -222,10 +222,8 @@ class ModelStore(PullMixin):
                 return m
             origin = self._origin(m, source)
             if origin is None:
-                raise ModelNotFoundError(
-                    f"model {m.name!r} was pulled from {m.source or 'an unknown source'}, which "
-                    f"is not there any more; pull the file from where it is now, or "
-                    f"`localmoe rm {m.name}`")
+                raise ModelNotFoundError(f"model {m.name!r}: {bad or 'asked to fetch it again'}; "
+                                         f"{self.repair_hint(m)}")
             if bad is not None:
                 print(f"{m.name}: {bad}; pulling it again from {origin}", file=sys.stderr,
                       flush=True)
@@ -255,6 +253,17 @@ class ModelStore(PullMixin):
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
+
+    def repair_hint(self, m: StoredModel) -> str:
+        """What fixes the missing or damaged stored model ``m``: ``localmoe pull NAME`` while
+        what it was pulled from is there (:meth:`pull` fetches it again), else the source
+        that is gone; ``localmoe rm NAME`` either way."""
+        if self._origin(m, m.name) is not None:
+            return f"`localmoe pull {m.name}` fetches it again, or `localmoe rm {m.name}`"
+        if m.source.startswith("file:"):
+            return (f"it was pulled from {m.source[5:]}, which is not there any more: pull the "
+                    f"file from where it is now, or `localmoe rm {m.name}`")
+        return f"`localmoe rm {m.name}`, then pull it again"
 
     def _origin(self, m: StoredModel, asked: str) -> str | None:
         """What :meth:`pull` fetches to store ``m`` again (asked for as ``asked``): the catalog
@@ -441,7 +450,7 @@ class ModelStore(PullMixin):
                 raise ModelLoadError(
                     f"model {m.name!r} in the store is {m.size:,} bytes on disk, not the "
                     f"{m.recorded_size:,} it was pulled with (truncated or damaged); "
-                    f"`localmoe pull {m.name}` fetches it again")
+                    f"{self.repair_hint(m)}")
             return m.path
         if s in self.catalog or s.startswith("hf:"):
             if not pull:
@@ -464,12 +473,9 @@ class ModelStore(PullMixin):
         gone = self.get(s, include_missing=True)
         if gone is not None:
             lost = next((f for f in gone.files if not f.exists()), gone.path)
-            again = gone.source[5:] if gone.source.startswith("file:") else gone.source
-            hint = (f"pull it again (`localmoe pull {again}`) or remove it"
-                    if again and not again.startswith("pip:") else "remove it")
             raise ModelNotFoundError(
-                f"model {gone.name!r} is in the store but its file {lost} is missing; {hint} "
-                f"(`localmoe rm {gone.name}`)")
+                f"model {gone.name!r} is in the store but its file {lost} is missing; "
+                f"{self.repair_hint(gone)}")
         if s.endswith(".gguf") or os.sep in s:
             raise ModelNotFoundError(f"model file {s} does not exist")
         raise ModelNotFoundError(
