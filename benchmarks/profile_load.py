@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from localmoe.io.loader import open_model
-from localmoe.kernels.qtensor import BLOCK_SIZES, FLOAT_QTYPES, QuantTensor, _CHUNK_BLOCKS
+from localmoe.kernels.qtensor import BLOCK_SIZES, FLOAT_QTYPES, QuantTensor, row_chunks
 
 DEFAULT_TENSORS = r"^(blk\.[01]\.|token_embd\.|output\.)"
 
@@ -92,12 +92,10 @@ def profile(path: str, pattern: str = DEFAULT_TENSORS, device: str = "cuda") -> 
             k = raw.shape[-1]
             r = math.prod(raw.shape[:-1])
             nb = k // bs
-            per = max(1, _CHUNK_BLOCKS // nb)
             d2 = dbytes.view(r, nb * ts)
 
             def repack():
-                for r0 in range(0, r, per):
-                    r1 = min(r, r0 + per)
+                for r0, r1 in row_chunks(r, nb):
                     QuantTensor._repack_rows(d2[r0:r1].reshape((r1 - r0) * nb, ts), raw.qtype,
                                              r1 - r0, k)
             _, row["repack"] = _timed(dev, repack)

@@ -86,15 +86,14 @@ def pdl_supported(device) -> bool:
 
 
 def pdl_status(device) -> str:
-    """``"on (<order>)"`` (:func:`pdl_order`'s name) or ``"off (<why>)"`` for kernels on
+    """``"on (<order>)"`` (:func:`pdl_order_name`) or ``"off (<why>)"`` for kernels on
     ``device`` (a torch device or its name): what ``runner.stats()["pdl"]`` reports."""
     import torch
 
     why = _why_not(torch.device(device))
     if why is not None:
         return f"off ({why})"
-    order = next(k for k, v in PDL_ORDERS.items() if v == pdl_order())
-    return f"on ({order})"
+    return f"on ({pdl_order_name()})"
 
 
 def _why_not(device) -> str | None:
@@ -126,16 +125,21 @@ def pdl_prefetch(device) -> bool:
 PDL_ORDERS = {"signal_first": 1, "wait_first": 2, "at_exit": 3}
 
 
-def pdl_order() -> int:
+def pdl_order_name() -> str:
     """Where a PDL kernel lets its dependent start (``LOCALMOE_PDL_ORDER``): ``signal_first``
-    (1: at its top, before its own wait), ``wait_first`` (2: right after its wait) or
-    ``at_exit`` (3, the default: no explicit signal; the dependent is launched as the last
-    block exits). Another value is logged once and read as ``at_exit``."""
+    (at its top, before its own wait), ``wait_first`` (right after its wait) or ``at_exit``
+    (the default: no explicit signal; the dependent is launched as the last block exits).
+    Another value is logged once and read as ``at_exit``."""
     name = os.environ.get("LOCALMOE_PDL_ORDER", "at_exit")
     if name not in PDL_ORDERS:
         _warn_order(name)
         name = "at_exit"
-    return PDL_ORDERS[name]
+    return name
+
+
+def pdl_order() -> int:
+    """:func:`pdl_order_name`'s mode, the ``PDL`` constexpr of :func:`pdl_begin` (1-3)."""
+    return PDL_ORDERS[pdl_order_name()]
 
 
 @functools.lru_cache(maxsize=None)

@@ -106,6 +106,13 @@ _F16_FIELDS = {
 _CHUNK_BLOCKS = 1 << 15  # blocks repacked per step (bounds the uint8 code temporaries)
 
 
+def row_chunks(rows: int, blocks_per_row: int) -> list[tuple[int, int]]:
+    """The ``(first, end)`` row ranges :meth:`QuantTensor.from_gguf` copies and repacks at a
+    time: whole rows, about ``_CHUNK_BLOCKS`` blocks each (at least one row)."""
+    per = max(1, _CHUNK_BLOCKS // blocks_per_row)
+    return [(r0, min(rows, r0 + per)) for r0 in range(0, rows, per)]
+
+
 def qtype_id(qtype: int | str) -> int:
     """ggml type id of ``qtype`` (an id, a ``gguf.GGMLQuantizationType`` or a name like "Q4_K")."""
     if isinstance(qtype, str):
@@ -442,10 +449,8 @@ class QuantTensor:
             return cls(qt, shape, {"w": w}, name)
         nb = k // bs
         planes: dict[str, torch.Tensor] | None = None
-        rows_per = max(1, _CHUNK_BLOCKS // nb)
         src2 = src.view(r, nb * ts)
-        for r0 in range(0, r, rows_per):
-            r1 = min(r, r0 + rows_per)
+        for r0, r1 in row_chunks(r, nb):
             blk = src2[r0:r1].to(dev, non_blocking=True).reshape((r1 - r0) * nb, ts)
             part = cls._repack_rows(blk, qt, r1 - r0, k)
             if planes is None:

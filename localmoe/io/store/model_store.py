@@ -63,6 +63,11 @@ class StoredModel:
     shared_with: list[str] = field(default_factory=list)
 
     @property
+    def source_path(self) -> Path | None:
+        """The local path it was pulled from (a ``file:`` source), else None."""
+        return Path(self.source[5:]) if self.source.startswith("file:") else None
+
+    @property
     def damaged(self) -> bool:
         """The store's own files are there but not the size the pull recorded (truncated or
         overwritten behind the store's back): ``localmoe pull NAME`` downloads them again."""
@@ -260,9 +265,9 @@ class ModelStore(PullMixin):
         that is gone; ``localmoe rm NAME`` either way."""
         if self._origin(m, m.name) is not None:
             return f"`localmoe pull {m.name}` fetches it again, or `localmoe rm {m.name}`"
-        if m.source.startswith("file:"):
-            return (f"it was pulled from {m.source[5:]}, which is not there any more: pull the "
-                    f"file from where it is now, or `localmoe rm {m.name}`")
+        if m.source_path is not None:
+            return (f"it was pulled from {m.source_path}, which is not there any more: pull "
+                    f"the file from where it is now, or `localmoe rm {m.name}`")
         return f"`localmoe rm {m.name}`, then pull it again"
 
     def _origin(self, m: StoredModel, asked: str) -> str | None:
@@ -275,8 +280,8 @@ class ModelStore(PullMixin):
             return m.source
         if m.source.startswith("pip:") and m.name in self.catalog:
             return m.name
-        if m.source.startswith("file:") and Path(m.source[5:]).exists():
-            return m.source[5:]
+        if m.source_path is not None and m.source_path.exists():
+            return str(m.source_path)
         return None
 
     #: stored files up to this size are checked against the catalog's sha256 on a pull
