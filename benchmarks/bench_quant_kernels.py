@@ -293,9 +293,10 @@ GATE_UP_CANDIDATES = [dict(c, split=s, maxnreg=0) for c in (
 for the few (row block, expert) pairs of one token); ``maxnreg`` caps the registers per
 thread (0: the compiler's choice; at 140 registers 3 programs of 4 warps fit an SM, at 128
 four); ``stages`` 2-3 pipelines the K loop's loads through shared memory (72 instead of 128
-registers for the one-token tile, 46 KB of shared memory). The 64- and 128-row tiles issue fewer loads per byte (the activations' words are
-loaded once per chunk of a thread, whatever its rows): slower at one token, ~6% faster at
-eight on the H200 (gate_up_candidates_h200-2026-12-04-s19.json)."""
+registers for the one-token tile, 46 KB of shared memory). The 64- and 128-row tiles issue
+fewer loads per byte (the activations' words are loaded once per chunk of a thread, whatever
+its rows): slower at one token, ~6% faster at eight on the H200
+(gate_up_candidates_h200-2026-12-04-s19.json)."""
 DOWN_CANDIDATES = [dict(_q(bn, ch, nw, xb), experts_tile=False, maxnreg=0) for bn, ch, nw, xb in (
     (1, 32, 1, False), (1, 16, 1, False), (2, 32, 2, False), (4, 32, 4, False), (2, 16, 1, False),
     (2, 32, 2, True))] + [dict(_q(bn, ch, nw), experts_tile=True, maxnreg=r) for bn, ch, nw, r in (

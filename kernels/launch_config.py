@@ -45,12 +45,13 @@ features of one launch; each knob names the features it may test:
   (the name, ``"Q8_0"``, ``"Q6_K"``, ...): knob ``gemv`` (``BN`` weight rows per program,
   ``CH`` chunks per K tile, ``num_warps``, ``xb``: x loaded once per row rather than per
   thread, ``stages``: 1 for a plain K loop, 2-4 to pipeline its loads through shared memory
-  with that many buffers, Triton's ``tl.range(num_stages=)``) and knob ``gemv_split`` (``min_programs``, ``max_split``: K is split in two, four,
-  ... while the grid has fewer than ``min_programs`` programs, at most ``max_split`` ways).
+  with that many buffers, Triton's ``tl.range(num_stages=)``) and knob ``gemv_split``
+  (``min_programs``, ``max_split``: K is split in two, four, ... while the grid has fewer
+  than ``min_programs`` programs, at most ``max_split`` ways).
 
 * fused MoE, knobs ``moe_gate_up`` (launch 1) and ``moe_down`` (launch 2), fields ``BN``,
-  ``CH``, ``num_warps``, ``xb``, ``stages`` as for the GEMV, and ``maxnreg`` (a cap on registers per
-  thread; 0: the compiler's choice); ``moe_gate_up`` also ``split`` (K parts per row block,
+  ``CH``, ``num_warps``, ``xb``, ``stages`` as for the GEMV, and ``maxnreg`` (a cap on
+  registers per thread; 0: the compiler's choice); ``moe_gate_up`` also ``split`` (K parts per row block,
   the last to finish adding them), ``moe_down`` also ``experts_tile`` (a token's top-k
   experts as one dimension of the tile, every expert's rows requested at once, rather than
   their K loops one after another); features ``tokens``, ``top_k``,
