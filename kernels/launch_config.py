@@ -9,6 +9,7 @@ lists in one JSON file per device, not as code. A file is picked by the device's
 normalized by :func:`device_key` (``torch.cuda.get_device_name`` ``"NVIDIA H200"`` ->
 ``nvidia_h200.json``); a CUDA device without a file of its own uses ``default.json``; every
 other device (CPU tensors, run through the Triton interpreter) uses ``cpu.json``.
+``LOCALMOE_LAUNCH_CONFIG=FILE`` (:data:`CONFIG_ENV`) makes every CUDA device use ``FILE``.
 
 File layout::
 
@@ -77,6 +78,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -330,8 +332,8 @@ def _load_json(path: Path) -> Any:
         raise LocalMoEError(f"cannot read launch config {path}: {e}") from None
 
 
-def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, list[dict]]:
-    data = _load_json(CONFIG_DIR / f"{name}.json")
+def _read(name: str, seen: tuple[str, ...] = (), path: Path | None = None) -> dict[str, list[dict]]:
+    data = _load_json(path or CONFIG_DIR / f"{name}.json")
     _check(name, data)
     base = data.get("extends")
     if base in seen + (name,):
@@ -367,12 +369,37 @@ def table_for(device: Any) -> LaunchTable:
     if table is None:
         if getattr(device, "type", None) != "cuda":
             table = load_table("cpu")
+        elif os.environ.get(CONFIG_ENV):
+            table = load_file(os.environ[CONFIG_ENV])
         else:
             import torch
 
             table = load_table(device_key(torch.cuda.get_device_name(device)))
         _BY_DEVICE[key] = table
     return table
+
+
+CONFIG_ENV = "LOCALMOE_LAUNCH_CONFIG"
+"""Environment variable: a configuration file used on every CUDA device instead of the
+device's own (e.g. rules just written by ``bench_quant_kernels.py --sweep --write-config
+FILE``, tried without editing ``kernels/configs``); its ``extends`` names a file there."""
+
+
+@functools.lru_cache(maxsize=None)
+def load_file(path: str | Path) -> LaunchTable:
+    """The :class:`LaunchTable` of the configuration file ``path`` (what :data:`CONFIG_ENV`
+    names), with the knobs it does not give from the file it ``extends``.
+
+    Raises:
+        LocalMoEError: the file is unreadable or malformed, or a knob has no rules.
+    """
+    path = Path(path)
+    knobs = _read(str(path), path=path)
+    missing = set(KNOBS) - set(knobs)
+    if missing:
+        raise LocalMoEError(f"launch config {path}: no rules for {', '.join(sorted(missing))} "
+                            "(add them, or 'extends' a file that has them)")
+    return LaunchTable(str(path), knobs)
 
 
 def device_table(device: Any = None) -> LaunchTable:
@@ -426,6 +453,7 @@ def write_config(path: str | Path, knobs: dict[str, list[dict]], about: str = ""
     _check(path.stem, data)
     path.write_text(format_config(data), encoding="utf-8")
     load_table.cache_clear()
+    load_file.cache_clear()
     _BY_DEVICE.clear()
     return data
 

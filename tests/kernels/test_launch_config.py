@@ -306,3 +306,32 @@ def test_malformed_files_are_refused(tmp_path, monkeypatch, data, why):
     with pytest.raises(LocalMoEError) as e:
         lc._read("broken")
     assert why in str(e.value)
+
+
+def test_a_config_file_named_by_the_environment_replaces_the_devices(tmp_path, monkeypatch):
+    """LOCALMOE_LAUNCH_CONFIG=FILE: every CUDA device reads FILE (its knobs over the file it
+    extends), the CPU keeps cpu.json; a file with knobs missing or unreadable is refused by
+    name."""
+    import json
+
+    import torch
+
+    rule = {"BN": 64, "CH": 8, "num_warps": 2, "xb": False, "stages": 3, "split": 4, "maxnreg": 0}
+    f = tmp_path / "nvidia_h200.json"          # the device's own name: no false 'extends' loop
+    f.write_text(json.dumps({"extends": "nvidia_h200", "moe_gate_up": [rule]}))
+    monkeypatch.setenv(lc.CONFIG_ENV, str(f))
+    monkeypatch.setattr(lc, "_BY_DEVICE", {})
+    t = lc.table_for(torch.device("cuda", 0))
+    assert t.name == str(f)
+    assert t.lookup("moe_gate_up", tokens=1, top_k=8, n_experts=128, d_model=2048, d_ff=768,
+                    qtype="Q4_K") == rule
+    h200 = lc.load_table("nvidia_h200")
+    assert t.knobs["moe_down"] == h200.knobs["moe_down"] != [rule]
+    assert lc.table_for(torch.device("cpu")).name == "cpu"
+
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"moe_gate_up": [rule]}))
+    with pytest.raises(LocalMoEError, match="bare.json: no rules for"):
+        lc.load_file(bare)
+    with pytest.raises(LocalMoEError, match="cannot read launch config"):
+        lc.load_file(tmp_path / "missing.json")
