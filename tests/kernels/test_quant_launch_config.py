@@ -39,27 +39,29 @@ from localmoe.kernels.router import router_config  # noqa: E402
 
 NS = [32, 64, 768, 2048, 5120, 32767, 32768, 151936]
 GEMV_CHOICES = {
-    "A": (2, 8, 2, False, 1), "B": (1, 8, 1, False, 1), "C": (4, 8, 4, True, 1),
-    "D": (2, 16, 2, False, 1), "E": (1, 16, 1, False, 1), "F": (4, 16, 4, True, 1),
-    "G": (2, 64, 2, False, 1), "H": (1, 32, 1, False, 2), "I": (1, 32, 1, False, 1),
-    "J": (4, 64, 4, True, 1), "K": (2, 64, 2, False, 2), "L": (1, 32, 1, False, 4),
+    "A": (2, 8, 2, False, 1), "B": (1, 8, 1, False, 1), "D": (2, 16, 2, False, 1),
+    "E": (1, 16, 1, False, 1), "G": (2, 64, 2, False, 1), "H": (1, 32, 1, False, 2),
+    "I": (1, 32, 1, False, 1), "K": (2, 64, 2, False, 2), "L": (1, 32, 1, False, 4),
     "M": (2, 64, 2, False, 4), "N": (1, 32, 1, False, 8), "O": (2, 4, 2, False, 1),
-    "P": (1, 4, 1, False, 1), "Q": (4, 4, 4, True, 1), "R": (2, 32, 2, False, 1),
-    "S": (4, 32, 4, True, 1),
+    "P": (1, 4, 1, False, 1), "R": (2, 32, 2, False, 1),
+    # output heads (N >= 32768), since session 20: four rows of 4 warps at one token, x per
+    # thread; one row per warp above (before: four rows, x once per row, at every count)
+    "T": (4, 8, 4, False, 1), "U": (4, 16, 4, False, 1), "V": (4, 64, 4, False, 1),
+    "W": (1, 64, 1, False, 1), "X": (4, 4, 4, False, 1), "Y": (4, 32, 4, False, 1),
 }
 _LEGACY = {  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K, Q5_K, Q6_K (32-value chunks)
-    256: "AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB CCCCCCCC CCCCCCCC",
-    512: "DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE FFFFFFFF FFFFFFFF",
-    2048: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
-    4096: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
-    14336: "MMNNNNNN MMNNNNNN GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+    256: "AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB TBBBBBBB TBBBBBBB",
+    512: "DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE DDEEEEEE UEEEEEEE UEEEEEEE",
+    2048: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
+    4096: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
+    14336: "MMNNNNNN MMNNNNNN GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
 }
 _K64 = {  # Q2_K, Q3_K (64-value chunks)
-    256: "OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP QQQQQQQQ QQQQQQQQ",
-    512: "AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB CCCCCCCC CCCCCCCC",
-    2048: "RRIIIIII RRIIIIII RRIIIIII RRIIIIII RRIIIIII RRIIIIII SSSSSSSS SSSSSSSS",
-    4096: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
-    14336: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII JJJJJJJJ JJJJJJJJ",
+    256: "OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP OOPPPPPP XPPPPPPP XPPPPPPP",
+    512: "AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB AABBBBBB TBBBBBBB TBBBBBBB",
+    2048: "RRIIIIII RRIIIIII RRIIIIII RRIIIIII RRIIIIII RRIIIIII YIIIIIII YIIIIIII",
+    4096: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
+    14336: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
 }
 OLD_GEMV = {f"{q} {k}": (_K64 if q in ("Q2_K", "Q3_K") else _LEGACY)[k]
             for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -80,7 +82,8 @@ def test_the_recorded_gemv_grid_covers_every_qtype():
 
 @pytest.mark.parametrize("table", TABLES)
 def test_gemv_tables_give_the_old_choices(table, monkeypatch):
-    """Every table (the H200's, the default for other GPUs, the CPU's) over the whole grid:
+    """Every table (the H200's, the default for other GPUs, the CPU's) over the whole grid
+    gives the recorded choices:
     qtypes x K x N (small, around and past 32768) x tokens 1..8."""
     t = lc.load_table(table)
     monkeypatch.setattr("localmoe.kernels.quant_gemv.device_table", lambda device: t)
