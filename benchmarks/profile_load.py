@@ -1,19 +1,22 @@
 """Where the triton backend's weight load spends its time, phase by phase.
 
 ``load_quant_model`` copies each GGUF tensor's block bytes from the memory-mapped file to the
-device in chunks (``QuantTensor.from_gguf``: a copy from pageable memory, then the repack into
-planes on the device, then a NaN/Inf check of the block scales), and joins each layer's gate
-and up experts (``QuantTensor.interleave_rows``). This times those phases one at a time, each
+device in chunks (``QuantTensor.from_gguf``: a host copy into one of two reused pinned buffers
+and an asynchronous copy from there, then the repack into planes on the device; the NaN/Inf
+check of the block scales once for all tensors at the end), and joins each layer's gate and up
+experts (``QuantTensor.interleave_rows``). This times those phases one at a time, each
 followed by a device synchronization, over the tensors selected (default: the first two
 layers, the embedding and the output head), and extrapolates to the whole file by bytes:
 
-* ``h2d_pageable``: the loader's copy, ``torch.from_numpy(mmap bytes).to(device)``;
+* ``h2d_pageable``: a copy from the mapped file, ``torch.from_numpy(mmap bytes).to(device)``;
 * ``host_to_pinned`` and ``pinned_h2d`` (CUDA only): the same bytes copied into a pinned host
-  buffer, then from it to the device (what a pinned staging buffer would cost, not overlapped);
+  buffer, then from it to the device (the stager's two steps, not overlapped);
 * ``repack``: the planes built on the device from device bytes (``QuantTensor._repack_rows``
   over the loader's chunks);
-* ``check_finite``: the scale check (one host read per tensor);
-* ``from_gguf``: the loader's whole call, for comparison with the sum of its phases;
+* ``check_finite``: the scale check with a host read per tensor (the loader reads once);
+* ``from_gguf``: the whole call without a stager, for comparison with the sum of its phases;
+* ``from_gguf_staged`` (CUDA only): the loader's call, through a :class:`PinnedStager` (one
+  tensor at a time here: the overlap across tensors shows only in a whole load);
 * ``interleave``: the gate/up join of each layer's experts.
 
 Usage (GPU machine, the file in the page cache)::
@@ -39,6 +42,7 @@ import numpy as np
 import torch
 
 from localmoe.io.loader import open_model
+from localmoe.io.staging import PinnedStager
 from localmoe.kernels.qtensor import BLOCK_SIZES, FLOAT_QTYPES, QuantTensor, row_chunks
 
 DEFAULT_TENSORS = r"^(blk\.[01]\.|token_embd\.|output\.)"
@@ -70,6 +74,7 @@ def profile(path: str, pattern: str = DEFAULT_TENSORS, device: str = "cuda") -> 
     sampled = 0
     pinned = None
     joined: dict[str, QuantTensor] = {}
+    stager = PinnedStager(dev) if dev.type == "cuda" else None
     for n in names:
         raw = mf.raw_tensor(n)
         if raw.qtype not in BLOCK_SIZES:
@@ -95,12 +100,15 @@ def profile(path: str, pattern: str = DEFAULT_TENSORS, device: str = "cuda") -> 
             d2 = dbytes.view(r, nb * ts)
 
             def repack():
-                for r0, r1 in row_chunks(r, nb):
+                for r0, r1 in row_chunks(r, k):
                     QuantTensor._repack_rows(d2[r0:r1].reshape((r1 - r0) * nb, ts), raw.qtype,
                                              r1 - r0, k)
             _, row["repack"] = _timed(dev, repack)
         qt, row["from_gguf"] = _timed(dev, lambda: QuantTensor.from_gguf(raw, None, None,
                                                                            device=dev, name=n))
+        if stager is not None:
+            _, row["from_gguf_staged"] = _timed(dev, lambda: QuantTensor.from_gguf(
+                raw, None, None, device=dev, name=n, stager=stager))
         if not qt.is_float:
             _, row["check_finite"] = _timed(dev, qt.check_finite)
         m = re.match(r"(blk\.\d+\.)ffn_(gate|up)_exps\.weight$", n)

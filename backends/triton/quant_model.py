@@ -16,7 +16,9 @@ with
   unrounded logits, as llama.cpp's F32 router weights give).
 
 No float copy of a quantized weight is made on the GPU or the host: blocks go from the
-memory-mapped file to the device and are repacked there (:meth:`QuantTensor.from_gguf`).
+memory-mapped file through two reused pinned buffers (:class:`~localmoe.io.staging.PinnedStager`)
+to the device and are repacked there (:meth:`QuantTensor.from_gguf`); the block scales of all
+tensors are checked for NaN/Inf with one host read at the end.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from localmoe.errors import ModelLoadError, UnsupportedModelError
+from localmoe.io.staging import PinnedStager
 from localmoe.model.experts import ExpertProvider
 
 #: decode: up to this many tokens go through the GEMV kernel, more through the GEMM
@@ -258,8 +261,16 @@ def load_quant_model(model_file, *, device: str | torch.device, dtype: torch.dty
         if progress is not None:
             progress(done, total)
 
+    stager = PinnedStager(device) if torch.device(device).type == "cuda" else None
+    # (name, qtype, finite flag) per quantized tensor, read at the end; not the tensors, so that
+    # gate and up are freed once joined
+    checks: list[tuple[str, int, torch.Tensor]] = []
+
     def load_q(n: str):
-        t = QuantTensor.from_gguf(model_file.raw_tensor(n), None, None, device=device, name=n)
+        t = QuantTensor.from_gguf(model_file.raw_tensor(n), None, None, device=device, name=n,
+                                  stager=stager, check=False)
+        if not t.is_float:
+            checks.append((n, t.qtype, t.finite_flag()))
         tick(n)
         return t
 
@@ -271,15 +282,34 @@ def load_quant_model(model_file, *, device: str | torch.device, dtype: torch.dty
         return t.to(device=device, dtype=dt)
 
     try:
-        return _build(model_file, spec, names, device, dtype, load_q, load_f)
+        model = _build(model_file, spec, names, device, dtype, load_q, load_f)
+        _check_flags(checks)
+        return model
     except torch.cuda.OutOfMemoryError:
         pass
+    finally:
+        checks.clear()
+        if stager is not None:
+            stager.close()
     # raised outside the handler, so the failed load's frames and tensors are already gone
     torch.cuda.empty_cache()
     raise ModelLoadError(
             f"the GPU ran out of memory while loading {total / (1 << 30):.1f} GiB of weights onto "
             f"{device} (what was loaded is freed); free GPU memory or run on the CPU "
             "(--backend llamacpp or torch)")
+
+
+def _check_flags(checks: list[tuple[str, int, torch.Tensor]]) -> None:
+    """Raise the error of the first tensor whose block scales hold NaN/Inf: one host read for
+    all the tensors' flags (a read per tensor would drain the load's copy pipeline each time)."""
+    from localmoe.kernels.qtensor import nonfinite_error
+
+    if not checks:
+        return
+    ok = torch.stack([f for *_, f in checks]).cpu()
+    if not bool(ok.all()):
+        name, qtype, _ = checks[int((~ok).nonzero()[0])]
+        raise nonfinite_error(name, qtype)
 
 
 def _build(model_file, spec, names, device, dtype, load_q, load_f):
