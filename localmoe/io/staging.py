@@ -115,7 +115,9 @@ class PinnedStager:
                 yield s.to(self.device)
             return
         raws = [self._bytes(s) for s in srcs]
-        outs = [torch.empty(r.numel(), dtype=torch.uint8, device=self.device) for r in raws]
+        # each output is allocated at its first piece and dropped here once yielded, so the
+        # device holds only the outputs the caller keeps (a tensor's chunks one at a time)
+        outs: list[torch.Tensor | None] = [None] * len(raws)
         pieces = [(j, a, min(r.numel(), a + self.buffer_bytes))
                   for j, r in enumerate(raws) for a in range(0, r.numel(), self.buffer_bytes)]
         arrays = [r.numpy() for r in raws]
@@ -138,6 +140,8 @@ class PinnedStager:
                     submit()
                 i, fut = pending.popleft()
                 fut.result()
+                if outs[j] is None:
+                    outs[j] = torch.empty(raws[j].numel(), dtype=torch.uint8, device=self.device)
                 outs[j][a:b].copy_(self._bufs[i][:b - a], non_blocking=self.cuda)
                 if self.cuda:
                     ev = torch.cuda.Event()
@@ -146,13 +150,20 @@ class PinnedStager:
                 self.bytes_staged += b - a
                 if b == raws[j].numel():   # tensor j complete (its pieces come in order)
                     for jj in range(done_upto + 1, j + 1):
-                        yield outs[jj].view(srcs[jj].dtype).reshape(srcs[jj].shape)
+                        yield self._take(outs, jj, srcs[jj])
                     done_upto = j
             for jj in range(done_upto + 1, len(srcs)):      # empty tensors at the end
-                yield outs[jj].view(srcs[jj].dtype).reshape(srcs[jj].shape)
+                yield self._take(outs, jj, srcs[jj])
         finally:
             for _, fut in pending:         # abandoned early: no fill may outlive its turn
                 fut.exception()
+
+    def _take(self, outs: list, j: int, src: torch.Tensor) -> torch.Tensor:
+        out = outs[j]
+        outs[j] = None
+        if out is None:                    # an empty source
+            out = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return out.view(src.dtype).reshape(src.shape)
 
     def to_device(self, src: torch.Tensor) -> torch.Tensor:
         """A copy of the host tensor ``src`` on :attr:`device` (see :meth:`iter_to_device`)."""

@@ -32,6 +32,25 @@ def test_copies_arrive_whole_and_later_copies_do_not_overwrite_them(device):
             assert torch.equal(x.cpu(), s)
 
 
+def test_outputs_the_caller_drops_are_not_kept_alive():
+    """A tensor's chunks are freed as the caller moves on (not held until the last one)."""
+    import gc
+    import weakref
+
+    srcs = [torch.full((30,), i, dtype=torch.uint8) for i in range(4)]
+    srcs.insert(2, torch.empty(0, dtype=torch.float16))
+    with PinnedStager("cpu", buffer_bytes=8, n_buffers=2) as st:
+        it = st.iter_to_device(srcs)
+        refs = []
+        for _ in range(3):
+            o = next(it)
+            refs.append(weakref.ref(o))
+            del o
+        gc.collect()
+        assert all(r() is None for r in refs)
+        assert [int(t[0]) for t in it] == [2, 3]
+
+
 def test_a_consumer_that_stops_early_leaves_the_stager_usable():
     srcs = [torch.full((30,), i, dtype=torch.uint8) for i in range(6)]
     st = PinnedStager("cpu", buffer_bytes=8, n_buffers=3)
