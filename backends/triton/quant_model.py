@@ -16,7 +16,7 @@ with
   unrounded logits, as llama.cpp's F32 router weights give).
 
 No float copy of a quantized weight is made on the GPU or the host: blocks go from the
-memory-mapped file through two reused pinned buffers (:class:`~localmoe.io.staging.PinnedStager`)
+memory-mapped file through a few reused pinned buffers (:class:`~localmoe.io.staging.PinnedStager`)
 to the device and are repacked there (:meth:`QuantTensor.from_gguf`); the block scales of all
 tensors are checked for NaN/Inf with one host read at the end.
 """
