@@ -279,7 +279,10 @@ def load_quant_model(model_file, *, device: str | torch.device, dtype: torch.dty
         if off and n.endswith("_norm.weight"):
             t = t + off
         tick(n)
-        return t.to(device=device, dtype=dt)
+        t = t.to(dt)
+        # through the stager too: a copy from pageable memory would drain the stream (and the
+        # quantized tensors' pipeline) at each of the ~5 norms and router rows per layer
+        return stager.to_device(t) if stager is not None else t.to(device)
 
     try:
         model = _build(model_file, spec, names, device, dtype, load_q, load_f)
