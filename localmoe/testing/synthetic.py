@@ -468,11 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-max-tensors", type=int, default=0, help="write llama.cpp split shards")
     ap.add_argument("--hf", action="store_true", help="write an HF safetensors checkpoint directory")
     a = ap.parse_args(argv)
+    out = Path(a.out)
+    if not a.hf and out.is_dir():
+        ap.exit(1, f"error: --out {a.out} is a directory; give a file path such as {out / 'model.gguf'}\n")
     if a.hf:
-        print(write_hf(a.out, a.preset, a.seed))
-    else:
-        print(write_gguf(a.out, a.preset, a.seed, quant=a.quant, n_layers=a.n_layers,
-                         split_max_tensors=a.split_max_tensors))
+        try:
+            import transformers  # noqa: F401  (write_hf builds the model with it)
+        except ImportError:
+            ap.exit(1, "error: --hf needs the transformers package (pip install transformers, "
+                       "or the project's [test] extra)\n")
+    try:
+        if a.hf:
+            print(write_hf(a.out, a.preset, a.seed))
+        else:
+            print(write_gguf(a.out, a.preset, a.seed, quant=a.quant, n_layers=a.n_layers,
+                             split_max_tensors=a.split_max_tensors))
+    except OSError as e:
+        ap.exit(1, f"error: cannot write {a.out}: {e.strerror or e}\n")
     return 0
 
 

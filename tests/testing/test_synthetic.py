@@ -168,6 +168,32 @@ def test_cli(tmp_path, capsys):
         assert m.tensor_info("blk.0.attn_q.weight").qtype == "F16"
 
 
+def test_cli_bad_output_paths_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """--out a directory, an unwritable place, or --hf without transformers: exit 1 with one
+    ``error:`` line, no traceback."""
+    import builtins
+
+    (tmp_path / "afile").write_text("x")
+    cases = [(["--out", str(tmp_path)], "is a directory"),
+             (["--out", str(tmp_path / "afile" / "m.gguf")], "cannot write")]   # under a file
+    for args, why in cases:
+        with pytest.raises(SystemExit) as e:
+            syn.main(["--preset", "tiny-llama", *args])
+        assert e.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and why in err and "Traceback" not in err
+    real_import = builtins.__import__
+
+    def no_transformers(name, *a, **k):
+        if name == "transformers":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(SystemExit) as e:
+        syn.main(["--preset", "tiny-llama", "--hf", "--out", str(tmp_path / "hf")])
+    assert e.value.code == 1 and "needs the transformers package" in capsys.readouterr().err
+
+
 # --- llama.cpp accepts every file ----------------------------------------------------------
 
 @pytest.mark.llamacpp
