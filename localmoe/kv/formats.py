@@ -96,10 +96,11 @@ class KVFormat:
         seen_group = False
         for opt in (o for o in opts.split(":") if o) if opts else ():
             if opt in GROUPING_ALIASES and name not in FLOAT_FORMATS and name != "fp4":
-                if grouping and grouping != GROUPING_ALIASES[opt]:
+                if grouping:
+                    what = "contradictory" if grouping != GROUPING_ALIASES[opt] else "repeated"
                     raise KVCacheFormatError(
-                        f"contradictory key groupings in {text!r}; use one of ':c' (per "
-                        "channel) or ':t' (per token)")
+                        f"{what} key groupings in {text!r}; give one of ':c' (per channel) or "
+                        "':t' (per token)")
                 grouping = GROUPING_ALIASES[opt]
                 continue
             if name == "fp4" and opt == f"g{group}" and not seen_group:

@@ -85,6 +85,7 @@ def test_unnamed_side_still_defaults_to_f16():
     ("int4,sinks=100000000", "sinks= must be between 0 and"),
     ("int4,window=-1", "window= must be between 0 and"),
     ("int4:c:t", "contradictory key groupings"),
+    ("int4:c:channel", "repeated key groupings"),
     ("int4:g32:g64", "two group sizes"),
     ("fp4:g64", "fp4 has a fixed group of 16"),
     ("fp4:g16:g16", "fp4 has a fixed group of 16"),
