@@ -1,8 +1,8 @@
 """Where the triton backend's weight load spends its time, phase by phase.
 
 ``load_quant_model`` copies each GGUF tensor's block bytes from the memory-mapped file to the
-device in chunks (``QuantTensor.from_gguf``: a host copy into one of two reused pinned buffers
-and an asynchronous copy from there, then the repack into planes on the device; the NaN/Inf
+device in chunks (``QuantTensor.from_gguf``: a host copy into one of a few reused pinned
+buffers and an asynchronous copy from there, then the repack into planes on the device; the NaN/Inf
 check of the block scales once for all tensors at the end), and joins each layer's gate and up
 experts (``QuantTensor.interleave_rows``). This times those phases one at a time, each
 followed by a device synchronization, over the tensors selected (default: the first two

@@ -351,10 +351,14 @@ def load_table(key: str) -> LaunchTable:
         LocalMoEError: the file is unreadable or malformed, or a knob has no rules.
     """
     name = key if (CONFIG_DIR / f"{key}.json").is_file() else "default"
-    knobs = _read(name)
+    return _complete_table(name, _read(name))
+
+
+def _complete_table(name: str, knobs: dict[str, list[dict]]) -> LaunchTable:
     missing = set(KNOBS) - set(knobs)
     if missing:
-        raise LocalMoEError(f"launch config {name}: no rules for {', '.join(sorted(missing))}")
+        raise LocalMoEError(f"launch config {name}: no rules for {', '.join(sorted(missing))} "
+                            "(add them, or 'extends' a file that has them)")
     return LaunchTable(name, knobs)
 
 
@@ -394,12 +398,7 @@ def load_file(path: str | Path) -> LaunchTable:
         LocalMoEError: the file is unreadable or malformed, or a knob has no rules.
     """
     path = Path(path)
-    knobs = _read(str(path), path=path)
-    missing = set(KNOBS) - set(knobs)
-    if missing:
-        raise LocalMoEError(f"launch config {path}: no rules for {', '.join(sorted(missing))} "
-                            "(add them, or 'extends' a file that has them)")
-    return LaunchTable(str(path), knobs)
+    return _complete_table(str(path), _read(str(path), path=path))
 
 
 def device_table(device: Any = None) -> LaunchTable:

@@ -475,7 +475,7 @@ class QuantTensor:
             return (t.to(dev) for t in parts)
 
         if qt in FLOAT_QTYPES:
-            w = next(iter(uploads([src]))).view(_FLOAT_DTYPES[qt]).reshape(r, k)
+            w = next(uploads([src])).view(_FLOAT_DTYPES[qt]).reshape(r, k)
             qtensor = cls(qt, shape, {"w": w}, name)
         else:
             nb = k // bs
