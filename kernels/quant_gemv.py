@@ -325,7 +325,11 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
 
     Every operand is loaded as a 4-D tile [TP|1, BN, CH, 4|1] (x broadcast over rows by a
     zero-stride pointer), so all of them get the same register layout and nothing moves
-    between threads inside the loop."""
+    between threads inside the loop. Every load of a tile (x's, then the weights' codes, high
+    bits and scales) comes before any arithmetic: x's words reach the dots through shared
+    memory, and a load written after that exchange is issued only once x has arrived, one
+    more round trip per tile (seen in the sm_90 SASS of the fused MoE and the Q6_K head:
+    ``benchmarks/sass_stats.py --kernel``)."""
     cc = c0 + tl.arange(0, CH)
     c4 = cc[None, None, :, None]
     cm4 = (cc < c_end)[None, None, :, None]
@@ -338,84 +342,93 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
     if CV == 64:
         x2, x3, x2r, x3r, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN,
                                                  WIDE)
-    # ---- weights ------------------------------------------------------------------------------
+    # ---- weight loads -------------------------------------------------------------------------
     if QTYPE == _Q8_0:
         wp = q_ptr + rows4 * q_rs + c4 * 8 + i4
         wlo = _ld(wp, mw, 0, EVEN)
         whi = _ld(wp + 4, mw, 0, EVEN)
         d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
-        idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
-        acc += dx0 * (d * idot.to(tl.float32))
     elif CV == 32:
         wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
-        lo = wv & 0x0F0F0F0F
-        hi = (wv >> 4) & 0x0F0F0F0F
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
             h = _ld(qh_ptr + rows4 * qh_rs + c4, mw, 0, EVEN)
-            lo = lo | (((h >> i4) & 0x01010101) << 4)
-            hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
         if QTYPE == _Q6_K:
             hp = qh_ptr + rows4 * qh_rs + c4 * 2
             h0 = _ld(hp, mw, 0, EVEN)
             h1 = _ld(hp + 1, mw, 0, EVEN)
-            lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
-            hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
-        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE)
-        i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE)
-        if QTYPE == _Q6_K:
             d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
             sp = sc_ptr + rows4 * sc_rs + c4 * 2
             sc0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
             sc1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
-            it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
-            acc += dx0 * (d * it.to(tl.float32))
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            d, dm = k_super_scales(_ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN))
-            sc, mn = k_chunk_scales(_ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN))
-            i_d = (sc * (i_lo + i_hi)).to(tl.float32)
-            i_m = (mn * (s0 + s1)).to(tl.float32)
-            acc += dx0 * (d * i_d - dm * i_m)
+            dw = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN)
+            scw = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN)
         else:
             d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
-            idot = i_lo + i_hi
-            if QTYPE == _Q4_0:
-                acc += dx0 * (d * (idot - 8 * (s0 + s1)).to(tl.float32))
-            elif QTYPE == _Q5_0:
-                acc += dx0 * (d * (idot - 16 * (s0 + s1)).to(tl.float32))
-            else:  # Q4_1, Q5_1: w = d*q + m
+            if QTYPE == _Q4_1 or QTYPE == _Q5_1:
                 m = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN).to(tl.float32)
-                acc += dx0 * (d * idot.to(tl.float32) + m * (s0 + s1).to(tl.float32))
     else:  # CV == 64: Q2_K, Q3_K (2-bit low codes, 4 slices per chunk)
         wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
-        c0w = wv & 0x03030303
-        c1w = (wv >> 2) & 0x03030303
-        c2w = (wv >> 4) & 0x03030303
-        c3w = (wv >> 6) & 0x03030303
         sp = sc_ptr + rows4 * sc_rs + c4 * 4
         d = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
         if QTYPE == _Q3_K:
             hp = qh_ptr + rows4 * qh_rs + c4 * 2
             h0 = _ld(hp, mw, 0, EVEN)
             h1 = _ld(hp + 1, mw, 0, EVEN)
+        else:
+            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
+        b0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
+        b1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
+        b2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
+        b3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
+    # ---- dots -----------------------------------------------------------------------------------
+    if QTYPE == _Q8_0:
+        idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
+        acc += dx0 * (d * idot.to(tl.float32))
+    elif CV == 32:
+        lo = wv & 0x0F0F0F0F
+        hi = (wv >> 4) & 0x0F0F0F0F
+        if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
+            lo = lo | (((h >> i4) & 0x01010101) << 4)
+            hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
+        if QTYPE == _Q6_K:
+            lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
+            hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
+        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE)
+        i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE)
+        if QTYPE == _Q6_K:
+            it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
+            acc += dx0 * (d * it.to(tl.float32))
+        elif QTYPE == _Q4_K or QTYPE == _Q5_K:
+            d, dm = k_super_scales(dw)
+            sc, mn = k_chunk_scales(scw)
+            i_d = (sc * (i_lo + i_hi)).to(tl.float32)
+            i_m = (mn * (s0 + s1)).to(tl.float32)
+            acc += dx0 * (d * i_d - dm * i_m)
+        else:
+            idot = i_lo + i_hi
+            if QTYPE == _Q4_0:
+                acc += dx0 * (d * (idot - 8 * (s0 + s1)).to(tl.float32))
+            elif QTYPE == _Q5_0:
+                acc += dx0 * (d * (idot - 16 * (s0 + s1)).to(tl.float32))
+            else:  # Q4_1, Q5_1: w = d*q + m
+                acc += dx0 * (d * idot.to(tl.float32) + m * (s0 + s1).to(tl.float32))
+    else:
+        c0w = wv & 0x03030303
+        c1w = (wv >> 2) & 0x03030303
+        c2w = (wv >> 4) & 0x03030303
+        c3w = (wv >> 6) & 0x03030303
+        if QTYPE == _Q3_K:
             c0w = c0w | (((h0 >> i4) & 0x01010101) << 2)
             c1w = c1w | (((h0 >> (i4 + 4)) & 0x01010101) << 2)
             c2w = c2w | (((h1 >> i4) & 0x01010101) << 2)
             c3w = c3w | (((h1 >> (i4 + 4)) & 0x01010101) << 2)
-            a0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
-            a1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
-            a2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
-            a3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
-            ia = (a0 * (_idot_x(c0w, x0, x0r, USE_ASM, WIDE) - 4 * s0)
-                  + a1 * (_idot_x(c1w, x1, x1r, USE_ASM, WIDE) - 4 * s1))
-            ib = (a2 * (_idot_x(c2w, x2, x2r, USE_ASM, WIDE) - 4 * s2)
-                  + a3 * (_idot_x(c3w, x3, x3r, USE_ASM, WIDE) - 4 * s3))
+            ia = (b0 * (_idot_x(c0w, x0, x0r, USE_ASM, WIDE) - 4 * s0)
+                  + b1 * (_idot_x(c1w, x1, x1r, USE_ASM, WIDE) - 4 * s1))
+            ib = (b2 * (_idot_x(c2w, x2, x2r, USE_ASM, WIDE) - 4 * s2)
+                  + b3 * (_idot_x(c3w, x3, x3r, USE_ASM, WIDE) - 4 * s3))
             acc += d * (dx0 * ia.to(tl.float32) + dx1 * ib.to(tl.float32))
         else:  # Q2_K: byte = scale | min << 4
-            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
-            b0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
-            b1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
-            b2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
-            b3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
             ia = ((b0 & 15) * _idot_x(c0w, x0, x0r, USE_ASM, WIDE)
                   + (b1 & 15) * _idot_x(c1w, x1, x1r, USE_ASM, WIDE))
             ib = ((b2 & 15) * _idot_x(c2w, x2, x2r, USE_ASM, WIDE)
