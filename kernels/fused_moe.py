@@ -28,6 +28,14 @@ For every token ``t`` and each of its ``top_k`` routed experts ``e = topk_ids[t,
   token on the H200 8.38 against 9.49 us for Qwen3-30B-A3B (the H200 table's rule for
   ``d_ff <= 1024``; more tokens keep the loop, 36.75 against 43.30 us at 8).
 
+With ``route`` (a :class:`localmoe.kernels.router.Routing`: the router logits from
+:func:`localmoe.kernels.router.norm_router_logits`) launch 1 also routes: every program
+computes its token's top-k from the logits (:func:`localmoe.kernels.router.route_pick`, the
+router's own code) and the token's first program writes the ids and weights launch 2 reads.
+The router kernel then ends with its logits; its counter and the last program's read-back of
+the logits (two round trips to L2) leave the decode step's critical path, for ~0.3 us of
+reductions in each program here.
+
 ``x`` comes as a :class:`QuantAct` (from the kernel that produces it, e.g. the router/norm
 kernel of the decode step) or as floats (then :func:`fused_moe` adds one ``quantize_act``
 launch). Expert ids are read on the device, through ``slot_of[e]`` (int32 ``[n_experts]``:
@@ -64,6 +72,7 @@ import triton.language as tl
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin
+from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.quant_gemv import (
@@ -93,18 +102,37 @@ def moe_config(stage: str, tokens: int, top_k: int, n_experts: int, d_model: int
 @triton.jit
 def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, p_ptr, cnt_ptr,
+                        lg_ptr, rb_ptr, rw_ptr,
                         F, n_chunks, split_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
-                        q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs,
+                        q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs, E, lg_rs, rscale,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                         BN: tl.constexpr, CH: tl.constexpr, ACT: tl.constexpr,
                         EVEN: tl.constexpr, XB: tl.constexpr, USE_ASM: tl.constexpr,
                         SPLIT: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False,
-                        STAGES: tl.constexpr = 1):
+                        STAGES: tl.constexpr = 1, ROUTE: tl.constexpr = False,
+                        EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
+                        HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
+                        PACKED: tl.constexpr = True):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
     t = pid // TOP_K
-    e = tl.load(ids_ptr + pid)
+    if ROUTE:
+        # the token's routing from its logits (router.route_pick), in every program; the
+        # first program of the token writes the ids and weights for launch 2
+        ee = tl.arange(0, EP)
+        em = ee < E
+        lg = tl.load(lg_ptr + t.to(tl.int64) * lg_rs + ee, mask=em, other=float("-inf"))
+        r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE, HAS_BIAS,
+                                  NORM, PACKED)
+        kk = tl.arange(0, KP)
+        e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
+        lead = pid_n + tl.program_id(2) + (pid - t * TOP_K)     # 0: the token's first program
+        wm = (kk < TOP_K) & (kk * 0 + lead == 0)
+        tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
+        tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
+    else:
+        e = tl.load(ids_ptr + pid)
     slot = tl.load(slot_ptr + e).to(tl.int64)
     loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
     rmask4 = (loc < 2 * F)[None, :, None, None]
@@ -267,9 +295,10 @@ def _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of):
 
 
 def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantTensor,
-              topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor | None, topk_weights: torch.Tensor | None,
               slot_of: torch.Tensor | None = None, activation: str = "silu",
-              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, config: dict | None = None,
+              route: Routing | None = None) -> torch.Tensor:
     """Routed-expert MLP for decode, in two launches, with no host sync.
 
     Args:
@@ -283,11 +312,21 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh approximation).
         out: optional ``[T, D]`` output.
         config: overrides of :func:`moe_config` (``{"gate_up": {...}, "down": {...}}``).
+        route: instead of ``topk_ids``/``topk_weights`` (pass None for both): the router
+            logits (:class:`localmoe.kernels.router.Routing`, from
+            :func:`localmoe.kernels.router.norm_router_logits`); launch 1 routes every token
+            itself and fills ``route.ids`` / ``route.weights`` (the same ids and weights as
+            :func:`localmoe.kernels.router.router`).
     Returns:
         ``[T, D]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
         ValueError: shapes, types or devices that do not fit; unknown activation.
     """
+    if route is not None:
+        topk_ids, topk_weights = route.ids, route.weights
+        if route.logits.shape != (x.shape[0], w_gate_up.shape[0]):
+            raise ValueError(f"fused_moe: router logits {tuple(route.logits.shape)} must be "
+                             f"[{x.shape[0]}, {w_gate_up.shape[0]}]")
     _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of)
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
@@ -298,17 +337,19 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         slot_of = torch.arange(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
-    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"])
+    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
                     config=cfg["down"])
 
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
-                slot_of: torch.Tensor, activation: str = "silu", config: dict | None = None) -> QuantAct:
+                slot_of: torch.Tensor, activation: str = "silu", config: dict | None = None,
+                route: Routing | None = None) -> QuantAct:
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
-    (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them)."""
+    (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them).
+    ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``."""
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
@@ -329,16 +370,26 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         p, cnt = _split_scratch(split, t * top_k, 2 * f, blocks, topk_ids.device)
     else:
         p = cnt = h.d
+    if route is not None:
+        lg, wts = route.logits, route.weights
+        rb = route.selection_bias if route.selection_bias is not None else lg
+        rargs = dict(ROUTE=True, EP=next_pow2(e), KP=next_pow2(top_k), GATE=GATING[route.gating],
+                     HAS_BIAS=route.selection_bias is not None, NORM=route.norm_topk_prob)
+        rscale, lg_rs = route.expert_weights_scale, lg.stride(0)
+    else:
+        lg = rb = wts = h.d
+        rargs, rscale, lg_rs = {}, 1.0, 0
     _moe_gate_up_kernel[(blocks, t * top_k, split)](
-        x.q, x.s, h.q, h.s, topk_ids, slot_of, *ptrs, p, cnt, f, n_chunks, split_chunks,
-        x.q.stride(0), x.s.stride(0), h.q.stride(0), h.s.stride(0),
+        x.q, x.s, h.q, h.s, topk_ids, slot_of, *ptrs, p, cnt, lg, rb, wts, f, n_chunks,
+        split_chunks, x.q.stride(0), x.s.stride(0), h.q.stride(0), h.s.stride(0),
         *strides, p.stride(0) if split > 1 else 0, p.stride(1) if split > 1 else 0,
+        e, lg_rs, float(rscale),
         TOP_K=top_k, QTYPE=w_gate_up.qtype, CV=cv, BN=c["BN"], CH=ch,
         ACT=ACTIVATIONS[activation],
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        **pdl_args(h.q.device))
+        **rargs, **pdl_args(h.q.device))
     return h
 
 

@@ -17,6 +17,8 @@ The twin is :func:`router_ref` (= ``route``). Warps per program come from the ``
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +30,8 @@ from localmoe.kernels.quant_gemv import pack_store_blocks
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.host import cdiv, next_pow2
 
-__all__ = ["router", "router_fused", "router_ref", "router_config", "norm_router_fused"]
+__all__ = ["router", "router_fused", "router_ref", "router_config", "norm_router_fused",
+           "norm_router_logits", "Routing", "route_pick", "GATING"]
 
 GATING = {"softmax": 0, "sigmoid": 1}
 
@@ -100,7 +103,23 @@ def _store_logits_route_last(logit, eb, ebm, t, E, logits_ptr, l_rs, cnt_ptr, bi
 def _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
                EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, GATE: tl.constexpr,
                HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PACKED: tl.constexpr):
-    """Gating, top-k and weights of one token's logits ``x [EP]`` (padding -inf).
+    """:func:`route_pick` of one token's logits, stored: ids and weights of row ``t``."""
+    ids, wts = route_pick(x, e, em, bias_ptr, scale, EP, TOP_K, KP, GATE, HAS_BIAS, NORM,
+                          PACKED)
+    kk = tl.arange(0, KP)
+    km = kk < TOP_K
+    tl.store(ids_ptr + t * ids_rs + kk, ids, mask=km)
+    tl.store(w_ptr + t * w_rs + kk, wts, mask=km)
+
+
+@triton.jit
+def route_pick(x, e, em, bias_ptr, scale, EP: tl.constexpr, TOP_K: tl.constexpr,
+               KP: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+               NORM: tl.constexpr, PACKED: tl.constexpr):
+    """Gating, top-k and weights of one token's logits ``x [EP]`` (padding -inf; ``e`` the
+    expert indices, ``em`` the real ones): ``(ids [KP] int32, weights [KP] float32)``, entries
+    past ``TOP_K`` 0. Also called by the fused MoE's first launch
+    (:func:`localmoe.kernels.fused_moe.moe_gate_up` with a :class:`Routing`).
 
     ``PACKED``: each pick is one int64 max over keys ``(order-preserving int32 of the score)
     << 32 | (EP - 1 - expert)`` (the highest score, ties to the lower expert), the weights one
@@ -140,10 +159,7 @@ def _route_row(x, e, em, t, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs, scale,
             sel = tl.where(e == idx, float("-inf"), sel)
     if NORM:
         wts = wts / tl.maximum(tl.sum(wts, axis=0), 1.1754943508222875e-38)
-    wts = wts * scale
-    km = kk < TOP_K
-    tl.store(ids_ptr + t * ids_rs + kk, ids, mask=km)
-    tl.store(w_ptr + t * w_rs + kk, wts, mask=km)
+    return ids, wts * scale
 
 
 def router_config(tokens: int, n_experts: int, top_k: int, device=None) -> dict:
@@ -315,7 +331,8 @@ def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr,
                         EP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                         GATE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                         HAS_DELTA: tl.constexpr, HAS_W: tl.constexpr, STORE_H: tl.constexpr,
-                        PACKED: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
+                        PACKED: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False,
+                        ROUTE: tl.constexpr = True):
     # program (t, j): the whole row of token t is summed and normalized by every program (its
     # expert block's logits need all of h); program j == 0 also stores the residual, the
     # int8 blocks of h and the optional float h. The router weights are constant: their loads
@@ -351,9 +368,13 @@ def _norm_router_kernel(x_ptr, dl_ptr, nw_ptr, r_ptr, hf_ptr, q_ptr, s_ptr,
         pack_store_blocks(tl.reshape(h, (NB, 2, 4, 4)), blk[:, None, None, None],
                           (blk < D // 32)[:, None, None, None], q_ptr + t * q_rs,
                           s_ptr + t * s_rs, WIDE)
-    _store_logits_route_last(tl.sum(wr.to(tl.float32) * h[None, :], axis=1), eb, ebm, t, E,
-                             logits_ptr, l_rs, cnt_ptr, bias_ptr, ids_ptr, w_ptr, ids_rs, w_rs,
-                             scale, EP, TOP_K, KP, GATE, HAS_BIAS, NORM, PACKED)
+    logit = tl.sum(wr.to(tl.float32) * h[None, :], axis=1)
+    if ROUTE:
+        _store_logits_route_last(logit, eb, ebm, t, E, logits_ptr, l_rs, cnt_ptr, bias_ptr,
+                                 ids_ptr, w_ptr, ids_rs, w_rs, scale, EP, TOP_K, KP, GATE,
+                                 HAS_BIAS, NORM, PACKED)
+    else:   # the logits only: the fused MoE's first launch routes (fused_moe.Routing)
+        tl.store(logits_ptr + t * l_rs + eb, logit, mask=ebm)
 
 
 def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch.Tensor | None,
@@ -393,6 +414,57 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
         UnsupportedModelError: unknown gating. ValueError: shapes, strides or devices that do
         not fit, ``residual_out`` sharing ``x``'s memory. TypeError: dtypes that do not fit.
     """
+    r, hq, hf, logits, w, ids = _norm_router(
+        x, delta, norm_w, eps, w_router, top_k, residual_out, want_float, gating,
+        norm_topk_prob, expert_weights_scale, selection_bias, config, route=True)
+    return r, hq, hf, w, ids
+
+
+class Routing(NamedTuple):
+    """Router logits whose routing is left to the fused MoE's first launch
+    (:func:`localmoe.kernels.fused_moe.fused_moe` with ``route=``): every program of that
+    launch computes its token's top-k from them (:func:`route_pick`), and one per token
+    writes ``ids`` and ``weights`` for the second launch. Saves the router kernel's last
+    step (an acq_rel counter, then the logits read back by the last program: two round
+    trips to L2) on the decode step's critical path.
+
+    Attributes:
+        logits: float32 ``[T, E]``.
+        top_k, gating, norm_topk_prob, expert_weights_scale, selection_bias: as :func:`router`.
+        ids, weights: int32 / float32 ``[T, top_k]`` buffers the MoE launch fills.
+    """
+
+    logits: torch.Tensor
+    top_k: int
+    gating: str
+    norm_topk_prob: bool
+    expert_weights_scale: float
+    selection_bias: torch.Tensor | None
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
+def norm_router_logits(x: torch.Tensor, delta: torch.Tensor | None,
+                       norm_w: torch.Tensor | None, eps: float, w_router: torch.Tensor,
+                       top_k: int, *, residual_out: torch.Tensor,
+                       want_float: torch.dtype | None = None, gating: str = "softmax",
+                       norm_topk_prob: bool = False, expert_weights_scale: float = 1.0,
+                       selection_bias: torch.Tensor | None = None, config: dict | None = None):
+    """:func:`norm_router_fused` without the routing: the residual add, norm, quantization
+    and router logits in one launch, returning ``(residual_out, hq, hf, routing)`` where
+    ``routing`` is a :class:`Routing` for :func:`localmoe.kernels.fused_moe.fused_moe`
+    (arguments and errors as :func:`norm_router_fused`)."""
+    r, hq, hf, logits, w, ids = _norm_router(
+        x, delta, norm_w, eps, w_router, top_k, residual_out, want_float, gating,
+        norm_topk_prob, expert_weights_scale, selection_bias, config, route=False)
+    return r, hq, hf, Routing(logits, top_k, gating, bool(norm_topk_prob),
+                              float(expert_weights_scale), selection_bias, ids, w)
+
+
+def _norm_router(x, delta, norm_w, eps, w_router, top_k, residual_out, want_float, gating,
+                 norm_topk_prob, expert_weights_scale, selection_bias, config, route: bool):
+    """The launch of :func:`norm_router_fused` (``route``) / :func:`norm_router_logits`:
+    ``(residual_out, hq, hf, logits, weights, ids)``."""
     from localmoe.kernels.fused_norm import MAX_D, _delta_args
     from localmoe.kernels.quant_gemv import QuantAct, wide_default
 
@@ -420,7 +492,7 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
     if t == 0:
-        return residual_out, hq, hf, w, ids
+        return residual_out, hq, hf, logits, w, ids
     cfg = dict(device_table(dev).lookup("router_fused", tokens=t, n_experts=e, top_k=top_k),
                **(config or {}))
     eb = min(int(cfg["experts_per_program"]), next_pow2(e))
@@ -437,5 +509,5 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
         GATE=GATING[gating], HAS_BIAS=selection_bias is not None, NORM=bool(norm_topk_prob),
         HAS_DELTA=delta is not None, HAS_W=norm_w is not None, STORE_H=hf is not None,
         PACKED=bool(cfg["packed_topk"]), WIDE=hq.wide, num_warps=int(cfg["num_warps"]),
-        **pdl_args(dev))
-    return residual_out, hq, hf, w, ids
+        ROUTE=route, **pdl_args(dev))
+    return residual_out, hq, hf, logits, w, ids

@@ -89,6 +89,9 @@ class FusedDecode:
         # (LOCALMOE_NORM_ROUTER=0: two launches, for comparisons)
         self.norm_router = (os.environ.get("LOCALMOE_NORM_ROUTER", "1") != "0"
                             and runner.model.spec.d_model <= MAX_D)
+        # ... and the routing (top-k of the logits) done by the experts' first launch, not by
+        # the router's last program (LOCALMOE_ROUTE_IN_MOE=0: the router routes)
+        self.route_in_moe = os.environ.get("LOCALMOE_ROUTE_IN_MOE", "1") != "0"
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -160,7 +163,7 @@ class FusedDecode:
             if moe and self.norm_router:
                 # norm + router logits + routing in one launch; every program of a token reads
                 # the old residual, so the new one goes to another buffer
-                x, hq, hf, *routed = self._norm_route(i, L, x, op)
+                x, hq, hf, routed = self._norm_route(i, L, x, op)
             else:
                 x, hq, hf = self._norm_quant(
                     x, [op], L["ffn_norm"], eps, x,
@@ -235,36 +238,47 @@ class FusedDecode:
         return m.logits(h.index_select(0, last)), pending
 
     def _norm_route(self, i: int, L: dict, x, op):
-        """``(r, hq, hf, weights, ids)`` of MoE layer ``i``'s input in one launch
-        (:func:`localmoe.kernels.router.norm_router_fused`): the residual ``x + op`` in a new
-        buffer, its normed rows as a QuantAct (and floats in the model's dtype when a shared
-        expert needs them), the routing."""
-        from localmoe.kernels.router import norm_router_fused
+        """``(r, hq, hf, routing)`` of MoE layer ``i``'s input in one launch
+        (:func:`localmoe.kernels.router.norm_router_logits`, or ``norm_router_fused``
+        without ``route_in_moe``): the residual ``x + op`` in a new buffer, its normed rows as
+        a QuantAct (and floats in the model's dtype when a shared expert needs them), and the
+        router's :class:`~localmoe.kernels.router.Routing` (logits the experts' first launch
+        routes) or ``(weights, ids)``."""
+        from localmoe.kernels.router import norm_router_fused, norm_router_logits
 
         m = self.runner.model
-        return norm_router_fused(
-            x, op, L["ffn_norm"], m.spec.norm_eps, L["router"], m.spec.top_k,
-            residual_out=torch.empty_like(x),
-            want_float=m.dtype if "sh_gate_up" in L else None, **m.moe.route_kwargs(i))
+        args = (x, op, L["ffn_norm"], m.spec.norm_eps, L["router"], m.spec.top_k)
+        kw = dict(residual_out=torch.empty_like(x),
+                  want_float=m.dtype if "sh_gate_up" in L else None, **m.moe.route_kwargs(i))
+        if self.route_in_moe:
+            return norm_router_logits(*args, **kw)
+        r, hq, hf, w, ids = norm_router_fused(*args, **kw)
+        return r, hq, hf, (w, ids)
 
     def _ffn(self, i: int, L: dict, hq, hf, routed=None) -> list:
         """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed
         input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its QuantAct: the fused
         decode MoE); ``hq`` None: many tokens (the grouped prefill MoE). ``routed``: the
-        routing ``(weights, ids)`` when it was computed with the norm."""
+        routing ``(weights, ids)`` when it was computed with the norm, or its
+        :class:`~localmoe.kernels.router.Routing` (the experts' first launch routes)."""
         from localmoe.kernels.fused_moe import fused_moe
         from localmoe.kernels.quant_gemm import moe_prefill
+        from localmoe.kernels.router import Routing
         from localmoe.model.routing import shared_expert_gate
 
         m = self.runner.model
         if "router" not in L:
             return [m._glu(i, hf, "gate_up", "down")]
         moe = m.moe
-        w, ids = routed if routed is not None else moe.route(i, hf)
         ex = m.experts
-        run = fused_moe if hq is not None else moe_prefill
-        out = [run(hq if hq is not None else hf, ex.gate_up[i], ex.down[i], ids, w,
-                   slot_of=ex.slot_of[i], activation=moe.activation)]
+        if isinstance(routed, Routing):
+            out = [fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slot_of[i],
+                             activation=moe.activation, route=routed)]
+        else:
+            w, ids = routed if routed is not None else moe.route(i, hf)
+            run = fused_moe if hq is not None else moe_prefill
+            out = [run(hq if hq is not None else hf, ex.gate_up[i], ex.down[i], ids, w,
+                       slot_of=ex.slot_of[i], activation=moe.activation)]
         if "sh_gate_up" in L:
             h = hf.to(m.dtype)
             sh = m._glu(i, h, "sh_gate_up", "sh_down")

@@ -190,5 +190,18 @@ def test_norm_router_matches_norm_then_route(family, t, d, e, k, eb, nw, pk, del
         assert torch.equal(ids.cpu(), ids0.cpu())
         assert torch.allclose(w, w0, rtol=1e-5, atol=1e-6)
         assert int(_counters(t, x.device)[:t].abs().sum()) == 0
+    # without the routing (left to the fused MoE's first launch): the same residual and
+    # blocks, and logits that the router twin routes to the same ids
+    from localmoe.kernels.router import norm_router_logits, router_ref
+
+    with prec():
+        r2, hq2, hf2, rt = norm_router_logits(x, dl, nw_, 1e-6, wr, k, config=cfg,
+                                              residual_out=torch.empty_like(x),
+                                              want_float=torch.float32, **kw)
+    assert torch.equal(r2, r) and torch.equal(hq2.q, hq.q) and torch.equal(hf2, hf)
+    assert rt.logits.shape == (t, e) and rt.ids.shape == rt.weights.shape == (t, k)
+    w2, ids2 = router_ref(rt.logits, k, **kw)
+    assert torch.equal(ids2.cpu(), ids0.cpu())
+    assert torch.allclose(w2, w0, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="must not be x"):
         norm_router_fused(x, dl, nw_, 1e-6, wr, k, residual_out=x, **kw)
