@@ -6,7 +6,10 @@ one launch choice (the fields of the ``moe_gate_up`` / ``moe_down`` / ``gemv`` k
 stack, shared memory, and the memory instructions of the K loop (the largest backward-branch
 body, :func:`sass_stats.loop_stats`): global loads (``LDG``), asynchronous copies
 (``LDGSTS``, a pipelined loop), shared-memory traffic and barriers (``BAR``: layout
-conversions through shared memory). A screen before device time, not a timing: session 19
+conversions through shared memory), and the loop's global loads issued after its first
+barrier (``late_loads``: each waits for the data exchanged there, one more round trip per
+tile; session 21 moved every load of a tile ahead of the arithmetic to make it 0). A screen
+before device time, not a timing: session 19
 found neither fewer barriers nor fewer loads per byte faster at one token
 (``benchmarks/results/quant_layout_trial_h200-2026-12-04-s19.json``,
 ``gate_up_candidates_h200-2026-12-04-s19.json``). Use the GPU machine's Triton version (its
@@ -75,6 +78,9 @@ def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8):
         const = dict(common, TP=1, ATOMIC=False, PREFETCH=False, LINE=32)
     else:
         raise ValueError(f"kind must be gate_up, down or gemv, not {kind!r}")
+    for prm in fn.params:   # constexprs left at their defaults (e.g. gate/up's routing: off)
+        if prm.is_constexpr and prm.name not in const and prm.has_default:
+            const[prm.name] = prm.default
     sig = _signature(fn, const, qtype)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n] != "constexpr" and n not in ("F", "D", "N", "T")}
@@ -89,6 +95,29 @@ def memory_ops(sass: str) -> collections.Counter:
     n, hist, _ = ss.loop_stats(sass)
     keep = ("LDG", "LDGSTS", "LDS", "STS", "LDSM", "STSM", "BAR", "LDGDEPBAR")
     return collections.Counter({k: v for k, v in hist.items() if k in keep})
+
+
+def late_loads(sass: str) -> int:
+    """Global loads of the K loop of ``sass`` that come after the loop's first barrier."""
+    ops = []
+    labels = {}
+    for line in sass.splitlines():
+        lab = re.match(r"^(\.L_\w+):", line.strip())
+        if lab:
+            labels[lab.group(1)] = len(ops)
+            continue
+        mo = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", line)
+        if mo:
+            ops.append((mo.group(2), mo.group(3)))
+    n, _, _ = ss.loop_stats(sass)
+    # the loop body is the last ``n`` ops ending at its backward branch: find that branch
+    for i, (op, args) in enumerate(ops):
+        t = re.search(r"\.L_\w+", args)
+        if op.startswith("BRA") and t and t.group(0) in labels and i - labels[t.group(0)] + 1 == n:
+            body = [o.split(".")[0] for o, _ in ops[labels[t.group(0)]:i + 1]]
+            first_bar = next((k for k, o in enumerate(body) if o == "BAR"), len(body))
+            return sum(1 for o in body[first_bar:] if o == "LDG")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -109,11 +138,13 @@ def main(argv=None) -> int:
         mem = memory_ops(sass)
         if a.json:
             print(json.dumps({"config": cfg, "regs": int(m.group(1)), "stack": int(m.group(2)),
-                              "smem": c.metadata.shared, "loop": n, "ops": dict(mem)}))
+                              "smem": c.metadata.shared, "loop": n, "ops": dict(mem),
+                              "late_loads": late_loads(sass)}))
             continue
         ops = " ".join(f"{k}:{v}" for k, v in sorted(mem.items()))
         print(f"{a.kind} {a.qtype} {json.dumps(cfg)}: regs={m.group(1)} stack={m.group(2)} "
-              f"smem={c.metadata.shared} loop={n} instr (total {total}) {ops}")
+              f"smem={c.metadata.shared} loop={n} instr (total {total}) {ops} "
+              f"late_loads={late_loads(sass)}")
     return 0
 
 

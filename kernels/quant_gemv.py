@@ -329,7 +329,7 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
     bits and scales) comes before any arithmetic: x's words reach the dots through shared
     memory, and a load written after that exchange is issued only once x has arrived, one
     more round trip per tile (seen in the sm_90 SASS of the fused MoE and the Q6_K head:
-    ``benchmarks/sass_stats.py --kernel``)."""
+    ``benchmarks/sass_quant.py``, ``late_loads``)."""
     cc = c0 + tl.arange(0, CH)
     c4 = cc[None, None, :, None]
     cm4 = (cc < c_end)[None, None, :, None]

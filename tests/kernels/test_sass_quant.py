@@ -38,3 +38,27 @@ def test_stages_pipeline_the_k_loop(kind, qtype, cfg):
     assert plain["ops"].get("LDG", 0) > 0 and "LDGSTS" not in plain["ops"], plain
     assert piped["ops"].get("LDGSTS", 0) > 0, piped
     assert piped["smem"] > plain["smem"]          # the stages' buffers
+
+
+@pytest.mark.parametrize("kind,qtype,cfg", [
+    ("gate_up", "Q4_K", {"BN": 32, "CH": 16, "num_warps": 4, "split": 2}),
+    ("down", "Q4_K", {"BN": 4, "CH": 8, "num_warps": 4, "experts_tile": True}),
+    ("gemv", "Q6_K", {"BN": 4, "CH": 64, "num_warps": 4}),
+], ids=["gate_up-Q4_K", "down-Q4_K", "head-Q6_K"])
+def test_no_weight_load_waits_for_the_x_exchange(kind, qtype, cfg):
+    """Every global load of a K-loop tile is issued before the loop's first barrier (x's
+    words reach the dots through shared memory; a load after that exchange waits one more
+    round trip). The tile before session 21 had 1 / 3 / 6 such loads in these three launches
+    (the H200 table's one-token choices); the MoE down launch was 6% faster without them."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "nvdisasm").exists():
+        pytest.skip("this Triton has no NVIDIA toolchain (ptxas, nvdisasm)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, str(TOOL), kind, "--qtype", qtype, "--json",
+                        "--config", json.dumps(dict(cfg, stages=1))],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
+    assert out["ops"].get("LDG", 0) > 0 and out["ops"].get("BAR", 0) > 0, out
+    assert out["late_loads"] == 0, out
