@@ -99,25 +99,9 @@ def memory_ops(sass: str) -> collections.Counter:
 
 def late_loads(sass: str) -> int:
     """Global loads of the K loop of ``sass`` that come after the loop's first barrier."""
-    ops = []
-    labels = {}
-    for line in sass.splitlines():
-        lab = re.match(r"^(\.L_\w+):", line.strip())
-        if lab:
-            labels[lab.group(1)] = len(ops)
-            continue
-        mo = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", line)
-        if mo:
-            ops.append((mo.group(2), mo.group(3)))
-    n, _, _ = ss.loop_stats(sass)
-    # the loop body is the last ``n`` ops ending at its backward branch: find that branch
-    for i, (op, args) in enumerate(ops):
-        t = re.search(r"\.L_\w+", args)
-        if op.startswith("BRA") and t and t.group(0) in labels and i - labels[t.group(0)] + 1 == n:
-            body = [o.split(".")[0] for o, _ in ops[labels[t.group(0)]:i + 1]]
-            first_bar = next((k for k, o in enumerate(body) if o == "BAR"), len(body))
-            return sum(1 for o in body[first_bar:] if o == "LDG")
-    return 0
+    body = [op.split(".")[0] for op, _ in ss.loop_body(sass)[0]]
+    first_bar = body.index("BAR") if "BAR" in body else len(body)
+    return body[first_bar:].count("LDG")
 
 
 def main(argv=None) -> int:

@@ -97,8 +97,9 @@ def sass_of(c):
     return sass, res
 
 
-def loop_stats(sass):
-    """Opcode histogram of the largest loop (label .. backward BRA to it)."""
+def loop_body(sass):
+    """``(op, args)`` of the largest loop of ``sass`` (label .. backward BRA to it; loops
+    with atomics, a split kernel's epilogue, left out), and the kernel's instruction count."""
     lines = [l for l in sass.splitlines()]
     labels, instrs = {}, []
     for l in lines:
@@ -117,9 +118,14 @@ def loop_stats(sass):
             if t in labels and labels[t] < i and i - labels[t] > best[1] - best[0] \
                     and not any(o.startswith("ATOM") or o.startswith("RED") for o, _ in instrs[labels[t]:i]):
                 best = (labels[t], i)
-    body = instrs[best[0]:best[1] + 1]
+    return instrs[best[0]:best[1] + 1], len(instrs)
+
+
+def loop_stats(sass):
+    """Opcode histogram of the largest loop (:func:`loop_body`)."""
+    body, total = loop_body(sass)
     hist = collections.Counter(op.split(".")[0] for op, _ in body)
-    return len(body), hist, len(instrs)
+    return len(body), hist, total
 
 
 def parse_fmt(s):

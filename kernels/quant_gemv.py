@@ -324,8 +324,7 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
     [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4.
 
     Every operand is loaded as a 4-D tile [TP|1, BN, CH, 4|1] (x broadcast over rows by a
-    zero-stride pointer), so all of them get the same register layout and nothing moves
-    between threads inside the loop. Every load of a tile (x's, then the weights' codes, high
+    zero-stride pointer). Every load of a tile (x's, then the weights' codes, high
     bits and scales) comes before any arithmetic: x's words reach the dots through shared
     memory, and a load written after that exchange is issued only once x has arrived, one
     more round trip per tile (seen in the sm_90 SASS of the fused MoE and the Q6_K head:
