@@ -253,13 +253,14 @@ def test_fused_moe_full_size_on_gpu(shape, qts, tokens, variant):
 
 @pytest.mark.parametrize("gating,norm,bias,split,e,top_k", [
     ("softmax", True, False, 1, 8, 2),       # Mixtral-like
-    ("softmax", False, False, 2, 16, 4),     # Qwen2-MoE-like, split K
+    ("softmax", False, False, 2, 12, 4),     # split K, E padded to 16
     ("sigmoid", True, True, 1, 6, 3)],       # DeepSeek-V3-like: selection bias, E not 2**n
     ids=["softmax-norm", "softmax-split", "sigmoid-bias"])
 def test_routing_in_the_gate_up_launch(gating, norm, bias, split, e, top_k):
-    """fused_moe(route=Routing(logits)): launch 1 routes every token itself (router.route_pick)
-    and writes the ids and weights launch 2 reads: the router twin's ids and weights, and the
-    output of fused_moe fed with those ids, bit for bit; ties go to the lower expert."""
+    """fused_moe(route=Routing(logits)): launch 1 routes every token itself (softmax without
+    a selection bias: one bitonic top-k; else router.route_pick) and writes the ids and
+    weights launch 2 reads: the router twin's ids and weights, and the output of fused_moe
+    fed with those ids, bit for bit; ties go to the lower expert."""
     from localmoe.kernels.router import Routing, router_ref
 
     t, f, d = 3, 64, 96
@@ -271,14 +272,14 @@ def test_routing_in_the_gate_up_launch(gating, norm, bias, split, e, top_k):
     sb = (torch.randn(e, generator=g) * 0.1).to(DEV) if bias else None
     kw = dict(gating=gating, norm_topk_prob=norm, expert_weights_scale=1.5, selection_bias=sb)
     w_ref, ids_ref = router_ref(logits.to(DEV), top_k, **kw)
+    slot_of = torch.randperm(e, generator=g).to(torch.int32).to(DEV)
     ids_buf = torch.full((t, top_k), -1, dtype=torch.int32, device=DEV)
     w_buf = torch.full((t, top_k), float("nan"), device=DEV)
     rt = Routing(logits.to(DEV), top_k, gating, norm, 1.5, sb, ids_buf, w_buf)
-    slot_of = torch.randperm(e, generator=g).to(torch.int32).to(DEV)
     cfg = {"gate_up": {"BN": 32, "CH": 2, "split": split}, "down": {"BN": 32, "CH": 2}}
     y = fused_moe(x, gu, wd, None, None, slot_of=slot_of, config=cfg, route=rt)
     assert torch.equal(ids_buf.cpu(), ids_ref.cpu())
-    if not bias:                                 # (a selection bias breaks the tie)
+    if not bias:                             # (a selection bias breaks the tie)
         assert ids_buf[1].tolist() == list(range(top_k))
     assert torch.allclose(w_buf, w_ref, rtol=1e-6, atol=1e-7)
     y2 = fused_moe(x, gu, wd, ids_buf, w_buf, slot_of=slot_of, config=cfg)

@@ -162,6 +162,9 @@ def test_down_takes_the_experts_tile_for_one_token_of_narrow_experts(table):
         return t.lookup("moe_down", tokens=tokens, top_k=8, n_experts=128, d_model=2048,
                         d_ff=f, qtype="Q4_K")
     assert down(1, 768)["experts_tile"] and down(1, 1024)["experts_tile"]
+    # OLMoE's 32 chunks: the whole K in one 8-row tile (session 21); Qwen3's 24 keep 4 x 8
+    assert (down(1, 1024)["BN"], down(1, 1024)["CH"]) == (8, 32)
+    assert (down(1, 768)["BN"], down(1, 768)["CH"]) == (4, 8)
     assert not any(down(n, 768)["experts_tile"] for n in range(2, 9))
     assert not down(1, 14336)["experts_tile"]
 
