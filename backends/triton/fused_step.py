@@ -20,10 +20,11 @@ q/k norm + RoPE + K/V append            :func:`localmoe.kernels.qk_rope_append.q
 attention                               :func:`localmoe.kernels.decode_attention.decode_attention`
 O projection                            GEMV partials (the attention's reduction writes its int8
                                         input blocks)
-add + RMSNorm + quant, router logits,   one launch in MoE layers:
-router                                  :func:`localmoe.kernels.router.norm_router_fused` (dense
+add + RMSNorm + quant, router logits    one launch in MoE layers:
+                                        :func:`localmoe.kernels.router.norm_router_logits` (dense
                                         FFN layers: :func:`add_rms_norm_quant`)
-routed experts                          :func:`localmoe.kernels.fused_moe.fused_moe` (2 launches)
+routing + routed experts                :func:`localmoe.kernels.fused_moe.fused_moe` (2 launches;
+                                        the first routes from the logits)
 ======================================  =========================================================
 
 Dense FFNs and shared experts (Qwen2-MoE) go through the shared model's GLU on the float
