@@ -360,9 +360,15 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
     """
     if route is not None:
         topk_ids, topk_weights = route.ids, route.weights
-        if route.logits.shape != (x.shape[0], w_gate_up.shape[0]):
-            raise ValueError(f"fused_moe: router logits {tuple(route.logits.shape)} must be "
-                             f"[{x.shape[0]}, {w_gate_up.shape[0]}]")
+        lg = route.logits
+        if (lg.shape != (x.shape[0], w_gate_up.shape[0]) or lg.dtype != torch.float32
+                or lg.stride(1) != 1):
+            raise ValueError(f"fused_moe: router logits {tuple(lg.shape)} {lg.dtype} must be "
+                             f"float32 [{x.shape[0]}, {w_gate_up.shape[0]}], rows contiguous")
+        if (topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32
+                or not (topk_ids.is_contiguous() and topk_weights.is_contiguous())):
+            raise ValueError("fused_moe: the routing's ids / weights buffers must be contiguous "
+                             "int32 / float32 (the first launch writes them)")
     _check(x, w_gate_up, w_down, topk_ids, topk_weights, slot_of)
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_moe: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")

@@ -287,3 +287,5 @@ def test_routing_in_the_gate_up_launch(gating, norm, bias, split, e, top_k):
     assert rel(y, fused_moe_ref(x, gu, wd, ids_ref, w_ref, slot_of=slot_of)) < TOL["twin"]
     with pytest.raises(ValueError, match="router logits"):
         fused_moe(x, gu, wd, None, None, route=rt._replace(logits=logits[:, :-1].to(DEV)))
+    with pytest.raises(ValueError, match="ids / weights buffers"):
+        fused_moe(x, gu, wd, None, None, route=rt._replace(ids=ids_buf.long()))
