@@ -387,7 +387,11 @@ def time_prefill(runner, prompt: list[int], reps: int = 3, chunk: int = 4096) ->
 
 
 def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: str,
-                 profile: bool, ttft_prompt: int = 0, eager: bool = True) -> list[dict]:
+                 profile: bool, ttft_prompt: int = 0, eager: bool = True,
+                 decode_first: bool = False) -> list[dict]:
+    """localmoe's rows (one per depth). ``decode_first``: the decode rows are timed before the
+    prefill and TTFT timings instead of after them (session 21: the context-0 graph read ~170
+    us slower here than in a fresh process; this tells whether the prompts before it are why)."""
     import torch
 
     from localmoe.backends.triton.runner import TritonRunner
@@ -410,8 +414,14 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
         runner.forward([(s, prompt[:n_prompt])])
         time_decode(runner, s, 4)
         runner.free_sequence(s)
-        prefill = n_prompt / time_prefill(runner, prompt[:n_prompt])
-        ttft = time_prefill(runner, prompt[:ttft_prompt], reps=2) * 1e3 if ttft_prompt else None
+
+        def prompts():
+            p = n_prompt / time_prefill(runner, prompt[:n_prompt])
+            return p, (time_prefill(runner, prompt[:ttft_prompt], reps=2) * 1e3
+                       if ttft_prompt else None)
+
+        if not decode_first:
+            prefill, ttft = prompts()
         for depth in depths:
             s = runner.new_sequence()
             if depth:
@@ -436,7 +446,7 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
             kpt = prof.get("kernels_per_token")
             row = {"engine": "localmoe", "kv": kv, "ctx": depth, "load_s": round(load_s, 2),
                    "peak_vram_gib": None,
-                   "prefill_tok_s": round(prefill, 1) if depth == 0 else None,
+                   "prefill_tok_s": None,        # set below, on the context-0 row
                    "tpot_ms": round(tpot, 3),
                    "replay_ms": round(replay, 3) if replay else None,
                    "graph_ms": round(graph, 3) if graph else None,
@@ -455,10 +465,15 @@ def run_localmoe(path: Path, depths: list[int], n_gen: int, n_prompt: int, kv: s
                    "cuda_graphs": runner.stats()["cuda_graphs"],
                    "pdl": runner.stats().get("pdl"),
                    "torch_peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
-            if ttft is not None and depth == 0:
-                row[f"ttft_{ttft_prompt}_ms"] = round(ttft, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if decode_first:
+            prefill, ttft = prompts()
+        for row in rows:
+            if row["ctx"] == 0:
+                row["prefill_tok_s"] = round(prefill, 1)
+                if ttft is not None:
+                    row[f"ttft_{ttft_prompt}_ms"] = round(ttft, 1)
     for r in rows:
         r["peak_vram_gib"] = vp.gib
     runner.close()
@@ -488,6 +503,8 @@ def main(argv=None) -> int:
                     help="tokens per MoE prefill pass (kernels.quant_gemm.MOE_PREFILL_CHUNK)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (no graph) timing")
     ap.add_argument("--skip-localmoe", action="store_true")
+    ap.add_argument("--decode-first", action="store_true",
+                    help="time localmoe's decode rows before its prefill and TTFT timings")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     depths = [int(x) for x in a.depths.split(",")]
@@ -508,7 +525,8 @@ def main(argv=None) -> int:
         for i, kv in enumerate(a.kv.split(",")):
             out["rows"] += run_localmoe(path, depths, a.n_gen, a.n_prompt, kv, not a.no_profile,
                                         ttft_prompt=a.ttft_prompt if i == 0 else 0,
-                                        eager=not a.no_eager and i == 0)
+                                        eager=not a.no_eager and i == 0,
+                                        decode_first=a.decode_first)
     if a.llama_src is not None:
         exe = build_llama_bench(a.llama_src, a.build_dir, a.jobs)
         out["rows"] += run_llama_bench(exe, path, depths, a.n_gen, a.n_prompt,
