@@ -423,7 +423,8 @@ def norm_router_fused(x: torch.Tensor, delta: torch.Tensor | None, norm_w: torch
 class Routing(NamedTuple):
     """Router logits whose routing is left to the fused MoE's first launch
     (:func:`localmoe.kernels.fused_moe.fused_moe` with ``route=``): every program of that
-    launch computes its token's top-k from them (:func:`route_pick`), and one per token
+    launch computes its token's top-k from them (a bitonic top-k for softmax gating without
+    a selection bias, else :func:`route_pick`; the same ids and weights), and one per token
     writes ``ids`` and ``weights`` for the second launch. Saves the router kernel's last
     step (an acq_rel counter, then the logits read back by the last program: two round
     trips to L2) on the decode step's critical path.
