@@ -47,6 +47,9 @@ __all__ = [
 # presets
 # ---------------------------------------------------------------------------------------------
 
+WRITABLE_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
+                   "Q6_K")
+"""Storage types :func:`write_gguf`'s ``quant`` can write (``quants.quantize_blocks``)."""
 _MIXED = {"embd": "Q8_0", "attn": "Q8_0", "ffn": "Q4_K", "exps": "Q4_K", "shexp": "Q4_K", "output": "Q6_K"}
 
 
@@ -465,9 +468,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quant", default=None, help="f32, f16, q8_0, q4_k, ... or mixed (default: preset's mix)")
     ap.add_argument("--n-layers", type=int, default=None, help="write only the first N layers")
-    ap.add_argument("--split-max-tensors", type=int, default=0, help="write llama.cpp split shards")
+    ap.add_argument("--split-max-tensors", type=int, default=0,
+                    help="write llama.cpp split shards of at most N tensors each (0: one file)")
     ap.add_argument("--hf", action="store_true", help="write an HF safetensors checkpoint directory")
     a = ap.parse_args(argv)
+    if a.quant is not None and a.quant.upper() not in WRITABLE_QUANTS + ("MIXED",):
+        ap.error(f"--quant {a.quant!r} is not one this writer makes; choose from "
+                 f"{', '.join(q.lower() for q in WRITABLE_QUANTS)} or mixed")
+    for flag, v, low in (("--seed", a.seed, 0), ("--n-layers", a.n_layers, 1),
+                         ("--split-max-tensors", a.split_max_tensors, 0)):
+        if v is not None and v < low:
+            ap.error(f"{flag} must be at least {low}, got {v}")
     out = Path(a.out)
     if not a.hf and out.is_dir():
         ap.exit(1, f"error: --out {a.out} is a directory; give a file path such as {out / 'model.gguf'}\n")

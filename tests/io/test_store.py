@@ -907,3 +907,31 @@ def test_files_left_in_the_store_are_listed_again_without_copying(home, tmp_path
     assert m.path.stat().st_ino == inode and sorted(p.name for p in st.models_dir.iterdir()) == \
         ["Tiny.gguf", "manifest.json"]
     assert again.sha256 == m.sha256 and st.remove("Tiny").name == "Tiny" and not m.path.exists()
+
+
+def test_a_read_only_store_is_a_store_error_for_pull_and_rm(tmp_path, home, monkeypatch):
+    """A store whose folders exist but cannot be written (a read-only mount, a full disk):
+    pulling a file and removing a model give a StoreError naming the file and LOCALMOE_HOME,
+    not an OSError traceback (fresh-user trial, session 21)."""
+    import errno
+
+    from localmoe.io.store import pull as pull_mod
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "m.gguf", "tiny-llama")
+    src2 = write_gguf(tmp_path / "m2.gguf", "tiny-llama", seed=2)
+    st = ModelStore(progress=False)
+    st.pull(str(src))                       # the store's folders and manifest exist now
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(getattr(self, "tmp", self)))
+
+    monkeypatch.setattr(ModelStore, "_write_manifest", read_only)
+    monkeypatch.setattr(pull_mod._AtomicWriter, "__enter__", read_only)
+    with pytest.raises(StoreError, match=r"cannot remove m: Read-only file system \(.*\); set "
+                                         r"LOCALMOE_HOME"):
+        st.remove("m")
+    with pytest.raises(StoreError, match=r"cannot pull .*m2\.gguf: Read-only file system \("
+                                         r".*m2\.gguf\.partial.*LOCALMOE_HOME"):
+        st.pull(str(src2))
+    assert st.find("m") is not None and st.find("m2") is None      # nothing changed

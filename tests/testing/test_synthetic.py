@@ -194,6 +194,25 @@ def test_cli_bad_output_paths_are_one_line_errors(tmp_path, capsys, monkeypatch)
     assert e.value.code == 1 and "needs the transformers package" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,why", [
+    (["--quant", "bogus"], "--quant 'bogus' is not one this writer makes"),
+    (["--quant", "q2_k"], "is not one this writer makes"),
+    (["--n-layers", "0"], "--n-layers must be at least 1"),
+    (["--n-layers", "-1"], "--n-layers must be at least 1"),
+    (["--seed", "-1"], "--seed must be at least 0"),
+    (["--split-max-tensors", "-3"], "--split-max-tensors must be at least 0")])
+def test_cli_bad_arguments_are_refused_before_writing(tmp_path, capsys, args, why):
+    """Arguments the writer cannot honour are usage errors (exit 2, one ``error:`` line) and
+    write nothing: before, a KeyError, a struct.error, a numpy ValueError, or a file with 0
+    layers that the loader then called corrupt (fresh-user trial, session 21)."""
+    out = tmp_path / "m.gguf"
+    with pytest.raises(SystemExit) as e:
+        syn.main(["--preset", "tiny-llama", "--out", str(out), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and why in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 # --- llama.cpp accepts every file ----------------------------------------------------------
 
 @pytest.mark.llamacpp

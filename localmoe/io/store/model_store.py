@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -240,7 +241,6 @@ class ModelStore(PullMixin):
         except OSError as e:
             raise StoreError(f"cannot create the model store folder {self.models_dir}: "
                              f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None
-        self._clean_partials()
         p = Path(source).expanduser()
         if source in self.catalog or source.startswith("hf:") or p.exists():
             # what the pull imports, imported before Ctrl-C raises (never inside an import)
@@ -249,12 +249,16 @@ class ModelStore(PullMixin):
                     import huggingface_hub  # noqa: F401
                 elif source not in self.catalog:
                     import localmoe.io.loader as loader  # noqa: F401
-            with ctrl_c_raises():  # so the finally blocks remove this pull's temporaries
-                if source in self.catalog:
-                    return self._pull_catalog(self.catalog[source])
-                if source.startswith("hf:"):
-                    return self._pull_hf(source)
-                return self._pull_path(p, link=link)
+            try:
+                self._clean_partials()
+                with ctrl_c_raises():  # so the finally blocks remove this pull's temporaries
+                    if source in self.catalog:
+                        return self._pull_catalog(self.catalog[source])
+                    if source.startswith("hf:"):
+                        return self._pull_hf(source)
+                    return self._pull_path(p, link=link)
+            except OSError as e:   # e.g. a store on a read-only or full file system
+                raise self._os_error(f"cannot pull {source}", e) from None
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
@@ -409,9 +413,21 @@ class ModelStore(PullMixin):
             raise ModelNotFoundError(f"no stored model named {name!r}; see `localmoe models`")
         with hold_ctrl_c():
             del data[m.name]
-            self._write_manifest(data)  # first: an interrupted rm leaves no entry without files
-            m.shared_with = self._drop_files(m, data)
+            try:
+                self._write_manifest(data)  # first: an interrupted rm leaves no entry without files
+                m.shared_with = self._drop_files(m, data)
+            except OSError as e:
+                raise self._os_error(f"cannot remove {m.name}", e) from None
         return m
+
+    def _os_error(self, what: str, e: OSError) -> StoreError:
+        """A :class:`StoreError` for an OSError while writing the store: what failed, the
+        system's reason and the file; for a read-only, unwritable or full store, where to
+        put it instead."""
+        where = f" ({e.filename})" if e.filename else ""
+        hint = ("; set LOCALMOE_HOME to a writable folder with room for the models"
+                if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC) else "")
+        return StoreError(f"{what}: {e.strerror or e}{where}{hint}")
 
     def _drop_files(self, m: StoredModel, data: dict[str, dict]) -> list[str]:
         """Delete the stored files of ``m`` (no longer in ``data``) that no entry of ``data``
