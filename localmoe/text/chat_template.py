@@ -34,7 +34,9 @@ encode those spans as plain text.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -67,12 +69,24 @@ class TemplateLimitError(TemplateError):
 
 def _env_num(name: str, default: float) -> float:
     """A positive number from environment variable ``name``, else ``default`` (also for a
-    value that is not one)."""
-    try:
-        v = float(os.environ.get(name, default))
-    except ValueError:
+    value that is not one: logged once as a warning)."""
+    raw = os.environ.get(name)
+    if raw is None:
         return default
-    return v if v > 0 and v == v and v != float("inf") else default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if v > 0 and v != float("inf"):
+        return v
+    _warn_env(name, raw, default)
+    return default
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_env(name: str, raw: str, default: float) -> None:
+    logging.getLogger(__name__).warning("%s=%r is not a positive number; using %g", name, raw,
+                                        default)
 
 
 @dataclass

@@ -293,3 +293,20 @@ def test_tool_use_variant_is_used_with_tools():
     assert tpl.render(msgs, tools=[]) == "plain:q"
     with pytest.raises(TemplateError, match="syntax error"):
         ChatTemplate("ok", tool_source="{% if %}")
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1", "0", "inf", "nan"])
+def test_a_bad_template_limit_variable_falls_back_with_a_warning(raw, monkeypatch, caplog):
+    """$LOCALMOE_TEMPLATE_SECONDS (and the two size limits) that is not a positive number:
+    the default, and one warning naming the variable and the value (it was silent)."""
+    import logging
+
+    from localmoe.text import chat_template as ct
+
+    ct._warn_env.cache_clear()
+    monkeypatch.setenv("LOCALMOE_TEMPLATE_SECONDS", raw)
+    with caplog.at_level(logging.WARNING, logger=ct.__name__):
+        assert ct.TemplateLimits().seconds == 2.0
+    assert f"LOCALMOE_TEMPLATE_SECONDS={raw!r} is not a positive number; using 2" in caplog.text
+    monkeypatch.setenv("LOCALMOE_TEMPLATE_SECONDS", "0.5")
+    assert ct.TemplateLimits().seconds == 0.5
