@@ -71,6 +71,7 @@ from localmoe.kernels.launch_config import CHOICE_FIELDS, device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import pack_store_blocks
 from localmoe.kernels.host import cdiv, next_pow2
+from localmoe.kernels.scratch import grown
 
 LOG2E = 1.4426950408889634
 
@@ -824,12 +825,11 @@ _LOCKS: dict = {}
 
 def _locks(n: int, device) -> torch.Tensor:
     """Zeroed int32 split counters (at least ``n``), one buffer per device, reused across calls
-    (every fused launch leaves them at zero again). Calls must not overlap on two streams."""
+    (every fused launch leaves them at zero again). Calls must not overlap on two streams. An
+    outgrown buffer stays alive (:func:`localmoe.kernels.scratch.grown`): a CUDA graph captured
+    before it grew still uses it."""
     key = str(device)
-    t = _LOCKS.get(key)
-    if t is None or t.numel() < n:
-        t = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _LOCKS[key] = t
+    t = _LOCKS[key] = grown(_LOCKS.get(key), (max(n, 256),), torch.int32, device, zero=True)
     return t
 
 
