@@ -1,0 +1,114 @@
+"""The context-0 decode graph's time after a history of runner events, in one process.
+
+Session 22 found that ``vs_llamacpp``'s context-0 rows (graph ~2.01-2.03 ms on the H200 with
+the synthetic Qwen3-30B-A3B file) are slower than a fresh process's (~1.86 ms) because of what
+the runner did before them, not because of the decode step: after a 512-token prompt decoded
+past its end and a 4,096-token prompt prefilled three times, every later decode graph replays
+~155 us slower. This script replays such a history step by step and measures the context-0
+graph after each step::
+
+    python benchmarks/graph_history.py MODEL.gguf fresh,warm512,pp512,ttft4096,fresh
+
+Steps: ``fresh`` (nothing), ``warm512`` (a 512-token prompt, then 4 decode steps on it: what
+``vs_llamacpp.run_localmoe`` does first), ``pp512`` / ``ttft4096`` (its timed prompts:
+:func:`vs_llamacpp.time_prefill`), ``recapture`` (drop the decode graphs; the next step
+captures again), ``empty`` (``torch.cuda.empty_cache()``), ``sleep`` (5 s). After each, a new
+sequence of one token decodes 8 steps; the graph is replayed 32 times back to back (three
+times), then the generation loop runs 64 tokens and the graph is timed again. One JSON line
+per step: graph ms, host ms per replay enqueue, generation-loop ms, graph ms after the loop,
+the captured graphs, and the GPU's clocks (``nvidia-smi``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import vs_llamacpp as V  # noqa: E402
+
+STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep")
+
+
+def clocks() -> str:
+    """SM clock, memory clock, power, temperature and throttle reasons, or why not."""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,"
+             "clocks_throttle_reasons.active", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unavailable ({e})"
+
+
+def context0(runner, prompt: list[int], tag: str) -> dict:
+    import torch
+
+    s = runner.new_sequence()
+    runner.forward([(s, prompt[:1])])
+    V.time_decode(runner, s, 8)
+    graph = [round(V.graph_ms(runner, s), 4) for _ in range(3)]
+    g = runner.graphs.graphs[(1, runner.graphs.bucket(runner.cache.seq_len(s) + 1))].graph
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(32):
+        g.replay()
+    host_ms = (time.perf_counter() - t) / 32 * 1e3
+    gen = V.time_generate(runner, s, 64)
+    after = round(V.graph_ms(runner, s), 4)
+    runner.free_sequence(s)
+    pg = runner.prefill_graphs
+    return {"step": tag, "graph_ms": graph, "enqueue_ms": round(host_ms, 4),
+            "gen_ms": round(gen, 4), "graph_after_gen_ms": after,
+            "decode_graphs": sorted(k for k, v in runner.graphs.graphs.items() if v.graph),
+            "prefill_graphs": sorted(k for k, v in pg.graphs.items() if v.graph) if pg else None,
+            "clocks": clocks()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("steps", help="comma-separated, from: " + ", ".join(STEPS))
+    ap.add_argument("--n-ctx", type=int, default=4700)
+    ap.add_argument("--kv", default="f16")
+    a = ap.parse_args(argv)
+    steps = a.steps.split(",")
+    bad = [s for s in steps if s not in STEPS]
+    if bad:
+        ap.error(f"unknown step(s) {', '.join(bad)}; choose from {', '.join(STEPS)}")
+    import torch
+
+    from localmoe.backends.triton.runner import TritonRunner
+    from localmoe.io.loader import open_model
+
+    r = TritonRunner(open_model(str(a.model)), n_ctx=a.n_ctx, kv_spec=a.kv, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, r.spec.vocab_size, (4096,), generator=g).tolist()
+    for step in steps:
+        if step == "warm512":
+            s = r.new_sequence()
+            r.forward([(s, prompt[:512])])
+            V.time_decode(r, s, 4)
+            r.free_sequence(s)
+        elif step == "pp512":
+            V.time_prefill(r, prompt[:512])
+        elif step == "ttft4096":
+            V.time_prefill(r, prompt[:4096], reps=2)
+        elif step == "recapture":
+            r.graphs.graphs.clear()
+        elif step == "empty":
+            torch.cuda.empty_cache()
+        elif step == "sleep":
+            time.sleep(5)
+        print(json.dumps(context0(r, prompt, step)), flush=True)
+    r.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
