@@ -107,6 +107,29 @@ def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
     assert not opened
 
 
+def test_malformed_kv_cache_spec_is_a_one_line_error(home, tmp_path, monkeypatch):
+    """A trailing or doubled ':' after the format ran as the plain format; an option with no
+    value is refused naming the option. One line, exit 1, before any model is resolved."""
+    import localmoe.tui.app as tui_app
+    import localmoe.serve.server as server
+
+    opened = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "run_server", lambda *a, **kw: opened.append("serve"))
+    missing = str(tmp_path / "missing.gguf")
+    for cmd in (["generate", "-m", missing, "hi"], ["chat", "-m", missing], ["serve"]):
+        for args, needle in ((["--kv-cache", "int4:"], "empty KV format option in 'int4:'"),
+                             (["--kv-cache", "int4::c"], "empty KV format option"),
+                             (["--kv-cache-k", "int4:"], "empty KV format option"),
+                             (["--kv-cache", "int4,sinks="], "'sinks=' in 'int4,sinks=' has no "
+                                                             "value")):
+            r = run([*cmd, *args])
+            assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                                  needle)
+            assert "missing.gguf" not in r.stderr
+    assert not opened
+
+
 def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
     """An empty --kv-cache / -k / -v value or an empty k=/v= in the string silently meant f16;
     it is an error naming the accepted formats, before any model is resolved or loaded, in
@@ -217,6 +240,36 @@ def test_pull_models_rm_local_file(home, tmp_path):
     r = run(["rm", "tiny"])
     assert r.exit_code == 0 and "removed tiny" in r.output
     assert "tiny " not in run(["models"]).output
+
+
+def test_rm_of_an_entry_naming_a_file_outside_the_store_frees_nothing(home, tmp_path):
+    """A manifest entry edited by hand to name a file outside the store: `rm` removes the
+    entry, leaves that file in place and says so; it said the file's size was freed."""
+    from localmoe.io.store import format_size
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "tiny.gguf", "tiny-llama")
+    assert run(["pull", str(src)]).exit_code == 0
+    outside = tmp_path / "elsewhere" / "outside.gguf"
+    outside.parent.mkdir()
+    outside.write_bytes(src.read_bytes())
+    manifest = home / "models" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    stored = home / "models" / data["tiny"]["files"][0]
+    data["tiny"]["files"] = [str(outside)]
+    manifest.write_text(json.dumps(data))
+    r = run(["rm", "tiny"])
+    assert r.exit_code == 0 and "Traceback" not in r.output
+    assert r.output.strip() == (f"removed tiny (0 B freed; left in place outside the store: "
+                                f"{outside})"), r.output
+    assert outside.read_bytes() == src.read_bytes() and stored.exists()  # nothing deleted
+    assert "tiny" not in json.loads(manifest.read_text())
+    # an entry of the store's own file still frees it
+    stored.unlink()
+    assert run(["pull", str(src)]).exit_code == 0
+    r = run(["rm", "tiny"])
+    assert r.output.strip() == f"removed tiny ({format_size(src.stat().st_size)} freed)"
+    assert not stored.exists()
 
 
 def test_chat_and_serve_are_wired(monkeypatch, tmp_path):

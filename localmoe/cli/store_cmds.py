@@ -67,6 +67,9 @@ def rm(name):
         note = " (its files were gone already)"
     elif m.linked:
         note = ""
+    elif m.kept_outside:  # a hand-edited entry: its files outside the store are not its own
+        note = (f" ({format_size(m.freed)} freed; left in place outside the store: "
+                f"{', '.join(str(f) for f in m.kept_outside)})")
     else:
-        note = f" ({format_size(m.size)} freed)"
+        note = f" ({format_size(m.freed)} freed)"
     click.echo(f"removed {m.name}{note}")

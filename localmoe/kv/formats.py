@@ -80,13 +80,13 @@ class KVFormat:
         :data:`KEY_GROUPINGS`). Without a grouping option the codec's default applies.
 
         Raises:
-            KVCacheFormatError: unknown name or option, bad group size, grouping on a float or
-                fp4 format.
+            KVCacheFormatError: unknown name or option, an empty option (``"int4:"``,
+                ``"int4::c"``), bad group size, grouping on a float or fp4 format.
         """
         if isinstance(text, KVFormat):
             return text
         raw = str(text).strip().lower()
-        name, _, opts = raw.partition(":")
+        name, colon, opts = raw.partition(":")
         name = _ALIASES.get(name, name)
         if name not in KV_FORMAT_TABLE:
             raise KVCacheFormatError(
@@ -94,7 +94,11 @@ class KVFormat:
         bits, group = KV_FORMAT_TABLE[name]
         grouping = ""
         seen_group = False
-        for opt in (o for o in opts.split(":") if o) if opts else ():
+        if colon and "" in opts.split(":"):   # "int4:", "int4::c": a doubled or trailing colon
+            raise KVCacheFormatError(
+                f"empty KV format option in {text!r} (a doubled or trailing ':'?); use e.g. "
+                "'int4:g64' (group size) or 'int4:c' (keys per channel), or no ':' at all")
+        for opt in opts.split(":") if colon else ():
             if opt in GROUPING_ALIASES and name not in FLOAT_FORMATS and name != "fp4":
                 if grouping:
                     what = "contradictory" if grouping != GROUPING_ALIASES[opt] else "repeated"

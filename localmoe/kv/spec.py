@@ -184,8 +184,9 @@ def _apply_option_string(kv: str, o: dict[str, Any]) -> str:
     ``kv`` win) and return the base format.
 
     Raises:
-        KVCacheFormatError: an empty or repeated option, an empty ``k=``/``v=``, an unknown
-            option or a value that is not a number.
+        KVCacheFormatError: an empty or repeated option, an option with no value
+            (``"sinks="``), an empty ``k=``/``v=``, an unknown option or a value that is not a
+            number.
     """
     base_fmt = None
     seen: set[str] = set()
@@ -203,6 +204,11 @@ def _apply_option_string(kv: str, o: dict[str, Any]) -> str:
         if not eq:
             base_fmt = key
             continue
+        if key in _VALUE_OPTIONS and not val.strip():  # "int4,sinks=": no value
+            raise KVCacheFormatError(
+                f"KV cache option {part!r} in {kv!r} has no value; give one, e.g. "
+                "'int2,outliers=0.04,sinks=4,window=64' or 'int4,kgroup=channel', or leave "
+                f"{key}= out")
         try:
             _apply_option(kv, part, key, val, o)
         except ValueError:
@@ -210,6 +216,11 @@ def _apply_option_string(kv: str, o: dict[str, Any]) -> str:
                 f"bad KV cache option {part!r} in {kv!r}; use e.g. "
                 "'int2,outliers=0.04,sinks=4,window=64' or 'k=int4,v=int2'") from None
     return base_fmt or ("f16" if not (o["k"] and o["v"]) else o["k"])
+
+
+# The options of :func:`_apply_option` other than ``k=``/``v=`` (those have their own message).
+_VALUE_OPTIONS = ("outliers", "outlier_frac", "koutliers", "key_outliers", "key_outlier_frac",
+                  "sinks", "sink_tokens", "window", "kgroup", "key_grouping")
 
 
 def _fraction(val: str) -> float:

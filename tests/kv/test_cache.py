@@ -37,6 +37,32 @@ def test_parse_refuses_empty_options(text):
     KVSpec.parse(text.replace(",,", ",").replace(", ,", ",").strip(","))  # the fixed text parses
 
 
+@pytest.mark.parametrize("kv,k,v", [("int4:", None, None), ("int4::c", None, None),
+                                    ("int4:c:", None, None), ("k=int4:,v=int2", None, None),
+                                    ("int4:,window=8", None, None), ("f16", "int4:", None),
+                                    ("int4", None, "int2::g32")])
+def test_parse_refuses_empty_format_options(kv, k, v):
+    # a doubled or trailing ':' was silently dropped ("int4:" ran as int4)
+    with pytest.raises(KVCacheFormatError, match="empty KV format option in '.*:.*'") as e:
+        KVSpec.parse(kv, k, v)
+    assert "use e.g. 'int4:g64' (group size) or 'int4:c'" in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["int4,sinks=", "int4,window=", "int4,window= ", "int4,outliers=",
+                                  "int4,koutliers=", "k=int4,v=int2,kgroup="])
+def test_parse_refuses_options_with_no_value(text):
+    opt = text.rsplit(",", 1)[1].strip()
+    with pytest.raises(KVCacheFormatError, match=f"option {opt!r} in {text!r} has no value") as e:
+        KVSpec.parse(text)
+    assert "sinks=4,window=64" in str(e.value)
+
+
+def test_zero_sinks_and_window_mean_none():
+    # 0 is the documented "none" (KVSpec.window, the default), not a malformed value
+    assert KVSpec.parse("int4,window=0") == KVSpec.parse("int4")
+    assert KVSpec.parse("int4,sinks=0,window=0") == KVSpec.parse("int4")
+
+
 @pytest.mark.parametrize("kv,k,v,match", [
     ("", None, None, "empty KV cache format; choose one of: f32, f16"),
     ("  ", None, None, "empty KV cache format; choose one of"),

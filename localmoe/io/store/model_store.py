@@ -49,6 +49,9 @@ class StoredModel:
             load; pull it again or remove it.
         shared_with: after :meth:`ModelStore.remove`, the other entries that use its files
             (which were kept).
+        freed: after :meth:`ModelStore.remove`, the bytes of the files it deleted.
+        kept_outside: after :meth:`ModelStore.remove`, its files outside the store folder
+            (an entry edited by hand), which were left in place.
     """
 
     name: str
@@ -62,6 +65,8 @@ class StoredModel:
     pulled_at: float = 0.0
     missing: bool = False
     shared_with: list[str] = field(default_factory=list)
+    freed: int = 0
+    kept_outside: list[Path] = field(default_factory=list)
 
     @property
     def source_path(self) -> Path | None:
@@ -400,8 +405,10 @@ class ModelStore(PullMixin):
 
     def remove(self, name: str) -> StoredModel:
         """Delete a stored model: its entry, and its files that no other entry uses (linked
-        files outside the store are left alone). An entry whose files are gone is removed too.
-        The returned entry's ``shared_with`` names the entries whose files were kept.
+        files, and any file outside the store folder, are left alone). An entry whose files are
+        gone is removed too. The returned entry's ``shared_with`` names the entries whose files
+        were kept, ``freed`` the bytes deleted and ``kept_outside`` the files outside the store
+        that an unlinked entry (edited by hand) named and that were left in place.
 
         Raises:
             ModelNotFoundError: no stored model has that name.
@@ -431,7 +438,8 @@ class ModelStore(PullMixin):
 
     def _drop_files(self, m: StoredModel, data: dict[str, dict]) -> list[str]:
         """Delete the stored files of ``m`` (no longer in ``data``) that no entry of ``data``
-        uses; return the names of the entries that use the others."""
+        uses; return the names of the entries that use the others. Sets ``m.freed`` and
+        ``m.kept_outside`` (see :meth:`remove`)."""
         users: dict[str, list[str]] = {}
         for k, e in data.items():
             for f in self._files(e):
@@ -441,8 +449,14 @@ class ModelStore(PullMixin):
             who = users.get(os.path.realpath(f))
             if who:
                 shared += [k for k in who if k not in shared]
-            elif not m.linked and Path(os.path.realpath(f)).parent == self.models_dir.resolve():
+            elif m.linked:
+                continue  # the user's files, registered in place
+            elif Path(os.path.realpath(f)).parent == self.models_dir.resolve():
+                size = _path_size(f)
                 f.unlink(missing_ok=True)  # only the store's own copies, never a user's file
+                m.freed += size
+            elif f.exists():
+                m.kept_outside.append(f)
         return shared
 
     def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:
