@@ -444,6 +444,9 @@ def _check_message_tool_calls(p: str, calls) -> tuple[list[dict], list[str], boo
             except ValueError:
                 raise InvalidRequestError(f"{q}.function.arguments is not valid JSON",
                                           f"{q}.function.arguments") from None
+            except RecursionError:
+                raise InvalidRequestError(f"{q}.function.arguments is nested too deeply",
+                                          f"{q}.function.arguments") from None
         if not isinstance(args, dict):
             raise InvalidRequestError(f"{q}.function.arguments must be a JSON object",
                                       f"{q}.function.arguments")

@@ -161,7 +161,7 @@ class ChatJob:
         text = "".join(content)
         msg: dict[str, Any] = {"role": "assistant",
                                "content": text if (text or not calls) else None}
-        if self.gen.error is not None:
+        if self.gen.error is not None and not text:
             msg["content"] = None
         if reasoning:
             msg["reasoning_content"] = "".join(reasoning)

@@ -12,8 +12,10 @@ text so any template can render them.
 template's syntax, to the declared tools with arguments valid under their parameter schemas.
 Without the grammar engine the turn is started with the call's opening text instead (e.g.
 ``<tool_call>\\n{"name": "get_weather", "arguments": ``). In both modes markup that does not
-parse (a call cut by ``max_tokens``) never reaches ``content``: the reply then has no tool
-calls, ``content`` null, and :attr:`ChatGeneration.error` says why.
+parse never reaches ``content`` while it is generated: the reply then has no tool calls and
+:attr:`ChatGeneration.error` says why; ``content`` is null, except for a call cut by
+``max_tokens`` (finish reason "length"), whose text so far (the forced opening included) is
+the ``content``, as OpenAI and vLLM answer a cut reply.
 ``response_format`` json_object / json_schema constrain the reply the same way.
 """
 
@@ -263,6 +265,10 @@ class ChatGeneration:
                 yield from self._filter(self.parser.finish())
             if self.forced and not self.n_calls:
                 self.error = self._forced_error()
+                if getattr(self.result, "finish_reason", None) == "length" and self.unparsed:
+                    # cut by max_tokens: what was generated is the content (finish "length"),
+                    # as OpenAI/vLLM answer a cut reply
+                    yield ("content", "".join(self.unparsed))
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -291,7 +297,7 @@ class ChatGeneration:
     def _filter(self, evs):
         for kind, val in evs:
             if kind == "content" and self.forced:
-                self.unparsed.append(val)  # raw markup never goes to content
+                self.unparsed.append(val)  # raw markup: content only once cut (events())
                 continue
             if kind == "call":
                 if self.n_calls and not self.creq.parallel_tool_calls:

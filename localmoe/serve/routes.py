@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -41,8 +42,8 @@ def _check_auth(request: Request) -> None:
 
 
 async def _read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not JSON or not
-    an object."""
+    """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not JSON, nested
+    deeper than the JSON parser's recursion allows, or not an object."""
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise HTTPError(413, f"request body is {cl} bytes; the limit is {limit}",
@@ -62,7 +63,10 @@ async def _read_json(request: Request, limit: int) -> dict:
     raw = b"".join(chunks)
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+    except RecursionError:  # deeper than the parser's recursion allows (~950 levels by default)
+        raise HTTPError(400, "request body JSON is nested too deeply (arrays/objects nest at "
+                        f"most about {sys.getrecursionlimit()} levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:
         raise HTTPError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "request body must be a JSON object")

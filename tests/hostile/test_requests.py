@@ -91,3 +91,28 @@ def test_malformed_requests_never_5xx(server, path):
         ok = c.post("/v1/chat/completions", json={"model": "scripted", "messages": [U]})
         assert ok.status_code == 200
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_deeply_nested_json_is_a_clean_400(server, path):
+    """A body nested deeper than the JSON parser recurses was answered with Python's own
+    words ("maximum recursion depth exceeded ..."); it is a 400 saying the JSON is nested too
+    deeply, and so are deeply nested tool-call arguments (a string parsed later: a 500)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for raw in (DEEP.encode(), ('{"messages": ' + DEEP + '}').encode()):
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+            assert err["message"].startswith("request body JSON is nested too deeply (arrays/"
+                                             "objects nest at most about "), err
+            assert "recursion" not in err["message"]
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+        r = c.post("/v1/chat/completions", json={"model": "scripted", "messages": [
+            U, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x"}]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+        assert err["message"] == "messages[1].tool_calls[0].function.arguments is nested too deeply"
+        assert err["param"] == "messages[1].tool_calls[0].function.arguments"
+        assert c.post("/v1/chat/completions", json={"model": "scripted", "messages": [U]}
+                      ).status_code == 200

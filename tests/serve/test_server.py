@@ -357,28 +357,53 @@ def test_tool_loop_non_stream_and_stream_identical(client):
 
 
 def test_forced_tool_call_never_leaks_markup_into_content(live, client):
-    """Under required / named, the scripted model's undeclared tool is masked away; a call cut
-    by max_tokens gives content null, no tool_calls, finish "length" and an error object."""
+    """Under required / named, the scripted model's undeclared tool is masked away: never
+    called, never in content (its reply, fought by the grammar, is cut by max_tokens, and the
+    constrained text generated is the content)."""
     tools = [WEATHER_TOOL, TIME_TOOL]
     bad = [{"role": "user", "content": "hi, call undeclared"}]
     r = client.chat.completions.create(model="scripted", messages=bad, tools=tools,
                                        tool_choice="required", max_tokens=40)
     c = r.choices[0]
-    assert c.message.content is None
+    assert "rm_rf" not in (c.message.content or "")
     assert all(t.function.name in ("get_weather", "get_time") for t in c.message.tool_calls or [])
+    assert c.finish_reason == ("tool_calls" if c.message.tool_calls else "length")
+
+
+@pytest.mark.parametrize("grammar", [True, False], ids=["grammar", "forced-prefix"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_call_cut_by_max_tokens_returns_the_text_as_content(live, monkeypatch,
+                                                                        grammar, choice):
+    """A required / named call cut by max_tokens answered neither content nor tool_calls;
+    like OpenAI/vLLM for a cut reply, what was generated is the content, finish "length"
+    (the error object still says to raise max_tokens), streamed or not."""
+    from localmoe.text import grammar as g
+
+    if not grammar:  # the fallback without the grammar engine: the turn starts with the call
+        monkeypatch.setattr(g, "available", lambda: "no grammar engine (test)")
     body = {"model": "scripted", "messages": [{"role": "user", "content": "hi, call time"}],
-            "tools": tools, "tool_choice": "required", "max_tokens": 3}
+            "tools": [WEATHER_TOOL, TIME_TOOL], "tool_choice": choice,
+            "max_tokens": 12 if grammar else 3}
     r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()
     c = r["choices"][0]
-    assert c["finish_reason"] == "length" and c["message"]["content"] is None
-    assert "tool_calls" not in c["message"]
+    assert c["finish_reason"] == "length" and "tool_calls" not in c["message"]
+    text = c["message"]["content"]  # the forced opening of the fallback included
+    assert text.startswith('<tool_call>\n{"name": "get_'), text
+    assert r["usage"]["completion_tokens"] == body["max_tokens"]
     assert r["error"]["code"] == "tool_call_incomplete" and "max_tokens" in r["error"]["message"]
     lines = [json.loads(line[6:]) for line in httpx.post(
         live.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
     ).text.splitlines() if line.startswith("data: {")]
-    assert not any(ch["choices"][0]["delta"].get("content") for ch in lines if ch["choices"])
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in lines) == text
+    assert not any(ch["choices"][0]["delta"].get("tool_calls") for ch in lines)
     assert lines[-1]["choices"][0]["finish_reason"] == "length"
     assert lines[-1]["error"]["code"] == "tool_call_incomplete"
+    full = httpx.post(live.url + "/v1/chat/completions", json={**body, "max_tokens": 200},
+                      timeout=60).json()["choices"][0]  # not cut: a call, no content
+    assert full["finish_reason"] == "tool_calls" and full["message"]["content"] is None
+    assert full["message"]["tool_calls"][0]["function"]["name"] == "get_time"
 
 
 def test_tool_choice_none_required_named(client):
