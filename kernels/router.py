@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from localmoe.errors import UnsupportedModelError
+from localmoe.kernels.keys import PAD_KEY, key_low, score_key
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.quant_gemv import pack_store_blocks
@@ -139,14 +140,12 @@ def route_pick(x, e, em, bias_ptr, scale, EP: tl.constexpr, TOP_K: tl.constexpr,
     ids = tl.zeros([KP], dtype=tl.int32)
     wts = tl.zeros([KP], dtype=tl.float32)
     if PACKED:
-        b = (sel + 0.0).to(tl.int32, bitcast=True)            # + 0.0: -0.0 becomes +0.0
-        mono = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)            # int32 order = float order
-        key = (mono.to(tl.int64) << 32) | (EP - 1 - e).to(tl.int64)
+        key = score_key(sel, EP - 1 - e)
         for j in tl.static_range(TOP_K):
             km = tl.max(key, axis=0)
-            idx = (EP - 1) - (km - ((km >> 32) << 32)).to(tl.int32)   # the low 32 bits
+            idx = (EP - 1) - key_low(km)
             ids = tl.where(kk == j, idx, ids)
-            key = tl.where(e == idx, -9223372036854775807, key)
+            key = tl.where(e == idx, PAD_KEY, key)
         wts = tl.sum(tl.where(e[None, :] == ids[:, None], p[None, :], 0.0), axis=1)
         wts = tl.where(kk < TOP_K, wts, 0.0)
     else:

@@ -276,6 +276,8 @@ def _use_triton(x: torch.Tensor) -> bool:
 try:
     import triton
     import triton.language as tl
+
+    from localmoe.kernels.keys import PAD_KEY, key_low, key_score, score_key
 except Exception:  # noqa: BLE001 -- no triton: the twin only
     triton = None
 
@@ -354,10 +356,7 @@ if triton is not None:
         """int64 keys ordered as (logit, -id): the order-preserving int32 of the float32 logit
         in the high word, ``2**31 - 1 - id`` in the low word (ties: the lower id first);
         entries outside the row get the padding key ``-(2**63 - 1)``. -0.0 counts as +0.0."""
-        bits = (x + 0.0).to(tl.int32, bitcast=True)
-        mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (mono.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-        return tl.where(inb, key, -9223372036854775807)
+        return tl.where(inb, score_key(x, 2147483647 - offs), PAD_KEY)
 
     @triton.jit
     def _topk_merge_kernel(src_ptr, dst_ptr, vals_ptr, idx_ptr, n_in, n_out,
@@ -371,15 +370,14 @@ if triton is not None:
         r = g * GS + tl.arange(0, GS)[:, None]
         c = tl.arange(0, KC)[None, :]
         keys = tl.load(src_ptr + (b.to(tl.int64) * n_in + r) * KC + c, mask=r < n_in,
-                       other=-9223372036854775807)
+                       other=PAD_KEY)
         top = tl.topk(tl.reshape(keys, [GS * KC]), KC)
         kk = tl.arange(0, KC)
         if FINAL:
             top = tl.sort(top, descending=True)
-            mono = (top >> 32).to(tl.int32)
-            val = tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-            idx = 2147483647 - (top & 0xFFFFFFFF).to(tl.int32)
-            pad = top == -9223372036854775807
+            val = key_score(top)
+            idx = 2147483647 - key_low(top)
+            pad = top == PAD_KEY
             tl.store(vals_ptr + b * KC + kk, tl.where(pad, float("-inf"), val))
             tl.store(idx_ptr + b * KC + kk, tl.where(pad, 0, idx))
         else:
