@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import vs_llamacpp as V  # noqa: E402
 
-STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep")
+STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep", "ondevice")
 
 
 def clocks() -> str:
@@ -46,7 +46,7 @@ def clocks() -> str:
         return f"unavailable ({e})"
 
 
-def context0(runner, prompt: list[int], tag: str) -> dict:
+def context0(runner, prompt: list[int], tag: str, host_only: bool = False) -> dict:
     import torch
 
     s = runner.new_sequence()
@@ -59,12 +59,12 @@ def context0(runner, prompt: list[int], tag: str) -> dict:
     for _ in range(32):
         g.replay()
     host_ms = (time.perf_counter() - t) / 32 * 1e3
-    gen = V.time_generate(runner, s, 64)
+    gen = V.time_decode(runner, s, 64) if host_only else V.time_generate(runner, s, 64)
     after = round(V.graph_ms(runner, s), 4)
     runner.free_sequence(s)
     pg = runner.prefill_graphs
     return {"step": tag, "graph_ms": graph, "enqueue_ms": round(host_ms, 4),
-            "gen_ms": round(gen, 4), "graph_after_gen_ms": after,
+            ("decode_ms" if host_only else "gen_ms"): round(gen, 4), "graph_after_gen_ms": after,
             "decode_graphs": sorted(k for k, v in runner.graphs.graphs.items() if v.graph),
             "prefill_graphs": sorted(k for k, v in pg.graphs.items() if v.graph) if pg else None,
             "clocks": clocks()}
@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("steps", help="comma-separated, from: " + ", ".join(STEPS))
     ap.add_argument("--n-ctx", type=int, default=4700)
     ap.add_argument("--kv", default="f16")
+    ap.add_argument("--host-only", action="store_true",
+                    help="no logits on the device (no generation loop) outside 'ondevice' steps")
     a = ap.parse_args(argv)
     steps = a.steps.split(",")
     bad = [s for s in steps if s not in STEPS]
@@ -105,7 +107,13 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         elif step == "sleep":
             time.sleep(5)
-        print(json.dumps(context0(r, prompt, step)), flush=True)
+        elif step == "ondevice":
+            s = r.new_sequence()
+            r.forward([(s, prompt[:1])])
+            for i in range(16):
+                r.forward([(s, [11 + i])], on_device=True)
+            r.free_sequence(s)
+        print(json.dumps(context0(r, prompt, step, a.host_only)), flush=True)
     r.close()
     return 0
 
