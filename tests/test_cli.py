@@ -289,6 +289,14 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
                       kv_cache="int8", kv_cache_k=None, kv_cache_v="int4")
     r = CliRunner().invoke(cli, ["serve", "--kv-cache", "bogus"])
     assert r.exit_code == 1 and "bogus" in r.output
+    # an empty or blank key would lock every client out (or let "Bearer " in): a usage error
+    for args, env in ((["--api-key", ""], {}), (["--api-key", "  "], {}),
+                      ([], {"LOCALMOE_API_KEY": "   "})):
+        calls.pop("serve", None)
+        r = CliRunner().invoke(cli, ["serve", "-m", "smollm2", *args], env=env)
+        assert r.exit_code == 2 and "empty or blank" in r.output and "serve" not in calls, args
+    r = run(["serve", "-m", "smollm2", "--api-key", " k2 "])   # spaces a client cannot send
+    assert r.exit_code == 0 and calls["serve"][1]["api_key"] == "k2", r.output
 
     import localmoe.tui.app as tui_app
 

@@ -196,14 +196,27 @@ def test_context_overflow_raises_with_both_numbers():
     assert llm.runner.calls == []  # no compute was spent
 
 
+def test_prompt_filling_the_whole_context_is_refused():
+    # nothing could be generated: refused like the CLI (and vLLM, llama.cpp's server), not an
+    # empty reply with finish_reason "length"
+    llm = make_llm(n_ctx=8)
+    n = len(llm.prompt_ids("x" * 7))
+    llm = make_llm(n_ctx=n)
+    with pytest.raises(ContextOverflowError, match="fills the whole context") as ei:
+        llm.generate("x" * 7, temperature=0)
+    assert ei.value.n_prompt == n == ei.value.n_ctx
+    assert llm.runner.calls == []
+    assert make_llm(n_ctx=n + 1).generate("x" * 7, temperature=0).completion_tokens == 1
+
+
 def test_generation_hitting_context_end_is_length():
     llm = make_llm(n_ctx=6, chain={}, default_next=9)  # " the" forever
     r = llm.generate("abc", temperature=0)  # 4 prompt tokens
     assert r.finish_reason == "length"
     assert r.completion_tokens == 2 and r.text == " the the"
     assert max(len(s) for s in llm.runner.seqs.values()) <= 6
-    r = llm.generate("abcde", temperature=0)  # prompt == n_ctx: nothing fits
-    assert r.finish_reason == "length" and r.completion_tokens == 0 and r.text == ""
+    with pytest.raises(ContextOverflowError):   # prompt == n_ctx: nothing fits (see below)
+        llm.generate("abcde", temperature=0)
 
 
 def test_cancel_event_and_closing_stream():

@@ -377,6 +377,11 @@ def test_parse_hf_ref():
     assert parse_hf_ref("hf:a/b@v1/f.gguf") == ("a/b", "v1", "f.gguf")
     with pytest.raises(ModelNotFoundError):
         parse_hf_ref("hf:a/f.gguf")
+    # repo ids the hub refuses are a bad reference, not huggingface_hub's own exception
+    for ref in ("hf:../../x/y.gguf", "hf:-a/b/c.gguf", "hf:a--b/c/d.gguf", "hf:a b/c/d.gguf",
+                "hf:a/b./c.gguf", f"hf:a/{'r' * 97}/c.gguf"):
+        with pytest.raises(ModelNotFoundError, match="bad Hugging Face reference"):
+            parse_hf_ref(ref)
 
 
 def test_pull_local_path_and_resolve(tmp_path, home):

@@ -59,7 +59,20 @@ def parse_hf_ref(source: str) -> tuple[str, str | None, str]:
             f"bad Hugging Face reference {source!r}; use hf:OWNER/REPO/FILE.gguf, e.g. "
             f"hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf")
     repo_name, _, rev = parts[1].partition("@")
-    return f"{parts[0]}/{repo_name}", (rev or None), "/".join(parts[2:])
+    repo = f"{parts[0]}/{repo_name}"
+    try:   # the hub's own rules for a repo id (characters, "--", "..", length)
+        from huggingface_hub.utils import validate_repo_id
+    except ImportError:  # pragma: no cover - a dependency
+        validate_repo_id = None
+    if validate_repo_id is not None:
+        try:
+            validate_repo_id(repo)
+        except ValueError as e:   # HFValidationError
+            raise ModelNotFoundError(
+                f"bad Hugging Face reference {source!r}: {str(e).splitlines()[0].rstrip('.')}; "
+                f"use hf:OWNER/REPO/FILE.gguf, e.g. "
+                f"hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf") from None
+    return repo, (rev or None), "/".join(parts[2:])
 
 
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
