@@ -41,6 +41,11 @@ DECODE_REL = tol.ACT_QUANT_GEMV
 
 PRESETS = ["tiny-qwen3moe", "tiny-qwen2moe", "tiny-olmoe", "tiny-mixtral", "tiny-llama",
            "tiny-qwen3"]
+# decode steps of the comparisons (with the torch runner; the fused step with the unfused
+# one): every step after the first runs the same fused step (in the interpreter the second
+# is the step the launch tape records: tests/backends/test_launch_tape.py compares it), so
+# the interpreter, at ~2-5 s a sequence and step, compares one
+STEPS = 2 if CUDA else 1
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,22 @@ def files(tmp_path_factory):
     return {p: write_gguf(d / f"{p}.gguf", p, seed=1) for p in PRESETS}
 
 
-def _compare(mf, steps=2, prompt_len=11, **opts):
+@pytest.fixture(scope="module")
+def lean_files(tmp_path_factory, files):
+    """Without CUDA 1-layer copies (``write_gguf(n_layers=1)``) of two presets, for the tests
+    whose subject is the same in every layer (the prompt's KV writes, buffer copies, the
+    agreement report): the interpreter runs each token through half the kernels. The 2-layer
+    files keep what differs between layers (a layer's residual add of the previous layer's
+    FFN/MoE output, in place) under the fused step and prefill tests; on the GPU every test
+    takes them."""
+    if CUDA:
+        return files
+    d = tmp_path_factory.mktemp("triton_quant_1l")
+    return {p: write_gguf(d / f"{p}.gguf", p, seed=1, n_layers=1)
+            for p in ("tiny-qwen3moe", "tiny-llama")}
+
+
+def _compare(mf, steps=STEPS, prompt_len=11, **opts):
     a = TorchRunner(mf, n_ctx=64, device=DEV, dtype=DT, packed_weights=False)
     b = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, **opts)
     g = torch.Generator().manual_seed(0)
@@ -71,14 +91,22 @@ def _compare(mf, steps=2, prompt_len=11, **opts):
     return a, b, out
 
 
-def _decode_two(r, seed: int, prompt_lens: tuple, steps: int, starts: tuple):
+def _decode_two(r, seed: int, prompt_lens: tuple, steps: int, starts: tuple,
+                together: bool = False):
     """Two sequences with random prompts of ``prompt_lens``; each step decodes both together
     (tokens ``starts[0] + step``, ``starts[1] + step``), then the second alone
-    (``starts[2] + step``). Returns (the first sequence's id, the logits stacked)."""
+    (``starts[2] + step``). Returns (the first sequence's id, the logits stacked).
+    ``together``: both prompts in one prefill call (one GEMM over both prompts' rows: in the
+    interpreter a prompt of up to 8 tokens alone takes the GEMV, whose time grows with its
+    rows) instead of one call each (the prefill graphs take one sequence)."""
     g = torch.Generator().manual_seed(seed)
     a, b = r.new_sequence(), r.new_sequence()
-    r.forward([(a, torch.randint(0, 200, (prompt_lens[0],), generator=g).tolist())])
-    r.forward([(b, torch.randint(0, 200, (prompt_lens[1],), generator=g).tolist())])
+    prompts = [torch.randint(0, 200, (n,), generator=g).tolist() for n in prompt_lens]
+    if together:
+        r.forward([(a, prompts[0]), (b, prompts[1])])
+    else:
+        r.forward([(a, prompts[0])])
+        r.forward([(b, prompts[1])])
     outs = []
     for step in range(steps):
         outs += r.forward([(a, [starts[0] + step]), (b, [starts[1] + step])])
@@ -117,8 +145,8 @@ def test_int16_activations_bring_decode_closer_to_torch(files, preset):
     # act_precision="int16": every QuantAct of the fused step (norms, router, attention output,
     # MoE hidden) carries its rounding error's codes too
     mf = open_model(str(files[preset]))
-    *_, r8 = _compare(mf, steps=2)
-    _, b, r16 = _compare(mf, steps=2, act_precision="int16")
+    *_, r8 = _compare(mf)
+    _, b, r16 = _compare(mf, act_precision="int16")
     st = b.stats()
     assert st["act_precision"] == "int16" and st["fused_step"] == "on"
     d8, d16 = (max(d for _, d in r["decode"]) for r in (r8, r16))
@@ -154,14 +182,14 @@ def test_mixed_activations_leave_only_the_routed_experts_int8(files, preset, mon
     # beside other test runs)
     monkeypatch.setenv("LOCALMOE_THREADS", str(torch.get_num_threads()))
     mf = open_model(str(files[preset]))
-    _, b, rm = _compare(mf, steps=2, act_precision="mixed")
+    _, b, rm = _compare(mf, act_precision="mixed")
     assert b.stats()["act_precision"] == "mixed" and b.stats()["fused_step"] == "on"
     assert seen["gemv"] == {True}, seen
     assert all(same for same, _ in rm["decode"]), rm
     if b.spec.is_moe:
         assert seen["experts"] == {False}, seen
         return
-    _, _, r16 = _compare(mf, steps=2, act_precision="int16")
+    _, _, r16 = _compare(mf, act_precision="int16")
     assert rm == r16
 
 
@@ -176,7 +204,12 @@ def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypat
     sequences decoded together and one alone give the unfused runner's logits, and write the
     same KV cache -- also with per-channel int4 keys (pages completed on the device) and with
     sink/window side buffers. Qwen2-MoE's MoE layers route in the router kernel
-    (LOCALMOE_ROUTE_IN_MOE=0); the other MoE presets' in the experts' first launch."""
+    (LOCALMOE_ROUTE_IN_MOE=0); the other MoE presets' in the experts' first launch.
+
+    In the interpreter (~2-5 s per sequence and step) one step of each, after one prefill call
+    of both prompts: without CUDA neither runner has prefill graphs, so both prefill through
+    the shared block alike; on the GPU the fused runner's prompts go through its prefill
+    graphs (one sequence each) and two steps run."""
     if preset == "tiny-qwen2moe":
         monkeypatch.setenv("LOCALMOE_ROUTE_IN_MOE", "0")
     mf = open_model(str(files[preset]))
@@ -185,7 +218,7 @@ def test_fused_decode_step_matches_the_shared_block(files, preset, kv, monkeypat
         monkeypatch.setenv("LOCALMOE_FUSED_STEP", fused)
         r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec=kv)
         assert (r.stats()["fused_step"] == "on") == (fused == "1"), r.stats()["fused_step"]
-        a, seen = _decode_two(r, 3, (9, 4), 2, (3, 40, 60))
+        a, seen = _decode_two(r, 3, (9, 4), STEPS, (3, 40, 60), together=not CUDA)
         outs[fused] = seen.float()
         caches[fused] = r.cache.read(0, a, r.cache.seq_len(a))[0].float()
     scale = outs["0"].abs().max()
@@ -256,15 +289,18 @@ def test_real_models_teacher_forced_on_gpu(which, request):
     assert r["nonfinite"] == 0 and r["top1"] >= 0.99, r
 
 
-def test_teacher_forced_agreement_reports_positions(files):
+def test_teacher_forced_agreement_reports_positions(lean_files):
     from localmoe.testing.agreement import teacher_forced
 
-    mf = open_model(str(files["tiny-llama"]))
-    r = teacher_forced(mf, n_tokens=20, device=DEV, dtype=DT, prompt=4)
+    # the report, not the model, is the subject: 4 prompt positions and 6 decode steps (in
+    # the interpreter the eager one, the one the launch tape records, then replays)
+    n = 10
+    mf = open_model(str(lean_files["tiny-llama"]))
+    r = teacher_forced(mf, n_tokens=n, device=DEV, dtype=DT, prompt=4)
     # the random model's logits span ~100: argmax agrees everywhere, log-softmax deltas of
     # ~1 nat sit far below the top (0.35 when each step's logits aliased the step's buffer)
-    assert r["tokens"] == 20 and r["top1"] >= 0.9 and r["nonfinite"] == 0, r
-    assert len(r["disagree"]) == round((1 - r["top1"]) * 20)
+    assert r["tokens"] == n and r["top1"] >= 0.9 and r["nonfinite"] == 0, r
+    assert len(r["disagree"]) == round((1 - r["top1"]) * n)
     assert 0.0 <= r["mean_dlogsm"] <= r["max_dlogsm"] < 5.0, r
     with pytest.raises(ValueError, match="need more than 4"):
         teacher_forced(mf, text="a", device=DEV, dtype=DT, prompt=4)
@@ -276,20 +312,21 @@ def test_teacher_forced_agreement_reports_positions(files):
                        act_precision="int16")
 
 
-@pytest.mark.parametrize("on_device", [False, True])
-def test_decode_logits_outlive_the_next_step(files, on_device):
+def test_decode_logits_outlive_the_next_step(lean_files):
     # the static step's output buffer is rewritten by every step: forward returns a copy (on
     # a CPU device ``.cpu()`` of that buffer used to be the buffer itself, so a caller keeping
-    # several steps' logits saw the last step's everywhere)
-    r = TritonRunner(open_model(str(files["tiny-llama"])), n_ctx=32, device=DEV, dtype=DT)
+    # several steps' logits saw the last step's everywhere); with and without on_device, in
+    # one runner
+    r = TritonRunner(open_model(str(lean_files["tiny-llama"])), n_ctx=32, device=DEV, dtype=DT)
     s = r.new_sequence()
     r.forward([(s, [5, 6, 7])])
-    for t in (8, 9, 10):                  # past the eager warm-up: replays of the static step
+    for t in (8, 9):                      # the warm-up (the interpreter: the tape's recording)
         r.forward([(s, [t])])
-    first = r.forward([(s, [11])], on_device=on_device)[0]
-    kept = first.clone()
-    second = r.forward([(s, [12])], on_device=on_device)[0]
-    assert torch.equal(first, kept) and not torch.equal(first, second)
+    for t, on_device in ((10, False), (12, True)):     # replays of the static step
+        first = r.forward([(s, [t])], on_device=on_device)[0]
+        kept = first.clone()
+        second = r.forward([(s, [t + 1])], on_device=on_device)[0]
+        assert torch.equal(first, kept) and not torch.equal(first, second), on_device
 
 
 def test_gpu_dtype_follows_the_family():
@@ -417,17 +454,26 @@ def _prefill_body(r, prompt: list, pad: int):
     return s, logits[0], pending
 
 
+@pytest.fixture(scope="module")
+def f32_prefill(lean_files):
+    """``(model file, prompt, logits)``: an 11-token prompt through the prefill body into an
+    f32 cache (K/V kept exactly), the reference of every KV format below. In the interpreter
+    1 layer: the KV writes are the same in every layer (the layers' residual path: the 2-layer
+    test_fused_prefill_of_a_new_sequence_matches_the_shared_block)."""
+    mf = open_model(str(lean_files["tiny-qwen3moe"]))
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 200, (11,), generator=g).tolist()
+    f = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, kv_spec="f32")
+    return mf, prompt, _prefill_body(f, prompt, 11)[1]
+
+
 @pytest.mark.parametrize("kv", ["int4", "k=int2:t,v=int4,sinks=2,window=4", "fp4", "k=f32,v=int2"])
-def test_fused_prefill_into_a_quantized_cache(files, kv):
+def test_fused_prefill_into_a_quantized_cache(f32_prefill, kv):
     """A quantized cache under the prefill graphs' body: the prompt's own attention reads its
     exact K/V (the logits equal those of an f32 cache's prefill), the quantized stores are written for the true length only (padding to
     the bucket writes nothing: per-channel pages, sink and window rings included), and the
     decode step after it reads them."""
-    mf = open_model(str(files["tiny-qwen3moe"]))
-    g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, 200, (11,), generator=g).tolist()
-    f = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, kv_spec="f32")   # K/V kept exactly
-    _, want, _ = _prefill_body(f, prompt, 11)
+    mf, prompt, want = f32_prefill
     runs = {}
     for pad in (11, 16):
         r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, kv_spec=kv)
@@ -453,29 +499,33 @@ def test_fused_prefill_into_a_quantized_cache(files, kv):
     assert (n11 - n16).abs().max() < (1e-4 if not CUDA else 2e-2) * n11.abs().max()
 
 
-def test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length(files, monkeypatch):
+def test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length(lean_files, monkeypatch):
     """PrefillGraphs.run's bookkeeping with a quantized cache, on any device: the capture's
     eager run and later replays (here a stand-in graph that reruns the step on the static
-    buffers) leave the cache as the step body with the exact prompt length does."""
+    buffers) leave the cache as the step body with the exact prompt length does (the same
+    bookkeeping for every layer: a 1-layer model in the interpreter)."""
     from types import SimpleNamespace
 
     from localmoe.backends.reference import prepare_batch
     from localmoe.backends.triton import graphs as G
 
     def fake_capture(g, step, pool, what):
+        # the eager run; as in a real capture, recording the step runs nothing: the graph's
+        # output is the eager run's until the first replay reruns the step
         out = step(g)
 
         def replay():
             g.out = step(g)
-        g.out, g.graph = step(g), SimpleNamespace(replay=replay)
+        g.out, g.graph = out, SimpleNamespace(replay=replay)
         return out, None
 
     monkeypatch.setattr(G, "_capture", fake_capture)
-    mf = open_model(str(files["tiny-qwen3moe"]))
+    mf = open_model(str(lean_files["tiny-qwen3moe"]))
     prompt = [3 + (7 * i) % 190 for i in range(37)]            # the 64-token bucket
     ref = TritonRunner(mf, n_ctx=128, device=DEV, dtype=DT, kv_spec="int4")
     sr, want, _ = _prefill_body(ref, prompt, len(prompt))
-    want_store = {k: t.clone() for k, t in ref.cache.k_stores[1].items()}
+    last = ref.spec.n_layers - 1
+    want_store = {k: t.clone() for k, t in ref.cache.k_stores[last].items()}
     r = TritonRunner(mf, n_ctx=128, device=DEV, dtype=DT, kv_spec="int4", max_seqs=2)
     pg = G.PrefillGraphs(r, pool=object())
     for i in range(2):                                          # the capture, then a replay
@@ -486,10 +536,10 @@ def test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length(files, m
         r.cache.commit(s, len(prompt))
         assert (got[0] - want).abs().max() < 1e-5 * want.abs().max(), i
         for key in ("ring", "ring_pos"):     # the keys' fp16 ring, in each sequence's row
-            assert torch.equal(r.cache.k_stores[1][key][r.cache.seq_row(s)],
+            assert torch.equal(r.cache.k_stores[last][key][r.cache.seq_row(s)],
                                want_store[key][ref.cache.seq_row(sr)]), key
-        kr, vr = ref.cache.read(1, sr, len(prompt))
-        kg, vg = r.cache.read(1, s, len(prompt))
+        kr, vr = ref.cache.read(last, sr, len(prompt))
+        kg, vg = r.cache.read(last, s, len(prompt))
         assert torch.equal(kr, kg) and torch.equal(vr, vg), i
         r.free_sequence(s)
     assert pg.captures == 1 and pg.replays == 1
@@ -685,7 +735,11 @@ def test_pipelined_generation_gives_the_tokens_of_the_plain_loop(files, monkeypa
 def test_fused_prefill_of_a_new_sequence_matches_the_shared_block(files, preset):
     """FusedDecode.prefill (the body of the prefill graphs: causal attention among the new
     tokens, the prompt padded to its bucket) gives the unfused prefill's last logits and KV
-    cache, and the padding changes neither; a decode step after it agrees too."""
+    cache, and the padding changes neither; a decode step after it agrees too.
+
+    In the interpreter the padded prompt alone (~7-9 s a run): the body without padding
+    (the prompt's exact length) runs there in the 1-layer test_fused_prefill_into_a_quantized_cache
+    and test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length."""
     from localmoe.backends.reference import prepare_batch
 
     mf = open_model(str(files[preset]))
@@ -697,7 +751,7 @@ def test_fused_prefill_of_a_new_sequence_matches_the_shared_block(files, preset)
     want_next = ref.forward([(sa, [7])])[0]
     r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT)
     c = r.cache
-    for pad in (11, 16):
+    for pad in ((11, 16) if CUDA else (16,)):
         s = r.new_sequence()
         prepare_batch(r.model, c, r.n_ctx, [(s, prompt)])
         c.reserve(s, pad)
