@@ -56,6 +56,15 @@ class ContextOverflowError(LocalMoEError):
         self.hint = self.DEFAULT_HINT if hint is None else hint
         super().__init__(f"{self.reason}; {self.hint}" if self.hint else self.reason)
 
+    @classmethod
+    def fills_context(cls, n_prompt: int, n_ctx: int, hint: str | None = None
+                      ) -> "ContextOverflowError":
+        """The error for a prompt that takes every position of the context (``n_prompt ==
+        n_ctx``): nothing could be generated."""
+        s = "s" if n_prompt != 1 else ""
+        return cls(n_prompt, n_ctx, f"prompt is {n_prompt} token{s} and fills the whole context "
+                                    f"({n_ctx}), leaving no room to generate", hint=hint)
+
 
 class TemplateError(LocalMoEError):
     """The chat template failed to render (its own raise_exception message is included)."""

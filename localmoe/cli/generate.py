@@ -67,10 +67,8 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
         if n > llm.n_ctx:
             raise ContextOverflowError(n, llm.n_ctx)
         if n == llm.n_ctx:   # it would end at once with nothing printed
-            raise ContextOverflowError(n, llm.n_ctx, (
-                f"prompt is {n} token{'s' if n != 1 else ''} and fills the whole context "
-                f"({llm.n_ctx}), leaving no room to generate"),
-                hint="shorten the prompt or raise --ctx-size")
+            raise ContextOverflowError.fills_context(
+                n, llm.n_ctx, hint="shorten the prompt or raise --ctx-size")
         if record_routing:
             routing.check_model(llm)
 

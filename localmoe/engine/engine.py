@@ -352,9 +352,7 @@ class Engine:
         if n_max_out < 0:
             raise ContextOverflowError(len(ids), self.n_ctx)
         if n_max_out == 0:   # nothing could be generated (the CLI, vLLM and llama.cpp refuse it)
-            raise ContextOverflowError(len(ids), self.n_ctx, (
-                f"prompt is {len(ids)} tokens and fills the whole context ({self.n_ctx}), "
-                "leaving no room to generate"))
+            raise ContextOverflowError.fills_context(len(ids), self.n_ctx)
         if self._closed:
             raise LocalMoEError("this model was closed; create a new LLM")
         if hasattr(p, "with_grammar"):  # a bad json_schema fails here, also for streams

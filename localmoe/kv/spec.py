@@ -218,14 +218,21 @@ def _apply_option_string(kv: str, o: dict[str, Any]) -> str:
     return base_fmt or ("f16" if not (o["k"] and o["v"]) else o["k"])
 
 
-# The options of :func:`_apply_option` other than ``k=``/``v=`` (those have their own message).
-_VALUE_OPTIONS = ("outliers", "outlier_frac", "koutliers", "key_outliers", "key_outlier_frac",
-                  "sinks", "sink_tokens", "window", "kgroup", "key_grouping")
-
-
 def _fraction(val: str) -> float:
     """``"0.04"`` or ``"4%"`` -> 0.04 (ValueError when not a number)."""
     return float(val[:-1]) / 100 if val.endswith("%") else float(val)
+
+
+# The options of :func:`_apply_option` other than ``k=``/``v=``: name -> (the options' field,
+# the parser of its value; None: the first value given wins)
+_VALUE_OPTIONS = {
+    **dict.fromkeys(("outliers", "outlier_frac"), ("outlier_frac", _fraction)),
+    **dict.fromkeys(("koutliers", "key_outliers", "key_outlier_frac"),
+                    ("key_outlier_frac", _fraction)),
+    **dict.fromkeys(("sinks", "sink_tokens"), ("sink_tokens", int)),
+    "window": ("window", int),
+    **dict.fromkeys(("kgroup", "key_grouping"), ("kgroup", None)),
+}
 
 
 def _apply_option(kv: str, part: str, key: str, val: str, o: dict[str, Any]) -> None:
@@ -241,18 +248,11 @@ def _apply_option(kv: str, part: str, key: str, val: str, o: dict[str, Any]) -> 
             f"{', '.join(KV_FORMAT_TABLE)}, or leave {key}= out")
     if key in ("k", "v"):
         o[key] = o[key] or val
-    elif key in ("outliers", "outlier_frac"):
-        o["outlier_frac"] = _fraction(val)
-    elif key in ("koutliers", "key_outliers", "key_outlier_frac"):
-        o["key_outlier_frac"] = _fraction(val)
-    elif key in ("sinks", "sink_tokens"):
-        o["sink_tokens"] = int(val)
-    elif key == "window":
-        o["window"] = int(val)
-    elif key in ("kgroup", "key_grouping"):
-        o["kgroup"] = o["kgroup"] or val
-    else:
+        return
+    if key not in _VALUE_OPTIONS:
         raise ValueError(key)
+    field_, parse = _VALUE_OPTIONS[key]
+    o[field_] = parse(val) if parse is not None else (o[field_] or val)
 
 
 def _side_formats(kv: Any, k: str | None, v: str | None, kgroup: str | None
