@@ -195,11 +195,12 @@ def routings(m, t, r, gen):
     return out
 
 
-def moe_weights(m, dev):
-    """Q4_K experts of model ``m``: fused gate/up ``[E, 2F, D]``, down ``[E, D, F]``, slots."""
+def moe_weights(m, dev, qtype: str = "Q4_K"):
+    """``qtype`` experts of model ``m``: fused gate/up ``[E, 2F, D]``, down ``[E, D, F]``,
+    slots."""
     e, f, d = m["e"], m["f"], m["d"]
-    gu = QuantTensor.interleave_rows(make("Q4_K", (e, f, d), 3, dev), make("Q4_K", (e, f, d), 4, dev))
-    return gu, make("Q4_K", (e, d, f), 5, dev), torch.arange(e, dtype=torch.int32, device=dev)
+    gu = QuantTensor.interleave_rows(make(qtype, (e, f, d), 3, dev), make(qtype, (e, f, d), 4, dev))
+    return gu, make(qtype, (e, d, f), 5, dev), torch.arange(e, dtype=torch.int32, device=dev)
 
 
 def moe_routings(m, t, gu, wd, dev, gen):
@@ -213,10 +214,11 @@ def moe_routings(m, t, gu, wd, dev, gen):
     return [(i.to(dev), w.to(dev)) for i, w in routings(m, t, r, gen)]
 
 
-def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("both", "both_xq")):
+def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("both", "both_xq"),
+              qtype: str = "Q4_K"):
     rows = []
     e, f, d, k = m["e"], m["f"], m["d"], m["k"]
-    gu, wd, slot = moe_weights(m, dev)
+    gu, wd, slot = moe_weights(m, dev, qtype)
     gen = torch.Generator().manual_seed(0)
     row_gu, row_d = gu.nbytes // gu.rows, wd.nbytes // wd.rows
     grow_gu, grow_d = gu.ggml_nbytes // gu.rows, wd.ggml_nbytes // wd.rows
@@ -257,7 +259,7 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
                     print(f"  variant {cfg} {stage} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                     continue
                 kind = {"both": "quant+moe", "both_xq": "moe", "gate_up": "moe_gate_up", "down": "moe_down"}[stage]
-                rows.append(row(kind, model, "experts", "Q4_K", (e, f, d, k), t, us, int(nbytes),
+                rows.append(row(kind, model, "experts", qtype, (e, f, d, k), t, us, int(nbytes),
                                 int(gnb) if stage.startswith("both") else None,
                                 config=cfg or "default", experts_touched=statistics.mean(distinct)))
     del gu, wd
@@ -494,6 +496,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy shapes (a smoke test; CPU interpreter ok)")
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--expert-qtypes", nargs="*", default=["Q4_K"], metavar="QTYPE",
+                    help="GGUF types of the timed experts (default Q4_K, as in a Q4_K_M file; "
+                         "e.g. IQ4_XS Q3_K Q2_K)")
     a = ap.parse_args(argv)
     if a.write_config and not a.sweep:
         ap.error("--write-config needs --sweep")
@@ -507,7 +512,8 @@ def main(argv=None) -> int:
         models = {"tiny": TINY} if a.tiny else {k: MODELS[k] for k in a.models}
         for name, m in models.items():
             rows += bench_gemv(name, m, a.tokens, dev)
-            rows += bench_moe(name, m, a.tokens, dev)
+            for qt in a.expert_qtypes:
+                rows += bench_moe(name, m, a.tokens, dev, qtype=qt.upper())
     res = {
         "suite": "quant_kernels",
         "machine": platform.node(),

@@ -12,7 +12,9 @@ graph after each step::
 Steps: ``fresh`` (nothing), ``warm512`` (a 512-token prompt, then 4 decode steps on it: what
 ``vs_llamacpp.run_localmoe`` does first), ``pp512`` / ``ttft4096`` (its timed prompts:
 :func:`vs_llamacpp.time_prefill`), ``recapture`` (drop the decode graphs; the next step
-captures again), ``empty`` (``torch.cuda.empty_cache()``), ``sleep`` (5 s). After each, a new
+captures again), ``empty`` (``torch.cuda.empty_cache()``), ``sleep`` (5 s), ``ondevice`` (16
+decode steps returning their logits on the device), ``alloc`` / ``bigalloc`` (16 device
+allocations of 600 KB / 256 MiB, filled and freed, no step). After each, a new
 sequence of one token decodes 8 steps; the graph is replayed 32 times back to back (three
 times), then the generation loop runs 64 tokens and the graph is timed again. One JSON line
 per step: graph ms, host ms per replay enqueue, generation-loop ms, graph ms after the loop,
@@ -32,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import vs_llamacpp as V  # noqa: E402
 
-STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep", "ondevice")
+STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep", "ondevice",
+         "alloc", "bigalloc")
 
 
 def clocks() -> str:
@@ -113,6 +116,13 @@ def main(argv=None) -> int:
             for i in range(16):
                 r.forward([(s, [11 + i])], on_device=True)
             r.free_sequence(s)
+        elif step in ("alloc", "bigalloc"):   # device allocations with no step: 16 x 600 KB
+            n = 151936 if step == "alloc" else 64 << 20   # or 16 x 256 MiB
+            for i in range(16):
+                x = torch.empty(n, dtype=torch.float32, device="cuda")
+                x.fill_(float(i))
+                del x
+            torch.cuda.synchronize()
         print(json.dumps(context0(r, prompt, step, a.host_only)), flush=True)
     r.close()
     return 0

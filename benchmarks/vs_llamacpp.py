@@ -111,15 +111,19 @@ class VramPoll:
         return round((self.peak - self.base) / 1024, 2)
 
 
-def ensure_file(preset: str, model_dir: Path, n_layers: int | None) -> Path:
+def ensure_file(preset: str, model_dir: Path, n_layers: int | None, quant: str | None = None
+                ) -> Path:
+    """The synthetic ``preset`` file in ``model_dir`` (written once): its Q4_K_M-like mix, or
+    every weight matrix in ``quant`` (e.g. ``iq4_xs``, ``q3_k``)."""
     from localmoe.testing.synthetic import write_gguf
 
-    name = preset + (f"-{n_layers}l" if n_layers else "") + ".gguf"
+    name = (preset + (f"-{n_layers}l" if n_layers else "") + (f"-{quant.lower()}" if quant else "")
+            + ".gguf")
     path = model_dir / name
     if not path.exists():
         model_dir.mkdir(parents=True, exist_ok=True)
         t = time.time()
-        write_gguf(path, preset, seed=0, n_layers=n_layers)
+        write_gguf(path, preset, seed=0, n_layers=n_layers, quant=quant)
         print(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB) in {time.time() - t:.0f} s", flush=True)
     return path
 
@@ -486,6 +490,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--n-layers", type=int, default=None, help="truncated copy (quick runs)")
+    ap.add_argument("--quant", default=None,
+                    help="every weight matrix of the synthetic file in this GGUF type (iq4_xs, "
+                         "q3_k, ...; default: the preset's Q4_K_M-like mix)")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/models"))
     ap.add_argument("--llama-src", type=Path, default=None,
                     help="llama.cpp source tree or .tar.xz (skip llama.cpp when absent)")
@@ -508,11 +515,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     depths = [int(x) for x in a.depths.split(",")]
-    path = ensure_file(a.preset, a.model_dir, a.n_layers)
+    path = ensure_file(a.preset, a.model_dir, a.n_layers, a.quant)
     page_in(path)
     import torch
 
-    out = {"machine": platform.node(), "gpu": torch.cuda.get_device_name(0), "preset": a.preset,
+    out = {"machine": platform.node(), "gpu": torch.cuda.get_device_name(0), "preset": a.preset, "quant": a.quant or "mixed",
            "n_layers": a.n_layers, "file_bytes": path.stat().st_size,
            "date": datetime.date.today().isoformat(),
            "command": "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -29,6 +29,10 @@ Q4_K   256   144    d, dmin, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[12
                     values: 32 low nibbles, then 32 high nibbles); w = d*sc*q - dmin*m
 Q5_K   256   176    Q4_K + qh[32] (bit j of qh[l] = 5th bit of value 32j+l)
 Q6_K   256   210    ql[128], qh[64], scales int8[16] (per 16 values), d; w = d*sc*(q-32)
+IQ4_NL 32    18     d f16, qs[16] (nibbles as Q4_0); w = d*T[q], T the 16-entry code book
+                    :data:`IQ4_VALUES` (-127..113)
+IQ4_XS 256   136    d f16, scales_h u16, scales_l[4] (8 x 6-bit ls), qs[128] (per 32 values:
+                    nibbles as Q4_0); w = d*(ls-32)*T[q]
 ====== ===== ====== ==================================================================
 
 Repacked planes (``R`` rows, ``K`` values per row; all row-major, row ``r`` of every plane
@@ -53,14 +57,20 @@ Q3_K, 32 otherwise); a chunk is ``CV/16`` *slices* of 16 values, slice ``s`` = v
 * ``sc`` sub-block scales, pre-unpacked: Q4_K/Q5_K int16 ``[R, K/32]``, the 6-bit scale in the
   low byte and the 6-bit min in the high byte (one load per chunk for both); Q6_K int8
   ``[R, K/16]``; Q3_K int8 ``[R, K/16]`` (6-bit value minus 32); Q2_K uint8 ``[R, K/16]``
-  (ggml's byte: scale in the low nibble, min in the high one).
+  (ggml's byte: scale in the low nibble, min in the high one); IQ4_XS int8 ``[R, K/32]``
+  (ls - 32, one per chunk).
+
+IQ4_NL / IQ4_XS codes are packed as Q4_0's (``B=4``) and stay 4-bit indices on the device:
+the kernels map them to their int8 code-book values in registers
+(:func:`localmoe.kernels.quant_gemv.iq4_lookup`, ``prmt`` byte permutes on the GPU).
 
 Packing a chunk's scale with its min, and a super-block's ``d`` with its ``dmin``, cuts the
 loads a kernel issues per Q4_K chunk from five to three (the profile of the fused MoE gate/up
 launch on the H200 showed 59% of its stall cycles waiting on L1TEX loads).
 
 Bytes on the device per 256 values: the file's for every type except Q4_K 148 (144 in the
-file), Q5_K 180 (176) and Q3_K 114 (110): their 12-byte packed 6-bit scales become 16 bytes.
+file), Q5_K 180 (176) and Q3_K 114 (110): their 12-byte packed 6-bit scales become 16 bytes;
+IQ4_XS 138 (136): its 6 bytes of 6-bit scales become 8.
 F32/F16/BF16 tensors pass through as one plane ``w`` ``[R, K]`` of their own dtype.
 """
 
@@ -83,19 +93,26 @@ __all__ = [
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+IQ4_NL, IQ4_XS = 20, 23
+#: the IQ4_NL / IQ4_XS code book (ggml ``kvalues_iq4nl``; the same as
+#: :data:`localmoe.io.dequant.IQ4_VALUES`, which this layer may not import, tested)
+IQ4_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                               89, 113)
 
 #: ggml type id -> (values per block, bytes per block)
 BLOCK_SIZES: dict[int, tuple[int, int]] = {
     F32: (1, 4), F16: (1, 2), BF16: (1, 2),
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
     Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    IQ4_NL: (32, 18), IQ4_XS: (256, 136),
 }
 QTYPE_NAMES: dict[int, str] = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
     Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K",
-    Q6_K: "Q6_K",
+    Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS",
 }
-QUANT_QTYPES: tuple[int, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+QUANT_QTYPES: tuple[int, ...] = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+                                 IQ4_NL, IQ4_XS)
 FLOAT_QTYPES: tuple[int, ...] = (F32, F16, BF16)
 SUPPORTED_QTYPES: frozenset[int] = frozenset(BLOCK_SIZES)
 _FLOAT_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
@@ -103,6 +120,7 @@ _FLOAT_DTYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 _F16_FIELDS = {
     Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,),
     Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
+    IQ4_NL: (0,), IQ4_XS: (0,),
 }
 _CHUNK_VALUES = 1 << 24
 """Weight values repacked per step: bounds the repack's temporaries (uint8 codes, and the int64
@@ -252,6 +270,15 @@ def _codes_and_scales(b: torch.Tensor, qt: int) -> tuple[torch.Tensor, dict[str,
             hb = ((qh.reshape(n, 1, 32) >> _sh(range(8), b.device).view(1, 8, 1)) & 1).reshape(n, 256)
             codes = codes | (hb << 4)
         return codes, {"d": _f16(b[:, 0:2]), "dmin": _f16(b[:, 2:4]), "sc": sc, "mn": mn}
+    if qt == IQ4_NL:
+        return _nib32(b[:, 2:18]), {"d": _f16(b[:, 0:2])}
+    if qt == IQ4_XS:
+        sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)
+        j = _const(tuple(range(8)), torch.int32, b.device).view(1, 8)
+        lo = (b[:, 4:8].to(torch.int32).repeat_interleave(2, dim=1) >> ((j % 2) * 4)) & 0x0F
+        ls = lo | (((sh >> (2 * j)) & 3) << 4)
+        codes = _nib32(b[:, 8:136].reshape(n * 8, 16)).reshape(n, 256)
+        return codes, {"d": _f16(b[:, 0:2]), "sc": (ls - 32).to(torch.int8)}
     if qt == Q6_K:
         ql = b[:, 0:128].reshape(n, 2, 1, 64) >> _sh([0, 4], b.device).view(1, 1, 2, 1)
         ql = (ql & 0x0F).reshape(n, 2, 4, 32)
@@ -397,6 +424,11 @@ def _dequant_codes(codes: torch.Tensor, p: dict[str, torch.Tensor], qt: int) -> 
         dl = (d * p["sc"].to(f32).reshape(r, -1, 16)).reshape(r, -1, 1)
         q = (codes.to(torch.int8) - 32).to(f32)
         return (dl * q.reshape(r, -1, 16)).reshape(r, k)
+    if qt in (IQ4_NL, IQ4_XS):
+        t = _const(IQ4_VALUES, torch.float32, codes.device)[codes.long()].reshape(r, -1, 32)
+        if qt == IQ4_XS:
+            d = (d * p["sc"].to(f32).reshape(r, -1, 8)).reshape(r, -1, 1)
+        return (d * t).reshape(r, k)
     raise AssertionError(qt)
 
 

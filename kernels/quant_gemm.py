@@ -2,8 +2,9 @@
 
 ``y[m, n] = sum_k x[m, k] * W[n, k]`` for many tokens ``m`` (prefill), with ``W`` a
 :class:`~localmoe.kernels.qtensor.QuantTensor` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
-Q5_K, Q6_K). Each program owns a ``[BM, BN]`` output tile and walks K one *chunk* at a time
-(32 values, 64 for Q2_K/Q3_K; the repacked planes of :mod:`localmoe.kernels.qtensor`):
+Q5_K, Q6_K, IQ4_NL, IQ4_XS). Each program owns a ``[BM, BN]`` output tile and walks K one
+*chunk* at a time (32 values, 64 for Q2_K/Q3_K; the repacked planes of
+:mod:`localmoe.kernels.qtensor`):
 :func:`_dequant_chunk` turns the chunk's ``BN`` weight rows into floats in registers (codes
 shifted out of their words, high bits or'ed in, block and sub-block scales applied as in ggml's
 ``dequantize_row_*``), and ``tl.dot`` multiplies them with the ``[BM, CV]`` activation tile on
@@ -39,7 +40,9 @@ import triton.language as tl
 
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values
-from localmoe.kernels.quant_gemv import k_chunk_scales, k_super_scales, plane_args
+from localmoe.kernels.quant_gemv import (
+    iq4_lookup, k_chunk_scales, k_super_scales, plane_args, use_asm,
+)
 from localmoe.kernels.host import cdiv
 
 __all__ = ["quant_gemm", "quant_gemm_ref", "dequantize_rows", "moe_align", "moe_gemm_gate_up",
@@ -54,12 +57,13 @@ MOE_PREFILL_CHUNK = 4096
 
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = tl.constexpr(2), tl.constexpr(3), tl.constexpr(6), tl.constexpr(7), tl.constexpr(8)
 _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = tl.constexpr(10), tl.constexpr(11), tl.constexpr(12), tl.constexpr(13), tl.constexpr(14)
+_IQ4_NL, _IQ4_XS = tl.constexpr(20), tl.constexpr(23)
 
 
 @triton.jit
 def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                    q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                   QTYPE: tl.constexpr, CV: tl.constexpr):
+                   QTYPE: tl.constexpr, CV: tl.constexpr, USE_ASM: tl.constexpr = False):
     """Float32 values ``[BN, CV]`` of chunk ``c`` of the weight rows ``rows`` ([BN] int64;
     masked rows give 0). Value ``16s + 4w + b`` of a chunk sits in byte ``b`` of word ``w`` of
     slice ``s`` (qtensor's layout), so a [BN, S, 4, 4] tile of shifted codes reshapes to the
@@ -77,7 +81,12 @@ def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
     elif CV == 32:
         s4 = tl.arange(0, 2)[None, :, None, None]
         wv = tl.load(q_ptr + r4 * q_rs + c * 4 + w4, mask=m4, other=0)
-        code = (wv >> (8 * b4 + 4 * s4)) & 15
+        if QTYPE == _IQ4_NL or QTYPE == _IQ4_XS:
+            # the code-book values of both 16-value slices as int8 words, then signed bytes
+            lo, hi = iq4_lookup(wv, USE_ASM)
+            code = (tl.where(s4 == 0, lo, hi) << (24 - 8 * b4)) >> 24
+        else:
+            code = (wv >> (8 * b4 + 4 * s4)) & 15
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
             h = tl.load(qh_ptr + r4 * qh_rs + c, mask=m4, other=0)
             code = code | (((h >> (8 * b4 + 4 * s4 + w4)) & 1) << 4)
@@ -93,9 +102,15 @@ def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
             d, dm = k_super_scales(tl.load(d_ptr + r4 * d_rs + c // 8, mask=m4, other=0))
             sc, mn = k_chunk_scales(tl.load(sc_ptr + r4 * sc_rs + c, mask=m4, other=0))
             val = (d * sc.to(tl.float32)) * codef - dm * mn.to(tl.float32)
+        elif QTYPE == _IQ4_XS:
+            d = tl.load(d_ptr + r4 * d_rs + c // 8, mask=m4, other=0.0).to(tl.float32)
+            sc = tl.load(sc_ptr + r4 * sc_rs + c, mask=m4, other=0).to(tl.float32)
+            val = (d * sc) * codef
         else:
             d = tl.load(d_ptr + r4 * d_rs + c, mask=m4, other=0.0).to(tl.float32)
-            if QTYPE == _Q4_0:
+            if QTYPE == _IQ4_NL:
+                val = d * codef
+            elif QTYPE == _Q4_0:
                 val = d * (codef - 8.0)
             elif QTYPE == _Q5_0:
                 val = d * (codef - 16.0)
@@ -126,7 +141,8 @@ def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
 @triton.jit
 def _gemm_tile(x_ptr, xrow, xmask, x_rs, rows, nmask, n_chunks,
                q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-               QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+               QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               USE_ASM: tl.constexpr = False):
     """float32 ``[BM, BN]`` = x rows ``xrow`` ([BM] int64, masked by ``xmask``) times the weight
     rows ``rows`` ([BN], masked by ``nmask``) over all ``n_chunks`` chunks of K: each chunk
     dequantized in registers, one ``tl.dot`` in the activations' dtype."""
@@ -135,7 +151,7 @@ def _gemm_tile(x_ptr, xrow, xmask, x_rs, rows, nmask, n_chunks,
     for c in range(0, n_chunks):
         x = tl.load(xp + c * CV, mask=xmask[:, None], other=0.0)
         w = _dequant_chunk(rows, nmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV)
+                           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, USE_ASM)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     return acc
 
@@ -143,7 +159,8 @@ def _gemm_tile(x_ptr, xrow, xmask, x_rs, rows, nmask, n_chunks,
 @triton.jit
 def _quant_gemm_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                        M, N, n_chunks, x_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                       QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                       QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       USE_ASM: tl.constexpr = False):
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(0)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -153,7 +170,7 @@ def _quant_gemm_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_pt
     rows = rn.to(tl.int64)
     acc = _gemm_tile(x_ptr, rm.to(tl.int64), mmask, x_rs, rows, nmask, n_chunks,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, q_rs, qh_rs, d_rs, dm_rs, sc_rs,
-                     mn_rs, QTYPE, CV, BM, BN)
+                     mn_rs, QTYPE, CV, BM, BN, USE_ASM)
     yp = y_ptr + rm.to(tl.int64)[:, None] * y_rs + rn[None, :]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -161,14 +178,15 @@ def _quant_gemm_kernel(x_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_pt
 @triton.jit
 def _dequant_rows_kernel(ids_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          R, n_chunks, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                         QTYPE: tl.constexpr, CV: tl.constexpr, BR: tl.constexpr):
+                         QTYPE: tl.constexpr, CV: tl.constexpr, BR: tl.constexpr,
+                         USE_ASM: tl.constexpr = False):
     pid = tl.program_id(0)
     c = tl.program_id(1)
     ri = pid * BR + tl.arange(0, BR)
     rmask = ri < R
     rows = tl.load(ids_ptr + ri, mask=rmask, other=0).to(tl.int64)
     w = _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                       q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV)
+                       q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, USE_ASM)
     yp = y_ptr + ri.to(tl.int64)[:, None] * y_rs + c * CV + tl.arange(0, CV)[None, :]
     tl.store(yp, w.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -222,7 +240,8 @@ def quant_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
     grid = (cdiv(n, cfg["BN"]), cdiv(m, cfg["BM"]))
     _quant_gemm_kernel[grid](
         x, out, *ptrs, m, n, k // cv, x.stride(0), out.stride(0), *strides,
-        QTYPE=w.qtype, CV=cv, BM=cfg["BM"], BN=cfg["BN"], num_warps=cfg.get("num_warps", 4),
+        QTYPE=w.qtype, CV=cv, BM=cfg["BM"], BN=cfg["BN"], USE_ASM=use_asm(),
+        num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2))
     return out
 
@@ -251,7 +270,7 @@ def dequantize_rows(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype = torc
     br = 16
     _dequant_rows_kernel[(cdiv(t, br), k // cv)](
         ids.reshape(-1).contiguous(), out, *ptrs, t, k // cv, out.stride(0), *strides,
-        QTYPE=w.qtype, CV=cv, BR=br, num_warps=4)
+        QTYPE=w.qtype, CV=cv, BR=br, USE_ASM=use_asm(), num_warps=4)
     return out
 
 
@@ -307,7 +326,8 @@ def _moe_gemm_kernel(x_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, wts
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                      n_assign, NW, n_chunks, x_rs, y_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, GATE_UP: tl.constexpr, ACT: tl.constexpr,
-                     QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                     QTYPE: tl.constexpr, CV: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     USE_ASM: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m * BM >= tl.load(npad_ptr):
@@ -325,7 +345,7 @@ def _moe_gemm_kernel(x_ptr, y_ptr, sorted_ptr, bexp_ptr, npad_ptr, slot_ptr, wts
     rows = slot * NW + rn.to(tl.int64)
     acc = _gemm_tile(x_ptr, xrow, amask, x_rs, rows, nmask, n_chunks,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, q_rs, qh_rs, d_rs, dm_rs, sc_rs,
-                     mn_rs, QTYPE, CV, BM, BN)
+                     mn_rs, QTYPE, CV, BM, BN, USE_ASM)
     arow = a.to(tl.int64)
     if GATE_UP:
         # columns alternate gate, up (QuantTensor.interleave_rows): h = act(gate) * up
@@ -357,7 +377,7 @@ def _moe_gemm(x, w: QuantTensor, y, align, slot_of, wts, top_k: int, gate_up: bo
         x, y, sorted_ids, block_expert, n_pad, slot_of, wts if wts is not None else y,
         *ptrs, y.shape[0], nw, k // cv, x.stride(0), y.stride(0), *strides,
         TOP_K=top_k, GATE_UP=gate_up, ACT=act, QTYPE=w.qtype, CV=cv, BM=cfg["BM"], BN=cfg["BN"],
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+        USE_ASM=use_asm(), num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
 
 
 def moe_gemm_config(tokens: int, top_k: int, n_experts: int, d_model: int, d_ff: int,

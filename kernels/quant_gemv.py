@@ -1,7 +1,8 @@
 """Quantized GEMV for decode (1-8 tokens) on GGUF weights kept in their blocks.
 
 ``y[t, n] = sum_k x[t, k] * W[n, k]`` with ``W`` a :class:`~localmoe.kernels.qtensor.QuantTensor`
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; float weights go to ``torch``).
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; float weights go
+to ``torch``).
 
 Algorithm (the integer dot product of llama.cpp's CUDA ``mmvq``, written in Triton; one kernel,
 the format is the constexpr ``QTYPE``):
@@ -15,7 +16,8 @@ the format is the constexpr ``QTYPE``):
    = 32 values, or 64 for Q2_K/Q3_K), once per token. The repacked planes (see
    :mod:`localmoe.kernels.qtensor`) put the codes of a 16-value slice in 4 words: one 16-byte
    load per (row, chunk) brings 32 (or 64) codes; a shift and a mask select a slice, a
-   shift/mask/or adds the high bits. Weights are never converted to float.
+   shift/mask/or adds the high bits (IQ4_NL/IQ4_XS: :func:`iq4_lookup` turns the 4-bit
+   indices into their int8 code-book values). Weights are never converted to float.
 3. ``dp4a`` (4 int8 products summed into an int32; inline PTX on the GPU, an exact emulation
    in the interpreter) gives the integer dot of each slice; block scales are applied once per
    chunk: ``y += dx * d * (sum_s sc_s * (q_s . xq_s) + m_s * sum(xq_s))`` (integer inside the
@@ -64,7 +66,7 @@ from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.qtensor import (
-    FLOAT_QTYPES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
+    FLOAT_QTYPES, IQ4_VALUES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
 )
 
 __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "QuantAct",
@@ -144,6 +146,72 @@ _Q3_K = tl.constexpr(11)
 _Q4_K = tl.constexpr(12)
 _Q5_K = tl.constexpr(13)
 _Q6_K = tl.constexpr(14)
+_IQ4_NL = tl.constexpr(20)
+_IQ4_XS = tl.constexpr(23)
+
+
+def _iq4_table_words() -> tuple[int, int]:
+    """The IQ4 code book (:data:`localmoe.kernels.qtensor.IQ4_VALUES`) as two little-endian int64
+    words of 8 signed bytes: entries 0-7 and 8-15."""
+    b = [v & 0xFF for v in IQ4_VALUES]
+    lo, hi = (sum(x << (8 * i) for i, x in enumerate(b[j:j + 8])) for j in (0, 8))
+    return tuple(w - (1 << 64) if w >= 1 << 63 else w for w in (lo, hi))
+
+
+_IQ4_WORDS = _iq4_table_words()
+_IQ4_T = [f"0x{(w >> s) & 0xFFFFFFFF:08X}" for w in _IQ4_WORDS for s in (0, 32)]
+_IQ4_LO64, _IQ4_HI64 = (tl.constexpr(w) for w in _IQ4_WORDS)
+# A code word holds 8 codes (byte i: code l | code 16+l << 4). ``prmt`` reads its selector's
+# 4 low nibbles: codes masked to 3 bits index a table half (8 bytes in two registers) for the
+# four codes of two bytes at a time, from both halves; a third ``prmt`` keeps each code's
+# half (its bit 3 moved to the selector's bit 2, 0x3210 the positions), and two more sort the
+# values of the low nibbles and of the high nibbles into one word each: 14 instructions
+# for 8 codes (the scheme of llama.cpp's ``get_int_from_table_16``, written anew here)
+_IQ4_PTX = tl.constexpr(
+    "{ .reg .b32 q, s, t0, t1, t2, t3, a, b, r0, r1;\n"
+    f"mov.b32 t0, {_IQ4_T[0]};\n"
+    f"mov.b32 t1, {_IQ4_T[1]};\n"
+    f"mov.b32 t2, {_IQ4_T[2]};\n"
+    f"mov.b32 t3, {_IQ4_T[3]};\n"
+    "and.b32 q, $2, 0x77777777;\n"
+    "shr.b32 s, $2, 1;\n"
+    "and.b32 s, s, 0x44444444;\n"
+    "or.b32 s, s, 0x32103210;\n"
+    "prmt.b32 a, t0, t1, q;\n"
+    "prmt.b32 b, t2, t3, q;\n"
+    "prmt.b32 r0, a, b, s;\n"
+    "shr.b32 q, q, 16;\n"
+    "shr.b32 s, s, 16;\n"
+    "prmt.b32 a, t0, t1, q;\n"
+    "prmt.b32 b, t2, t3, q;\n"
+    "prmt.b32 r1, a, b, s;\n"
+    "prmt.b32 $0, r0, r1, 0x6420;\n"
+    "prmt.b32 $1, r0, r1, 0x7531; }")
+
+
+@triton.jit
+def iq4_lookup(w, USE_ASM: tl.constexpr):
+    """Int32 code words ``w`` of IQ4_NL / IQ4_XS (byte ``b``: code ``b`` of the chunk's first
+    16-value slice in the low nibble, code ``b`` of the second in the high one) -> the two words
+    ``(lo, hi)`` of signed int8 code-book values (ggml ``kvalues_iq4nl``) of the low and of the
+    high nibbles, ready for ``dp4a``. On the GPU 8 ``prmt`` byte permutes and 6 shifts and
+    logic operations (:data:`_IQ4_PTX`); in the interpreter the same selection by shifts of the
+    table's two 8-byte halves."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_IQ4_PTX, "=r,=r,r", [w], dtype=(tl.int32, tl.int32),
+                                         is_pure=True, pack=1)
+    else:
+        lo = w * 0
+        hi = w * 0
+        for i in tl.static_range(8):
+            c = (w >> (4 * i)) & 15
+            half = tl.where(c >= 8, _IQ4_HI64, _IQ4_LO64)
+            v = ((half >> ((c & 7) * 8).to(tl.int64)) & 0xFF).to(tl.int32)
+            if i % 2 == 0:
+                lo = lo | (v << (8 * (i // 2)))
+            else:
+                hi = hi | (v << (8 * (i // 2)))
+        return lo, hi
 
 
 def use_asm() -> bool:
@@ -362,6 +430,9 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
             dw = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN)
             scw = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN)
+        elif QTYPE == _IQ4_XS:
+            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            sc = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN).to(tl.int32)
         else:
             d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
             if QTYPE == _Q4_1 or QTYPE == _Q5_1:
@@ -385,8 +456,11 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
         idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
         acc += dx0 * (d * idot.to(tl.float32))
     elif CV == 32:
-        lo = wv & 0x0F0F0F0F
-        hi = (wv >> 4) & 0x0F0F0F0F
+        if QTYPE == _IQ4_NL or QTYPE == _IQ4_XS:
+            lo, hi = iq4_lookup(wv, USE_ASM)
+        else:
+            lo = wv & 0x0F0F0F0F
+            hi = (wv >> 4) & 0x0F0F0F0F
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
             lo = lo | (((h >> i4) & 0x01010101) << 4)
             hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
@@ -404,9 +478,13 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             i_d = (sc * (i_lo + i_hi)).to(tl.float32)
             i_m = (mn * (s0 + s1)).to(tl.float32)
             acc += dx0 * (d * i_d - dm * i_m)
+        elif QTYPE == _IQ4_XS:
+            acc += dx0 * (d * (sc * (i_lo + i_hi)).to(tl.float32))
         else:
             idot = i_lo + i_hi
-            if QTYPE == _Q4_0:
+            if QTYPE == _IQ4_NL:
+                acc += dx0 * (d * idot.to(tl.float32))
+            elif QTYPE == _Q4_0:
                 acc += dx0 * (d * (idot - 8 * (s0 + s1)).to(tl.float32))
             elif QTYPE == _Q5_0:
                 acc += dx0 * (d * (idot - 16 * (s0 + s1)).to(tl.float32))

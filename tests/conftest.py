@@ -109,6 +109,54 @@ def raw_llama(*args, **kw):
     return load(*args, **kw)
 
 
+def rewrite_gguf(src, dst, tensor, file_type: int | None = None):
+    """Write ``dst``: GGUF ``src``'s metadata (``general.file_type`` set to ``file_type`` when
+    given) and, for each of its tensors ``t``, ``tensor(t)`` = ``(array, raw_dtype or None)``
+    (None: the array's own float type)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        if k == "general.file_type" and file_type is not None:
+            w.add_uint32(k, file_type)
+        elif f.types[0] == GGUFValueType.ARRAY:
+            w.add_array(k, f.contents())
+        else:
+            w.add_key_value(k, f.contents(), f.types[0])
+    for t in r.tensors:
+        data, raw = tensor(t)
+        w.add_tensor(t.name, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def retype_experts(src, dst, qtype, seed=0, scale=2e-4):
+    """Write ``dst``: GGUF ``src`` with its routed experts' tensors replaced by random valid
+    blocks of ``qtype`` (an i-quant whose fp16 ``d`` is the block's first field: IQ1_S,
+    IQ2_*, IQ3_*; ``d`` = ``scale`` in every block, 0 for experts that contribute nothing)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+
+    def tensor(t):
+        if "_exps." not in t.name:
+            return t.data, t.tensor_type
+        shape = tuple(int(v) for v in reversed(t.shape))          # torch order
+        b = rng.integers(0, 256, size=(int(np.prod(shape)) // bs, ts), dtype=np.uint8)
+        b[:, 0:2] = np.full((b.shape[0], 1), scale, np.float16).view(np.uint8)
+        return b.reshape(*shape[:-1], -1), qtype
+
+    return rewrite_gguf(src, dst, tensor)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_llama = pytest.mark.skip(reason="llama-cpp-python not installed")

@@ -177,7 +177,8 @@ class QuantExperts(ExpertProvider):
 def quant_unavailable(model_file, numerics: str = "exact") -> str | None:
     """Why ``model_file`` cannot keep its weights quantized on the GPU (the triton backend then
     dequantizes them to the compute dtype), or None."""
-    from localmoe.kernels.qtensor import QTYPE_NAMES, SUPPORTED_QTYPES
+    from localmoe.io.dequant import QTYPE_NAMES
+    from localmoe.kernels.qtensor import SUPPORTED_QTYPES
 
     if model_file.format != "gguf" or not hasattr(model_file, "raw_tensor"):
         return "the model is not a GGUF file"
@@ -187,7 +188,8 @@ def quant_unavailable(model_file, numerics: str = "exact") -> str | None:
         if n.endswith(_LINEAR_SUFFIXES) or "_exps." in n:
             qt = model_file.raw_tensor(n).qtype
             if qt not in SUPPORTED_QTYPES:
-                return f"tensor {n!r} has quant type {QTYPE_NAMES.get(qt, qt)}, which the kernels do not read"
+                return (f"tensor {n!r} has quant type {QTYPE_NAMES.get(qt, qt)}, which the kernels "
+                        "do not read")
     return None
 
 

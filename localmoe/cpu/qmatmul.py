@@ -24,7 +24,9 @@ q8     ``int8 [N, K]``                               ``s: float32 [N, G]``, ``m`
 GGUF types map exactly (ggml ``dequantize_row_*`` formulas, ggml-quants.c):
 Q4_0 -> q4 (s = d, m = -8d), Q4_1 -> q4 (s = d, m = m), Q4_K -> q4 per 32-value sub-block
 (s = d*sc, m = -dmin*mn), Q5_0 -> q8 (q - 16, s = d), Q5_1 -> q8 (s = d, m = m), Q5_K -> q8
-(s = d*sc, m = -dmin*mn), Q8_0 -> q8 (s = d), Q6_K -> q8 group 16 (q - 32, s = d*sc). Every
+(s = d*sc, m = -dmin*mn), Q8_0 -> q8 (s = d), Q6_K -> q8 group 16 (q - 32, s = d*sc), Q2_K ->
+q8 group 16 (s = d*(sc&15), m = -dmin*(sc>>4)), Q3_K -> q8 group 16 (q - 4 where the high bit is
+0, s = d*(sc-32)), IQ4_NL / IQ4_XS -> q8 (q = the code-book value, s = d or d*(ls-32)). Every
 product/sum here is exact in float32 or is the same float32 operation ggml performs, so
 :meth:`PackedWeight.dequantize` reproduces :func:`localmoe.io.dequant.dequantize` bit for bit.
 
@@ -467,12 +469,24 @@ def _blocks_to_packed(b: torch.Tensor, qtype: int) -> tuple[str, torch.Tensor, t
               ).reshape(n, 8, 32)
         q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(n * 16, 16)
         return "q8", q, s, None, 16
+    if qtype == dq.Q2_K:
+        q, s, m = dq.q2_k_parts(b)
+        return "q8", q.to(torch.int8).reshape(n * 16, 16), s.reshape(n * 16), -m.reshape(n * 16), 16
+    if qtype == dq.Q3_K:
+        q, s = dq.q3_k_parts(b)
+        return "q8", q.reshape(n * 16, 16), s.reshape(n * 16), None, 16
+    if qtype == dq.IQ4_NL:
+        return "q8", dq.iq4_codes(b[:, 2:18].reshape(n, 1, 16)).reshape(n, 32), \
+            _f16(b[:, 0:2]), None, 32
+    if qtype == dq.IQ4_XS:
+        q = dq.iq4_codes(b[:, 8:136].reshape(n, 8, 16)).reshape(n * 8, 32)
+        return "q8", q, dq.iq4_xs_scales(b).reshape(n * 8), None, 32
     raise ValueError(f"qtype {qtype} cannot be packed")
 
 
 #: ggml type ids :func:`pack_gguf` accepts
 PACKABLE_QTYPES = frozenset({dq.Q4_0, dq.Q4_1, dq.Q4_K, dq.Q5_0, dq.Q5_1, dq.Q5_K, dq.Q8_0,
-                             dq.Q6_K})
+                             dq.Q6_K, dq.Q2_K, dq.Q3_K, dq.IQ4_NL, dq.IQ4_XS})
 
 
 def pack_gguf(data: np.ndarray | torch.Tensor, qtype: int, shape: Sequence[int]) -> PackedWeight:

@@ -17,17 +17,33 @@ Q4_1  3     32       20      d:f16, m:f16, qs[16]; w = d*q + m
 Q5_0  6     32       22      d:f16, qh:u32 (bit j = 5th bit of value j), qs[16]; w = d*(q-16)
 Q5_1  7     32       24      d:f16, m:f16, qh:u32, qs[16]; w = d*q + m
 Q8_0  8     32       34      d:f16, qs:int8[32]; w = d*q
+Q2_K  10    256      84      scales[16] (low nibble: scale, high: min, per 16 values), qs[64]
+                             (value 128h+32s+l at bits 2s of qs[32h+l]), d:f16, dmin:f16;
+                             w = d*(sc&15)*q - dmin*(sc>>4)
+Q3_K  11    256      110     hmask[32] (bit i//32 of hmask[i%32] = 3rd bit), qs[64] as Q2_K,
+                             scales[12] (16 x 6 bits), d:f16; w = d*(sc-32)*(q3-4)
 Q4_K  12    256      144     d:f16, dmin:f16, scales[12] (8 x 6-bit scale + 8 x 6-bit min),
                              qs[128] (per 64 values: 32 low nibbles then 32 high nibbles);
                              w = d*sc[j]*q - dmin*m[j] for sub-block j of 32
 Q5_K  13    256      176     Q4_K plus qh[32] (bit j of qh[l] = 5th bit of value l of sub-block j)
 Q6_K  14    256      210     ql[128], qh[64], scales:int8[16], d:f16; w = d*sc[j]*(q-32),
                              16 sub-blocks of 16
+IQ4_NL 20   32       18      d:f16, qs[16] (nibbles as Q4_0); w = d*T[q], T the 16-entry
+                             non-linear table :data:`IQ4_VALUES`
+IQ4_XS 23   256      136     d:f16, scales_h:u16, scales_l[4], qs[128] (per 32 values: nibbles as
+                             Q4_0); sub-block j scale ls = (scales_l[j/2] >> 4(j%2) & 15) |
+                             (scales_h >> 2j & 3) << 4; w = d*(ls-32)*T[q]
 ===== ===== ======== ======= ===========================================================
 
 No Python loop runs over blocks: every format is a few tensor ops over all blocks at once
 (large tensors are processed in chunks of blocks to bound temporary memory). Works on any
 device holding the bytes (CPU or CUDA).
+
+The other weight types of GGUF files (the grid i-quants IQ1_S..IQ3_S, TQ1_0/TQ2_0, MXFP4:
+:data:`REFERENCE_QTYPES`) go through ``gguf.quants.dequantize`` itself, on the CPU: correct by
+construction, ~10-30 M values/s on one core, so a model in these types loads slowly on the
+torch backend (and on the triton backend, which dequantizes them to fp16); the llamacpp
+backend reads them natively.
 """
 
 from __future__ import annotations
@@ -51,20 +67,50 @@ class _LazyTorch:
 
 torch = _LazyTorch()
 
-__all__ = ["dequantize", "SUPPORTED_QTYPES", "BLOCK_SIZES", "QTYPE_NAMES"]
+__all__ = ["dequantize", "SUPPORTED_QTYPES", "BLOCK_SIZES", "QTYPE_NAMES", "IQ4_VALUES"]
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+Q2_K, Q3_K, IQ4_NL, IQ4_XS = 10, 11, 20, 23
 
 #: ggml type id -> (values per block, bytes per block)
 BLOCK_SIZES: dict[int, tuple[int, int]] = {
     F32: (1, 4), F16: (1, 2), BF16: (1, 2),
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    IQ4_NL: (32, 18), IQ4_XS: (256, 136),
 }
 QTYPE_NAMES: dict[int, str] = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-    Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+    Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+    IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS",
 }
+#: the non-linear 4-bit code book of IQ4_NL and IQ4_XS (ggml ``kvalues_iq4nl``)
+IQ4_VALUES: tuple[int, ...] = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                               89, 113)
+#: the i-quants, ternary and FP4 types: decoded by ``gguf.quants.dequantize`` (NumPy, on the
+#: CPU; the weights of a model in these types are dequantized once, at load)
+REFERENCE_QTYPES: dict[int, str] = {
+    16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S",
+    29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+
+
+def _reference_sizes() -> dict[int, tuple[int, int]]:
+    import gguf
+
+    out = {}
+    for t, name in REFERENCE_QTYPES.items():
+        try:
+            q = gguf.GGMLQuantizationType(t)
+        except ValueError:    # a gguf package without it
+            continue
+        if q.name == name and q in gguf.GGML_QUANT_SIZES:
+            out[t] = tuple(int(v) for v in gguf.GGML_QUANT_SIZES[q])
+    return out
+
+
+BLOCK_SIZES.update(_reference_sizes())
+QTYPE_NAMES.update({t: REFERENCE_QTYPES[t] for t in BLOCK_SIZES if t in REFERENCE_QTYPES})
 #: ggml type ids :func:`dequantize` handles
 SUPPORTED_QTYPES: frozenset[int] = frozenset(BLOCK_SIZES)
 
@@ -180,10 +226,100 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, 256)
 
 
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K qs [n, 64] -> [n, 256] 2-bit codes (value 128h+32s+l at bits 2s of qs[32h+l])."""
+    n = qs.shape[0]
+    sh = _shifts([0, 2, 4, 6], qs.device).view(1, 1, 4, 1)
+    return ((qs.reshape(n, 2, 1, 32) >> sh) & 3).reshape(n, 256)
+
+
+def q2_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q2_K blocks [n, 84] -> (codes uint8 [n, 256] in 0..3, scales and mins float32 [n, 16]
+    = ``d * (sc & 15)`` and ``dmin * (sc >> 4)``, one per 16 values); ``w = scale * code -
+    min``."""
+    sc = b[:, 0:16]
+    dl = _f16(b[:, 80:82]) * (sc & 0x0F).to(torch.float32)
+    ml = _f16(b[:, 82:84]) * (sc >> 4).to(torch.float32)
+    return _crumbs(b[:, 16:80]), dl, ml
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    q, dl, ml = q2_k_parts(b)
+    q = q.reshape(n, 16, 16).to(torch.float32)
+    return (dl.view(n, 16, 1) * q - ml.view(n, 16, 1)).reshape(n, 256)
+
+
+def q3_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K blocks [n, 110] -> (codes int8 [n, 256] in -4..3, scales float32 [n, 16] = d * (the
+    6-bit scale - 32), one per 16 values); ``w = scale * code``."""
+    n = b.shape[0]
+    s = b[:, 96:108]
+    lo = (s[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device).view(1, 2, 1)).reshape(n, 16) & 0x0F
+    hi = (s[:, 8:12].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device).view(1, 4, 1)).reshape(n, 16) & 3
+    sc = ((lo | (hi << 4)).to(torch.int8) - 32).to(torch.float32)
+    hm = b[:, 0:32]
+    hbit = ((hm.reshape(n, 1, 32) >> _shifts(range(8), b.device).view(1, 8, 1)) & 1).reshape(n, 256)
+    # ggml: the offset 4 applies where the high bit is 0
+    q = _crumbs(b[:, 32:96]).to(torch.int8) - ((hbit ^ 1) << 2).to(torch.int8)
+    return q, _f16(b[:, 108:110]) * sc
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    q, dl = q3_k_parts(b)
+    return (dl.view(n, 16, 1) * q.to(torch.float32).reshape(n, 16, 16)).reshape(n, 256)
+
+
+def iq4_codes(qs: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL/IQ4_XS nibble bytes [n, m, 16] -> int8 [n, m, 32] code-book values
+    (:data:`IQ4_VALUES`; value j of 32 in the low nibble of byte j, 16+j in the high one)."""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=qs.device)
+    return table[_nibbles(qs).reshape(*qs.shape[:-1], 32).long()]
+
+
+def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks [n, 136] -> float32 [n, 8]: ``d * (ls - 32)`` of each 32 values."""
+    n = b.shape[0]
+    sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)          # [n, 1]
+    j = torch.arange(8, device=b.device, dtype=torch.int32).view(1, 8)
+    lo = (b[:, 4:8].to(torch.int32).repeat_interleave(2, dim=1) >> ((j % 2) * 4)) & 0x0F
+    ls = lo | (((sh >> (2 * j)) & 3) << 4)
+    return _f16(b[:, 0:2]) * (ls - 32).to(torch.float32)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    return _f16(b[:, 0:2]) * iq4_codes(b[:, 2:18].reshape(n, 1, 16)).reshape(n, 32).to(torch.float32)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    dl = iq4_xs_scales(b).view(n, 8, 1)
+    return (dl * iq4_codes(b[:, 8:136].reshape(n, 8, 16)).to(torch.float32)).reshape(n, 256)
+
+
 _BLOCK_FNS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
     Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
-    Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+    IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs,
 }
+
+
+def _reference_fn(qtype: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Blocks -> float32 values through ``gguf.quants.dequantize`` (a CPU copy of the blocks
+    on another device; the result goes back to the blocks' device)."""
+    import gguf
+    import numpy as np
+
+    qt = gguf.GGMLQuantizationType(qtype)
+
+    def fn(b: torch.Tensor) -> torch.Tensor:
+        with np.errstate(all="ignore"):   # a NaN/Inf scale: the load's finite checks say so
+            v = gguf.quants.dequantize(np.ascontiguousarray(b.cpu().numpy()), qt)
+        return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(b.device)
+
+    return fn
 
 
 def _type_label(qtype: int) -> str:
@@ -240,7 +376,7 @@ def dequantize(data: torch.Tensor, qtype: int, shape: Sequence[int]) -> torch.Te
     if qtype == BF16:
         return flat.view(torch.bfloat16).to(torch.float32).reshape(shape)
     blocks = flat.view(n_blocks, ts)
-    fn = _BLOCK_FNS[qtype]
+    fn = _BLOCK_FNS.get(qtype) or _reference_fn(qtype)
     if n_blocks <= _CHUNK_BLOCKS:
         return fn(blocks).reshape(shape)
     out = torch.empty((n_blocks, bs), dtype=torch.float32, device=data.device)

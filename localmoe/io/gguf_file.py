@@ -436,7 +436,8 @@ class GGUFModelFile(ModelFile):
         for t in tensors.values():
             if t.qtype not in supported:
                 raise UnsupportedModelError(
-                    f"tensor {t.name!r} uses quant type {qtype_name(t.qtype)} (ggml type id {t.qtype}), "
+                    f"{self._headers[t.shard].path.name}: tensor {t.name!r} uses quant type "
+                    f"{qtype_name(t.qtype)} (ggml type id {t.qtype}), "
                     f"which localmoe does not run; supported types: "
                     f"{', '.join(sorted(qtype_name(q) for q in supported))}. Use a file quantized to one "
                     f"of these (e.g. Q4_K_M, Q8_0)"

@@ -19,7 +19,8 @@ Presets (:data:`PRESETS`):
   (quantizing 30 B random floats would take hours); ``n_layers=`` writes a truncated copy.
 
 API: ``write_gguf(path, preset, seed=0) -> Path``, ``write_hf(dir, preset, seed=0) -> Path``.
-CLI: ``python -m localmoe.testing.synthetic --preset tiny-qwen3moe --out /tmp/x.gguf [--hf]``.
+CLI: ``python -m localmoe.testing.synthetic --preset tiny-qwen3moe --out /tmp/x.gguf [--hf] [--force]``
+(an existing ``--out`` file is replaced only with ``--force``).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ __all__ = [
 # presets
 # ---------------------------------------------------------------------------------------------
 
-WRITABLE_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
-                   "Q6_K")
+WRITABLE_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                   "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 """Storage types :func:`write_gguf`'s ``quant`` can write (``quants.quantize_blocks``)."""
 _MIXED = {"embd": "Q8_0", "attn": "Q8_0", "ffn": "Q4_K", "exps": "Q4_K", "shexp": "Q4_K", "output": "Q6_K"}
 
@@ -471,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-max-tensors", type=int, default=0,
                     help="write llama.cpp split shards of at most N tensors each (0: one file)")
     ap.add_argument("--hf", action="store_true", help="write an HF safetensors checkpoint directory")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out file")
     a = ap.parse_args(argv)
     if a.quant is not None and a.quant.upper() not in WRITABLE_QUANTS + ("MIXED",):
         ap.error(f"--quant {a.quant!r} is not one this writer makes; choose from "
@@ -482,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     if not a.hf and out.is_dir():
         ap.exit(1, f"error: --out {a.out} is a directory; give a file path such as {out / 'model.gguf'}\n")
+    if not a.hf and out.exists() and not a.force:
+        ap.exit(1, f"error: --out {a.out} exists; pass --force to replace it\n")
+    if not out.parent.is_dir() and out.parent.exists():
+        ap.exit(1, f"error: cannot write {a.out}: {out.parent} is not a folder\n")
     if a.hf:
         try:
             import transformers  # noqa: F401  (write_hf builds the model with it)

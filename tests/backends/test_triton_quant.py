@@ -140,6 +140,21 @@ def test_quantized_triton_runner_matches_torch(files, preset):
     assert a.stats()["weights_bytes"] + a.stats().get("expert_bytes", 0) > 2 * size
 
 
+@pytest.mark.parametrize("quant", ["q3_k", "iq4_xs"])
+def test_low_bit_and_iq4_files_run_in_their_blocks(tmp_path, quant):
+    """A file whose every weight matrix is Q3_K or IQ4_XS (embedding and output head included)
+    runs on the kernels (no fp16 copy) and agrees with the torch reference; the other types
+    (Q2_K, IQ4_NL) share these paths and are compared kernel by kernel in tests/kernels."""
+    path = write_gguf(tmp_path / f"{quant}.gguf", "tiny-qwen3moe", seed=1, quant=quant,
+                      n_layers=None if CUDA else 1)
+    a, b, r = _compare(open_model(str(path)))
+    assert b.stats()["weights"] == "quantized", b.stats()
+    assert b.model.experts.gate_up[0].qtype == (11 if quant == "q3_k" else 23)
+    assert r["prefill_top1"] == 1.0 and r["prefill_dlogsm"] < PREFILL_REL, r
+    assert all(same for same, _ in r["decode"]), r
+    assert max(d for _, d in r["decode"]) < DECODE_REL, r
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen2moe", "tiny-llama"])
 def test_int16_activations_bring_decode_closer_to_torch(files, preset):
     # act_precision="int16": every QuantAct of the fused step (norms, router, attention output,
@@ -252,6 +267,21 @@ def test_fallbacks_say_why(files):
     assert "numerics" in r.stats()["weights"]
     with pytest.raises(ValueError, match="unavailable"):
         TritonRunner(mf, n_ctx=32, device=DEV, dtype=DT, numerics="ggml", packed_weights=True)
+
+
+def test_a_type_without_kernels_runs_dequantized_and_says_which(files, tmp_path):
+    """Experts in IQ2_XXS (no kernel: gguf's reference dequantizer): the runner dequantizes
+    the model, names the tensor and its type in ``stats()["weights"]``, and computes what
+    the torch reference does."""
+    import gguf
+
+    from tests.conftest import retype_experts
+
+    path = retype_experts(files["tiny-qwen3moe"], tmp_path / "iq2.gguf",
+                          gguf.GGMLQuantizationType.IQ2_XXS, scale=2e-3)
+    a, b, r = _compare(open_model(str(path)))
+    assert "ffn_" in b.stats()["weights"] and "IQ2_XXS" in b.stats()["weights"], b.stats()
+    assert r["prefill_top1"] == 1.0 and all(same for same, _ in r["decode"]), r
 
 
 def test_corrupt_scale_names_the_tensor(files, tmp_path):

@@ -27,10 +27,12 @@ pytestmark = pytest.mark.skipif(cq.kernel_status() is not None,
                                 reason=f"packed CPU kernel unavailable: {cq.kernel_status()}")
 
 QTYPES = {"Q4_0": dq.Q4_0, "Q4_1": dq.Q4_1, "Q5_0": dq.Q5_0, "Q5_1": dq.Q5_1, "Q8_0": dq.Q8_0,
-          "Q4_K": dq.Q4_K, "Q5_K": dq.Q5_K, "Q6_K": dq.Q6_K}
+          "Q4_K": dq.Q4_K, "Q5_K": dq.Q5_K, "Q6_K": dq.Q6_K, "Q2_K": dq.Q2_K, "Q3_K": dq.Q3_K,
+          "IQ4_NL": dq.IQ4_NL, "IQ4_XS": dq.IQ4_XS}
 # fp16 scale fields of each block layout (byte offsets)
 _SCALE_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
+                 "IQ4_NL": [0], "IQ4_XS": [0]}
 MAX_REL = tol.FP32      # kernel vs x @ W.T, relative Frobenius norm (float32 summation order)
 # packed vs float runner, max |d logit| relative to the largest |logit| (float32 summation order
 # differences, amplified through the layers; measured: tiny 3-4e-4 absolute, SmolLM2 ~1.6e-4

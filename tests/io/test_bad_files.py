@@ -117,12 +117,13 @@ def test_type_id_99(tmp_path, tiny):
 
 
 def test_known_but_unsupported_type(tmp_path, tiny):
-    # Q8_0 -> MXFP4 (39): same block length (32) so bounds stay valid; the type itself is refused
+    # Q8_0 -> I8 (24): fewer bytes, so bounds stay valid; the type itself (an integer tensor,
+    # no weight format) is refused
     p = tmp_path / "mx.gguf"
-    _patch_tensor_type(tiny, p, "blk.0.attn_q.weight", 39)
+    _patch_tensor_type(tiny, p, "blk.0.attn_q.weight", 24)
     e, _ = _open_measured(p)
     assert isinstance(e, UnsupportedModelError)
-    assert "blk.0.attn_q.weight" in str(e) and "MXFP4" in str(e) and "39" in str(e)
+    assert "blk.0.attn_q.weight" in str(e) and "I8" in str(e) and "24" in str(e)
 
 
 def test_absurd_counts_rejected_before_allocation(tmp_path, tiny):

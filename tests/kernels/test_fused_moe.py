@@ -28,7 +28,7 @@ DEV = "cuda" if CUDA else "cpu"
 # as in test_quant_gemv; "float" doubles there: x and h are both rounded to int8 on the way
 TOL = {"twin": tol.FP32 if not CUDA else tol.FP32_DEVICE, "float": tol.ACT_QUANT_MOE}
 # (gate/up qtype, down qtype): together every quant type, K-quants with legacy ones
-PAIRS = [(12, 14), (8, 2), (10, 11), (13, 3), (6, 7), (14, 12)]
+PAIRS = [(12, 14), (8, 2), (10, 11), (13, 3), (6, 7), (14, 12), (23, 20)]
 
 
 def rel(a, b):
@@ -141,8 +141,8 @@ def test_split_k_gate_up_matches_the_twin_and_resets_its_counters(split, qt, f, 
 
 
 @pytest.mark.parametrize("qt,top_k,bn,ch", [(12, 3, 32, 4), (14, 2, 64, 8), (8, 4, 32, 2),
-                                             (11, 3, 64, 2)],
-                         ids=["Q4_K-top3", "Q6_K-top2", "Q8_0-top4", "Q3_K-top3"])
+                                             (11, 3, 64, 2), (23, 2, 32, 4)],
+                         ids=["Q4_K-top3", "Q6_K-top2", "Q8_0-top4", "Q3_K-top3", "IQ4_XS-top2"])
 def test_down_with_the_experts_in_one_tile(qt, top_k, bn, ch):
     """moe_down's ``experts_tile`` launch (a token's top-k experts as the tile's first
     dimension, padded to a power of two: top-3 runs 4 lanes, one masked): the twin's result

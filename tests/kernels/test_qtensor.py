@@ -55,7 +55,8 @@ def test_plane_bytes_and_accounting(qt):
     w = QuantTensor.from_gguf(random_gguf_blocks(qt, shape, seed=1), qt, shape, device="cpu")
     bs, ts = BLOCK_SIZES[qt]
     assert w.ggml_nbytes == 4 * shape[-1] // bs * ts
-    extra = {"Q4_K": 4, "Q5_K": 4, "Q3_K": 4}.get(QTYPE_NAMES[qt], 0)   # 12 -> 16 scale bytes
+    # 12 -> 16 scale bytes; IQ4_XS: 6 bytes of 6-bit scales -> 8
+    extra = {"Q4_K": 4, "Q5_K": 4, "Q3_K": 4, "IQ4_XS": 2}.get(QTYPE_NAMES[qt], 0)
     assert w.nbytes == w.ggml_nbytes + 4 * (shape[-1] // 256) * extra
     for p in w.planes.values():
         assert p.shape[0] == 4 and p.is_contiguous()
@@ -86,8 +87,9 @@ def test_interleave_rows_puts_gate_and_up_side_by_side():
 
 
 def test_bad_input_is_reported_with_the_tensor_name():
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up.*IQ4_XS.*id 23.*torch.*llamacpp"):
-        QuantTensor.from_gguf(np.zeros(136, np.uint8), 23, (1, 256), "cpu", name="blk.0.ffn_up")
+    # IQ2_XXS (16): 66 bytes per 256 values
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up.*IQ2_XXS.*id 16.*torch.*llamacpp"):
+        QuantTensor.from_gguf(np.zeros(66, np.uint8), 16, (1, 256), "cpu", name="blk.0.ffn_up")
     with pytest.raises(ModelLoadError, match="needs 144 bytes"):
         QuantTensor.from_gguf(np.zeros(100, np.uint8), "Q4_0", (4, 64), "cpu", name="w")
     with pytest.raises(ModelLoadError, match="multiple of 256"):
@@ -107,3 +109,14 @@ def test_round_trip_on_the_gpu(qt):
     assert w.device.type == "cuda"
     ref = gguf.quants.dequantize(b, gguf.GGMLQuantizationType(qt)).reshape(shape)
     assert np.array_equal(_bits(w.dequantize().cpu().numpy()), _bits(ref))
+
+
+def test_the_iq4_code_book_is_ggmls():
+    """The kernels' copy of the IQ4_NL / IQ4_XS code book (kernels may not import localmoe.io)
+    is the dequantizer's and gguf's."""
+    import gguf
+
+    from localmoe.io.dequant import IQ4_VALUES as IO_VALUES
+    from localmoe.kernels.qtensor import IQ4_VALUES
+
+    assert IQ4_VALUES == IO_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)

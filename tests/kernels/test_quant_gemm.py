@@ -43,7 +43,7 @@ def make(qt, shape, seed=0, scale=0.02):
 
 #: block scale giving weights of ~0.02: 0.02 over the typical |scale * code| of each type
 WEIGHT_SCALE = {2: 0.005, 3: 0.0025, 6: 0.002, 7: 0.001, 8: 3e-4, 10: 0.002, 11: 2e-4,
-                12: 1e-4, 13: 5e-5, 14: 4e-5}
+                12: 1e-4, 13: 5e-5, 14: 4e-5, 20: 3e-4, 23: 2e-5}
 
 
 def kdim(qt, small=96):
@@ -119,13 +119,14 @@ def test_moe_align_groups_every_assignment_once():
 
 
 @pytest.mark.parametrize("qt_gu,qt_d,act", [(12, 8, "silu"), (14, 14, "gelu"), (8, 2, "silu"),
-                                            (10, 11, "silu")],
-                         ids=["Q4_K-Q8_0", "Q6_K-Q6_K-gelu", "Q8_0-Q4_0", "Q2_K-Q3_K"])
+                                            (10, 11, "silu"), (23, 20, "silu")],
+                         ids=["Q4_K-Q8_0", "Q6_K-Q6_K-gelu", "Q8_0-Q4_0", "Q2_K-Q3_K",
+                              "IQ4_XS-IQ4_NL"])
 def test_moe_prefill_matches_twin(qt_gu, qt_d, act):
     """Grouped GEMMs against the per-token loop twin (float activations), a permuted slot table
     and a skewed routing (one expert takes many tokens, some take none)."""
     e, d = 6, 256
-    f = 256 if qt_d in (10, 11, 12, 13, 14) else 64
+    f = 256 if qt_d in (10, 11, 12, 13, 14, 23) else 64
     # random blocks with the default scale give weights far larger than a trained model's
     # (Q6_K up to ~80): block scales over the types' typical code size keep |w| ~ 0.02, and h
     # and the output inside fp16's range on the GPU

@@ -63,8 +63,10 @@ _K64 = {  # Q2_K, Q3_K (64-value chunks)
     4096: "GGHHHHHH GGHHHHHH GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
     14336: "KKLLLLLL KKLLLLLL GGIIIIII GGIIIIII GGIIIIII GGIIIIII VWWWWWWW VWWWWWWW",
 }
+# (IQ4_NL / IQ4_XS came after the old table; their 32-value chunks take the legacy choices)
 OLD_GEMV = {f"{q} {k}": (_K64 if q in ("Q2_K", "Q3_K") else _LEGACY)[k]
-            for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+            for q in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                      "IQ4_NL", "IQ4_XS")
             for k in _LEGACY}
 OLD_MOE = {"gate_up": {"BN": 32, "CH": 16, "num_warps": 8, "xb": True, "split": 1},
            "down": {"BN": 1, "CH": 32, "num_warps": 1, "xb": False, "stages": 1}}   # xb: absent meant False

@@ -46,7 +46,7 @@ import torch
 from pathlib import Path
 
 from localmoe.backends.llamacpp_backend import safe_model_params
-from tests.conftest import raw_llama
+from tests.conftest import raw_llama, retype_experts, rewrite_gguf
 
 GPL_TEXT_PATH = Path(__file__).parents[1] / "data" / "gpl3_excerpt.txt"
 
@@ -65,26 +65,9 @@ def export_f32(src, dst):
     """Write ``dst``: a copy of GGUF ``src`` with every tensor dequantized to F32 (gguf's
     reference dequantizer), metadata unchanged except ``general.file_type``."""
     import gguf
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    r = GGUFReader(str(src))
-    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        if k == "general.file_type":
-            w.add_uint32(k, 0)
-        elif f.types[0] == GGUFValueType.ARRAY:
-            w.add_array(k, f.contents())
-        else:
-            w.add_key_value(k, f.contents(), f.types[0])
-    for t in r.tensors:
-        w.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite_gguf(src, dst, lambda t: (
+        gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32), None), file_type=0)
 
 
 def _llamacpp_logits(path, text: str, flash_attn: bool = False):
@@ -161,6 +144,37 @@ def test_tiny_synthetic_matches_llamacpp(tmp_path, preset):
 
     path = write_gguf(tmp_path / f"{preset}.gguf", preset)
     _check(preset, path, tmp_path, _text(1200), MAX_LSM_QUANT["tiny"])
+
+
+@pytest.mark.parametrize("quant", ["q2_k", "q3_k", "iq4_nl", "iq4_xs"])
+def test_low_bit_and_iq4_files_match_llamacpp(tmp_path, quant):
+    """Every weight matrix in one of the low-bit K-quants or the IQ4 code-book types: the
+    dequantizer reads them as llama.cpp does (its own reader of the same file)."""
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / f"tiny-qwen3moe-{quant}.gguf", "tiny-qwen3moe", quant=quant)
+    _check(f"tiny-qwen3moe-{quant}", path, tmp_path, _text(1200), MAX_LSM_QUANT["tiny"])
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "IQ3_S"])
+def test_grid_iquant_experts_match_llamacpp(tmp_path, qtype):
+    """Experts in grid i-quants (gguf's reference dequantizer on our side): the same function
+    as llama.cpp on the float export and on the file itself. Block scales of 2e-3 make the
+    experts matter (max |d log_softmax| ~10 against zero experts, checked), and make
+    llama.cpp(quant) chaotic: its own float-vs-quant floor is 3.4-4.5 nats on this file, so
+    the bound against it is 6.0 (the float comparison is the tight one: ~0.003)."""
+    import gguf
+
+    from localmoe.testing.synthetic import write_gguf
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    src = write_gguf(tmp_path / "src.gguf", "tiny-qwen3moe")
+    path = retype_experts(src, tmp_path / f"{qtype}.gguf", qt, scale=2e-3)
+    zero = retype_experts(src, tmp_path / "zero.gguf", qt, scale=0.0)
+    toks, _ = _llamacpp_logits(path, _text(1200))
+    assert _metrics(_ours_logits(path, toks), _ours_logits(zero, toks))[1] > 4 * MAX_LSM_FLOAT
+    zero.unlink()
+    _check(f"tiny-qwen3moe-{qtype}-experts", path, tmp_path, _text(1200), 6.0)
 
 
 def test_ggml_numerics_mode_reproduces_llamacpp_rounding(tmp_path):

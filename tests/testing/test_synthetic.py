@@ -196,7 +196,7 @@ def test_cli_bad_output_paths_are_one_line_errors(tmp_path, capsys, monkeypatch)
 
 @pytest.mark.parametrize("args,why", [
     (["--quant", "bogus"], "--quant 'bogus' is not one this writer makes"),
-    (["--quant", "q2_k"], "is not one this writer makes"),
+    (["--quant", "iq2_xxs"], "is not one this writer makes"),
     (["--n-layers", "0"], "--n-layers must be at least 1"),
     (["--n-layers", "-1"], "--n-layers must be at least 1"),
     (["--seed", "-1"], "--seed must be at least 0"),
@@ -238,3 +238,19 @@ def test_llamacpp_loads_and_runs(files, preset):
         assert ids == hf.encode("The quick brown fox jumps over the lazy dog.").ids
     finally:
         llm.close()
+
+
+def test_cli_does_not_overwrite_a_file_without_force(tmp_path, capsys):
+    """--out naming an existing file (a user's, or a model) is refused unless --force; a
+    parent that is a file is named as such."""
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        syn.main(["--preset", "tiny-llama", "--out", str(keep)])
+    assert e.value.code == 1 and "--force" in capsys.readouterr().err
+    assert keep.read_text() == "mine"
+    assert syn.main(["--preset", "tiny-llama", "--out", str(keep), "--force"]) == 0
+    assert keep.read_bytes()[:4] == b"GGUF"
+    with pytest.raises(SystemExit) as e:
+        syn.main(["--preset", "tiny-llama", "--out", str(keep / "x.gguf")])
+    assert e.value.code == 1 and "is not a folder" in capsys.readouterr().err
