@@ -42,6 +42,8 @@ class ContextOverflowError(LocalMoEError):
     Attributes:
         n_prompt: number of prompt tokens (int).
         n_ctx: context size in tokens (int).
+        n_completion: the ``max_tokens`` asked for when it is the prompt and ``max_tokens``
+            together that do not fit (:meth:`with_max_tokens`), else None.
         reason, hint: the two parts of the message (str; ``hint`` may be empty).
     """
 
@@ -52,6 +54,7 @@ class ContextOverflowError(LocalMoEError):
                  hint: str | None = None):
         self.n_prompt = int(n_prompt)
         self.n_ctx = int(n_ctx)
+        self.n_completion: int | None = None
         self.reason = message or f"prompt is {self.n_prompt} tokens but the context holds {self.n_ctx}"
         self.hint = self.DEFAULT_HINT if hint is None else hint
         super().__init__(f"{self.reason}; {self.hint}" if self.hint else self.reason)
@@ -64,6 +67,19 @@ class ContextOverflowError(LocalMoEError):
         s = "s" if n_prompt != 1 else ""
         return cls(n_prompt, n_ctx, f"prompt is {n_prompt} token{s} and fills the whole context "
                                     f"({n_ctx}), leaving no room to generate", hint=hint)
+
+    @classmethod
+    def with_max_tokens(cls, n_prompt: int, max_tokens: int, n_ctx: int,
+                        hint: str | None = None) -> "ContextOverflowError":
+        """The error for a prompt that fits but leaves less room than the ``max_tokens``
+        asked for (OpenAI and vLLM refuse such a request rather than cut the answer short)."""
+        e = cls(n_prompt, n_ctx, f"this model's maximum context length is {n_ctx} tokens, but "
+                                 f"{n_prompt + max_tokens} were requested ({n_prompt} in the "
+                                 f"prompt, {max_tokens} in the completion)",
+                hint=("lower max_tokens, shorten the prompt or raise the context size (n_ctx)"
+                      if hint is None else hint))
+        e.n_completion = int(max_tokens)
+        return e
 
 
 class TemplateError(LocalMoEError):

@@ -160,16 +160,42 @@ def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args,needle", [(["--temperature", "-1"], "temperature"),
+                                         (["--temp", "nan"], "temperature"),
                                          (["--top-p", "1.5"], "top_p"),
-                                         (["--min-p", "2"], "min_p")])
+                                         (["--min-p", "2"], "min_p"),
+                                         (["--top-k", "-3"], "top_k"),
+                                         (["--presence-penalty", "5"], "presence_penalty")])
 def test_bad_sampling_values_fail_before_the_model_loads(home, tmp_path, args, needle):
     """Out-of-range sampling values are refused before the model is even resolved (they were
     reported only after the weights had loaded): the error names the parameter, not the
-    missing model file."""
+    missing model file. They are usage errors, exit status 2 as a bad -c or -n (they were 1),
+    in click's words naming the flag."""
     r = run(["generate", "-m", str(tmp_path / "missing.gguf"), *args, "hi"])
-    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                          needle)
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    flag = "--temperature" if args[0] == "--temp" else args[0]
+    assert lines[0].startswith(f"error: Invalid value for '{flag}': {needle} must be "), lines
+    assert lines[0].endswith(" generate --help')"), lines
     assert "missing.gguf" not in r.stderr
+
+
+def test_kv_group_size_larger_than_the_head_is_refused_before_loading(tmp_path):
+    """`--kv-cache int4:g4096` ran with groups of the head size (64) and was reported as
+    int4:g4096 in --json; `int4:g1` was accepted. Both are one error line, exit status 1."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))    # head_dim 64
+    for kv, needle in (("int4:g4096", "KV group size 4096 of the values (int4:g4096) is larger "
+                                      "than this model's head size (64 channels)"),
+                       ("int4:g1", "KV group size must be a power of two from 16 up")):
+        r = run(["generate", "-m", m, "--backend", "torch", "--json", "--kv-cache", kv, "hi"])
+        assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                              needle)
+        assert r.stdout == ""
+    r = run(["generate", "-m", m, "--backend", "torch", "--json", "-n", "1", "--kv-cache",
+             "int4:g64", "hi"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["kv_cache"] == "int4:g64", r.output
 
 
 def test_usage_errors_exit_2():
@@ -346,7 +372,8 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
                          (["--kv-cache", "int2,sinks=-1"], "sink"),
                          (["--device", "tpu"], "tpu"),
                          (["--backend", "nope"], "nope"),
-                         (["-c", "999999"], "training context")):
+                         (["-c", "999999"], "training context"),
+                         (["--kv-cache", "int4:g128"], "use ':g64' or less")):
         r = CliRunner().invoke(cli, ["chat", "-m", m, *args])
         assert r.exit_code == 1 and needle in r.output and "Traceback" not in r.output, (args, r.output)
     assert not calls  # every bad value was refused before the UI (and any weights)
@@ -730,7 +757,7 @@ def test_backend_names_ignore_case_and_greedy_refuses_a_temperature(tmp_path):
     # a sampling value out of range names the flag as well as the API's parameter
     r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "torch", "--top-p",
                                  "2", "hi"])
-    assert r.exit_code == 1 and "top_p must be <= 1.0, got 2 (--top-p)" in r.output, r.output
+    assert r.exit_code == 2 and "'--top-p': top_p must be <= 1.0, got 2" in r.output, r.output
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

@@ -328,11 +328,16 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
 
 def list_chats_text(store: ChatStore | None = None) -> str:
     """The saved chats as a text table for ``localmoe chat --list`` (most recent first). Without
-    a chat database yet, says so and creates none (listing writes nothing)."""
+    a chat database yet, says so and creates none (listing writes nothing).
+
+    Raises:
+        localmoe.errors.StoreError: the database path is there but cannot be opened (a
+            folder, an unreadable file, not a chat database).
+    """
     from .store import default_db_path
 
     own = store is None
-    if own and not default_db_path().is_file():
+    if own and not default_db_path().exists():  # a folder or an unreadable file is an error
         return "No saved chats. Start one with `localmoe chat -m MODEL`."
     store = store or ChatStore()
     try:

@@ -164,6 +164,9 @@ class ChatStore:
 
         self.path = Path(path) if path is not None else default_db_path()
         self._lock = threading.RLock()
+        if self.path.is_dir():  # sqlite says only "unable to open database file"
+            raise StoreError(f"cannot open the chat database {self.path}: it is a folder, not a "
+                             f"file; move it away or set LOCALMOE_HOME to another folder")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)

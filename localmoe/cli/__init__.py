@@ -96,18 +96,15 @@ class _Group(click.Group):
             ctx.exit(0)
 
 
-#: sampling parameters (the API's names, an error's ``param``) -> the command line's flags
-_SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-                   "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
-                   "repeat_last_n": "--repeat-last-n", "frequency_penalty": "--frequency-penalty",
-                   "presence_penalty": "--presence-penalty", "seed": "--seed",
-                   "max_tokens": "--max-tokens", "stop": "--stop"}
-
-
 def _flag_of(e: LocalMoEError) -> str:
     """`` (--top-p)`` for an error about a sampling parameter the command line sets by a flag
     (the message uses the API's name, ``top_p``), else ``""``."""
-    flag = _SAMPLING_FLAGS.get(getattr(e, "param", None) or "")
+    param = getattr(e, "param", None)
+    if not param:
+        return ""
+    from localmoe.cli.options import SAMPLING_FLAGS
+
+    flag = SAMPLING_FLAGS.get(param)
     return f" ({flag})" if flag else ""
 
 

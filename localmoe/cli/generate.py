@@ -45,7 +45,7 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     sampling.update(_structured(json_schema, json_object))
     from localmoe.engine.options import make_sampling_params
 
-    make_sampling_params(None, **sampling)  # out-of-range values fail before the weights load
+    options.check_sampling(sampling)  # out-of-range values fail before the weights load
     if record_routing:  # an unwritable file or a backend that cannot record: before any work
         backend = routing.check_request(record_routing, backend)
     prompt = _read_prompt(prompt)
@@ -197,17 +197,29 @@ def _header(llm) -> dict:
 def _stream(llm, events, as_json: bool):
     """Write the deltas of ``events`` to stdout as they come (collect them with ``as_json``)
     and return the final result. Ctrl-C with ``as_json`` prints what was generated as one JSON
-    object (``finish_reason`` "cancelled") before the KeyboardInterrupt goes on."""
+    object (``finish_reason`` "cancelled") before the KeyboardInterrupt goes on.
+
+    On a terminal the model's control characters (ESC sequences, BEL, ...) are shown, not
+    obeyed (:mod:`localmoe.text.terminal`); piped output keeps the text exactly."""
     result = None
     out = sys.stdout
     wrote_nl = True
     parts: list[str] = []
+    shown = None
+    if not as_json:
+        try:
+            if out.isatty():
+                from localmoe.text.terminal import TerminalText
+
+                shown = TerminalText()
+        except (AttributeError, ValueError, OSError):
+            pass
     try:
         for ev in events:
             if ev.done:
                 result = ev.result
             elif not as_json:
-                out.write(ev.delta)
+                out.write(ev.delta if shown is None else shown.feed(ev.delta))
                 out.flush()
                 wrote_nl = ev.delta.endswith("\n")
             else:
@@ -221,6 +233,8 @@ def _stream(llm, events, as_json: bool):
         close = getattr(events, "close", None)
         if close:
             close()
+        if shown is not None:
+            out.write(shown.flush())
         if not as_json and not wrote_nl:
             out.write("\n")
             out.flush()

@@ -120,6 +120,14 @@ def sampling_options(f):
     return f
 
 
+#: sampling parameters (the API's names, an error's ``param``) -> the command line's flags
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                  "min_p": "--min-p", "repeat_penalty": "--repeat-penalty",
+                  "repeat_last_n": "--repeat-last-n", "frequency_penalty": "--frequency-penalty",
+                  "presence_penalty": "--presence-penalty", "seed": "--seed",
+                  "max_tokens": "--max-tokens", "stop": "--stop"}
+
+
 def sampling_kwargs(kw: dict) -> dict:
     keys = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
             "frequency_penalty", "presence_penalty", "seed", "max_tokens")
@@ -138,6 +146,23 @@ def sampling_kwargs(kw: dict) -> dict:
                 "(--greedy means --temperature 0): give one of them")
         out["temperature"] = 0.0
     return out
+
+
+def check_sampling(sampling: dict) -> None:
+    """Refuse an out-of-range sampling flag before any model loads, as a usage error (exit
+    status 2, as a malformed ``-n`` is) naming the flag: ``Invalid value for '--top-p':
+    top_p must be <= 1.0, got 2``. Other errors (a JSON schema's, a ``--stop`` text that is
+    not UTF-8, as the prompt's and ``--system``'s) stay ``LocalMoEError``s (exit status 1)."""
+    from localmoe.engine.options import make_sampling_params
+    from localmoe.errors import InvalidRequestError
+
+    try:
+        make_sampling_params(None, **sampling)
+    except InvalidRequestError as e:
+        flag = SAMPLING_FLAGS.get(e.param or "")
+        if flag is None or e.param == "stop":
+            raise
+        raise click.BadParameter(str(e), param_hint=f"'{flag}'") from None
 
 
 def interruptible() -> None:

@@ -35,13 +35,15 @@ def check_threads(n: Any, param: str = "n_threads") -> int:
 def env_threads() -> int | None:
     """CPU threads the user set in ``$LOCALMOE_THREADS`` (``-t/--threads`` sets it) for the
     torch and llamacpp backends; None when it is unset or empty (the backend's default).
+    Surrounding spaces are dropped; a blank value is an error, as a blank
+    ``LOCALMOE_API_KEY`` is (a value was set, but to no count).
 
     Raises:
         InvalidRequestError: a value that is not a whole number from 1 to
             :data:`MAX_THREADS` (``param="LOCALMOE_THREADS"``).
     """
     raw = os.environ.get(THREADS_ENV)
-    if raw is None or not raw.strip():
+    if raw is None or raw == "":
         return None
     v = raw.strip()
     if v.isascii() and v.isdigit() and 0 < int(v) <= MAX_THREADS:

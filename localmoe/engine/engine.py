@@ -100,6 +100,7 @@ class Engine:
         prog(0.0, "resolving model")
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")
+        kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)
         be, reason = select_backend(backend or "auto", model_file.format, kv_spec)
         check_backend_options(backend_options, be)
         check_backend_device(be, device)
@@ -271,7 +272,8 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], *, stream: bool = False, raw: bool = True,
-                 cancel: threading.Event | None = None, params: Any = None, **sampling: Any):
+                 cancel: threading.Event | None = None, params: Any = None,
+                 fit_max_tokens: bool = False, **sampling: Any):
         """Generate a continuation of ``prompt``.
 
         Args:
@@ -282,6 +284,10 @@ class Engine:
             cancel: a ``threading.Event``; setting it ends generation with finish reason
                 ``"cancelled"`` after the current token.
             params: a SamplingParams (keyword arguments override its fields).
+            fit_max_tokens: True refuses a ``max_tokens`` that does not fit in the context
+                beside the prompt (ContextOverflowError, as OpenAI's API and vLLM's server
+                answer); False (default) generates until ``max_tokens`` or the context is
+                full, as llama.cpp does.
             **sampling: SamplingParams fields (temperature, top_k, top_p, min_p, seed,
                 max_tokens, stop, repeat_penalty, ...; ``json_schema=`` a JSON Schema dict or
                 text / ``json_object=True`` constrain the output, ``logprobs=N`` (0..20) and
@@ -291,8 +297,9 @@ class Engine:
             GenerationResult, or Iterator[StreamEvent] when ``stream``.
 
         Raises:
-            ContextOverflowError: the prompt has more tokens than the context (raised at call
-                time, also for streams).
+            ContextOverflowError: the prompt has more tokens than the context, or with
+                ``fit_max_tokens`` the prompt and ``max_tokens`` have (raised at call time,
+                also for streams).
             InvalidRequestError: bad sampling parameter or empty prompt.
         """
         t0 = time.perf_counter()
@@ -304,24 +311,28 @@ class Engine:
             ids = self._chat_ids([{"role": "user", "content": prompt}])
         else:
             ids = self._encode_prompt(prompt, templated=False)
-        return self._start(ids, p, cancel, stream, t0)
+        return self._start(ids, p, cancel, stream, t0, fit_max_tokens)
 
     def chat_stream(self, messages: list[dict], params: Any = None, tools: list | None = None,
-                    cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+                    cancel: threading.Event | None = None, *,
+                    fit_max_tokens: bool = False) -> Iterator[StreamEvent]:
         """Stream the assistant's reply to ``messages`` (OpenAI-style message dicts).
 
         Used by the TUI and the server. Raises TemplateError, ContextOverflowError and
-        InvalidRequestError at call time (before the first event).
+        InvalidRequestError at call time (before the first event); ``fit_max_tokens`` as in
+        :meth:`generate`.
         """
         t0 = time.perf_counter()
         p = make_sampling_params(params if params is not None else self.default_sampling())
         if self.template is None:
             import dataclasses
 
-            # the transcript of render_chat: a new turn of any role ends the reply
-            p = dataclasses.replace(p, stop=tuple(p.stop or ()) + ("\nUser:", "\nSystem:"))
+            # the transcript of render_chat: a new turn of any role ends the reply (a base
+            # model goes on with "\nUser: ..." or a second "\nAssistant: ..." turn)
+            p = dataclasses.replace(p, stop=tuple(p.stop or ()) + (
+                "\nUser:", "\nSystem:", "\nAssistant:", "\nTool:"))
         ids = self._chat_ids(messages, tools, cancel)
-        return self._start(ids, p, cancel, True, t0)
+        return self._start(ids, p, cancel, True, t0, fit_max_tokens)
 
     def _chat_ids(self, messages: list[dict], tools: list | None = None, cancel: Any = None) -> list[int]:
         """Token ids of a chat prompt: control tokens only from the template (the same text
@@ -343,7 +354,8 @@ class Engine:
         text = self.render_chat(messages, tools=tools)
         return self._encode_prompt(text, templated=self.template is not None)
 
-    def _start(self, ids: list[int], p, cancel, stream: bool, t0: float):
+    def _start(self, ids: list[int], p, cancel, stream: bool, t0: float,
+               fit_max_tokens: bool = False):
         if cancel is not None and not callable(getattr(cancel, "is_set", None)):
             raise InvalidRequestError(
                 f"cancel must be a threading.Event (or None), got {type(cancel).__name__}",
@@ -353,6 +365,8 @@ class Engine:
             raise ContextOverflowError(len(ids), self.n_ctx)
         if n_max_out == 0:   # nothing could be generated (the CLI, vLLM and llama.cpp refuse it)
             raise ContextOverflowError.fills_context(len(ids), self.n_ctx)
+        if fit_max_tokens and p.max_tokens is not None and p.max_tokens > n_max_out:
+            raise ContextOverflowError.with_max_tokens(len(ids), p.max_tokens, self.n_ctx)
         if self._closed:
             raise LocalMoEError("this model was closed; create a new LLM")
         if hasattr(p, "with_grammar"):  # a bad json_schema fails here, also for streams

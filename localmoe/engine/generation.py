@@ -23,6 +23,7 @@ state grows; error handling and the lock stay with the engine.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -160,13 +161,18 @@ class Generation:
             self.prompt_logprobs = self._prompt_logprobs(rows)
             self._plp_pending = self.prompt_logprobs
             logits = rows[-1]
-        if not bool(logits.isfinite().all()):  # torch tensors from every runner
-            # a greedy argmax over NaN picks token 0 (often end-of-text): an empty reply with
-            # finish "stop" would hide the damaged file
+        # torch tensors from every runner. A greedy argmax over NaN picks token 0 (often
+        # end-of-text): an empty reply with finish "stop" would hide the damaged file; llama.cpp
+        # gives all-zero logits for NaN block scales, which sample uniformly (NUL bytes)
+        import torch
+
+        lo, hi = torch.stack(logits.aminmax()).tolist()   # NaN propagates: one host read
+        what = ("non-finite logits (NaN/inf)" if not (math.isfinite(lo) and math.isfinite(hi))
+                else "the same logit for every token" if lo == hi else None)
+        if what:
             raise ModelLoadError(
-                f"the model computed non-finite logits (NaN/inf) for the prompt: its weights "
-                f"are probably corrupt or damaged; download "
-                f"{_model_source(eng)} again")
+                f"the model computed {what} for the prompt: its weights are probably "
+                f"corrupt or damaged; download {_model_source(eng)} again")
         eng._cached = list(self.ids)
         self.n_prefilled = len(new)
         self.t_prefill_end = time.perf_counter()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from localmoe.errors import ModelLoadError, UnsupportedModelError
-from localmoe.io.hf_spec import HF_ARCHS, spec_from_hf_config
+from localmoe.io.hf_spec import HF_ARCHS, check_model_type, spec_from_hf_config
 from localmoe.io.model_file import ModelFile, TensorInfo
 from localmoe.io.validate import check_tensor_shapes
 
@@ -107,6 +107,8 @@ class HFModelFile(ModelFile):
             raise ModelLoadError(f"{cfg_path} is not valid JSON ({str(e)[:200]}); download it again") from None
         if not isinstance(self.config, dict):
             raise ModelLoadError(f"{cfg_path} does not hold a JSON object")
+        if self.config.get("model_type") is not None:
+            check_model_type(self.config)  # the cause, before the tensor names it explains
         self._files = self._find_files()
         self._src: dict[str, tuple[str, str, tuple[int, ...], str]] = {}  # hf name -> (file, dtype, shape)
         self._scan()

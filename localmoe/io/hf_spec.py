@@ -13,7 +13,7 @@ from typing import Any
 from localmoe.errors import ModelLoadError, UnsupportedModelError
 from localmoe.io.spec import ModelSpec
 
-__all__ = ["HF_ARCHS", "spec_from_hf_config"]
+__all__ = ["HF_ARCHS", "check_model_type", "spec_from_hf_config"]
 
 #: transformers model_type -> GGUF architecture name
 HF_ARCHS = {
@@ -60,6 +60,26 @@ def _rope(cfg: dict) -> tuple[float, dict]:
     return float(base), rs
 
 
+def check_model_type(cfg: dict) -> None:
+    """Refuse a ``config.json`` whose ``model_type`` localmoe does not run, naming the ones it
+    does (checked before the tensors: their unknown names are a consequence, not the cause).
+
+    Raises:
+        UnsupportedModelError: model_type not in :data:`HF_ARCHS`.
+    """
+    mt = cfg.get("model_type")
+    if mt == "gemma3" and isinstance(cfg.get("text_config"), dict):
+        mt = "gemma3_text"
+    if mt is None:
+        raise UnsupportedModelError(
+            "config.json has no model_type (the architecture of an HF transformers model); "
+            f"localmoe runs: {', '.join(sorted(HF_ARCHS))}")
+    if mt not in HF_ARCHS:
+        raise UnsupportedModelError(
+            f"config.json model_type {mt!r} is not supported; localmoe runs: {', '.join(sorted(HF_ARCHS))}"
+        )
+
+
 def spec_from_hf_config(cfg: dict, tensor_names: set[str] | None = None) -> ModelSpec:
     """ModelSpec from an HF ``config.json`` dict (+ canonical tensor names when known).
 
@@ -70,12 +90,8 @@ def spec_from_hf_config(cfg: dict, tensor_names: set[str] | None = None) -> Mode
     """
     if cfg.get("model_type") == "gemma3" and isinstance(cfg.get("text_config"), dict):
         cfg = dict(cfg["text_config"], model_type="gemma3_text")
-    mt = cfg.get("model_type")
-    if mt not in HF_ARCHS:
-        raise UnsupportedModelError(
-            f"config.json model_type {mt!r} is not supported; localmoe runs: {', '.join(sorted(HF_ARCHS))}"
-        )
-    arch = HF_ARCHS[mt]
+    check_model_type(cfg)
+    arch = HF_ARCHS[cfg["model_type"]]
     names = tensor_names or set()
     spec = _base_spec(cfg, arch, names)
     if arch in ("qwen2", "qwen2moe"):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from localmoe.errors import KVCacheFormatError
 
 __all__ = ["KV_FORMAT_TABLE", "FLOAT_FORMATS", "QUANT_FORMATS", "KEY_GROUPINGS",
-           "DEFAULT_KEY_GROUPING", "CHANNEL_KEY_FORMATS", "KVFormat", "default_key_grouping"]
+           "DEFAULT_KEY_GROUPING", "CHANNEL_KEY_FORMATS", "MIN_GROUP_SIZE", "KVFormat",
+           "default_key_grouping"]
 
 # name -> (bits per value, default group size). Group size 0 = not grouped.
 KV_FORMAT_TABLE: dict[str, tuple[int, int]] = {
@@ -31,6 +32,10 @@ _ALIASES = {
     "bfloat16": "bf16", "q8_0": "int8", "q8": "int8", "q4_0": "int4", "q4": "int4",
     "q3": "int3", "q2": "int2", "e2m1": "fp4", "nvfp4": "fp4",
 }
+# Smallest group size ``:gN`` accepted: each group costs an fp16 scale and zero (32 bits), so
+# below 16 values a 4-bit format stores more than int8 does (g8: 8 bits per value, g1: 36, more
+# than f16); the kernels and codecs are tested with groups of 16 to 128 (fp4's fixed group is 16).
+MIN_GROUP_SIZE = 16
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 QUANT_FORMATS = ("int8", "int4", "int3", "int2", "fp4")
 # Key grouping of the int formats: "token" = groups of G consecutive channels of one token
@@ -75,7 +80,9 @@ class KVFormat:
         """Parse ``"int4"``, ``"q4_0"``, ``"int4:g64"`` (group size 64), ``"int4:c"`` (keys
         per channel, KIVI), ``"int4:t:g16"`` (per-token groups of 16 channels), ...
 
-        Options after ``:`` (any order): ``gN`` group size along head_dim (power of two),
+        Options after ``:`` (any order): ``gN`` group size along head_dim (a power of two
+        from :data:`MIN_GROUP_SIZE`; at most the model's head_dim, which
+        :meth:`~localmoe.kv.spec.KVSpec.check_head_dims` checks once a model is known),
         ``c``/``channel`` or ``t``/``token`` key grouping (int formats only; see
         :data:`KEY_GROUPINGS`). Without a grouping option the codec's default applies.
 
@@ -124,8 +131,10 @@ class KVFormat:
                     "(group size) or 'int4:c' (keys per channel)")
             group = int(opt[1:])
             seen_group = True
-            if group <= 0 or group & (group - 1):
-                raise KVCacheFormatError(f"KV group size must be a power of two, got {group}")
+            if group < MIN_GROUP_SIZE or group & (group - 1):
+                raise KVCacheFormatError(
+                    f"KV group size must be a power of two from {MIN_GROUP_SIZE} up (16, 32, "
+                    f"64, ...; at most the model's head_dim), got {group} in {text!r}")
         return cls(name, bits, group, grouping)
 
     def __str__(self) -> str:

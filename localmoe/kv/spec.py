@@ -106,6 +106,26 @@ class KVSpec:
     def is_float(self) -> bool:
         return self.k.is_float and self.v.is_float
 
+    def check_head_dims(self, head_dim: int, v_head_dim: int | None = None) -> None:
+        """Refuse a group size named with ``:gN`` that is larger than the heads it groups
+        (a group is a run of one head's channels of one token): the cache would use groups of
+        ``head_dim`` and be reported as ``:gN``. The format's default group is fitted to small
+        heads silently, as it was not asked for; per-channel keys and fp4 take no ``:gN``.
+
+        Raises:
+            KVCacheFormatError: naming the side, the group size and the largest one allowed.
+        """
+        sides = (("keys", self.k, head_dim), ("values", self.v, v_head_dim or head_dim))
+        for side, fmt, d in sides:
+            if (fmt.is_float or fmt.name == "fp4" or (side == "keys" and fmt.grouping == "channel")
+                    or fmt.group_size == KV_FORMAT_TABLE[fmt.name][1]):
+                continue
+            if fmt.group_size > d:
+                raise KVCacheFormatError(
+                    f"KV group size {fmt.group_size} of the {side} ({fmt}) is larger than this "
+                    f"model's head size ({d} channels): a group holds at most one head's "
+                    f"channels; use ':g{d}' or less")
+
     def __str__(self) -> str:
         extra = []
         if self.outlier_frac:

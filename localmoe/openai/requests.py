@@ -362,6 +362,10 @@ def _json_kind(v) -> str:
 
 
 def _check_messages(msgs) -> list[dict]:
+    if msgs is None:  # absent or null: "got null" read as if the client had sent a null
+        raise InvalidRequestError(
+            "messages is required: a non-empty list of {\"role\": ..., \"content\": ...} "
+            "objects", "messages")
     if not isinstance(msgs, list):
         raise InvalidRequestError(
             "messages must be a list of {\"role\": ..., \"content\": ...} objects, got "

@@ -338,7 +338,7 @@ class CompletionJob:
         prompt = self._prompt_ids()
         self._ids = prompt
         it = iter(self.llm.generate(prompt, stream=True, raw=True, cancel=self.cancel,
-                                    params=self.params))
+                                    params=self.params, fit_max_tokens=True))
         try:
             for ev in it:
                 if self.t_first is None:

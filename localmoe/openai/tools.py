@@ -210,9 +210,11 @@ class ChatGeneration:
             prefix = _forced_prefix(self.fmt, creq.tool_mode, creq.tool_name)
             ids = _forced_prompt_ids(self.llm, self.messages, self.tpl_tools, prefix)
             self.parser.push(prefix)  # nothing can be settled inside an open call
-            return self.llm.generate(ids, stream=True, cancel=self.cancel, params=self.params)
+            return self.llm.generate(ids, stream=True, cancel=self.cancel, params=self.params,
+                                     fit_max_tokens=True)
+        # a max_tokens beyond the context is refused, as OpenAI's API and vLLM answer it
         return self.llm.chat_stream(self.messages, self.params, tools=self.tpl_tools,
-                                    cancel=self.cancel)
+                                    cancel=self.cancel, fit_max_tokens=True)
 
     def take_logprobs(self) -> list:
         """The TokenLogprobs of the tokens behind the events yielded so far (each once)."""

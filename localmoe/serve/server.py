@@ -19,7 +19,8 @@ Behaviour:
 * A client that disconnects (stream or not) cancels its generation at the next token.
 * Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: ``400`` for
   invalid JSON, invalid parameters (``param`` names the field) and a prompt over the context
-  (``code: "context_length_exceeded"``, both token counts in the message); ``401`` for a
+  or a ``max_tokens`` that does not fit beside it (``code: "context_length_exceeded"``, the
+  token counts in the message; without ``max_tokens`` the reply may fill the context); ``401`` for a
   missing/wrong API key; ``404`` for an unknown model or route; ``413`` for a body over
   ``max_body_bytes``; ``503`` while loading (only for requests that pass validation: a bad
   one gets its 400/404 while the model loads too). Only bugs give ``500`` (no traceback is
@@ -130,6 +131,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     check_n_ctx(n_ctx)
     model_file = open_model(resolve_model(model))
     context_size(n_ctx, model_file.spec.n_ctx_train)   # refuses one above the training context
+    kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)
     be, _ = select_backend(backend or "auto", model_file.format, kv_spec)
     check_backend_device(be, llm_options.get("device"))
     _check_port_free(host, port)

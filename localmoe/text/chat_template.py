@@ -85,8 +85,16 @@ def _env_num(name: str, default: float) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _warn_env(name: str, raw: str, default: float) -> None:
-    logging.getLogger(__name__).warning("%s=%r is not a positive number; using %g", name, raw,
-                                        default)
+    """The warning of a bad limit variable, once: into the log where one is set up (the
+    server's, which names the level), else on stderr as the command line's other warnings
+    (``warning: ...``). The default reads as the user would write it (8388608, not 8.38861e+06)."""
+    shown = str(int(default)) if float(default).is_integer() else f"{default:g}"
+    msg = f"{name}={raw!r} is not a positive number; using {shown}"
+    log = logging.getLogger(__name__)
+    if log.hasHandlers():
+        log.warning(msg)
+    else:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass

@@ -3,6 +3,7 @@ minus the cores other processes keep busy."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -99,7 +100,7 @@ def test_threads_flag(monkeypatch):
     assert r.exit_code == 2
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "²"])
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "²", " ", "\t"])
 def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, value):
     """A LOCALMOE_THREADS that is no thread count was silently ignored (the default ran); it
     is one error line naming the variable and its value, before any weights load."""
@@ -118,7 +119,7 @@ def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, 
     monkeypatch.setenv("LOCALMOE_THREADS", value)
     msg = f"LOCALMOE_THREADS={value!r} is not a thread count"
     for read in (default_threads, lb._default_threads):
-        with pytest.raises(InvalidRequestError, match=msg):
+        with pytest.raises(InvalidRequestError, match=re.escape(msg)):
             read()
     opened = []
 
@@ -129,7 +130,7 @@ def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, 
     monkeypatch.setattr(tb.TorchBackend, "load", no_load)
     monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
     monkeypatch.setattr(server, "_check_port_free", lambda *a: opened.append("serve"))
-    with pytest.raises(InvalidRequestError, match=msg):
+    with pytest.raises(InvalidRequestError, match=re.escape(msg)):
         LLM(m, backend="torch", n_ctx=32)
     for cmd in (["generate", "hi"], ["chat"], ["serve"], ["bench"]):
         r = CliRunner().invoke(cli, [*cmd, "-m", m, "--backend", "torch"])
@@ -137,11 +138,14 @@ def test_bad_threads_env_is_an_error_wherever_it_is_read(tmp_path, monkeypatch, 
         assert r.exit_code == 1 and len(lines) == 1, (cmd, r.output)
         assert lines[0].startswith(f"error: {msg}; set it to a whole number from 1 to 512"), lines
     assert not opened
-    # -t sets a good value for the command; an empty variable is the default
+    # -t sets a good value for the command; an empty variable is the default (a blank one,
+    # " ", is refused above, as a blank LOCALMOE_API_KEY is); spaces around a count are dropped
     r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "-t", "2", "hi"])
     assert "LOCALMOE_THREADS" not in r.output and opened == ["weights"]
-    monkeypatch.setenv("LOCALMOE_THREADS", " ")
+    monkeypatch.setenv("LOCALMOE_THREADS", "")
     assert default_threads(0.0)[1] != "LOCALMOE_THREADS/--threads"
+    monkeypatch.setenv("LOCALMOE_THREADS", " 3 ")
+    assert default_threads(0.0) == (3, "LOCALMOE_THREADS/--threads")
 
 
 def test_huge_thread_counts_are_refused_before_any_load(tmp_path, monkeypatch):

@@ -323,6 +323,29 @@ def test_chat_without_template_uses_transcript():
     assert res.text == " the the the"
 
 
+@pytest.mark.parametrize("role", ["User", "System", "Assistant", "Tool"])
+def test_transcript_reply_stops_at_a_new_turn_of_any_role(role):
+    """Without a chat template the reply to the plain transcript stopped at "\nUser:" and
+    "\nSystem:" but ran on through a second "\nAssistant:" turn (render_chat writes every
+    role as "Role: ..." on its own line); a new turn of any role ends it."""
+    script = FakeTokenizer().encode(f" the\n{role}: the the", add_special=False)
+
+    class Scripted(FakeRunner):
+        def forward(self, batch, all_logits=False):
+            out = super().forward(batch, all_logits)
+            for lg in out:
+                lg.zero_()
+                lg[script.pop(0) if script else EOS] = 10.0
+            return out
+
+    llm = LLM.from_parts(Scripted(n_ctx=256), FakeTokenizer(), model_name="fake")
+    from localmoe.engine.sampling import SamplingParams
+
+    _, res = collect(llm.chat_stream([{"role": "user", "content": "hi"}],
+                                     SamplingParams.greedy(max_tokens=40)))
+    assert (res.text, res.finish_reason) == (" the", "stop")
+
+
 def test_bad_parameters_are_user_errors():
     llm = make_llm()
     with pytest.raises(InvalidRequestError) as ei:
@@ -679,6 +702,11 @@ def test_non_finite_logits_are_an_error_not_an_empty_reply(tmp_path, monkeypatch
                         lambda batch, **kw: [x * float("nan") for x in real(batch, **kw)])
     with pytest.raises(ModelLoadError, match="non-finite logits"):
         llm.generate("hello again", max_tokens=2, temperature=0)
+    # all-zero logits (llama.cpp's answer to NaN block scales) would sample uniformly
+    monkeypatch.setattr(llm.runner, "forward",
+                        lambda batch, **kw: [x * 0.0 for x in real(batch, **kw)])
+    with pytest.raises(ModelLoadError, match="the same logit for every token"):
+        llm.generate("hello once more", max_tokens=2, temperature=0)
     # a file whose tensor data is damaged: the CLI reports it instead of an empty answer
     data = bytearray(path.read_bytes())
     data[-4096:] = b"\xff" * 4096

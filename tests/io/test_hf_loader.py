@@ -165,6 +165,35 @@ def test_fused_expert_layout(tmp_path, hf_dirs):
         assert torch.equal(m.load_tensor(n), ref.load_tensor(n)), n
 
 
+def test_unsupported_model_type_is_named_before_unknown_tensors(tmp_path):
+    """An HF folder of an architecture localmoe does not run (model_type "bert", BERT's
+    tensor names) was refused for its "tensors ... localmoe does not know"; the cause is the
+    model_type, said first with the supported ones (also for FP8 tensors or a pickle-only
+    folder)."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "bert"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    save_file({"bert.embeddings.word_embeddings.weight": torch.zeros(4, 8),
+               "bert.encoder.layer.0.attention.self.query.weight": torch.zeros(8, 8)},
+              str(d / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError) as ei:
+        open_model(d)
+    msg = str(ei.value)
+    assert msg.startswith("config.json model_type 'bert' is not supported; localmoe runs: "), msg
+    assert "llama" in msg and "qwen3_moe" in msg and "tensors" not in msg
+    save_file({"w": torch.zeros(2, 2).to(torch.float8_e4m3fn)}, str(d / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="model_type 'bert' is not supported"):
+        open_model(d)
+    # a supported model_type still gets the unknown-tensor message
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"bert.embeddings.word_embeddings.weight": torch.zeros(4, 8)},
+              str(d / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="tensors have names localmoe does not know"):
+        open_model(d)
+
+
 def test_hf_errors(tmp_path, hf_dirs):
     d = tmp_path / "bad"
     d.mkdir()

@@ -125,6 +125,34 @@ def test_parse_refuses_huge_contradictory_and_repeated_options(text, match):
         KVSpec.parse(text)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_group_sizes_below_16_are_refused(group):
+    """``int4:g1`` was accepted (one fp16 scale and zero per value: 36 bits, more than f16);
+    a group is a power of two from 16 (the smallest the kernels and codecs are tested with)."""
+    with pytest.raises(KVCacheFormatError, match=f"power of two from 16 up .*got {group} in "
+                                                 f"'int4:g{group}'"):
+        KVSpec.parse(f"int4:g{group}")
+    assert KVFormat.parse("int4:g16").group_size == 16
+
+
+def test_group_size_above_the_head_size_is_refused_not_reported_as_given():
+    """``int4:g4096`` on a model with 64-channel heads ran with groups of 64 and was reported
+    as int4:g4096 (generate --json, bench, runner stats); it is refused once the head size is
+    known, naming the side and the largest group. Default groups still fit small heads."""
+    with pytest.raises(KVCacheFormatError, match=r"group size 4096 of the values \(int4:g4096\)"
+                                                 r" is larger than this model's head size \(64 "
+                                                 r"channels\).*use ':g64' or less"):
+        KVSpec.parse("int4:g4096").check_head_dims(64)
+    with pytest.raises(KVCacheFormatError, match="group size 128 of the keys"):
+        KVSpec.parse("int4:t:g128").check_head_dims(64)
+    with pytest.raises(KVCacheFormatError, match=r"of the values .*head size \(64 channels\)"):
+        KVSpec.parse("int8:g128").check_head_dims(128, 64)     # a value head of its own size
+    for ok in ("int4:g64", "int4:t:g64", "k=int4:c,v=int2:g64", "int8", "int4", "fp4", "f16"):
+        KVSpec.parse(ok).check_head_dims(64)
+    KVSpec.parse("int4").check_head_dims(16)    # the default group (32) is fitted, not refused
+    KVSpec.parse("int4:t").check_head_dims(16)
+
+
 def test_fp4_takes_its_own_group_spelled_out():
     """``fp4:g16`` names the one group fp4 has (NVFP4: an E4M3 scale per 16 values): it is
     plain fp4, not an error."""

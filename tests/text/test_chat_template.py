@@ -295,6 +295,26 @@ def test_tool_use_variant_is_used_with_tools():
         ChatTemplate("ok", tool_source="{% if %}")
 
 
+def test_a_bad_template_limit_warning_reads_as_the_clis_other_warnings():
+    """Without a log set up (the command line) the warning came bare, through logging's last
+    resort, with the defaults in %g form ("using 8.38861e+06"); it is one `warning: ...`
+    line with the default as a user writes it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, LOCALMOE_TEMPLATE_MAX_CHARS="abc", LOCALMOE_TEMPLATE_SECONDS="-1",
+               LOCALMOE_TEMPLATE_MAX_MEMORY="0")
+    p = subprocess.run([sys.executable, "-c", "from localmoe.text.chat_template import "
+                        "TemplateLimits; TemplateLimits(); TemplateLimits()"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == [
+        "warning: LOCALMOE_TEMPLATE_SECONDS='-1' is not a positive number; using 2",
+        "warning: LOCALMOE_TEMPLATE_MAX_CHARS='abc' is not a positive number; using 8388608",
+        "warning: LOCALMOE_TEMPLATE_MAX_MEMORY='0' is not a positive number; using 536870912"]
+
+
 @pytest.mark.parametrize("raw", ["abc", "-1", "0", "inf", "nan"])
 def test_a_bad_template_limit_variable_falls_back_with_a_warning(raw, monkeypatch, caplog):
     """$LOCALMOE_TEMPLATE_SECONDS (and the two size limits) that is not a positive number:

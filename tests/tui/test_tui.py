@@ -384,6 +384,31 @@ def test_markup_like_text_is_shown_verbatim(db):
     run(body())
 
 
+def test_control_characters_in_an_answer_are_shown_not_sent_to_the_terminal(db):
+    """Textual passes ESC sequences in a widget's text through to the terminal (a model's
+    OSC 2 set the window title); the chat shows them as control pictures and keeps the
+    text itself (stored, copied) exactly."""
+    reply = "a \x1b]2;PWNED\x1b\\ b \x1b[31mred\x07 `\x1b[2J`"
+    eng = FakeEngine([reply])
+
+    async def body():
+        from textual.widgets import Markdown
+
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "hi")
+            v = views(app)[-1]
+            assert v.text == reply and stored(app)[-1] == ("assistant", reply)
+            shown = v.query_one(Markdown).source
+            assert "\x1b" not in shown and "\x07" not in shown, repr(shown)
+            assert "\u241b]2;PWNED" in shown and "\u241b[31mred\u2407" in shown
+            await v.set_text(reply + "\x1b[5m")
+            assert v.query_one(Markdown).source.endswith("\u241b[5m")
+
+    run(body())
+
+
 def test_model_missing_is_shown_not_a_crash(db):
     err = ModelNotFoundError("no model named 'nope'; run `localmoe list` to see local models")
 
@@ -781,6 +806,34 @@ def test_store_location_honours_localmoe_home(tmp_path, monkeypatch):
     assert "via env" in list_chats_text()  # `localmoe chat --list` reads the same file
     monkeypatch.delenv("LOCALMOE_HOME")
     assert data_dir() != tmp_path / "lm"
+
+
+def test_chat_list_with_an_unusable_database_is_an_error_not_no_chats(tmp_path, monkeypatch):
+    """`localmoe chat --list` said "No saved chats." when chats.sqlite3 was a folder (every
+    chat seemingly gone); a database that is there but cannot be opened is one error line,
+    exit status 1, saying why. Only a missing one means no chats."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALMOE_HOME", str(home))
+    (home / "chats.sqlite3").mkdir(parents=True)
+    garbage = tmp_path / "h2"
+    garbage.mkdir()
+    (garbage / "chats.sqlite3").write_text("not sqlite")
+    for where, why in ((home, "it is a folder, not a file"), (garbage, "not a database")):
+        monkeypatch.setenv("LOCALMOE_HOME", str(where))
+        r = CliRunner().invoke(cli, ["chat", "--list"])
+        assert r.exit_code == 1, r.output
+        assert r.stdout == "" and "No saved chats" not in r.output
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+        assert r.stderr.startswith(f"error: cannot open the chat database "
+                                   f"{where / 'chats.sqlite3'}: "), r.stderr
+        assert why in r.stderr and "Traceback" not in r.output
+    monkeypatch.setenv("LOCALMOE_HOME", str(tmp_path / "none"))
+    r = CliRunner().invoke(cli, ["chat", "--list"])
+    assert r.exit_code == 0 and "No saved chats" in r.stdout
 
 
 def test_store_roundtrip_export_and_errors(tmp_path):

@@ -15,6 +15,8 @@ from textual.message import Message
 from textual.widgets import Label, Markdown
 from textual.widgets.markdown import MarkdownFence, MarkdownStream
 
+from localmoe.text.terminal import visible_controls
+
 __all__ = ["MessageView", "code_blocks"]
 
 _FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
@@ -30,7 +32,9 @@ def code_blocks(markdown: str) -> list[str]:
 
 
 class MessageView(Vertical, can_focus=True):
-    """A message in the chat log.
+    """A message in the chat log. Control characters are shown, not sent to the terminal
+    (Textual passes ESC sequences through; :func:`visible_controls`); :attr:`text` and
+    copying keep them.
 
     Args:
         role: ``user``, ``assistant``, ``system`` or ``error`` (an in-app error notice, never
@@ -70,7 +74,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self):
         yield Label(self._header_text(), classes="message-header")
-        yield Markdown(self._text, classes="message-body")
+        yield Markdown(visible_controls(self._text), classes="message-body")
 
     def _header_text(self) -> str:
         title = ROLE_TITLES.get(self.role, self.role.title())
@@ -92,7 +96,7 @@ class MessageView(Vertical, can_focus=True):
         self._text += delta
         if self._stream is None:
             self._stream = Markdown.get_stream(self.query_one(Markdown))
-        await self._stream.write(delta)
+        await self._stream.write(visible_controls(delta))
 
     async def finish(self) -> None:
         """End streaming: flush what is pending and re-render the complete text once (so a
@@ -100,7 +104,7 @@ class MessageView(Vertical, can_focus=True):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        await self.query_one(Markdown).update(self._text)
+        await self.query_one(Markdown).update(visible_controls(self._text))
 
     async def stop_stream(self) -> None:
         """Stop streaming without re-rendering (used when the app quits mid-answer)."""
@@ -111,7 +115,7 @@ class MessageView(Vertical, can_focus=True):
     async def set_text(self, text: str) -> None:
         """Replace the whole text."""
         self._text = text
-        await self.query_one(Markdown).update(text)
+        await self.query_one(Markdown).update(visible_controls(text))
 
     def action_copy_message(self) -> None:
         """Copy the whole message text."""
