@@ -4,6 +4,11 @@
 # what it measured under $OUT (default ./gpu-out).
 #
 #   benchmarks/gpu_session.sh check    GPU tests of the kernels and the triton backend (~4 min)
+#   benchmarks/gpu_session.sh quant    GPU tests of every weight type's kernels (IQ4_NL/IQ4_XS, Q2_K,
+#                                      Q3_K included), the launch tape and the sampler, then the
+#                                      expert launches' times by expert type (~7 min)
+#   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
+#                                      file: allocations, the logits ring, expandable segments
 #   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
 #                                      (rules printed and saved, not written to kernels/configs)
 #   benchmarks/gpu_session.sh qwen3    localmoe rows of vs_llamacpp on the Qwen3-30B-A3B-shaped
@@ -15,7 +20,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -40,6 +45,27 @@ case "$STAGE" in
       tests/kernels/test_fused_moe.py tests/kernels/test_router.py tests/kernels/test_pdl.py \
       tests/backends/test_triton_quant.py >"$OUT/check.log" 2>&1
     say "tests rc=$?"; tail -5 "$OUT/check.log"
+    ;;
+  quant)
+    timeout 330 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_gemv.py \
+      tests/kernels/test_quant_gemm.py tests/kernels/test_qtensor.py tests/kernels/test_sampling.py \
+      tests/backends/test_launch_tape.py "tests/backends/test_triton_quant.py::test_low_bit_and_iq4_files_run_in_their_blocks" \
+      >"$OUT/quant.log" 2>&1
+    say "tests rc=$?"; tail -5 "$OUT/quant.log"
+    timeout 240 python3 benchmarks/bench_quant_kernels.py --models qwen3-30b-a3b --tokens 1 8 \
+      --expert-qtypes Q4_K IQ4_XS Q3_K --out "$OUT/expert_qtypes.json" >"$OUT/expert_qtypes.log" 2>&1
+    say "expert qtypes rc=$?"; tail -15 "$OUT/expert_qtypes.log"
+    ;;
+  history)
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    timeout 200 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,alloc,fresh,bigalloc,fresh,ondevring,fresh \
+      --host-only >"$OUT/history-alloc.jsonl" 2>"$OUT/history-alloc.err"
+    say "history alloc rc=$?"; cut -c1-160 "$OUT/history-alloc.jsonl"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 python3 benchmarks/graph_history.py \
+      "$F" fresh,warm512,pp512,ttft4096,fresh >"$OUT/history-expandable.jsonl" 2>"$OUT/history-expandable.err"
+    say "history expandable rc=$?"; cut -c1-160 "$OUT/history-expandable.jsonl"
     ;;
   tune)
     timeout 540 python3 benchmarks/bench_quant_kernels.py --sweep --tune-tokens 1 8 \

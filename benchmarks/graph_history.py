@@ -13,7 +13,9 @@ Steps: ``fresh`` (nothing), ``warm512`` (a 512-token prompt, then 4 decode steps
 ``vs_llamacpp.run_localmoe`` does first), ``pp512`` / ``ttft4096`` (its timed prompts:
 :func:`vs_llamacpp.time_prefill`), ``recapture`` (drop the decode graphs; the next step
 captures again), ``empty`` (``torch.cuda.empty_cache()``), ``sleep`` (5 s), ``ondevice`` (16
-decode steps returning their logits on the device), ``alloc`` / ``bigalloc`` (16 device
+decode steps returning their logits on the device), ``ondevring`` (the same 16 steps, each
+copying the graph's logits into one of two device buffers allocated before the first step: the
+device-logits path without an allocation per step), ``alloc`` / ``bigalloc`` (16 device
 allocations of 600 KB / 256 MiB, filled and freed, no step). After each, a new
 sequence of one token decodes 8 steps; the graph is replayed 32 times back to back (three
 times), then the generation loop runs 64 tokens and the graph is timed again. One JSON line
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as V  # noqa: E402
 
 STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep", "ondevice",
-         "alloc", "bigalloc")
+         "ondevring", "alloc", "bigalloc")
 
 
 def clocks() -> str:
@@ -73,6 +75,29 @@ def context0(runner, prompt: list[int], tag: str, host_only: bool = False) -> di
             "clocks": clocks()}
 
 
+def ring_steps(runner, first: int, ring: list, n: int = 16) -> None:
+    """``n`` decode steps of a new sequence that copy the decode graph's logits into the
+    preallocated ``ring`` buffers in turn instead of returning a fresh copy (what
+    ``runner.forward(on_device=True)`` does): the device-logits path with no allocation."""
+    import torch
+
+    from localmoe.backends.reference import prepare_batch
+    from localmoe.kernels.quant_gemv import use_act_precision
+
+    s = runner.new_sequence()
+    runner.forward([(s, [first])])
+    with torch.cuda.device(torch.device(runner.device)), torch.inference_mode(), \
+            use_act_precision(runner.act_precision):
+        for i in range(n):
+            batch = [(s, [11 + i])]
+            prepare_batch(runner.model, runner.cache, runner.n_ctx, batch)
+            logits = runner.graphs.run(batch)
+            runner.cache.commit(s, 1)
+            ring[i % len(ring)].copy_(logits[0])
+    torch.cuda.synchronize()
+    runner.free_sequence(s)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
@@ -94,6 +119,7 @@ def main(argv=None) -> int:
     r = TritonRunner(open_model(str(a.model)), n_ctx=a.n_ctx, kv_spec=a.kv, device="cuda")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, r.spec.vocab_size, (4096,), generator=g).tolist()
+    ring = [torch.empty(r.spec.vocab_size, dtype=torch.float32, device="cuda") for _ in range(2)]
     for step in steps:
         if step == "warm512":
             s = r.new_sequence()
@@ -116,6 +142,8 @@ def main(argv=None) -> int:
             for i in range(16):
                 r.forward([(s, [11 + i])], on_device=True)
             r.free_sequence(s)
+        elif step == "ondevring":
+            ring_steps(r, prompt[0], ring)
         elif step in ("alloc", "bigalloc"):   # device allocations with no step: 16 x 600 KB
             n = 151936 if step == "alloc" else 64 << 20   # or 16 x 256 MiB
             for i in range(16):
