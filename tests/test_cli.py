@@ -180,6 +180,20 @@ def test_bad_sampling_values_fail_before_the_model_loads(home, tmp_path, args, n
     assert "missing.gguf" not in r.stderr
 
 
+@pytest.mark.parametrize("stops", [[""], ["###", ""]])
+def test_empty_stop_string_is_a_usage_error(home, tmp_path, stops):
+    """`--stop ''` exited 1 (a LocalMoEError after the other checks): it is a usage error,
+    exit status 2 and one line naming --stop, before the model is resolved; the server
+    refuses `"stop": ""` with a 400 the same way (tests/serve/test_server.py)."""
+    args = [a for s in stops for a in ("--stop", s)]
+    r = run(["generate", "-m", str(tmp_path / "missing.gguf"), *args, "hi"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("error: Invalid value for '--stop': ") and "empty" in lines[0], lines
+    assert "missing.gguf" not in r.stderr
+
+
 def test_kv_group_size_larger_than_the_head_is_refused_before_loading(tmp_path):
     """`--kv-cache int4:g4096` ran with groups of the head size (64) and was reported as
     int4:g4096 in --json; `int4:g1` was accepted. Both are one error line, exit status 1."""

@@ -151,11 +151,15 @@ def sampling_kwargs(kw: dict) -> dict:
 def check_sampling(sampling: dict) -> None:
     """Refuse an out-of-range sampling flag before any model loads, as a usage error (exit
     status 2, as a malformed ``-n`` is) naming the flag: ``Invalid value for '--top-p':
-    top_p must be <= 1.0, got 2``. Other errors (a JSON schema's, a ``--stop`` text that is
+    top_p must be <= 1.0, got 2``; an empty ``--stop ''`` too (the server refuses ``"stop":
+    ""`` with a 400; vLLM would ignore it). Other errors (a JSON schema's, a ``--stop`` text that is
     not UTF-8, as the prompt's and ``--system``'s) stay ``LocalMoEError``s (exit status 1)."""
     from localmoe.engine.options import make_sampling_params
     from localmoe.errors import InvalidRequestError
 
+    if any(s == "" for s in sampling.get("stop", ())):  # as the server's 400 for "stop": ""
+        raise click.BadParameter("a stop string must not be empty (it would match before any "
+                                 "text is generated)", param_hint="'--stop'")
     try:
         make_sampling_params(None, **sampling)
     except InvalidRequestError as e:

@@ -1022,6 +1022,7 @@ def test_validation_errors_name_the_parameter_without_a_model():
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
               "messages[0].content[0]"),
              ({**base, "stop": ["ok", ""]}, "stop"),
+             ({**base, "stop": ""}, "stop"),   # refused as `generate --stop ''` is
              ({**base, "seed": 1.5}, "seed"),
              ({**base, "top_p": 1.5}, "top_p"),
              ({**base, "tool_choice": "required"}, "tool_choice"),
