@@ -587,6 +587,50 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback(smollm2_path):
         assert "interrupted" in err and "Traceback" not in err and "terminate" not in err, err
 
 
+_SIGINT_WHILE_LOADING = """
+import os, signal, sys, time
+import localmoe.api as api
+real_open = api.LLM._open
+def _open(model):  # Ctrl-C as the model is being opened: the start-up phase's handler runs
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+    return real_open(model)
+api.LLM._open = staticmethod(_open)
+from localmoe.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_ctrl_c_while_loading_with_json_prints_a_cancelled_object(tmp_path, monkeypatch):
+    """`generate --json` interrupted while the model loads printed nothing on stdout (only
+    'interrupted' on stderr): a script got no JSON to read. It prints the object of a
+    cancelled run (finish_reason "cancelled", no text yet; what the load would have told is
+    null) and exits 130, in a real process (the start-up phase's SIGINT handler) and when
+    the KeyboardInterrupt is raised in-process."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3moe"))
+    r = subprocess.run([sys.executable, "-c", _SIGINT_WHILE_LOADING, "generate", "-m", m,
+                        "--backend", "torch", "--json", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    want = {"model": "m", "backend": None, "n_ctx": None, "kv_cache": None, "text": "",
+            "finish_reason": "cancelled"}
+    assert [json.loads(l) for l in r.stdout.splitlines()] == [want], r.stdout
+    # in-process (no start-up handler): the KeyboardInterrupt out of the load
+    import localmoe.api
+
+    def interrupted(model):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(localmoe.api.LLM, "_open", staticmethod(interrupted))
+    r = run(["generate", "-m", m, "--backend", "torch", "--json", "hi"])
+    assert r.exit_code == 130 and [json.loads(l) for l in r.stdout.splitlines()] == [want], \
+        r.output
+    r = run(["generate", "-m", m, "--backend", "torch", "hi"])  # no --json: no JSON
+    assert r.exit_code == 130 and r.stdout == "", r.output
+
+
 @pytest.mark.slow
 @pytest.mark.llamacpp
 def test_kv_cache_flags_on_llamacpp(smollm2_path):

@@ -146,9 +146,32 @@ def _stop_spinner() -> None:
         opts.stop_loading()
 
 
+#: what Ctrl-C in the start-up phase writes on stdout before it exits (``generate --json``:
+#: one JSON object saying the run was cancelled); empty: nothing
+_INTERRUPTED_STDOUT: list[str] = []
+
+
+def on_start_up_interrupt(text: str | None) -> None:
+    """Have a Ctrl-C of the start-up phase (:func:`_stop_now`) write ``text`` on stdout before
+    it exits (None: nothing), as a script reading ``generate --json`` needs one JSON object
+    whenever the command ends."""
+    _INTERRUPTED_STDOUT[:] = [text] if text else []
+
+
 def _stop_now(signum, frame) -> None:
     """SIGINT handler of the start-up phase: print ``interrupted`` and exit at once (130). On
-    a terminal the load spinner's line is cleared and the cursor it hid is shown again."""
+    a terminal the load spinner's line is cleared and the cursor it hid is shown again. What
+    :func:`on_start_up_interrupt` set is written on stdout first."""
+    try:
+        if _INTERRUPTED_STDOUT:
+            text = _INTERRUPTED_STDOUT[0]
+            try:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            except (RuntimeError, AttributeError, ValueError):  # interrupted mid-write
+                os.write(1, text.encode("utf-8"))
+    except OSError:  # stdout closed or broken: the exit status still says it
+        pass
     try:
         tty = sys.stderr.isatty()
         sys.stderr.write(("\r\x1b[2K\x1b[?25h" if tty else "\n") + "interrupted\n")

@@ -38,6 +38,27 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     """
     if sys.stdout is None:  # `localmoe generate ... >&-`: refuse before the weights load
         raise LocalMoEError("standard output is closed: there is nowhere to write the answer")
+    # --json: Ctrl-C at any moment prints one JSON object with finish_reason "cancelled" (while
+    # the model loads, from the start-up phase's SIGINT handler, localmoe.cli._stop_now)
+    from localmoe.cli import on_start_up_interrupt
+
+    if as_json:
+        on_start_up_interrupt(_cancelled(None, model) + "\n")
+    try:
+        return _generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device,
+                         raw, system, as_json, json_schema, json_object, verbose, record_routing,
+                         **kw)
+    except KeyboardInterrupt as e:
+        if as_json and not getattr(e, "json_printed", False):  # _stream prints the text so far
+            click.echo(_cancelled(None, model))
+        raise
+    finally:
+        on_start_up_interrupt(None)
+
+
+def _generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, raw,
+              system, as_json, json_schema, json_object, verbose, record_routing, **kw):
+    """The work of :func:`generate` (its arguments)."""
     piped = prompt in (None, "-") and sys.stdin is not None and not sys.stdin.isatty()
     if piped or (prompt not in (None, "-") and prompt.strip()):  # a prompt, not typed in
         options.start_loading(model)  # on a terminal: a spinner from now (imports take seconds)
@@ -194,6 +215,25 @@ def _header(llm) -> dict:
             "kv_cache": str(llm.kv_spec)}
 
 
+def _cancelled(llm, model: str | None, text: str = "") -> str:
+    """The ``--json`` object of a run stopped by Ctrl-C: the header (before ``llm`` is loaded,
+    None: the model's name as given and null for what is not known yet), ``text`` generated
+    so far and ``finish_reason`` "cancelled"."""
+    if llm is not None:
+        head = _header(llm)
+    else:
+        from localmoe.io.store.names import display_name
+
+        head = {"model": display_name(model), "backend": None, "n_ctx": None, "kv_cache": None}
+    d = {**head, "text": text, "finish_reason": "cancelled"}
+    out = json.dumps(d, ensure_ascii=False)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError:  # a model name of undecodable argv bytes: JSON escapes
+        out = json.dumps(d)
+    return out
+
+
 def _stream(llm, events, as_json: bool):
     """Write the deltas of ``events`` to stdout as they come (collect them with ``as_json``)
     and return the final result. Ctrl-C with ``as_json`` prints what was generated as one JSON
@@ -224,10 +264,10 @@ def _stream(llm, events, as_json: bool):
                 wrote_nl = ev.delta.endswith("\n")
             else:
                 parts.append(ev.delta)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if as_json:  # keep what was generated: one JSON object, then exit 130
-            click.echo(json.dumps({**_header(llm), "text": "".join(parts),
-                                   "finish_reason": "cancelled"}, ensure_ascii=False))
+            click.echo(_cancelled(llm, None, "".join(parts)))
+            e.json_printed = True
         raise
     finally:
         close = getattr(events, "close", None)
