@@ -215,8 +215,13 @@ def moe_routings(m, t, gu, wd, dev, gen):
 
 
 def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("both", "both_xq"),
-              qtype: str = "Q4_K"):
+              qtype: str = "Q4_K", l2: bool = False):
+    """Rows of the fused MoE (``stages``: ``both`` from float x, ``both_xq`` from int8 blocks,
+    ``gate_up`` / ``down`` alone); ``l2``: the gate/up and down launches also timed with their
+    weights in L2 (rows ``moe_gate_up_l2`` / ``moe_down_l2``)."""
     rows = []
+    if l2:
+        stages = tuple(stages) + tuple(s for s in ("gate_up", "down") if s not in stages)
     e, f, d, k = m["e"], m["f"], m["d"], m["k"]
     gu, wd, slot = moe_weights(m, dev, qtype)
     gen = torch.Generator().manual_seed(0)
@@ -255,6 +260,15 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
                                  for (i, w), h in zip(rts, hs)]
                         nbytes = nb_d
                     us = time_calls(calls)
+                    if l2 and stage in ("gate_up", "down"):
+                        # each call twice in a row: the second reads its rows from L2, so
+                        # 2 * (time per call of the doubled list) - (time of one) is the launch
+                        # with its weights already in L2, the bound of any prefetch scheme
+                        us2 = 2 * time_calls([c for c in calls for _ in range(2)]) - us
+                        rows.append(row(f"moe_{stage}_l2", model, "experts", qtype,
+                                        (e, f, d, k), t, us2, int(nbytes), None,
+                                        config=cfg or "default",
+                                        experts_touched=statistics.mean(distinct)))
                 except Exception as ex:
                     print(f"  variant {cfg} {stage} failed: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                     continue
@@ -499,6 +513,9 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-qtypes", nargs="*", default=["Q4_K"], metavar="QTYPE",
                     help="GGUF types of the timed experts (default Q4_K, as in a Q4_K_M file; "
                          "e.g. IQ4_XS Q3_K Q2_K)")
+    ap.add_argument("--l2", action="store_true",
+                    help="also time each MoE launch alone, cold and with its weights in L2 (what a "
+                         "prefetch of the down rows during gate/up could reach)")
     a = ap.parse_args(argv)
     if a.write_config and not a.sweep:
         ap.error("--write-config needs --sweep")
@@ -513,7 +530,7 @@ def main(argv=None) -> int:
         for name, m in models.items():
             rows += bench_gemv(name, m, a.tokens, dev)
             for qt in a.expert_qtypes:
-                rows += bench_moe(name, m, a.tokens, dev, qtype=qt.upper())
+                rows += bench_moe(name, m, a.tokens, dev, qtype=qt.upper(), l2=a.l2)
     res = {
         "suite": "quant_kernels",
         "machine": platform.node(),

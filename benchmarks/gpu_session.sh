@@ -6,7 +6,8 @@
 #   benchmarks/gpu_session.sh check    GPU tests of the kernels and the triton backend (~4 min)
 #   benchmarks/gpu_session.sh quant    GPU tests of every weight type's kernels (IQ4_NL/IQ4_XS, Q2_K,
 #                                      Q3_K included), the launch tape and the sampler, then the
-#                                      expert launches' times by expert type (~7 min)
+#                                      expert launches' times by expert type, cold and with
+#                                      their weights in L2 (--l2: a prefetch's bound) (~8 min)
 #   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
 #                                      file: allocations, the logits ring, expandable segments
 #   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
@@ -53,7 +54,7 @@ case "$STAGE" in
       >"$OUT/quant.log" 2>&1
     say "tests rc=$?"; tail -5 "$OUT/quant.log"
     timeout 240 python3 benchmarks/bench_quant_kernels.py --models qwen3-30b-a3b --tokens 1 8 \
-      --expert-qtypes Q4_K IQ4_XS Q3_K --out "$OUT/expert_qtypes.json" >"$OUT/expert_qtypes.log" 2>&1
+      --expert-qtypes Q4_K IQ4_XS Q3_K --l2 --out "$OUT/expert_qtypes.json" >"$OUT/expert_qtypes.log" 2>&1
     say "expert qtypes rc=$?"; tail -15 "$OUT/expert_qtypes.log"
     ;;
   history)
