@@ -95,6 +95,11 @@ def _num(name: str, v: Any, lo: float | None = None, hi: float | None = None,
     return v
 
 
+#: the seeds :class:`SamplingParams` takes: int64's and uint64's (a larger one would share
+#: its 64 bits, and so its random stream on the device sampler, with a smaller one)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
 def _int(name: str, v: Any, lo: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
@@ -239,6 +244,10 @@ class SamplingParams:
             self.logit_bias = lb
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:  # a 64-bit key (the device sampler's)
+                raise InvalidRequestError(
+                    f"seed must be a 64-bit integer, from {SEED_MIN} to {SEED_MAX}, got "
+                    f"{self.seed}", param="seed")
         if self.max_tokens is not None:
             # 0 only to score a prompt (prompt_logprobs; OpenAI's echo with max_tokens 0)
             self.max_tokens = _int("max_tokens", self.max_tokens,

@@ -153,6 +153,9 @@ def _common_checks(req: dict) -> tuple[bool, bool]:
     model = req.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequestError("model must be a string", "model")
+    user = req.get("user")  # an end-user id (OpenAI's is a string), ignored here
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequestError(f"user must be a string, got {_json_kind(user)}", "user")
     return stream, include_usage
 
 
@@ -396,7 +399,10 @@ def _check_messages(msgs) -> list[dict]:
             if tcid is not None:
                 msg["tool_call_id"] = str(tcid)
         name = m.get("name")
-        if isinstance(name, str):
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequestError(f"{p}.name must be a string, got {_json_kind(name)}",
+                                      f"{p}.name")
+        if name is not None:
             msg["name"] = name
         out.append(msg)
     return out

@@ -743,6 +743,42 @@ def test_invalid_requests_get_400_404_while_the_model_loads():
         srv.stop()
 
 
+def test_user_message_name_and_seed_of_the_wrong_type_or_range_are_400s():
+    """`"user": 5`, a numeric message `name` and a seed beyond 64 bits were accepted (OpenAI's
+    user and name are strings; a seed over 2**64-1 shared its 64 bits, so its random stream on
+    the device sampler, with a smaller one): each is a 400 naming the field, on both
+    endpoints. The edges of the seed's range and string values still pass validation."""
+    from localmoe.serve.server import create_app
+
+    gate = threading.Event()
+
+    def factory():
+        gate.wait(30)
+        raise RuntimeError("never loads in this test")
+
+    srv = LiveServer(create_app(factory, model_name="scripted"))
+    chat, comp = srv.url + "/v1/chat/completions", srv.url + "/v1/completions"
+    ok = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        for bad, param in (({"user": 5}, "user"), ({"user": ["a"]}, "user"),
+                           ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+                           ({"seed": 10**30}, "seed")):
+            body = _err(httpx.post(chat, json={**ok, **bad}), 400, param)
+            assert body["type"] == "invalid_request_error" and param in body["message"], body
+            _err(httpx.post(comp, json={"model": "scripted", "prompt": "hi", **bad}), 400, param)
+        for name in (7, {"n": 1}, True):
+            body = _err(httpx.post(chat, json={**ok, "messages": [
+                {"role": "user", "content": "hi", "name": name}]}), 400, "messages[0].name")
+            assert "messages[0].name must be a string" in body["message"], body
+        for good in ({"user": "u-1"}, {"user": None}, {"seed": 2**64 - 1}, {"seed": -2**63},
+                     {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}):
+            r = httpx.post(chat, json={**ok, **good})  # valid: only the model is missing
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+    finally:
+        gate.set()
+        srv.stop()
+
+
 def test_load_failure_is_reported_not_raised():
     from localmoe.errors import ModelLoadError
     from localmoe.serve.server import create_app
