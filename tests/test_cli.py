@@ -164,7 +164,8 @@ def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
                                          (["--top-p", "1.5"], "top_p"),
                                          (["--min-p", "2"], "min_p"),
                                          (["--top-k", "-3"], "top_k"),
-                                         (["--presence-penalty", "5"], "presence_penalty")])
+                                         (["--presence-penalty", "5"], "presence_penalty"),
+                                         (["--seed", str(2**64)], "seed")])
 def test_bad_sampling_values_fail_before_the_model_loads(home, tmp_path, args, needle):
     """Out-of-range sampling values are refused before the model is even resolved (they were
     reported only after the weights had loaded): the error names the parameter, not the
