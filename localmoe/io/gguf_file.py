@@ -32,7 +32,7 @@ import numpy as np
 
 from localmoe.errors import ModelLoadError, UnsupportedModelError
 from localmoe.io.gguf_spec import spec_from_gguf_metadata
-from localmoe.io.model_file import ModelFile, RawTensor, TensorInfo
+from localmoe.io.model_file import ModelFile, RawTensor, TensorInfo, check_regular_file
 from localmoe.io.validate import (MAX_ARRAY_ITEMS, MAX_METADATA_DEPTH, check_gguf_metadata,
                                   check_tensor_shapes)
 
@@ -106,11 +106,13 @@ class _Header:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.size = path.stat().st_size
+            st = path.stat()
         except FileNotFoundError:
             raise ModelLoadError(f"model file not found: {path}") from None
         except OSError as e:
             raise ModelLoadError(f"cannot read model file {path}: {e}") from None
+        check_regular_file(path, st)  # /dev/zero is no "empty download"; a FIFO would block
+        self.size = st.st_size
         if self.size == 0:
             raise ModelLoadError(f"{path} is empty (0 bytes): the download or copy did not complete; fetch the file again")
         if self.size < 24:

@@ -11,19 +11,46 @@ Tensor shapes are given in **torch order** (GGUF ``ne`` reversed): ``attn_q.weig
 
 from __future__ import annotations
 
+import os
+import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from localmoe.errors import UnsupportedModelError
+from localmoe.errors import ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import numpy as np
 
     from localmoe.io.spec import ModelSpec
 
-__all__ = ["ModelFile", "TensorInfo", "RawTensor"]
+__all__ = ["ModelFile", "TensorInfo", "RawTensor", "check_regular_file"]
+
+_NOT_REGULAR = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISDIR, "a directory"))
+
+
+def check_regular_file(path: str | os.PathLike, st: os.stat_result | None = None) -> None:
+    """Refuse a model path that is not a regular file (``/dev/zero``, a named pipe, ...)
+    before it is read: a device reports 0 bytes (it is not an "empty download") and a pipe
+    would block the reader.
+
+    Args:
+        path: the path (named in the message).
+        st: its ``os.stat`` result, when the caller has it.
+
+    Raises:
+        ModelLoadError: ``"<path> is not a regular file (a character device); ..."``.
+        OSError: ``path`` cannot be stat'ed (the caller reports that its own way).
+    """
+    mode = (st if st is not None else os.stat(path)).st_mode
+    if stat.S_ISREG(mode):
+        return
+    kind = next((k for test, k in _NOT_REGULAR if test(mode)), "not a file")
+    raise ModelLoadError(f"{path} is not a regular file ({kind}); give the path of a .gguf "
+                         f"file or of an HF model folder")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,24 @@ def test_empty_file(tmp_path):
     assert isinstance(e, ModelLoadError) and "empty" in str(e) and "empty.gguf" in str(e)
 
 
+@pytest.mark.parametrize("kind", ["character device", "named pipe"])
+def test_a_device_or_pipe_is_not_a_regular_file(tmp_path, kind):
+    """/dev/zero (a character device, st_size 0) was reported as an "empty (0 bytes)"
+    download to fetch again, and so was a named pipe: both are "not a regular file", naming
+    the kind, without reading from it (a FIFO would block)."""
+    if kind == "named pipe":
+        p = tmp_path / "pipe.gguf"
+        os.mkfifo(p)
+    else:
+        p = Path("/dev/zero")
+        if not p.is_char_device():
+            pytest.skip("no /dev/zero")
+    e, _ = _open_measured(p)
+    assert isinstance(e, ModelLoadError), e
+    assert f"{p} is not a regular file ({'a ' + kind}" in str(e), str(e)
+    assert "empty" not in str(e) and "fetch" not in str(e), str(e)
+
+
 def test_random_64_bytes(tmp_path):
     p = tmp_path / "rand.gguf"
     p.write_bytes(np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8).tobytes())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from localmoe.errors import LocalMoEError, ModelNotFoundError, StoreError
+from localmoe.errors import LocalMoEError, ModelLoadError, ModelNotFoundError, StoreError
 from localmoe.io.store import CATALOG, ModelStore
 from localmoe.io.store.catalog import CatalogEntry
 from localmoe.io.store.names import parse_hf_ref
@@ -398,6 +398,10 @@ def test_pull_local_path_and_resolve(tmp_path, home):
     bad.write_bytes(b"nope")
     with pytest.raises(StoreError, match="not a GGUF"):
         st.pull(str(bad))
+    pipe = tmp_path / "pipe.gguf"   # read, it would block the pull for ever
+    os.mkfifo(pipe)
+    with pytest.raises(ModelLoadError, match=r"pipe.gguf is not a regular file \(a named pipe"):
+        st.pull(str(pipe))
     with pytest.raises(ModelNotFoundError):
         st.resolve("no-such-model")
     with pytest.raises(ModelNotFoundError, match="not pulled"):

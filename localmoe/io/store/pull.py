@@ -527,6 +527,9 @@ class PullMixin:
 
             open_model(p).close()  # config and shards: refuse what could not load, as for GGUF
             return self._commit(p.name, f"file:{p}", "", linked=[p])
+        from localmoe.io.model_file import check_regular_file
+
+        check_regular_file(p)  # a named pipe would block the read below
         with open(p, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
