@@ -120,6 +120,11 @@ def late_loads(sass: str) -> int:
     return body[first_bar:].count("LDG")
 
 
+def prefetches(sass: str) -> int:
+    """L2 prefetch instructions (``CCTL.E.PF2``, from ``prefetch.global.L2``) in ``sass``."""
+    return sum(1 for line in sass.splitlines() if "CCTL" in line and "PF2" in line)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("kind", choices=["gate_up", "down", "gemv"])
@@ -139,10 +144,10 @@ def main(argv=None) -> int:
         if a.json:
             print(json.dumps({"config": cfg, "regs": int(m.group(1)), "stack": int(m.group(2)),
                               "smem": c.metadata.shared, "loop": n, "ops": dict(mem),
-                              "late_loads": late_loads(sass)}))
+                              "late_loads": late_loads(sass), "prefetches": prefetches(sass)}))
             continue
-        pf = sum(1 for l in sass.splitlines() if "CCTL" in l)
-        ops = " ".join(f"{k}:{v}" for k, v in sorted(mem.items())) + f" prefetches={pf}"
+        ops = " ".join(f"{k}:{v}" for k, v in sorted(mem.items()))
+        ops += f" prefetches={prefetches(sass)}"
         print(f"{a.kind} {a.qtype} {json.dumps(cfg)}: regs={m.group(1)} stack={m.group(2)} "
               f"smem={c.metadata.shared} loop={n} instr (total {total}) {ops} "
               f"late_loads={late_loads(sass)}")
