@@ -9,7 +9,8 @@
 #                                      expert launches' times by expert type, cold and with
 #                                      their weights in L2 (--l2: a prefetch's bound) (~8 min)
 #   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
-#                                      file: allocations, the logits ring, expandable segments
+#                                      file: allocations, the logits ring, expandable segments,
+#                                      the graphs uploaded again (~9 min)
 #   benchmarks/gpu_session.sh pfdown   the down-row prefetch of the MoE's first launch
 #                                      (LOCALMOE_MOE_PF_DOWN 0/1/2): the MoE launches alone, then
 #                                      the Qwen3 decode graph in fresh processes, A/B/C twice
@@ -64,12 +65,15 @@ case "$STAGE" in
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
     F=$(tail -1 "$OUT/file.log")
-    timeout 200 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,alloc,fresh,bigalloc,fresh,ondevring,fresh \
+    timeout 170 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,alloc,fresh,bigalloc,fresh,ondevring,fresh \
       --host-only >"$OUT/history-alloc.jsonl" 2>"$OUT/history-alloc.err"
     say "history alloc rc=$?"; cut -c1-160 "$OUT/history-alloc.jsonl"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 200 python3 benchmarks/graph_history.py \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 170 python3 benchmarks/graph_history.py \
       "$F" fresh,warm512,pp512,ttft4096,fresh >"$OUT/history-expandable.jsonl" 2>"$OUT/history-expandable.err"
     say "history expandable rc=$?"; cut -c1-160 "$OUT/history-expandable.jsonl"
+    timeout 170 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,ondevice,fresh,upload,fresh \
+      --host-only >"$OUT/history-upload.jsonl" 2>"$OUT/history-upload.err"
+    say "history upload rc=$?"; cut -c1-160 "$OUT/history-upload.jsonl"
     ;;
   pfdown)
     for m in 0 1 2; do

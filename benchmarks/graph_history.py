@@ -16,7 +16,9 @@ captures again), ``empty`` (``torch.cuda.empty_cache()``), ``sleep`` (5 s), ``on
 decode steps returning their logits on the device), ``ondevring`` (the same 16 steps, each
 copying the graph's logits into one of two device buffers allocated before the first step: the
 device-logits path without an allocation per step), ``alloc`` / ``bigalloc`` (16 device
-allocations of 600 KB / 256 MiB, filled and freed, no step). After each, a new
+allocations of 600 KB / 256 MiB, filled and freed, no step), ``upload`` (``cuGraphUpload`` of
+every captured graph again: if the slow state is the driver's copy of the graphs going stale
+when new memory is mapped, this restores the fast one). After each, a new
 sequence of one token decodes 8 steps; the graph is replayed 32 times back to back (three
 times), then the generation loop runs 64 tokens and the graph is timed again. One JSON line
 per step: graph ms, host ms per replay enqueue, generation-loop ms, graph ms after the loop,
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import vs_llamacpp as V  # noqa: E402
 
 STEPS = ("fresh", "warm512", "pp512", "ttft4096", "recapture", "empty", "sleep", "ondevice",
-         "ondevring", "alloc", "bigalloc")
+         "ondevring", "alloc", "bigalloc", "upload")
 
 
 def clocks() -> str:
@@ -98,6 +100,28 @@ def ring_steps(runner, first: int, ring: list, n: int = 16) -> None:
     runner.free_sequence(s)
 
 
+def upload_graphs(runner) -> list[int]:
+    """``cuGraphUpload`` (CUDA driver API) of every captured decode and prefill graph of
+    ``runner`` on the current stream; the driver's result code of each (0: success)."""
+    import ctypes
+
+    import torch
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    stream = torch.cuda.current_stream().cuda_stream
+    pools = [runner.graphs.graphs] + ([runner.prefill_graphs.graphs] if runner.prefill_graphs
+                                      else [])
+    codes = []
+    for graphs in pools:
+        for v in graphs.values():
+            g = getattr(v, "graph", None)
+            if g is not None and hasattr(g, "raw_cuda_graph_exec"):
+                codes.append(int(lib.cuGraphUpload(g.raw_cuda_graph_exec(), stream)))
+    torch.cuda.synchronize()
+    return codes
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
@@ -144,6 +168,8 @@ def main(argv=None) -> int:
             r.free_sequence(s)
         elif step == "ondevring":
             ring_steps(r, prompt[0], ring)
+        elif step == "upload":
+            print(json.dumps({"step": "upload", "codes": upload_graphs(r)}), flush=True)
         elif step in ("alloc", "bigalloc"):   # device allocations with no step: 16 x 600 KB
             n = 151936 if step == "alloc" else 64 << 20   # or 16 x 256 MiB
             for i in range(16):
