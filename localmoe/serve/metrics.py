@@ -27,6 +27,10 @@ class Metrics:
     (``_bucket``/``_sum``/``_count``), and the gauges ``localmoe_queue_depth``,
     ``localmoe_requests_running`` and ``localmoe_model_ready``.
 
+    ``status`` is the HTTP status answered, or ``499`` (nginx's "client closed request") for
+    a request whose client disconnected before its answer ended: a stream closed before
+    ``[DONE]`` (its status line said 200) or a JSON answer nobody was left to read.
+
     ``queue_depth`` and ``running`` are plain ints the server's request path updates (under
     its event loop); the gauges read them when scraped. Times are seconds; counts are tokens
     or requests. Thread-safe.

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 import localmoe.openai as openai_shaping
 from localmoe.serve.errors import HTTPError, error_from_exception
 from localmoe.serve.state import ServerState
-from localmoe.serve.streaming import SafeJSONResponse, generate
+from localmoe.serve.streaming import CountedStream, SafeJSONResponse, generate
 
 router = APIRouter()
 
@@ -81,7 +81,7 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
     400/404 and only a valid one gets the 503."""
     state = _state(request)
     t_arrival = time.perf_counter()
-    status = 500
+    status: int | None = 500
     try:
         _check_auth(request)
         body = await _read_json(request, state.max_body_bytes)
@@ -98,8 +98,9 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
         if (m.running or m.queue_depth) and m.queue_depth >= state.max_queue:
             raise HTTPError(429, f"server busy: {m.queue_depth} requests are waiting; retry later",
                             type_="rate_limit_error", code="queue_full")
-        resp = await generate(request, job, cancel, t_arrival, state)
-        status = resp.status_code
+        resp = await generate(request, job, cancel, t_arrival, state, endpoint)
+        # a stream is counted when it ends: 200 read to the end, 499 closed by the client
+        status = None if isinstance(resp, CountedStream) else resp.status_code
         return resp
     except Exception as e:  # noqa: BLE001 -- every failure becomes an error object
         err = error_from_exception(
@@ -107,7 +108,8 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
         status = err.status
         return error_response(err)
     finally:
-        state.metrics.count_request(endpoint, status)
+        if status is not None:
+            state.metrics.count_request(endpoint, status)
 
 
 @router.post("/v1/chat/completions")

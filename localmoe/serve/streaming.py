@@ -2,8 +2,10 @@
 of its output to the request task, SSE framing and cancellation on disconnect.
 
 Generation runs in a worker thread, one at a time (``state.slot``); a client that disconnects
-cancels its generation at the next token. A streamed job answers ``data: {chunk}\\n\\n`` events
-and ``data: [DONE]\\n\\n``; an error after the stream started is sent as one error event.
+cancels its generation at the next token, and its request is counted and logged as status 499
+("client closed request", as nginx logs it), not as the 200 nobody received. A streamed job
+answers ``data: {chunk}\\n\\n`` events and ``data: [DONE]\\n\\n``; an error after the stream
+started is sent as one error event.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from localmoe.serve.errors import HTTPError, error_from_exception
+from localmoe.serve.errors import HTTPError, error_from_exception, log
 from localmoe.serve.state import ServerState
 
 _END = object()  # the worker is done
+
+#: the status a request the client closed before its answer ended is counted and logged with
+#: (nginx's "client closed request"); the client never sees it
+CLIENT_CLOSED = 499
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -120,22 +126,43 @@ def _work(job, cancel: threading.Event, t_arrival: float, handoff: _Handoff,
         handoff.loop.call_soon_threadsafe(done)
 
 
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
+async def _watch_disconnect(request: Request, cancel: threading.Event) -> bool:
+    """Set ``cancel`` when the client disconnects; True when it did."""
     try:
         while not cancel.is_set():
             msg = await request.receive()
             if msg.get("type") == "http.disconnect":
                 cancel.set()
-                return
+                return True
     except asyncio.CancelledError:
         pass
     except Exception:  # noqa: BLE001 -- receive channel closed: nothing to watch
         pass
+    return False
 
 
-async def _sse_stream(backlog: list, handoff: _Handoff, cancel: threading.Event, watcher):
+class CountedStream(StreamingResponse):
+    """The SSE response of a streamed job. Its status line (200) goes out before the answer,
+    so the request is counted when the stream ends (``on_end(status)``): 200 when the
+    client read it to ``[DONE]``, :data:`CLIENT_CLOSED` when it went away first."""
+
+    def __init__(self, body, on_end, **kw):
+        super().__init__(body, **kw)
+        self.completed = False   # set by the body once [DONE] was sent
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end(200 if self.completed else CLIENT_CLOSED)
+
+
+async def _sse_stream(backlog: list, handoff: _Handoff, cancel: threading.Event, watcher,
+                      job, done: list):
     """The body of a streamed response: the worker's events until ``_END``, an error event if
-    it raised, then ``[DONE]``; closing it cancels the generation."""
+    it raised, then ``[DONE]``; closing it cancels the generation. ``done[0]`` (the response)
+    is marked completed once ``[DONE]`` was sent for a generation the client did not cut."""
     try:
         batch = backlog
         while True:
@@ -156,16 +183,35 @@ async def _sse_stream(backlog: list, handoff: _Handoff, cancel: threading.Event,
                 break
             batch = await handoff.take()
         yield b"data: [DONE]\n\n"
+        if not _cut_by_client(job, watcher):
+            done[0].completed = True
     finally:
         cancel.set()  # no-op after a finished generation; stops one still running
         watcher.cancel()
 
 
+def _cut_by_client(job, watcher) -> bool:
+    """Whether the client went away before ``job``'s answer ended: the disconnect watcher saw
+    it go (before that, or with no watcher, a generation cut short by the cancel event)."""
+    if watcher.done() and not watcher.cancelled() and watcher.result():
+        return True
+    return getattr(job.result, "finish_reason", None) == "cancelled"
+
+
+def log_client_closed(endpoint: str, job) -> None:
+    """One log line for a request the client closed before its answer ended."""
+    n = getattr(job.result, "completion_tokens", None)
+    log.info("%s: the client closed the request (%d) before the answer ended%s", endpoint,
+             CLIENT_CLOSED, "" if n is None else f"; {n} tokens generated")
+
+
 async def generate(request: Request, job, cancel: threading.Event, t_arrival: float,
-                   state: ServerState):
+                   state: ServerState, endpoint: str = ""):
     """Wait for the slot, run ``job`` in a worker thread; a JSONResponse or an SSE
-    StreamingResponse. An error before the first output is raised (answered as an error
-    object by the caller)."""
+    :class:`CountedStream` (which counts the request in ``state.metrics`` under ``endpoint``
+    when it ends). An error before the first output is raised (answered as an error object
+    by the caller), and so is an HTTPError :data:`CLIENT_CLOSED` for a job whose client
+    disconnected before its JSON answer was ready."""
     m = state.metrics
     m.queue_depth += 1
     try:
@@ -190,8 +236,21 @@ async def generate(request: Request, job, cancel: threading.Event, t_arrival: fl
             raise HTTPError(500, "generation ended without output", type_="server_error")
         raise first
     if not job.stream:
+        if cancel.is_set():  # only the watcher sets it before the answer: the client is gone
+            log_client_closed(endpoint, job)
+            raise HTTPError(CLIENT_CLOSED, "the client closed the request before the answer "
+                            "was ready", code="client_disconnected")
         watcher.cancel()
         return SafeJSONResponse(first)
-    return StreamingResponse(_sse_stream(backlog, handoff, cancel, watcher),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def on_end(status: int) -> None:
+        if status == CLIENT_CLOSED:
+            log_client_closed(endpoint, job)
+        m.count_request(endpoint, status)
+
+    done: list = []
+    resp = CountedStream(_sse_stream(backlog, handoff, cancel, watcher, job, done), on_end,
+                         media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    done.append(resp)
+    return resp

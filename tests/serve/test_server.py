@@ -829,8 +829,24 @@ def test_eight_concurrent_requests_all_complete_correctly(live):
     assert results == {i: f"You said {i}." for i in range(8)}
 
 
+CHAT_200 = 'localmoe_requests_total{endpoint="/v1/chat/completions",status="200"}'
+CHAT_499 = 'localmoe_requests_total{endpoint="/v1/chat/completions",status="499"}'
+
+
+def _counted_as_499(live, ok_before: float, gone_before: float) -> None:
+    """The request the client closed is counted once, as 499 ("client closed request", as
+    nginx logs it), not as a 200 (it was, though nobody received the answer)."""
+    deadline = time.time() + 30
+    while metric(live.url, CHAT_499, 0) < gone_before + 1:
+        assert time.time() < deadline, "the closed request was not counted as 499"
+        time.sleep(0.05)
+    assert metric(live.url, CHAT_499, 0) == gone_before + 1
+    assert metric(live.url, CHAT_200, 0) == ok_before
+
+
 def test_client_disconnect_mid_stream_cancels_generation(live):
     before = metric(live.url, "localmoe_cancelled_generations_total")
+    ok_before, gone_before = metric(live.url, CHAT_200, 0), metric(live.url, CHAT_499, 0)
     body = {"model": "scripted", "stream": True,
             "messages": [{"role": "user", "content": "slow please"}]}
     t0 = time.time()
@@ -850,13 +866,20 @@ def test_client_disconnect_mid_stream_cancels_generation(live):
     while metric(live.url, "localmoe_requests_running") != 0:
         assert time.time() - t0 < 30, "the cancelled request still holds the model"
         time.sleep(0.05)
+    _counted_as_499(live, ok_before, gone_before)
     r = live.client().chat.completions.create(model="scripted",
                                               messages=[{"role": "user", "content": "echo 42"}])
     assert r.choices[0].message.content == "You said 42."
+    # a stream read to its end is a 200
+    chunks = list(live.client().chat.completions.create(
+        model="scripted", stream=True, messages=[{"role": "user", "content": "echo 43"}]))
+    assert chunks and metric(live.url, CHAT_200) == ok_before + 2
+    assert metric(live.url, CHAT_499) == gone_before + 1
 
 
 def test_client_disconnect_non_stream_cancels_generation(live):
     before = metric(live.url, "localmoe_cancelled_generations_total")
+    ok_before, gone_before = metric(live.url, CHAT_200, 0), metric(live.url, CHAT_499, 0)
     body = {"model": "scripted", "messages": [{"role": "user", "content": "slow please"}]}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.5)
@@ -864,6 +887,7 @@ def test_client_disconnect_non_stream_cancels_generation(live):
     while metric(live.url, "localmoe_cancelled_generations_total") <= before:
         assert time.time() < deadline, "generation was not cancelled"
         time.sleep(0.05)
+    _counted_as_499(live, ok_before, gone_before)
     r = live.client().chat.completions.create(model="scripted",
                                               messages=[{"role": "user", "content": "echo 7"}])
     assert r.choices[0].message.content == "You said 7."
