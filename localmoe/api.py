@@ -42,7 +42,8 @@ class LLM(Engine):
 
     Raises:
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, BackendUnavailableError,
-        KVCacheFormatError, InvalidRequestError (bad n_ctx or device, a ``$LOCALMOE_THREADS``
+        KVCacheFormatError, InvalidRequestError (a ``model`` that is no str, PathLike,
+        ModelFile or None, bad n_ctx or device, a ``$LOCALMOE_THREADS``
         that is no thread count, a backend option that no backend or not the chosen one
         takes), StoreError (pull failed).
     """
@@ -52,6 +53,13 @@ class LLM(Engine):
         """The ModelFile of ``model``: a ModelFile as is, else resolved through the store."""
         if hasattr(model, "spec") and hasattr(model, "format"):
             return model  # already a ModelFile
+        if model is not None and not isinstance(model, (str, os.PathLike)):  # LLM(5): no name
+            from localmoe.errors import InvalidRequestError
+
+            raise InvalidRequestError(
+                f"model must be a path or a model name (a str or os.PathLike: a .gguf file, an "
+                f"HF folder, a store name such as 'smollm2', an hf:OWNER/REPO/FILE reference) "
+                f"or None for the default model, not {type(model).__name__}", param="model")
         from localmoe.io.loader import open_model
         from localmoe.io.store import resolve_model
 

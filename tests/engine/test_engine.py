@@ -892,6 +892,24 @@ def test_a_model_argument_is_optional_and_none_is_explained_by_the_engine():
         Engine()
 
 
+@pytest.mark.parametrize("model", [5, 1.5, b"m.gguf", ["m.gguf"], {"name": "smollm2"}])
+def test_a_model_that_is_no_path_or_name_is_refused_before_any_lookup(model, monkeypatch):
+    """``LLM(5)`` was looked up in the store as the model name '5' ("no model named '5'");
+    a model argument that is neither a str/PathLike (nor a ModelFile, nor None) is an
+    InvalidRequestError naming ``model`` and what it must be, before the store is asked."""
+    import localmoe.io.store as store
+
+    def no_lookup(*a, **k):
+        raise AssertionError("the store was asked")
+    monkeypatch.setattr(store, "resolve_model", no_lookup)
+    with pytest.raises(InvalidRequestError) as ei:
+        LLM(model)
+    assert ei.value.param == "model", ei.value
+    msg = str(ei.value)
+    assert msg.startswith("model must be a path or a model name") and type(model).__name__ in msg
+    assert "no model named" not in msg
+
+
 def test_wrong_argument_types_are_request_errors():
     """Arguments of the wrong type get a LocalMoEError naming the argument, not an
     AttributeError/TypeError from inside (fresh-user finding)."""
