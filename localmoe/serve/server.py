@@ -44,6 +44,7 @@ from localmoe.errors import LocalMoEError, ModelLoadError
 from localmoe.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, create_app
 from localmoe.serve.errors import HTTPError, log
 from localmoe.serve.metrics import Metrics
+from localmoe.serve.state import StopServing
 
 __all__ = ["run_server", "create_app", "is_loopback", "HTTPError", "Metrics",
            "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE"]
@@ -158,7 +159,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
             llm.close()
             if running:
                 running[0].should_exit = True
-            raise
+            raise StopServing(str(e)) from e  # raised below once stopped: not logged too
         return llm
 
     app = create_app(factory, api_key=api_key,

@@ -38,6 +38,13 @@ def warm_grammar(llm) -> None:
     threading.Thread(target=work, name="localmoe-grammar-warm", daemon=True).start()
 
 
+class StopServing(Exception):
+    """Raised by a model factory whose failure stops the server (``raise StopServing(str(e))
+    from e``): whoever runs the server reports the error once it has stopped (``localmoe
+    serve`` as its ``error:`` line), so :meth:`ServerState.load` records it for ``/health``
+    without logging it too."""
+
+
 class ServerState:
     """What the routes share.
 
@@ -82,6 +89,9 @@ class ServerState:
         ``error`` (reported by ``/health`` and 503s), never raises."""
         try:
             llm = self.factory()
+        except StopServing as e:  # the server's owner reports it (not logged twice)
+            self.error, self.status = str(e), "error"
+            return
         except LocalMoEError as e:
             self.error, self.status = str(e), "error"
             log.error("model failed to load: %s", e)

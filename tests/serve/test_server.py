@@ -939,7 +939,8 @@ def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, ca
 def test_serve_refuses_to_start_on_damaged_weights(tmp_path):
     """Tensor data overwritten with 0xff gives non-finite logits: /health said ok and every
     request got a 500 server_error. A 1-token warm-up after loading stops the server with the
-    engine's one error line (as generate prints it), exit status 1; a request that still meets
+    engine's one error line (as generate prints it, and not logged before it too), exit
+    status 1; a request that still meets
     the error gets a 503 model_error, not a 500 server_error."""
     import subprocess
     import sys
@@ -962,6 +963,8 @@ def test_serve_refuses_to_start_on_damaged_weights(tmp_path):
     assert r.returncode == 1 and lines[-1].startswith(
         "error: the model computed non-finite logits"), r.stderr
     assert "Traceback" not in r.stderr
+    # said once: the log's "model failed to load: ..." repeated the error line word for word
+    assert r.stderr.count("non-finite logits") == 1, r.stderr
     e = error_from_exception(ModelLoadError("the model computed non-finite logits"))
     assert e.status == 503 and e.type == "model_error"
 
