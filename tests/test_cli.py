@@ -668,6 +668,27 @@ def test_info_moe_counts_active_params(tmp_path):
     assert r.exit_code == 0 and "8 experts, top-2" in r.output
 
 
+def test_info_names_the_model_as_the_other_commands_do(tmp_path):
+    """`info` showed the file's general.name ("synthetic tiny-qwen3moe", "Smollm2 135M 8k
+    Lc100K Mix1 Ep2") as the model, a name no command takes and none reports: the model row
+    is the name generate --json and serve report (the file name without .gguf, or the store
+    name given), and the file's own name has a row of its own (JSON: "model" and "name")."""
+    import re
+
+    from localmoe.testing.synthetic import write_gguf
+
+    p = write_gguf(tmp_path / "m.gguf", "tiny-qwen3moe")
+    r = run(["info", str(p)])
+    assert r.exit_code == 0, r.output
+    assert re.search(rf"^model +m  \({re.escape(str(p))}\)$", r.output, re.M), r.output
+    assert re.search(r"^name in file +synthetic tiny-qwen3moe$", r.output, re.M), r.output
+    d = json.loads(run(["info", "--json", str(p)]).output)
+    assert d["model"] == "m" and d["name"] == "synthetic tiny-qwen3moe"
+    g = json.loads(run(["generate", "-m", str(p), "--backend", "torch", "--json", "-n", "1",
+                        "hi"]).stdout)
+    assert g["model"] == d["model"]
+
+
 def test_info_shows_both_key_groupings(tmp_path):
     """`info` lists per-channel (the int4/int3/int2 default) and per-token keys side by side."""
     import re

@@ -11,10 +11,16 @@ from localmoe.cli.options import KV_INFO_FORMATS
 from localmoe.errors import LocalMoEError
 
 
-def model_info(model_file) -> dict[str, Any]:
+def model_info(model_file, model: str | None = None) -> dict[str, Any]:
     """Facts about a model for ``localmoe info`` (pure; used by tests).
 
-    Returns a dict with: name, path, format, architecture, params_total, params_active,
+    Args:
+        model_file: the opened model.
+        model: the model as the user named it (a path or store name); None: its path.
+
+    Returns a dict with: model (the name ``generate --json`` and ``serve`` report it by:
+    :func:`localmoe.io.store.display_name` of ``model``), name (the file's own,
+    ``general.name`` of a GGUF), path, format, architecture, params_total, params_active,
     n_experts, top_k, n_shared_experts, d_ff_expert, n_layers, d_model, n_heads, n_kv_heads,
     head_dim, context (training context in tokens), n_ctx_default (the context a run gets
     without --ctx-size, tokens), chat_template (bool), quant_mix ({qtype: {"tensors": n,
@@ -22,6 +28,7 @@ def model_info(model_file) -> dict[str, Any]:
     :data:`KV_INFO_FORMATS`: ``"int4"`` is the default per-channel keys, ``"int4:t"`` per-token
     keys), kv_key_grouping ({format: "channel" | "token" | None for float/fp4 keys}).
     """
+    from localmoe.io.store import display_name
     from localmoe.kv.spec import KVSpec
 
     spec = model_file.spec
@@ -55,6 +62,7 @@ def model_info(model_file) -> dict[str, Any]:
 
     n_ctx_default = min(int(spec.n_ctx_train or DEFAULT_N_CTX), DEFAULT_N_CTX)
     return {
+        "model": display_name(model if model is not None else model_file.path),
         "name": model_file.name, "path": str(model_file.path), "format": model_file.format,
         "architecture": spec.arch, "params_total": total, "params_active": active,
         "n_experts": spec.n_experts, "top_k": spec.top_k, "n_shared_experts": spec.n_shared_experts,
@@ -84,15 +92,17 @@ def info(model, as_json):
     from localmoe.io.store import ModelStore, format_size
 
     mf = open_model(ModelStore().resolve(model))
-    d = model_info(mf)
+    d = model_info(mf, model)
     if as_json:
         click.echo(json.dumps(d, indent=1))
         return
     moe = (f"{d['n_experts']} experts, top-{d['top_k']}, d_ff_expert {d['d_ff_expert']}"
            + (f", {d['n_shared_experts']} shared" if d["n_shared_experts"] else "")
            if d["n_experts"] else "none (dense)")
-    rows = [
-        ("model", f"{d['name']}  ({d['path']})"),
+    rows = [("model", f"{d['model']}  ({d['path']})")]
+    if d["name"] != d["model"]:  # general.name: no command takes or reports it
+        rows.append(("name in file", d["name"]))
+    rows += [
         ("format", d["format"]),
         ("architecture", d["architecture"]),
         ("parameters", f"{_fmt_count(d['params_total'])} total, {_fmt_count(d['params_active'])} active per token"),
