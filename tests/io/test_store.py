@@ -944,3 +944,31 @@ def test_a_read_only_store_is_a_store_error_for_pull_and_rm(tmp_path, home, monk
                                          r".*m2\.gguf\.partial.*LOCALMOE_HOME"):
         st.pull(str(src2))
     assert st.find("m") is not None and st.find("m2") is None      # nothing changed
+
+
+def test_a_local_copy_of_a_catalog_model_gets_the_catalog_name(tmp_path, home):
+    """A file whose bytes are a catalog model's (a manual download of it, or the store's own
+    file listed again after a damaged manifest was deleted, as that error advises) is
+    registered under the catalog's name, as `localmoe pull NAME` would have made it, not
+    under its file name; when that name already holds another model, the file keeps its own
+    name and nothing is replaced."""
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "Tiny-Model.Q4_0.gguf", "tiny-llama")
+    other = write_gguf(tmp_path / "other.gguf", "tiny-llama", seed=1)
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    st = ModelStore(progress=False, catalog=fake_catalog(src.read_bytes()))
+    m = st.pull(str(src))
+    assert m.name == "tiny" and m.sha256 == sha and st.find("tiny") == m.path
+    # the damaged-manifest recovery: the store's own file pulled again keeps the name
+    st.manifest_path.unlink()
+    assert st.pull(str(m.path)).name == "tiny"
+    # "tiny" taken by another model whose files are present: the copy keeps its file name
+    st2 = ModelStore(progress=False, catalog=fake_catalog(src.read_bytes()))
+    st2.manifest_path.unlink()
+    assert st2.pull(str(other)).name == "other"
+    data = st2._read_manifest()
+    data["tiny"] = data.pop("other")
+    st2._write_manifest(data)
+    assert st2.pull(str(src)).name == "Tiny-Model.Q4_0"
+    assert hashlib.sha256(st2.find("tiny").read_bytes()).hexdigest() != sha

@@ -330,7 +330,8 @@ class ModelStore(PullMixin):
         uses any more are deleted (a linked entry's files are the user's: never)."""
         with hold_ctrl_c():
             data = self._read_manifest()
-            name = self._free_name(data, name, source, sha)
+            name = self._free_name(data, self._catalog_alias(data, name, source, sha), source,
+                                   sha)
             others = {os.path.realpath(f) for k, e in data.items() if k != name
                       for f in self._files(e)}
             old = data.get(name)
@@ -348,6 +349,21 @@ class ModelStore(PullMixin):
             if old is not None:  # the replaced entry's copies nothing uses any more
                 self._drop_files(self._entry(name, old), data)
             return self._entry(name, data[name])
+
+    def _catalog_alias(self, data: dict[str, dict], name: str, source: str, sha: str) -> str:
+        """The catalog's name for a local file whose bytes are a catalog model's (same sha256),
+        so that ``localmoe pull ./SmolLM2-135M-Instruct.Q4_1.gguf`` (a manual download, or the
+        store's own file after a damaged manifest was deleted) is ``smollm2`` as a pull by name
+        would have made it; ``name`` when no catalog entry matches or that name already holds
+        a model whose files are present (the same one included: a second entry, as before)."""
+        if not sha or not source.startswith("file:"):
+            return name
+        for c in self.catalog.values():
+            if c.sha256 == sha:
+                e = data.get(c.name)
+                if e is None or not all(f.exists() for f in self._files(e)):
+                    return c.name
+        return name
 
     def _free_name(self, data: dict[str, dict], name: str, source: str, sha: str) -> str:
         """The entry a pull of ``source`` named ``name`` goes to: the one it updates (``name``,
