@@ -9,6 +9,7 @@ deterministic whatever the sampling settings. One test at the end chats with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -707,9 +708,10 @@ def test_health_reports_loading_then_ready(scripted_llm):
         srv.stop()
 
 
-def test_invalid_requests_get_400_404_while_the_model_loads():
-    """Validation needs no model: while loading, a bad request gets its OpenAI-style 400/404 at
-    once; only a valid request gets the 503 "model loading"."""
+@contextlib.contextmanager
+def _loading_server():
+    """A server whose model never finishes loading (validation needs none): ``(chat URL,
+    completions URL, a valid chat body)``."""
     from localmoe.serve.server import create_app
 
     gate = threading.Event()
@@ -719,9 +721,18 @@ def test_invalid_requests_get_400_404_while_the_model_loads():
         raise RuntimeError("never loads in this test")
 
     srv = LiveServer(create_app(factory, model_name="scripted"))
-    chat, comp = srv.url + "/v1/chat/completions", srv.url + "/v1/completions"
-    ok = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
     try:
+        yield (srv.url + "/v1/chat/completions", srv.url + "/v1/completions",
+               {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}, srv)
+    finally:
+        gate.set()
+        srv.stop()
+
+
+def test_invalid_requests_get_400_404_while_the_model_loads():
+    """Validation needs no model: while loading, a bad request gets its OpenAI-style 400/404 at
+    once; only a valid request gets the 503 "model loading"."""
+    with _loading_server() as (chat, comp, ok, srv):
         assert httpx.get(srv.url + "/health").json()["status"] == "loading"
         _err(httpx.post(chat, content=b"{not json"), 400)
         _err(httpx.post(chat, json={"model": "scripted"}), 400, "messages")
@@ -738,9 +749,6 @@ def test_invalid_requests_get_400_404_while_the_model_loads():
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
         text = httpx.get(srv.url + "/metrics").text
         assert 'endpoint="/v1/chat/completions",status="400"' in text
-    finally:
-        gate.set()
-        srv.stop()
 
 
 def test_user_message_name_and_seed_of_the_wrong_type_or_range_are_400s():
@@ -748,18 +756,7 @@ def test_user_message_name_and_seed_of_the_wrong_type_or_range_are_400s():
     user and name are strings; a seed over 2**64-1 shared its 64 bits, so its random stream on
     the device sampler, with a smaller one): each is a 400 naming the field, on both
     endpoints. The edges of the seed's range and string values still pass validation."""
-    from localmoe.serve.server import create_app
-
-    gate = threading.Event()
-
-    def factory():
-        gate.wait(30)
-        raise RuntimeError("never loads in this test")
-
-    srv = LiveServer(create_app(factory, model_name="scripted"))
-    chat, comp = srv.url + "/v1/chat/completions", srv.url + "/v1/completions"
-    ok = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
-    try:
+    with _loading_server() as (chat, comp, ok, _):
         for bad, param in (({"user": 5}, "user"), ({"user": ["a"]}, "user"),
                            ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),
                            ({"seed": 10**30}, "seed")):
@@ -774,9 +771,6 @@ def test_user_message_name_and_seed_of_the_wrong_type_or_range_are_400s():
                      {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}):
             r = httpx.post(chat, json={**ok, **good})  # valid: only the model is missing
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
-    finally:
-        gate.set()
-        srv.stop()
 
 
 def test_load_failure_is_reported_not_raised():
