@@ -31,7 +31,7 @@ def models_cmd(as_json):
     if as_json:
         click.echo(json.dumps([{"name": m.name, "path": str(m.path), "size": m.size,
                                 "sha256": m.sha256, "source": m.source, "missing": m.missing,
-                                "damaged": m.damaged}
+                                "damaged": m.damaged, "changed": m.changed}
                                for m in items], indent=1))
         return
     click.echo(f"store: {st.models_dir}")
@@ -39,7 +39,7 @@ def models_cmd(as_json):
         w = max(len(m.name) for m in items)
         for m in items:
             size = "missing" if m.missing else format_size(m.size)
-            mark = "  DAMAGED" if m.damaged else ""
+            mark = "  DAMAGED" if m.damaged else "  CHANGED" if m.changed else ""
             click.echo(f"  {m.name:<{w}}  {size:>10}  {m.source}{mark}")
     else:
         click.echo("  (empty)")
@@ -49,6 +49,10 @@ def models_cmd(as_json):
         elif m.damaged:
             click.echo(f"damaged: {m.name} is {m.size:,} bytes on disk, not the {m.recorded_size:,} "
                        f"it was pulled with; {st.repair_hint(m)}")
+        elif m.changed:
+            click.echo(f"changed: the linked file of {m.name} is {m.size:,} bytes, not the "
+                       f"{m.recorded_size:,} it was linked with; `localmoe pull {m.name}` checks "
+                       f"it and links it again, or `localmoe rm {m.name}`")
     missing = [e for n, e in CATALOG.items() if st.get(n, include_missing=True) is None]
     if missing:
         click.echo("pullable: " + ", ".join(f"{e.name} ({e.description})" for e in missing))

@@ -972,3 +972,41 @@ def test_a_local_copy_of_a_catalog_model_gets_the_catalog_name(tmp_path, home):
     st2._write_manifest(data)
     assert st2.pull(str(src)).name == "Tiny-Model.Q4_0"
     assert hashlib.sha256(st2.find("tiny").read_bytes()).hexdigest() != sha
+
+
+def test_a_linked_file_changed_behind_the_stores_back_is_marked_and_linked_again(tmp_path, home,
+                                                                                 capsys):
+    """A linked file (the user's) cut short or replaced after `pull --link` was listed as whole
+    and `pull NAME` returned the entry with its old sha256: `models` now marks it CHANGED
+    (JSON ``changed``), `pull NAME` checks the file again, refusing a truncated one with the
+    loader's error and recording a valid new one's size and sha256; loading is never
+    refused for it (the file is the user's to change)."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+    from localmoe.errors import ModelLoadError
+    from localmoe.testing.synthetic import write_gguf
+
+    f = write_gguf(tmp_path / "mine.gguf", "tiny-llama")
+    whole = f.read_bytes()
+    st = ModelStore(progress=False)
+    m = st.pull(str(f), link=True)
+    assert m.linked and not m.changed and not m.damaged
+    with open(f, "r+b") as fh:
+        fh.truncate(len(whole) // 2)
+    m = st.get("mine")
+    assert m.changed and not m.damaged and st.resolve("mine") == f
+    r = CliRunner().invoke(cli, ["models"], catch_exceptions=False)
+    assert "CHANGED" in r.stdout and "`localmoe pull mine` checks it" in r.stdout, r.stdout
+    r = CliRunner().invoke(cli, ["models", "--json"], catch_exceptions=False)
+    assert [(d["changed"], d["damaged"]) for d in __import__("json").loads(r.stdout)] == \
+        [(True, False)]
+    with pytest.raises(ModelLoadError):
+        st.pull("mine")
+    assert "changed since" in capsys.readouterr().err
+    other = write_gguf(tmp_path / "other.gguf", "tiny-llama", seed=3).read_bytes()
+    f.write_bytes(other)
+    m = st.pull("mine")
+    assert m.linked and not m.changed and m.path == f
+    assert m.sha256 == hashlib.sha256(other).hexdigest() and m.recorded_size == len(other)
+    assert [x.name for x in st.list()] == ["mine"]

@@ -74,6 +74,15 @@ class StoredModel:
         return Path(self.source[5:]) if self.source.startswith("file:") else None
 
     @property
+    def changed(self) -> bool:
+        """A linked file (the user's, registered in place) whose size is not the one it was
+        linked with: edited, replaced or cut short since. Not :attr:`damaged` (the user may have
+        changed it on purpose, and loading checks the file anyway); ``localmoe pull NAME``
+        links it again, checking it and recording its new size and sha256."""
+        return (self.linked and not self.missing and bool(self.recorded_size)
+                and self.size != self.recorded_size)
+
+    @property
     def damaged(self) -> bool:
         """The store's own files are there but not the size the pull recorded (truncated or
         overwritten behind the store's back): ``localmoe pull NAME`` downloads them again."""
@@ -299,8 +308,17 @@ class ModelStore(PullMixin):
     def _damage(self, m: StoredModel, entry: CatalogEntry | None = None) -> str | None:
         """Why the stored files of ``m`` are not what was pulled (a size that differs from the
         catalog's or the recorded one; for a catalog model up to :data:`HASH_CHECK_MAX`
-        bytes, a sha256 that differs), or None when they look whole."""
-        if m.linked or m.missing:
+        bytes, a sha256 that differs; for a linked file, its size or, up to that size, its
+        sha256 changed since it was linked), or None when they look whole."""
+        if m.missing:
+            return None
+        if m.linked:
+            if m.changed:
+                return (f"the linked file is {m.size:,} bytes, not the {m.recorded_size:,} it "
+                        f"was linked with (changed since)")
+            if (m.sha256 and len(m.files) == 1 and m.path.is_file()
+                    and m.size <= self.HASH_CHECK_MAX and sha256_file(m.path) != m.sha256):
+                return "the linked file's sha256 differs from the one it was linked with (changed since)"
             return None
         want = entry.size if entry is not None and entry.size else m.recorded_size
         if want and m.size != want:
