@@ -207,9 +207,15 @@ def select_backend(requested: str = "auto", model_format: str = "gguf",
 
     Raises:
         BackendUnavailableError: the named backend cannot run here, or none can.
+        InvalidRequestError: an empty (or blank) name.
     """
     if isinstance(requested, str) and requested not in _REGISTRY:
         requested = requested.strip().lower()
+        if not requested:
+            from localmoe.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"backend must not be empty; use auto or one of "
+                                      f"{', '.join(backend_names())}", param="backend")
     if requested and requested != "auto":
         b = get_backend(requested)
         why = b.available()

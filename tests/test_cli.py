@@ -946,3 +946,25 @@ def test_generate_cut_by_a_full_context_says_so(tmp_path):
              "--seed", "1", "one two three"])
     assert r.exit_code == 0, r.output
     assert "is full" not in r.stderr
+
+
+def test_ollama_names_and_an_empty_backend(home, tmp_path):
+    """`localmoe list` / `ls` (Ollama's names for `models`) and `show` (for `info`) were
+    "No such command"; `--n-ctx` (the Python API's name) was "Did you mean --json-object?";
+    `--backend ''` ran as auto while `--device ''` was an error: now one error line naming
+    the backend."""
+    from localmoe.testing.synthetic import write_gguf
+
+    for alias in ("list", "ls"):
+        r = run([alias, "--json"])
+        assert r.exit_code == 0 and r.stdout == run(["models", "--json"]).stdout, r.output
+    assert "list" not in run(["--help"]).stdout.split("Commands:")[1]   # aliases stay unlisted
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    r = run(["show", m, "--json"])
+    assert r.exit_code == 0 and r.stdout == run(["info", m, "--json"]).stdout
+    r = run(["generate", "-m", m, "--backend", "torch", "--n-ctx", "96", "--json", "-n", "1",
+             "--greedy", "hi"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["n_ctx"] == 96, r.output
+    r = run(["generate", "-m", m, "--backend", " ", "-n", "1", "hi"])
+    assert r.exit_code == 1 and r.stderr.strip().startswith("error: backend must not be empty"), \
+        r.stderr

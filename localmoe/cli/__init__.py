@@ -45,6 +45,10 @@ COMMANDS = {
 }
 
 
+#: other names a user of Ollama types: accepted, not listed in ``--help``
+ALIASES = {"list": "models", "ls": "models", "show": "info"}
+
+
 def __getattr__(name: str) -> Any:  # `from localmoe.cli import model_info` (tests, tools)
     if name == "model_info":
         from localmoe.cli.info import model_info
@@ -61,6 +65,7 @@ class _Group(click.Group):
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        cmd_name = ALIASES.get(cmd_name, cmd_name)
         if cmd_name not in COMMANDS:
             return None
         module, attr = COMMANDS[cmd_name]

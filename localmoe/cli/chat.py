@@ -45,7 +45,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     mf = open_model(resolve_model(model))
     try:
         kv_spec.check_head_dims(mf.spec.head_dim, mf.spec.v_head_dim)
-        check_backend_device(select_backend(backend or "auto", mf.format, kv_spec)[0], device)
+        check_backend_device(select_backend("auto" if backend is None else backend, mf.format, kv_spec)[0], device)
         n_train = int(mf.spec.n_ctx_train or 0)
         if n_ctx and n_train and n_ctx > n_train:
             raise InvalidRequestError(

@@ -50,7 +50,7 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
                           f"hf:OWNER/REPO/FILE. Default: {model_default}."),
         click.option("--backend", default="auto", show_default=True, metavar="NAME",
                      help="Backend: auto, triton, llamacpp, torch (see `localmoe backends`)."),
-        click.option("-c", "--ctx-size", "n_ctx", type=click.IntRange(min=1), default=None,
+        click.option("-c", "--ctx-size", "--n-ctx", "n_ctx", type=click.IntRange(min=1), default=None,
                      help="Context size in tokens (default: model's, at most 4096)."),
         click.option("--kv-cache", default="f16", show_default=True, metavar="FMT",
                      help=f"KV cache format for keys and values: {KV_CHOICES_HELP}."),

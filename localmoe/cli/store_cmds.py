@@ -23,7 +23,7 @@ def pull(source, force, link):
 @click.command("models")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def models_cmd(as_json):
-    """List the models in the store (and the pullable short names)."""
+    """List the models in the store (and the pullable short names); also `localmoe list`."""
     from localmoe.io.store import CATALOG, ModelStore, format_size
 
     st = ModelStore()

@@ -101,7 +101,7 @@ class Engine:
         model_file = self._open(model)
         prog(0.1, f"opened {model_file.name}")
         kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)
-        be, reason = select_backend(backend or "auto", model_file.format, kv_spec)
+        be, reason = select_backend("auto" if backend is None else backend, model_file.format, kv_spec)
         check_backend_options(backend_options, be)
         check_backend_device(be, device)
         ctx = context_size(n_ctx, model_file.spec.n_ctx_train)

@@ -133,7 +133,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     model_file = open_model(resolve_model(model))
     context_size(n_ctx, model_file.spec.n_ctx_train)   # refuses one above the training context
     kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)
-    be, _ = select_backend(backend or "auto", model_file.format, kv_spec)
+    be, _ = select_backend("auto" if backend is None else backend, model_file.format, kv_spec)
     check_backend_device(be, llm_options.get("device"))
     _check_port_free(host, port)
     if not is_loopback(host) and not api_key:
