@@ -543,6 +543,11 @@ def test_display_name(tmp_path):
     (tmp_path / "hf-folder").mkdir()
     assert display_name(tmp_path / "hf-folder") == "hf-folder"
     assert display_name("hf:org/repo") == "hf:org/repo"
+    # any shard of a split set is named as the set, as its pull names it (fresh-user finding:
+    # `generate -m sp-00002-of-00003.gguf --json` said "sp-00002-of-00003", `pull` said "sp")
+    for shard in ("sp-00001-of-00003.gguf", "sp-00002-of-00003.gguf", "sp-00003-of-00003.GGUF"):
+        assert display_name(tmp_path / shard) == "sp"
+    assert display_name(tmp_path / "sp-2-of-3.gguf") == "sp-2-of-3"
 
 
 def test_home_that_is_a_file_says_so(tmp_path, monkeypatch):

@@ -15,13 +15,14 @@ __all__ = ["display_name", "format_size", "parse_hf_ref"]
 def display_name(model: str | os.PathLike | None) -> str:
     """Short name a user knows a model by, as Ollama shows it: the store or catalog name as
     given (``"smollm2"``), a ``.gguf`` file's name without the suffix, a safetensors folder's
-    name, or :data:`DEFAULT_MODEL` for None."""
+    name, or :data:`DEFAULT_MODEL` for None; a shard of a split GGUF set is named as the set
+    (``model-00002-of-00003.gguf`` -> ``model``, as :func:`store_name`)."""
     if model is None or str(model).strip() == "":
         return DEFAULT_MODEL
     s = str(model).strip()
     p = Path(s)
     if p.suffix.lower() == ".gguf":
-        return p.stem
+        return store_name(p.name[:-5] + ".gguf")
     if p.is_dir():
         return p.name
     return s
