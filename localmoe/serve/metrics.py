@@ -29,7 +29,9 @@ class Metrics:
 
     ``status`` is the HTTP status answered, or ``499`` (nginx's "client closed request") for
     a request whose client disconnected before its answer ended: a stream closed before
-    ``[DONE]`` (its status line said 200) or a JSON answer nobody was left to read.
+    ``[DONE]`` (its status line said 200), a JSON answer nobody was left to read, or a request
+    that left the queue because its client did (its generation, which never started, counts
+    in ``localmoe_cancelled_generations_total``).
 
     ``queue_depth`` and ``running`` are plain ints the server's request path updates (under
     its event loop); the gauges read them when scraped. Times are seconds; counts are tokens
@@ -70,14 +72,23 @@ class Metrics:
         """One finished HTTP request to ``endpoint`` answered with ``status``."""
         self.requests.labels(endpoint=endpoint, status=str(int(status))).inc()
 
-    def observe_generation(self, result, ttft_s: float | None, tpot_s: float | None) -> None:
+    def count_cancelled(self) -> None:
+        """One generation cancelled because its client left (or never started: the client
+        left while the request waited for the model)."""
+        self.cancelled.inc()
+
+    def observe_generation(self, result, ttft_s: float | None, tpot_s: float | None,
+                           stopped: bool = False) -> None:
         """A finished generation: its token counts (``result``, a GenerationResult or None) and
-        its TTFT / TPOT in seconds (None when not measured)."""
+        its TTFT / TPOT in seconds (None when not measured). It counts as cancelled when its
+        finish reason says so, or when it was ``stopped`` (its client left) before it produced
+        a result at all (``result`` None: cut before its first token, or while its prompt was
+        prepared)."""
         if result is not None:
             self.prompt_tokens.inc(int(result.prompt_tokens))
             self.generation_tokens.inc(int(result.completion_tokens))
-            if result.finish_reason == "cancelled":
-                self.cancelled.inc()
+        if (result.finish_reason == "cancelled") if result is not None else stopped:
+            self.count_cancelled()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         if tpot_s is not None:

@@ -3,9 +3,11 @@ of its output to the request task, SSE framing and cancellation on disconnect.
 
 Generation runs in a worker thread, one at a time (``state.slot``); a client that disconnects
 cancels its generation at the next token, and its request is counted and logged as status 499
-("client closed request", as nginx logs it), not as the 200 nobody received. A streamed job
-answers ``data: {chunk}\\n\\n`` events and ``data: [DONE]\\n\\n``; an error after the stream
-started is sent as one error event.
+("client closed request", as nginx logs it), not as the 200 nobody received. One that
+disconnects while its request waits for the slot leaves the queue at once: its generation,
+which never starts, is counted as cancelled. A streamed job answers ``data: {chunk}\\n\\n``
+events and ``data: [DONE]\\n\\n``; an error after the stream started is sent as one error
+event.
 """
 
 from __future__ import annotations
@@ -116,7 +118,9 @@ def _work(job, cancel: threading.Event, t_arrival: float, handoff: _Handoff,
     except BaseException as e:  # noqa: BLE001 -- handed to the request task
         handoff.put(e)
     finally:
-        m.observe_generation(job.result, *_job_times(job, t_arrival))  # before the client sees the end
+        # before the client sees the end; a set cancel means the client left (the request task
+        # sets it only after _END otherwise)
+        m.observe_generation(job.result, *_job_times(job, t_arrival), stopped=cancel.is_set())
         handoff.put(_END)
 
         def done():
@@ -198,11 +202,41 @@ def _cut_by_client(job, watcher) -> bool:
     return getattr(job.result, "finish_reason", None) == "cancelled"
 
 
-def log_client_closed(endpoint: str, job) -> None:
-    """One log line for a request the client closed before its answer ended."""
+def log_client_closed(endpoint: str, job, queued: bool = False) -> None:
+    """One log line for a request the client closed before its answer ended (``queued``:
+    while it waited for the model, so nothing was generated)."""
+    if queued:
+        log.info("%s: the client closed the request (%d) while it waited for the model; "
+                 "nothing was generated", endpoint, CLIENT_CLOSED)
+        return
     n = getattr(job.result, "completion_tokens", None)
     log.info("%s: the client closed the request (%d) before the answer ended%s", endpoint,
              CLIENT_CLOSED, "" if n is None else f"; {n} tokens generated")
+
+
+async def _acquire_unless_gone(slot: asyncio.Semaphore, watcher: asyncio.Task) -> bool:
+    """Wait for ``slot``; False (the slot not held) as soon as ``watcher`` saw the client
+    disconnect first."""
+    acq = asyncio.ensure_future(slot.acquire())
+    try:
+        while not acq.done():
+            await asyncio.wait({acq, watcher} if not watcher.done() else {acq},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if watcher.done() and not watcher.cancelled() and watcher.result():
+                break
+    finally:
+        if not acq.done():  # gone, or this task was cancelled: leave the queue
+            acq.cancel()
+            try:
+                await acq
+            except asyncio.CancelledError:
+                pass
+    if acq.cancelled():
+        return False
+    if watcher.done() and not watcher.cancelled() and watcher.result():
+        slot.release()  # got it just as the client left: the next one may have it
+        return False
+    return True
 
 
 async def generate(request: Request, job, cancel: threading.Event, t_arrival: float,
@@ -211,16 +245,27 @@ async def generate(request: Request, job, cancel: threading.Event, t_arrival: fl
     :class:`CountedStream` (which counts the request in ``state.metrics`` under ``endpoint``
     when it ends). An error before the first output is raised (answered as an error object
     by the caller), and so is an HTTPError :data:`CLIENT_CLOSED` for a job whose client
-    disconnected before its JSON answer was ready."""
+    disconnected before its answer began: while it waited for the slot (it leaves the queue
+    then, its generation counted as cancelled), or before its JSON answer or a stream's first
+    chunk was ready."""
     m = state.metrics
+    # watched from the start: a client that leaves while its request waits leaves the queue
+    watcher = asyncio.create_task(_watch_disconnect(request, cancel))
     m.queue_depth += 1
     try:
-        await state.slot.acquire()
+        got = await _acquire_unless_gone(state.slot, watcher)
+    except BaseException:
+        watcher.cancel()
+        raise
     finally:
         m.queue_depth -= 1
+    if not got:
+        m.count_cancelled()  # its generation never started
+        log_client_closed(endpoint, job, queued=True)
+        raise HTTPError(CLIENT_CLOSED, "the client closed the request while it waited for "
+                        "the model", code="client_disconnected")
     m.running += 1
     handoff = _Handoff(asyncio.get_running_loop())
-    watcher = asyncio.create_task(_watch_disconnect(request, cancel))
     threading.Thread(target=_work, args=(job, cancel, t_arrival, handoff, state),
                      name="localmoe-gen", daemon=True).start()
     try:
@@ -230,20 +275,25 @@ async def generate(request: Request, job, cancel: threading.Event, t_arrival: fl
         watcher.cancel()
         raise
     first = backlog[0]
+    if cancel.is_set():
+        # only the watcher sets it before the answer (or the stream's first chunk): the client
+        # is gone, whatever the worker handed over (an error of the cut generation included)
+        log_client_closed(endpoint, job)
+        raise HTTPError(CLIENT_CLOSED, "the client closed the request before the answer "
+                        "was ready", code="client_disconnected")
     if isinstance(first, BaseException) or first is _END:
         watcher.cancel()
         if first is _END:
             raise HTTPError(500, "generation ended without output", type_="server_error")
         raise first
     if not job.stream:
-        if cancel.is_set():  # only the watcher sets it before the answer: the client is gone
-            log_client_closed(endpoint, job)
-            raise HTTPError(CLIENT_CLOSED, "the client closed the request before the answer "
-                            "was ready", code="client_disconnected")
         watcher.cancel()
         return SafeJSONResponse(first)
 
     def on_end(status: int) -> None:
+        # the body may never have run (the server saw the disconnect first): stop the work
+        cancel.set()
+        watcher.cancel()
         if status == CLIENT_CLOSED:
             log_client_closed(endpoint, job)
         m.count_request(endpoint, status)

@@ -825,6 +825,7 @@ def test_eight_concurrent_requests_all_complete_correctly(live):
 
 CHAT_200 = 'localmoe_requests_total{endpoint="/v1/chat/completions",status="200"}'
 CHAT_499 = 'localmoe_requests_total{endpoint="/v1/chat/completions",status="499"}'
+CHAT_400 = 'localmoe_requests_total{endpoint="/v1/chat/completions",status="400"}'
 
 
 def _counted_as_499(live, ok_before: float, gone_before: float) -> None:
@@ -885,6 +886,66 @@ def test_client_disconnect_non_stream_cancels_generation(live):
     r = live.client().chat.completions.create(model="scripted",
                                               messages=[{"role": "user", "content": "echo 7"}])
     assert r.choices[0].message.content == "You said 7."
+
+
+def test_clients_that_leave_while_queued_are_counted_499_and_cancelled(live, caplog):
+    """Requests waiting behind a running generation whose clients disconnect leave the queue
+    at once; each is counted once as 499 and logged, and its generation (never started) as
+    cancelled: streams (whose answer had not begun) as well as JSON answers."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="localmoe.serve.server")
+    url = live.url + "/v1/chat/completions"
+    cancelled0 = metric(live.url, "localmoe_cancelled_generations_total")
+    ok0, gone0 = metric(live.url, CHAT_200, 0), metric(live.url, CHAT_499, 0)
+    bad0 = metric(live.url, CHAT_400, 0)
+    left: list[BaseException] = []
+
+    def queued(i: int, stream: bool):
+        body = {"model": "scripted", "stream": stream,
+                "messages": [{"role": "user", "content": f"echo {i}"}]}
+        try:  # no answer starts within 1.5 s: the model is busy; then the client gives up
+            with httpx.Client(timeout=httpx.Timeout(30, read=1.5)) as hc, \
+                    hc.stream("POST", url, json=body) as r:
+                r.read()
+        except httpx.ReadTimeout as e:
+            left.append(e)
+
+    slow = {"model": "scripted", "stream": True,
+            "messages": [{"role": "user", "content": "slow please"}]}
+    with httpx.Client(timeout=30) as hc, hc.stream("POST", url, json=slow) as busy:
+        assert busy.status_code == 200
+        lines = busy.iter_lines()
+        next(lines)  # generating now, for >= 20 s
+        threads = [threading.Thread(target=queued, args=(i, stream))
+                   for i, stream in enumerate((True, True, True, False))]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while metric(live.url, "localmoe_queue_depth") < 4:
+            assert time.time() < deadline, "the requests did not queue"
+            time.sleep(0.05)
+        for t in threads:
+            t.join(30)
+        assert len(left) == 4
+        # they leave the queue and are counted while the model is still busy
+        deadline = time.time() + 10
+        while metric(live.url, CHAT_499, 0) < gone0 + 4:
+            assert time.time() < deadline, "the queued requests were not counted as 499"
+            time.sleep(0.05)
+        assert metric(live.url, "localmoe_queue_depth") == 0
+        assert metric(live.url, "localmoe_requests_running") == 1
+        assert metric(live.url, "localmoe_cancelled_generations_total") == cancelled0 + 4
+        assert next(lines) is not None  # the running one was not disturbed
+    _counted_as_499(live, ok0, gone0 + 4)  # the running one, closed now: the fifth 499
+    assert metric(live.url, "localmoe_cancelled_generations_total") == cancelled0 + 5
+    assert sum(1 for r in caplog.records
+               if "(499) while it waited for the model" in r.getMessage()) == 4
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert metric(live.url, CHAT_400, 0) == bad0  # not an error of the cut generation
+    r = live.client().chat.completions.create(model="scripted",
+                                              messages=[{"role": "user", "content": "echo 9"}])
+    assert r.choices[0].message.content == "You said 9."
 
 
 def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, capsys,
@@ -1164,6 +1225,47 @@ def test_reasoning_content_split_for_think_templates_stream_and_not():
     r = openai_api.chat_completion(llm, {**req, "reasoning_format": "none", "tool_choice": "none"})
     assert r["choices"][0]["message"]["content"] == reply
     assert "reasoning_content" not in r["choices"][0]["message"]
+
+
+class SlowTemplateLLM(TemplateLLM):
+    """A stand-in whose chat template renders until the request is cancelled (then stops as
+    the engine's template sandbox does: TemplateLimitError "cancelled"), or for 20 s."""
+
+    def chat_stream(self, messages, params, tools=None, cancel=None, fit_max_tokens=False):
+        from localmoe.text.chat_template import TemplateLimitError
+
+        self.rendering.set()
+        if cancel is not None and cancel.wait(20):
+            raise TemplateLimitError("cancelled", "the request was cancelled while its chat "
+                                     "template rendered")
+        yield from super().chat_stream(messages, params, tools, cancel, fit_max_tokens)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_leaves_before_the_first_output_is_499_not_the_cut_renders_400(stream):
+    """A client that disconnects after its request got the model but before any output (its
+    prompt still rendering): 499 and a cancelled generation, not the 400 of the stopped
+    template."""
+    from localmoe.serve.server import create_app
+
+    llm = SlowTemplateLLM(LLAMA3_TPL, "Hello there.")
+    llm.rendering = threading.Event()
+    srv = LiveServer(create_app(llm, model_name="fake"))
+    body = {"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(30, read=1.0)) as hc, \
+                    hc.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+                r.read()
+        assert llm.rendering.is_set()
+        deadline = time.time() + 10
+        while metric(srv.url, CHAT_499, 0) < 1:
+            assert time.time() < deadline, "the closed request was not counted as 499"
+            time.sleep(0.05)
+        assert metric(srv.url, "localmoe_requests_total") == 1  # counted once
+        assert metric(srv.url, "localmoe_cancelled_generations_total") == 1
+    finally:
+        srv.stop()
 
 
 def test_model_known_by_its_cli_and_store_names(scripted_llm):
