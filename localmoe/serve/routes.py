@@ -4,6 +4,8 @@ Each route reads the server's :class:`~localmoe.serve.state.ServerState` from
 ``request.app.state.localmoe``. Failures become OpenAI error objects
 (:mod:`localmoe.serve.errors`); every ``/v1/*`` request is counted in the metrics by endpoint
 and status.
+``GET`` routes (but ``/metrics``) answer ``HEAD`` too: the same status and headers, no body
+(the server drops it), for health checks that send ``HEAD``.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def _model_card(state: ServerState, name: str) -> dict:
     return {"id": name, "object": "model", "created": state.created, "owned_by": "localmoe"}
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def models(request: Request):
     state = _state(request)
     try:
@@ -139,7 +141,7 @@ async def models(request: Request):
     return {"object": "list", "data": [_model_card(state, state.model_name)]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
 async def model_get(model_id: str, request: Request):
     state = _state(request)
     _check_auth(request)
@@ -149,7 +151,7 @@ async def model_get(model_id: str, request: Request):
     return _model_card(state, model_id)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load-balancer checks, curl -I
 async def health(request: Request):
     state = _state(request)
     if state.status == "ready":

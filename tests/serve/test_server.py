@@ -249,6 +249,31 @@ def test_health_models_and_metrics(live, client):
         assert name in text
 
 
+def test_head_answers_like_get_without_a_body(live, scripted_llm):
+    """Load balancers and ``curl -I`` check health with HEAD: /health and /v1/models answer it
+    with GET's status and headers and no body (405 before)."""
+    from localmoe.serve.server import create_app
+
+    for path in ("/health", "/v1/models", "/v1/models/scripted"):
+        got, head = httpx.get(live.url + path), httpx.head(live.url + path)
+        assert head.status_code == got.status_code == 200, (path, head.status_code)
+        assert head.content == b""
+        assert head.headers["content-type"] == got.headers["content-type"] == "application/json"
+        assert head.headers["content-length"] == got.headers["content-length"]
+    assert httpx.head(live.url + "/v1/models/gpt-4o").status_code == 404
+    with _loading_server() as (*_, srv):  # not ready: 503, for HEAD too
+        r = httpx.head(srv.url + "/health")
+        assert r.status_code == 503 and r.content == b""
+    srv = LiveServer(create_app(scripted_llm, api_key="s3cret", model_name="scripted"))
+    try:  # /health stays open; /v1/* wants the key
+        assert httpx.head(srv.url + "/health").status_code == 200
+        assert httpx.head(srv.url + "/v1/models").status_code == 401
+        assert httpx.head(srv.url + "/v1/models",
+                          headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_chat_non_stream_shape_and_usage(client, scripted_llm):
     r = client.chat.completions.create(model="scripted",
                                        messages=[{"role": "user", "content": "Hi there"}])
