@@ -214,7 +214,8 @@ def _prefetch_down(p0, p1, p2, p3, p4, p5, s0, s1, s2, s3, s4, s5, slot, D, part
                    L5: tl.constexpr, PDL: tl.constexpr):
     """Ask L2 for this program's share of the down rows of its expert (``slot``): rows
     ``part * cdiv(D, n_parts)`` onwards, ``BR`` (>= that share) at most, of each of the six
-    planes ``p*`` (row strides ``s*``, ``W*`` elements per row, 0: no such plane, ``L*``
+    planes ``p*`` (row strides ``s*``, ``W*`` elements per row, 0: no such plane, an empty
+    loop, ``L*``
     elements to a 128-byte line). The ``n_parts`` programs that work on one (token, expert)
     of launch 1 cover its down matrix between them, so launch 2 finds its weights in L2
     (``pf_down``; :func:`localmoe.kernels.pdl.prefetch_rows_l2`, nothing without ``PDL``)."""
@@ -222,18 +223,12 @@ def _prefetch_down(p0, p1, p2, p3, p4, p5, s0, s1, s2, s3, s4, s5, slot, D, part
     r = part * per + tl.arange(0, BR)
     rm = (r < part * per + per) & (r < D)
     rows = slot * D + r
-    if W0 > 0:
-        prefetch_rows_l2(p0, rows, rm, s0, 0, W0, L0, PDL)
-    if W1 > 0:
-        prefetch_rows_l2(p1, rows, rm, s1, 0, W1, L1, PDL)
-    if W2 > 0:
-        prefetch_rows_l2(p2, rows, rm, s2, 0, W2, L2, PDL)
-    if W3 > 0:
-        prefetch_rows_l2(p3, rows, rm, s3, 0, W3, L3, PDL)
-    if W4 > 0:
-        prefetch_rows_l2(p4, rows, rm, s4, 0, W4, L4, PDL)
-    if W5 > 0:
-        prefetch_rows_l2(p5, rows, rm, s5, 0, W5, L5, PDL)
+    prefetch_rows_l2(p0, rows, rm, s0, 0, W0, L0, PDL)
+    prefetch_rows_l2(p1, rows, rm, s1, 0, W1, L1, PDL)
+    prefetch_rows_l2(p2, rows, rm, s2, 0, W2, L2, PDL)
+    prefetch_rows_l2(p3, rows, rm, s3, 0, W3, L3, PDL)
+    prefetch_rows_l2(p4, rows, rm, s4, 0, W4, L4, PDL)
+    prefetch_rows_l2(p5, rows, rm, s5, 0, W5, L5, PDL)
 
 
 @triton.jit
