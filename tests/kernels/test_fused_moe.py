@@ -176,6 +176,8 @@ def test_pipelined_k_loops_compute_what_the_plain_ones_do(qts, stages):
     Triton's ``tl.range(num_stages=)``) changes when weights arrive, not the arithmetic: the
     same bits as ``stages`` 1 for gate/up (split and not) and both down launches, over K
     ranges of several tiles with a tail."""
+    if not CUDA and (stages, qts) != (2, (12, 14)):
+        pytest.skip("CI time: the interpreter runs one variant (the GPU all)")
     e, f, d = 5, 256, 512
     gu, wd = experts(*qts, e, f, d, seed=7)
     x = torch.randn(2, d, device=DEV)

@@ -422,6 +422,8 @@ def test_fused_top_k_candidates_draw_the_twin_ids_with_ties(top_k, merge_keys, m
     by increasing id, as the twin's stable sort): on logits with many ties, over several blocks
     of the split pass and one or several merge passes (``MERGE_KEYS`` small: 2 lists per
     program, 3 -> 2 -> 1), the kernels draw the twin's ids step after step."""
+    if not CUDA and (top_k, merge_keys) in ((40, 1024), (64, 128)):
+        pytest.skip("CI time: the interpreter runs the small and the many-merge cases (the GPU all)")
     import localmoe.kernels.sampling as ks
 
     if ks.fused_topk_width(top_k) == 0:
