@@ -11,9 +11,6 @@
 #   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
 #                                      file: allocations, the logits ring, expandable segments,
 #                                      the graphs uploaded again (~9 min)
-#   benchmarks/gpu_session.sh pfdown   the down-row prefetch of the MoE's first launch
-#                                      (LOCALMOE_MOE_PF_DOWN 0/1/2): the MoE launches alone, then
-#                                      the Qwen3 decode graph in fresh processes, A/B/C twice
 #   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
 #                                      (rules printed and saved, not written to kernels/configs)
 #   benchmarks/gpu_session.sh qwen3    localmoe rows of vs_llamacpp on the Qwen3-30B-A3B-shaped
@@ -25,7 +22,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|pfdown|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -74,22 +71,6 @@ case "$STAGE" in
     timeout 170 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,ondevice,fresh,upload,fresh \
       --host-only >"$OUT/history-upload.jsonl" 2>"$OUT/history-upload.err"
     say "history upload rc=$?"; cut -c1-160 "$OUT/history-upload.jsonl"
-    ;;
-  pfdown)
-    for m in 0 1 2; do
-      LOCALMOE_MOE_PF_DOWN=$m timeout 150 python3 benchmarks/bench_quant_kernels.py --models \
-        qwen3-30b-a3b olmoe-1b-7b --tokens 1 8 --out "$OUT/pfdown-kernels-$m.json" \
-        >"$OUT/pfdown-kernels-$m.log" 2>&1
-      say "kernels pf_down=$m rc=$?"; grep -E "^(quant\+moe|moe) " "$OUT/pfdown-kernels-$m.log"
-    done
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
-    for m in 0 1 2 0 1 2; do
-      LOCALMOE_MOE_PF_DOWN=$m timeout 90 python3 benchmarks/graph_history.py "$F" fresh \
-        >>"$OUT/pfdown-graph-$m.jsonl" 2>>"$OUT/pfdown-graph.err"
-      say "graph pf_down=$m rc=$?"; tail -1 "$OUT/pfdown-graph-$m.jsonl" | cut -c1-120
-    done
     ;;
   tune)
     timeout 540 python3 benchmarks/bench_quant_kernels.py --sweep --tune-tokens 1 8 \

@@ -28,7 +28,6 @@ import json
 import re
 import sys
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -67,24 +66,9 @@ def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8):
     common = dict(QTYPE=qtype, CV=cv, BN=cfg["BN"], CH=cfg["CH"], EVEN=True,
                   XB=bool(cfg.get("xb", False)), USE_ASM=True, PDL=0, WIDE=False,
                   STAGES=int(cfg.get("stages", 1)))
-    extra_sig = {}
     if kind == "gate_up":
         fn = fm._moe_gate_up_kernel
         const = dict(common, TOP_K=top_k, ACT=0, SPLIT=int(cfg.get("split", 1)))
-        if cfg.get("pf_down"):
-            # the down-row prefetch (PTX only with PDL): planes of one Qwen3-30B-A3B-sized
-            # down expert [2048, 768] of the same type, 24 row blocks x split parts
-            from localmoe.kernels.qtensor import QuantTensor, random_gguf_blocks
-
-            wd = QuantTensor.from_gguf(random_gguf_blocks(qtype, (1, 2048, 768), seed=0), qtype,
-                                       (1, 2048, 768), "cpu")
-            n_parts = (768 // cfg["BN"]) * const["SPLIT"]
-            args = fm.pf_down_args(wd, cfg, n_parts)
-            const.update({k: v for k, v in args.items() if k[0].isupper() and k != "D_ROWS"})
-            const["PDL"] = 3
-            tn = {torch.int32: "*i32", torch.int16: "*i16", torch.uint8: "*u8", torch.int8: "*i8",
-                  torch.float16: "*fp16"}
-            extra_sig = {k: tn[v.dtype] for k, v in args.items() if k.endswith("_ptr")}
     elif kind == "down":
         fn = fm._moe_down_kernel
         et = bool(cfg.get("experts_tile", False))
@@ -97,9 +81,9 @@ def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8):
     for prm in fn.params:   # constexprs left at their defaults (e.g. gate/up's routing: off)
         if prm.is_constexpr and prm.name not in const and prm.has_default:
             const[prm.name] = prm.default
-    sig = dict(_signature(fn, const, qtype), **extra_sig)
+    sig = _signature(fn, const, qtype)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n] != "constexpr" and n not in ("F", "D", "N", "T", "D_ROWS")}
+             if sig[n] != "constexpr" and n not in ("F", "D", "N", "T")}
     src = ASTSource(fn, signature=sig, constexprs={k: v for k, v in const.items()
                                                    if k in fn.arg_names}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -118,11 +102,6 @@ def late_loads(sass: str) -> int:
     body = [op.split(".")[0] for op, _ in ss.loop_body(sass)[0]]
     first_bar = body.index("BAR") if "BAR" in body else len(body)
     return body[first_bar:].count("LDG")
-
-
-def prefetches(sass: str) -> int:
-    """L2 prefetch instructions (``CCTL.E.PF2``, from ``prefetch.global.L2``) in ``sass``."""
-    return sum(1 for line in sass.splitlines() if "CCTL" in line and "PF2" in line)
 
 
 def main(argv=None) -> int:
@@ -144,10 +123,9 @@ def main(argv=None) -> int:
         if a.json:
             print(json.dumps({"config": cfg, "regs": int(m.group(1)), "stack": int(m.group(2)),
                               "smem": c.metadata.shared, "loop": n, "ops": dict(mem),
-                              "late_loads": late_loads(sass), "prefetches": prefetches(sass)}))
+                              "late_loads": late_loads(sass)}))
             continue
         ops = " ".join(f"{k}:{v}" for k, v in sorted(mem.items()))
-        ops += f" prefetches={prefetches(sass)}"
         print(f"{a.kind} {a.qtype} {json.dumps(cfg)}: regs={m.group(1)} stack={m.group(2)} "
               f"smem={c.metadata.shared} loop={n} instr (total {total}) {ops} "
               f"late_loads={late_loads(sass)}")

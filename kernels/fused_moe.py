@@ -59,12 +59,13 @@ A register cap (``maxnreg``, on either launch) measured no faster (gate/up 11.73
 occupancy), DRAM 21% of peak, 59% of the stall cycles waiting on L1TEX loads: latency-bound
 on the many small scale loads of the K-quant planes.
 
-Down-row prefetch (``pf_down`` in a launch choice's overrides, or ``LOCALMOE_MOE_PF_DOWN``; off
-by default, not yet timed): the programs of launch 1 that work on one (token, expert) share
-its down matrix's rows and ask L2 for them (``prefetch.global.L2``, PDL launches only), before
-their K loop (1) or after it (2), so launch 2 reads its 7 MB at one token (Qwen3-30B-A3B)
-from L2 instead of DRAM. ``bench_quant_kernels.py --l2`` times each launch with its weights
-already in L2, the bound of what this can gain.
+Tried and dropped (session 25, ``benchmarks/results/moe_pfdown_h200-2026-12-05-s25.json``):
+launch 1's programs asking L2 for their expert's down rows (``prefetch.global.L2``, before or
+after their K loop), so that launch 2 reads L2 (its bound, weights already in L2: 7.03 ->
+5.81 us at one token). Both launches at one token 17.53 -> 18.46 us (before) / 17.82 (after),
+at 8 tokens 89.9 -> 98.2 / 98.4; the Qwen3 decode graph 1.857-1.861 -> 1.910-1.912 /
+1.878-1.882 ms. Like sessions 16 and 21's prefetches: the extra requests delay the running
+launch's own loads more than the next launch gains.
 
 Launch choices (BN, CH, warps, xb of each launch) come from the ``moe_gate_up`` and
 ``moe_down`` knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config`,
@@ -82,7 +83,7 @@ import triton.language as tl
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.keys import PAD_KEY, key_low, key_score, score_key
 from localmoe.kernels.launch_config import device_table
-from localmoe.kernels.pdl import pdl_args, pdl_begin, prefetch_rows_l2
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
@@ -123,16 +124,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         STAGES: tl.constexpr = 1, ROUTE: tl.constexpr = False,
                         EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
                         HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
-                        PACKED: tl.constexpr = True,
-                        dq_ptr=None, dqh_ptr=None, dd_ptr=None, ddm_ptr=None, dsc_ptr=None,
-                        dmn_ptr=None, dq_rs=0, dqh_rs=0, dd_rs=0, ddm_rs=0, dsc_rs=0, dmn_rs=0,
-                        D_ROWS=0, PF_DOWN: tl.constexpr = 0, PF_BR: tl.constexpr = 1,
-                        PF_W0: tl.constexpr = 0, PF_W1: tl.constexpr = 0,
-                        PF_W2: tl.constexpr = 0, PF_W3: tl.constexpr = 0,
-                        PF_W4: tl.constexpr = 0, PF_W5: tl.constexpr = 0,
-                        PF_L0: tl.constexpr = 1, PF_L1: tl.constexpr = 1,
-                        PF_L2: tl.constexpr = 1, PF_L3: tl.constexpr = 1,
-                        PF_L4: tl.constexpr = 1, PF_L5: tl.constexpr = 1):
+                        PACKED: tl.constexpr = True):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -157,12 +149,6 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     else:
         e = tl.load(ids_ptr + pid)
     slot = tl.load(slot_ptr + e).to(tl.int64)
-    if PF_DOWN == 1:
-        _prefetch_down(dq_ptr, dqh_ptr, dd_ptr, ddm_ptr, dsc_ptr, dmn_ptr, dq_rs, dqh_rs, dd_rs,
-                       ddm_rs, dsc_rs, dmn_rs, slot, D_ROWS,
-                       pid_n * SPLIT + tl.program_id(2), tl.num_programs(0) * SPLIT,
-                       PF_BR, PF_W0, PF_W1, PF_W2, PF_W3, PF_W4, PF_W5,
-                       PF_L0, PF_L1, PF_L2, PF_L3, PF_L4, PF_L5, PDL)
     loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
     rmask4 = (loc < 2 * F)[None, :, None, None]
     rows4 = (slot * (2 * F) + loc)[None, :, None, None]
@@ -178,12 +164,6 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
                      WIDE)
     gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
-    if PF_DOWN == 2:
-        _prefetch_down(dq_ptr, dqh_ptr, dd_ptr, ddm_ptr, dsc_ptr, dmn_ptr, dq_rs, dqh_rs, dd_rs,
-                       ddm_rs, dsc_rs, dmn_rs, slot, D_ROWS,
-                       pid_n * SPLIT + tl.program_id(2), tl.num_programs(0) * SPLIT,
-                       PF_BR, PF_W0, PF_W1, PF_W2, PF_W3, PF_W4, PF_W5,
-                       PF_L0, PF_L1, PF_L2, PF_L3, PF_L4, PF_L5, PDL)
     if SPLIT > 1:
         # split-K: every K part stores its partial sums in its slice of the scratch; the last
         # part of this (row block, token, expert) to finish (an acq_rel counter; the barrier
@@ -204,31 +184,6 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
             tl.atomic_xchg(cp, 0)
     else:
         _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
-
-
-@triton.jit
-def _prefetch_down(p0, p1, p2, p3, p4, p5, s0, s1, s2, s3, s4, s5, slot, D, part, n_parts,
-                   BR: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-                   W3: tl.constexpr, W4: tl.constexpr, W5: tl.constexpr, L0: tl.constexpr,
-                   L1: tl.constexpr, L2: tl.constexpr, L3: tl.constexpr, L4: tl.constexpr,
-                   L5: tl.constexpr, PDL: tl.constexpr):
-    """Ask L2 for this program's share of the down rows of its expert (``slot``): rows
-    ``part * cdiv(D, n_parts)`` onwards, ``BR`` (>= that share) at most, of each of the six
-    planes ``p*`` (row strides ``s*``, ``W*`` elements per row, 0: no such plane, an empty
-    loop, ``L*``
-    elements to a 128-byte line). The ``n_parts`` programs that work on one (token, expert)
-    of launch 1 cover its down matrix between them, so launch 2 finds its weights in L2
-    (``pf_down``; :func:`localmoe.kernels.pdl.prefetch_rows_l2`, nothing without ``PDL``)."""
-    per = tl.cdiv(D, n_parts)
-    r = part * per + tl.arange(0, BR)
-    rm = (r < part * per + per) & (r < D)
-    rows = slot * D + r
-    prefetch_rows_l2(p0, rows, rm, s0, 0, W0, L0, PDL)
-    prefetch_rows_l2(p1, rows, rm, s1, 0, W1, L1, PDL)
-    prefetch_rows_l2(p2, rows, rm, s2, 0, W2, L2, PDL)
-    prefetch_rows_l2(p3, rows, rm, s3, 0, W3, L3, PDL)
-    prefetch_rows_l2(p4, rows, rm, s4, 0, W4, L4, PDL)
-    prefetch_rows_l2(p5, rows, rm, s5, 0, W5, L5, PDL)
 
 
 @triton.jit
@@ -429,8 +384,7 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         slot_of = torch.arange(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
-    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route,
-                    w_down=w_down)
+    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
                     config=cfg["down"])
@@ -438,14 +392,11 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
                 slot_of: torch.Tensor, activation: str = "silu", config: dict | None = None,
-                route: Routing | None = None, w_down: QuantTensor | None = None) -> QuantAct:
+                route: Routing | None = None) -> QuantAct:
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
     (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them).
-    ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``.
-    ``w_down`` with the launch choice ``pf_down`` 1 or 2 (or ``LOCALMOE_MOE_PF_DOWN``; 0, off,
-    is the default until measured): the programs also ask L2 for the routed experts' down
-    rows, 1 before their K loop, 2 after it (:func:`pf_down_args`)."""
+    ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``."""
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
@@ -475,7 +426,6 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     else:
         lg = rb = wts = h.d
         rargs, rscale, lg_rs = {}, 1.0, 0
-    pf = pf_down_args(w_down, c, blocks * split)
     _moe_gate_up_kernel[(blocks, t * top_k, split)](
         x.q, x.s, h.q, h.s, topk_ids, slot_of, *ptrs, p, cnt, lg, rb, wts, f, n_chunks,
         split_chunks, x.q.stride(0), x.s.stride(0), h.q.stride(0), h.s.stride(0),
@@ -486,41 +436,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        **rargs, **pdl_args(h.q.device), **pf)
+        **rargs, **pdl_args(h.q.device))
     return h
-
-
-def pf_down_args(w_down: QuantTensor | None, c: dict, n_parts: int) -> dict:
-    """Launch arguments of the down-row prefetch of :func:`moe_gate_up` (``{}``: off): the
-    launch choice's ``pf_down`` (0 off, 1 before the K loop, 2 after it), which
-    ``LOCALMOE_MOE_PF_DOWN`` overrides, applied when ``w_down`` is given. The prefetch is
-    issued only where the kernels launch with PDL (its PTX needs sm_90; the interpreter runs
-    the address arithmetic and issues nothing). ``n_parts``: programs per (token, expert) of
-    launch 1, which share the expert's ``D`` down rows.
-
-    Raises:
-        ValueError: ``pf_down`` not 0, 1 or 2.
-    """
-    import os
-
-    raw = os.environ.get("LOCALMOE_MOE_PF_DOWN", c.get("pf_down", 0))
-    if str(raw) not in ("0", "1", "2"):
-        raise ValueError(f"moe_gate_up: pf_down (LOCALMOE_MOE_PF_DOWN) must be 0, 1 or 2, "
-                         f"got {raw!r}")
-    mode = int(raw)
-    if not mode or w_down is None:
-        return {}
-    ptrs, strides = plane_args(w_down)
-    d = w_down.shape[1]
-    out = dict(D_ROWS=d, PF_DOWN=mode, PF_BR=next_pow2(cdiv(d, n_parts)))
-    for i, (name, t) in enumerate(zip(("dq_ptr", "dqh_ptr", "dd_ptr", "ddm_ptr", "dsc_ptr",
-                                       "dmn_ptr"), ptrs)):
-        has = strides[i] > 0
-        out[name] = t
-        out[name.replace("_ptr", "_rs")] = strides[i]
-        out[f"PF_W{i}"] = t.shape[1] if has and t.dim() > 1 else 0
-        out[f"PF_L{i}"] = max(1, 128 // t.element_size())
-    return out
 
 
 def _reg_cap(c: dict) -> dict:

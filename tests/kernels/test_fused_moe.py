@@ -194,53 +194,6 @@ def test_pipelined_k_loops_compute_what_the_plain_ones_do(qts, stages):
     assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
 
 
-@pytest.mark.parametrize("mode,split,qts", [(1, 3, (8, 11)), (2, 2, (8, 12))],
-                         ids=["before-split3-Q3_K", "after-split2-Q4_K"])
-def test_down_row_prefetch_changes_nothing(mode, split, qts, monkeypatch):
-    """``pf_down`` (launch 1 asks L2 for the routed experts' down rows, before or after its
-    K loop; on the GPU with PDL): the same bits as without it, through the slot table, over
-    split K parts that share the rows unevenly (down's 96 rows over 3 x 8 or 2 x 8 parts); every plane layout
-    (Q4_K's scale planes, Q6_K's high bits, IQ4_XS's int8 scales, Q3_K's 64-value chunks).
-    ``LOCALMOE_MOE_PF_DOWN`` overrides the launch choice; a value other than 0-2 is an error
-    naming it."""
-    e, f, d = 4, 256, 96
-    gu, wd = experts(*qts, e, f, d, seed=11)
-    x = torch.randn(1, d, device=DEV)
-    ids, w = route(1, e, 2, seed=11)
-    slot_of = torch.tensor([3, 1, 0, 2], dtype=torch.int32, device=DEV)
-    base = {"gate_up": {"BN": 32, "CH": 2, "split": split}, "down": {"BN": 64, "CH": 2}}
-    a = fused_moe(x, gu, wd, ids, w, slot_of=slot_of, config=base)
-    cfg = {"gate_up": dict(base["gate_up"], pf_down=mode), "down": base["down"]}
-    b = fused_moe(x, gu, wd, ids, w, slot_of=slot_of, config=cfg)
-    assert torch.equal(a, b)
-    monkeypatch.setenv("LOCALMOE_MOE_PF_DOWN", str(mode))
-    assert torch.equal(fused_moe(x, gu, wd, ids, w, slot_of=slot_of, config=base), a)
-    monkeypatch.setenv("LOCALMOE_MOE_PF_DOWN", "yes")
-    with pytest.raises(ValueError, match="LOCALMOE_MOE_PF_DOWN"):
-        fused_moe(x, gu, wd, ids, w, slot_of=slot_of, config=base)
-
-
-def test_down_row_prefetch_covers_each_routed_expert_once():
-    """The rows :func:`pf_down_args` hands the programs of one (token, expert): parts of
-    ``cdiv(D, n_parts)`` rows, ``PF_BR`` wide enough for one, together every row of D once,
-    and each plane's width and 128-byte line in its own elements."""
-    from localmoe.kernels.fused_moe import pf_down_args
-
-    _, wd = experts(12, 12, 2, 256, 256)
-    for n_parts in (1, 3, 48, 300):
-        a = pf_down_args(wd, {"pf_down": 2}, n_parts)
-        per = -(-256 // n_parts)
-        assert a["PF_DOWN"] == 2 and a["D_ROWS"] == 256 and a["PF_BR"] >= per
-        rows = [r for p in range(n_parts) for r in range(p * per, min(p * per + per, 256))]
-        assert sorted(rows) == list(range(256))
-    planes = [wd.planes.get(k) for k in ("q", "qh", "d", "dmin", "sc", "mn")]
-    for i, t in enumerate(planes):
-        assert a[f"PF_W{i}"] == (t.shape[1] if t is not None else 0)
-        if t is not None:
-            assert a[f"PF_L{i}"] * t.element_size() == 128
-    assert pf_down_args(wd, {}, 4) == {} and pf_down_args(None, {"pf_down": 1}, 4) == {}
-
-
 def test_slot_table_is_read_on_the_device():
     gu, wd = experts(8, 8, 4, 32, 64, seed=7)
     x = torch.randn(1, 64, device=DEV)
@@ -276,11 +229,9 @@ def test_fused_moe_rejects_bad_inputs():
                                      {"gate_up": {"split": 2, "maxnreg": 128}},
                                      {"down": {"BN": 1, "CH": 32, "num_warps": 1, "experts_tile": True}},
                                      {"down": {"BN": 4, "CH": 32, "num_warps": 4, "experts_tile": True}},
-                                     {"gate_up": {"stages": 3}, "down": {"stages": 3}},
-                                     {"gate_up": {"pf_down": 1}}, {"gate_up": {"pf_down": 2}}],
+                                     {"gate_up": {"stages": 3}, "down": {"stages": 3}}],
                          ids=["split1", "split4", "split2-maxnreg128", "down-experts-tile-bn1",
-                              "down-experts-tile-bn4", "stages3", "pf-down-before",
-                              "pf-down-after"])
+                              "down-experts-tile-bn4", "stages3"])
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("shape,qts", [((128, 768, 2048, 8), (12, 12)), ((64, 1024, 2048, 8), (12, 14)),
                                        ((8, 14336, 4096, 2), (12, 14))],

@@ -57,16 +57,3 @@ def test_no_weight_load_waits_for_the_x_exchange(kind, qtype, cfg):
     out, = _sass(kind, qtype, dict(cfg, stages=1))
     assert out["ops"].get("LDG", 0) > 0 and out["ops"].get("BAR", 0) > 0, out
     assert out["late_loads"] == 0, out
-
-
-def test_down_row_prefetch_is_issued_outside_the_k_loop():
-    """``pf_down`` (the gate/up launch asks L2 for its expert's down rows) compiles to L2
-    prefetch instructions, before (1) or after (2) the K loop, whose body stays as it was
-    (the same loads, none late, within 8 instructions: Triton 3.6 482 -> 483, 3.9 430 -> 425);
-    without it there are none."""
-    cfg = {"BN": 32, "CH": 16, "num_warps": 4, "split": 2, "stages": 1}
-    off, before, after = _sass("gate_up", "Q4_K", cfg, dict(cfg, pf_down=1), dict(cfg, pf_down=2))
-    assert off["prefetches"] == 0, off
-    for out in (before, after):
-        assert out["prefetches"] > 0 and out["late_loads"] == 0, out
-        assert out["ops"] == off["ops"] and abs(out["loop"] - off["loop"]) <= 8, (out, off)
