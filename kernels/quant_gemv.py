@@ -66,7 +66,7 @@ from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.launch_config import device_table
 from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.qtensor import (
-    FLOAT_QTYPES, IQ4_VALUES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
+    FLOAT_QTYPES, IQ4_VALUES, Q2_K, Q3_K, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
 )
 
 __all__ = ["quant_gemv", "quant_gemv_ref", "quantize_act", "quantize_act_ref", "QuantAct",
@@ -438,19 +438,28 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             if QTYPE == _Q4_1 or QTYPE == _Q5_1:
                 m = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN).to(tl.float32)
     else:  # CV == 64: Q2_K, Q3_K (2-bit low codes, 4 slices per chunk)
+        # the chunk's 4 scale bytes as one 32-bit word and Q3_K's two high-bit words as one
+        # 64-bit load (plane_args checks the planes' alignment): 3 loads per (row, chunk)
+        # instead of 7
         wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
-        sp = sc_ptr + rows4 * sc_rs + c4 * 4
+        sw = _ld((sc_ptr + rows4 * sc_rs + c4 * 4).to(tl.pointer_type(tl.int32)), mw, 0, EVEN)
         d = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
         if QTYPE == _Q3_K:
-            hp = qh_ptr + rows4 * qh_rs + c4 * 2
-            h0 = _ld(hp, mw, 0, EVEN)
-            h1 = _ld(hp + 1, mw, 0, EVEN)
+            hw = _ld((qh_ptr + rows4 * qh_rs + c4 * 2).to(tl.pointer_type(tl.int64)), mw, 0,
+                     EVEN)
+            h0 = hw.to(tl.int32)
+            h1 = (hw >> 32).to(tl.int32)
+            # int8 scales, sign-extended
+            b0 = (sw << 24) >> 24
+            b1 = (sw << 16) >> 24
+            b2 = (sw << 8) >> 24
+            b3 = sw >> 24
         else:
             dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
-        b0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
-        b1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
-        b2 = _ld(sp + 2, mw, 0, EVEN).to(tl.int32)
-        b3 = _ld(sp + 3, mw, 0, EVEN).to(tl.int32)
+            b0 = sw & 0xFF
+            b1 = (sw >> 8) & 0xFF
+            b2 = (sw >> 16) & 0xFF
+            b3 = (sw >> 24) & 0xFF
     # ---- dots -----------------------------------------------------------------------------------
     if QTYPE == _Q8_0:
         idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
@@ -679,6 +688,12 @@ def plane_args(w: QuantTensor) -> tuple[list[torch.Tensor], list[int]]:
     """The six plane pointers (q, qh, d, dmin, sc, mn; a stand-in where a format has none) and
     their row strides in elements, in the kernels' argument order."""
     p = w.planes
+    if w.qtype in (Q2_K, Q3_K):   # the tile loads 4 scale bytes / 2 high-bit words at once
+        for key, a in (("sc", 4), ("qh", 8)):
+            t = p.get(key)
+            if t is not None and (t.data_ptr() % a or (t.stride(0) * t.element_size()) % a):
+                raise ValueError(f"{QTYPE_NAMES[w.qtype]} plane {key!r} is not {a}-byte aligned "
+                                 "(rows and start); the kernels read it in words")
     ptrs, strides = [], []
     for key in ("q", "qh", "d", "dmin", "sc", "mn"):
         t = p.get(key)
