@@ -53,7 +53,27 @@ def clocks() -> str:
         return f"unavailable ({e})"
 
 
-def context0(runner, prompt: list[int], tag: str, host_only: bool = False) -> dict:
+def kernel_times(g, reps: int = 20) -> dict:
+    """Device time per replay of the graph ``g`` by kernel (name cut at 48 characters), in
+    us, from ``torch.profiler`` over ``reps`` replays: which kernels a slow state slows."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = ev.name[:48]
+            out[k] = out.get(k, 0.0) + ev.device_time_total / reps
+    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def context0(runner, prompt: list[int], tag: str, host_only: bool = False,
+             profile: bool = False) -> dict:
     import torch
 
     s = runner.new_sequence()
@@ -66,6 +86,7 @@ def context0(runner, prompt: list[int], tag: str, host_only: bool = False) -> di
     for _ in range(32):
         g.replay()
     host_ms = (time.perf_counter() - t) / 32 * 1e3
+    kernels = kernel_times(g) if profile else None
     gen = V.time_decode(runner, s, 64) if host_only else V.time_generate(runner, s, 64)
     after = round(V.graph_ms(runner, s), 4)
     runner.free_sequence(s)
@@ -74,7 +95,9 @@ def context0(runner, prompt: list[int], tag: str, host_only: bool = False) -> di
             ("decode_ms" if host_only else "gen_ms"): round(gen, 4), "graph_after_gen_ms": after,
             "decode_graphs": sorted(k for k, v in runner.graphs.graphs.items() if v.graph),
             "prefill_graphs": sorted(k for k, v in pg.graphs.items() if v.graph) if pg else None,
-            "clocks": clocks()}
+            "reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1),
+            "segments": len(torch.cuda.memory_snapshot()),
+            "clocks": clocks(), **({"kernels_us": kernels} if kernels is not None else {})}
 
 
 def ring_steps(runner, first: int, ring: list, n: int = 16) -> None:
@@ -130,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="f16")
     ap.add_argument("--host-only", action="store_true",
                     help="no logits on the device (no generation loop) outside 'ondevice' steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the graph's device time by kernel after each step (torch.profiler)")
     a = ap.parse_args(argv)
     steps = a.steps.split(",")
     bad = [s for s in steps if s not in STEPS]
@@ -177,7 +202,7 @@ def main(argv=None) -> int:
                 x.fill_(float(i))
                 del x
             torch.cuda.synchronize()
-        print(json.dumps(context0(r, prompt, step, a.host_only)), flush=True)
+        print(json.dumps(context0(r, prompt, step, a.host_only, a.profile)), flush=True)
     r.close()
     return 0
 
