@@ -144,10 +144,15 @@ def test_quantized_triton_runner_matches_torch(files, preset):
 def test_low_bit_and_iq4_files_run_in_their_blocks(tmp_path, quant):
     """A file whose every weight matrix is Q3_K or IQ4_XS (embedding and output head included)
     runs on the kernels (no fp16 copy) and agrees with the torch reference; the other types
-    (Q2_K, IQ4_NL) share these paths and are compared kernel by kernel in tests/kernels."""
+    (Q2_K, IQ4_NL) share these paths and are compared kernel by kernel in tests/kernels.
+
+    With int16 activations: with int8 ones the Q3_K file's first decode step lands 0.157 (of
+    the largest logit) from the torch runner, on the GPU and in the interpreter alike, against
+    0.0001 with int16 and 0.007-0.009 for other prompts: in its second layer the router's
+    top-k probability beats the next by 0.00048, and the int8 rounding of x flips that pick). The int8 path of these types is compared kernel by kernel."""
     path = write_gguf(tmp_path / f"{quant}.gguf", "tiny-qwen3moe", seed=1, quant=quant,
                       n_layers=None if CUDA else 1)
-    a, b, r = _compare(open_model(str(path)))
+    a, b, r = _compare(open_model(str(path)), act_precision="int16")
     assert b.stats()["weights"] == "quantized", b.stats()
     assert b.model.experts.gate_up[0].qtype == (11 if quant == "q3_k" else 23)
     assert r["prefill_top1"] == 1.0 and r["prefill_dlogsm"] < PREFILL_REL, r
