@@ -148,8 +148,9 @@ def test_low_bit_and_iq4_files_run_in_their_blocks(tmp_path, quant):
 
     With int16 activations: with int8 ones the Q3_K file's first decode step lands 0.157 (of
     the largest logit) from the torch runner, on the GPU and in the interpreter alike, against
-    0.0001 with int16 and 0.007-0.009 for other prompts: in its second layer the router's
-    top-k probability beats the next by 0.00048, and the int8 rounding of x flips that pick). The int8 path of these types is compared kernel by kernel."""
+    0.0001 with int16 and 0.007-0.009 for other prompts. In its second layer the router's
+    top-k probability beats the next by 0.00048, and the int8 rounding of x flips that pick.
+    The int8 path of these types is compared kernel by kernel."""
     path = write_gguf(tmp_path / f"{quant}.gguf", "tiny-qwen3moe", seed=1, quant=quant,
                       n_layers=None if CUDA else 1)
     a, b, r = _compare(open_model(str(path)), act_precision="int16")
