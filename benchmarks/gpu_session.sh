@@ -9,8 +9,8 @@
 #                                      expert launches' times by expert type, cold and with
 #                                      their weights in L2 (--l2: a prefetch's bound) (~8 min)
 #   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
-#                                      file: allocations, the logits ring, expandable segments,
-#                                      the graphs uploaded again (~9 min)
+#                                      file: the kernels it slows (profiled), the logits' hash,
+#                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
 #                                      (rules printed and saved, not written to kernels/configs)
 #   benchmarks/gpu_session.sh qwen3    localmoe rows of vs_llamacpp on the Qwen3-30B-A3B-shaped
@@ -62,15 +62,17 @@ case "$STAGE" in
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
     F=$(tail -1 "$OUT/file.log")
-    timeout 170 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,alloc,fresh,bigalloc,fresh,ondevring,fresh \
-      --host-only >"$OUT/history-alloc.jsonl" 2>"$OUT/history-alloc.err"
-    say "history alloc rc=$?"; cut -c1-160 "$OUT/history-alloc.jsonl"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 170 python3 benchmarks/graph_history.py \
-      "$F" fresh,warm512,pp512,ttft4096,fresh >"$OUT/history-expandable.jsonl" 2>"$OUT/history-expandable.err"
-    say "history expandable rc=$?"; cut -c1-160 "$OUT/history-expandable.jsonl"
-    timeout 170 python3 benchmarks/graph_history.py "$F" fresh,warm512,ttft4096,ondevice,fresh,upload,fresh \
-      --host-only >"$OUT/history-upload.jsonl" 2>"$OUT/history-upload.err"
-    say "history upload rc=$?"; cut -c1-160 "$OUT/history-upload.jsonl"
+    # session 25: the slow state needs both prompts and then any allocation; a recapture
+    # restores it. Which kernels slow down, do the logits stay the same, does any cudaMalloc
+    # (reserved MiB) or only one after both prompts flip it, and is a second prompt enough
+    for spec in "profile:fresh,warm512,ttft4096,alloc,fresh,recapture,fresh --profile" \
+                "bigalloc:fresh,bigalloc,fresh" "pp:fresh,warm512,pp512,alloc,fresh" \
+                "ttft2:fresh,ttft4096,ttft4096,alloc,fresh"; do
+      tag=${spec%%:*}
+      timeout 130 python3 benchmarks/graph_history.py "$F" ${spec#*:} --host-only \
+        >"$OUT/history-$tag.jsonl" 2>"$OUT/history-$tag.err"
+      say "history $tag rc=$?"; python3 benchmarks/graph_history.py summarize "$OUT/history-$tag.jsonl"
+    done
     ;;
   tune)
     timeout 540 python3 benchmarks/bench_quant_kernels.py --sweep --tune-tokens 1 8 \

@@ -8,6 +8,7 @@ past its end and a 4,096-token prompt prefilled three times, every later decode 
 graph after each step::
 
     python benchmarks/graph_history.py MODEL.gguf fresh,warm512,pp512,ttft4096,fresh
+    python benchmarks/graph_history.py summarize OUT.jsonl
 
 Steps: ``fresh`` (nothing), ``warm512`` (a 512-token prompt, then 4 decode steps on it: what
 ``vs_llamacpp.run_localmoe`` does first), ``pp512`` / ``ttft4096`` (its timed prompts:
@@ -21,13 +22,15 @@ every captured graph again: if the slow state is the driver's copy of the graphs
 when new memory is mapped, this restores the fast one). After each, a new
 sequence of one token decodes 8 steps; the graph is replayed 32 times back to back (three
 times), then the generation loop runs 64 tokens and the graph is timed again. One JSON line
-per step: graph ms, host ms per replay enqueue, generation-loop ms, graph ms after the loop,
+per step: graph ms, a hash of the logits of one fixed decode step (the same in every row
+of a healthy runner), host ms per replay enqueue, generation-loop ms, graph ms after the loop,
 the captured graphs, and the GPU's clocks (``nvidia-smi``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -79,6 +82,10 @@ def context0(runner, prompt: list[int], tag: str, host_only: bool = False,
     s = runner.new_sequence()
     runner.forward([(s, prompt[:1])])
     V.time_decode(runner, s, 8)
+    # the same tokens at the same positions after every step: a decode step whose logits
+    # change with the history reads memory it no longer owns (a slow state that is a bug)
+    check = runner.forward([(s, [5])])[0].float().cpu()
+    logits_sha = hashlib.sha256(check.numpy().tobytes()).hexdigest()[:16]
     graph = [round(V.graph_ms(runner, s), 4) for _ in range(3)]
     g = runner.graphs.graphs[(1, runner.graphs.bucket(runner.cache.seq_len(s) + 1))].graph
     torch.cuda.synchronize()
@@ -91,7 +98,8 @@ def context0(runner, prompt: list[int], tag: str, host_only: bool = False,
     after = round(V.graph_ms(runner, s), 4)
     runner.free_sequence(s)
     pg = runner.prefill_graphs
-    return {"step": tag, "graph_ms": graph, "enqueue_ms": round(host_ms, 4),
+    return {"step": tag, "graph_ms": graph, "logits_sha": logits_sha,
+            "logits_argmax": int(check.argmax()), "enqueue_ms": round(host_ms, 4),
             ("decode_ms" if host_only else "gen_ms"): round(gen, 4), "graph_after_gen_ms": after,
             "decode_graphs": sorted(k for k, v in runner.graphs.graphs.items() if v.graph),
             "prefill_graphs": sorted(k for k, v in pg.graphs.items() if v.graph) if pg else None,
@@ -145,7 +153,33 @@ def upload_graphs(runner) -> list[int]:
     return codes
 
 
+def summarize(path: str, top: int = 14) -> None:
+    """Print the rows of a JSONL file this script wrote (graph ms, logits hash, reserved MiB)
+    and, where rows carry ``kernels_us`` (``--profile``), the kernels whose time changed most
+    between the first profiled row and the slowest one."""
+    rows = [json.loads(line) for line in open(path) if line.strip().startswith("{")]
+    for d in rows:
+        print(d["step"], d.get("graph_ms", d.get("codes")), d.get("logits_sha", ""),
+              d.get("reserved_mib", ""), d.get("segments", ""))
+    shas = {d["logits_sha"] for d in rows if "logits_sha" in d}
+    if shas:
+        print("logits: the same in every row" if len(shas) == 1
+              else f"logits: {len(shas)} different hashes (a step reads memory it does not own?)")
+    prof = [d["kernels_us"] for d in rows if "kernels_us" in d]
+    if len(prof) >= 2:
+        a, b = prof[0], max(prof[1:], key=lambda k: sum(k.values()))
+        keys = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0) - a.get(k, 0)))
+        for k in keys[:top]:
+            print(f"{a.get(k, 0):9.2f} {b.get(k, 0):9.2f} {b.get(k, 0) - a.get(k, 0):+8.2f}  {k}")
+        print(f"total us {sum(a.values()):.1f} -> {sum(b.values()):.1f}")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["summarize"]:
+        for path in argv[1:]:
+            summarize(path)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("steps", help="comma-separated, from: " + ", ".join(STEPS))
