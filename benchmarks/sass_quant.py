@@ -38,9 +38,10 @@ from localmoe.kernels.qtensor import chunk_values, qtype_id
 
 import sass_stats as ss
 
-# plane pointer types per ggml type (qtensor's planes): d, sc; everything else int32 or f16
+# plane pointer types per ggml type (qtensor's planes): d, sc, qh; everything else int32 or f16
 _D = {12: "*i32", 13: "*i32"}
 _SC = {12: "*i16", 13: "*i16", 10: "*u8"}
+_QH = {11: "*i16"}
 
 
 def _signature(fn, const: dict, qtype: int) -> dict:
@@ -52,7 +53,8 @@ def _signature(fn, const: dict, qtype: int) -> dict:
             sig[n] = {"xs_ptr": "*fp32", "hs_ptr": "*fp32", "p_ptr": "*fp32", "wts_ptr": "*fp32",
                       "out_ptr": "*fp16", "y_ptr": "*fp16", "dm_ptr": "*fp16",
                       "mn_ptr": "*fp16", "d_ptr": _D.get(qtype, "*fp16"),
-                      "sc_ptr": _SC.get(qtype, "*i8")}.get(n, "*i32")
+                      "sc_ptr": _SC.get(qtype, "*i8"),
+                      "qh_ptr": _QH.get(qtype, "*i32")}.get(n, "*i32")
         else:
             sig[n] = "i32"
     return sig

@@ -47,9 +47,10 @@ Q3_K, 32 otherwise); a chunk is ``CV/16`` *slices* of 16 values, slice ``s`` = v
   chunk = 4 words; byte ``l`` bits ``2s..2s+1`` = ``code[16s+l]``);
 * ``qh`` int32, the remaining high bits, laid out so that one shift and one mask put them
   under their bytes: Q5_0/Q5_1/Q5_K ``[R, K/32]`` one word per chunk, bit ``8b+4s+w`` = 5th bit
-  of value ``16s+4w+b``; Q3_K ``[R, K/32]`` two words per chunk, word ``s//2`` bit
-  ``8b+4(s%2)+w`` = 3rd bit; Q6_K ``[R, K/16]`` two words per chunk, word ``s`` bits
-  ``8b+2w .. +1`` = bits 4-5 of value ``16s+4w+b``;
+  of value ``16s+4w+b``; Q6_K ``[R, K/16]`` two words per chunk, word ``s`` bits
+  ``8b+2w .. +1`` = bits 4-5 of value ``16s+4w+b``; Q3_K int16 ``[R, K/16]``, four per chunk,
+  one per code word ``w`` (loaded as a tile beside the codes): bit ``4s+b`` = 3rd bit of value
+  ``16s+4w+b``;
 * ``d`` float16 ``[R, K/32]`` (legacy: per block) or ``[R, K/256]`` (K-quants: per super-block);
   Q4_K/Q5_K: int32 ``[R, K/256]``, the float16 bits of ``d`` in the low half and of ``dmin``
   in the high half (one load per super-block for both);
@@ -332,8 +333,9 @@ def _unpack_bits(words: torch.Tensor, shifts: Sequence[int], mask: int) -> torch
 # shift tables (index order = natural value order inside the packed group)
 # 1 high bit per value, one word per 32-value chunk: value 16s+4w+b -> bit 8b+4s+w
 _SH_H1_32 = [8 * b + 4 * s + w for s in range(2) for w in range(4) for b in range(4)]
-# Q3_K: 1 bit per value, two words per 64-value chunk: value 16s+4w+b -> word s//2, bit 8b+4(s%2)+w
-_SH_H1_64 = [8 * b + 4 * s2 + w for s2 in range(2) for w in range(4) for b in range(4)]
+# Q3_K: 1 bit per value, four int16 per 64-value chunk: value 16s+4w+b -> int16 w, bit 4s+b
+# (the order of _q3k_high's last axis: s, then b)
+_SH_H1_Q3K = list(range(16))
 # Q6_K: 2 bits per value, one word per 16-value slice: value 4w+b -> bits 8b+2w
 _SH_H2_16 = [8 * b + 2 * w for w in range(4) for b in range(4)]
 
@@ -348,8 +350,10 @@ def _pack_codes(codes: torch.Tensor, qt: int) -> dict[str, torch.Tensor]:
         low = (c[:, :, 0] & 3) | ((c[:, :, 1] & 3) << 2) | ((c[:, :, 2] & 3) << 4) | ((c[:, :, 3] & 3) << 6)
         out = {"q": _words(low.reshape(n, v // 4))}
         if qt == Q3_K:
-            hb = ((codes >> 2) & 1).reshape(n, v // 64, 2, 32)
-            out["qh"] = _pack_bits(hb, _SH_H1_64).reshape(n, v // 32)
+            hb = ((codes >> 2) & 1).reshape(n, v // 64, 4, 4, 4)          # [.., s, w, b]
+            hb = hb.permute(0, 1, 3, 2, 4).reshape(n, v // 64, 4, 16)      # [.., w, (s, b)]
+            h = _pack_bits(hb, _SH_H1_Q3K).to(torch.int64)
+            out["qh"] = torch.where(h >= 2 ** 15, h - 2 ** 16, h).to(torch.int16).reshape(n, v // 16)
         return out
     c = codes.reshape(n, v // 32, 2, 16)
     low = (c[:, :, 0] & 0x0F) | ((c[:, :, 1] & 0x0F) << 4)
@@ -373,9 +377,9 @@ def _unpack_codes(planes: dict[str, torch.Tensor], qt: int, rows: slice | torch.
         b = q.reshape(r, -1, 1, 16)
         codes = ((b >> _sh([0, 2, 4, 6], q.device).view(1, 1, 4, 1)) & 3).reshape(r, -1)
         if qt == Q3_K:
-            hw = planes["qh"][rows].reshape(r, -1, 2)
-            hb = _unpack_bits(hw, _SH_H1_64, 1).reshape(r, -1)
-            codes = codes | (hb << 2)
+            hw = planes["qh"][rows].reshape(r, -1, 4)                      # [r, chunk, w]
+            hb = _unpack_bits(hw, _SH_H1_Q3K, 1).reshape(r, -1, 4, 4, 4)   # [.., w, s, b]
+            codes = codes | (hb.permute(0, 1, 3, 2, 4).reshape(r, -1) << 2)
         return codes
     b = q.reshape(r, -1, 1, 16)
     codes = ((b >> _sh([0, 4], q.device).view(1, 1, 2, 1)) & 0x0F).reshape(r, -1)

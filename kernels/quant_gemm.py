@@ -124,8 +124,8 @@ def _dequant_chunk(rows, rmask, c, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
         d = tl.load(d_ptr + r4 * d_rs + c // 4, mask=m4, other=0.0).to(tl.float32)
         scb = tl.load(sc_ptr + r4 * sc_rs + c * 4 + s4, mask=m4, other=0).to(tl.int32)
         if QTYPE == _Q3_K:
-            h = tl.load(qh_ptr + r4 * qh_rs + c * 2 + s4 // 2, mask=m4, other=0)
-            code = code | (((h >> (8 * b4 + 4 * (s4 % 2) + w4)) & 1) << 2)
+            h = tl.load(qh_ptr + r4 * qh_rs + c * 4 + w4, mask=m4, other=0).to(tl.int32)
+            code = code | (((h >> (4 * s4 + b4)) & 1) << 2)
             val = (d * scb.to(tl.float32)) * (code.to(tl.float32) - 4.0)
         else:  # Q2_K: byte = scale | min << 4
             dm = tl.load(dm_ptr + r4 * dm_rs + c // 4, mask=m4, other=0.0).to(tl.float32)

@@ -438,17 +438,14 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             if QTYPE == _Q4_1 or QTYPE == _Q5_1:
                 m = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN).to(tl.float32)
     else:  # CV == 64: Q2_K, Q3_K (2-bit low codes, 4 slices per chunk)
-        # the chunk's 4 scale bytes as one 32-bit word and Q3_K's two high-bit words as one
-        # 64-bit load (plane_args checks the planes' alignment): 3 loads per (row, chunk)
-        # instead of 7
+        # the chunk's 4 scale bytes as one 32-bit word (plane_args checks the plane's
+        # alignment); Q3_K's high bits as a tile beside the codes, one int16 per code word, so
+        # the codes, their high bits and x keep one layout (vectorized loads)
         wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
         sw = _ld((sc_ptr + rows4 * sc_rs + c4 * 4).to(tl.pointer_type(tl.int32)), mw, 0, EVEN)
         d = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
         if QTYPE == _Q3_K:
-            hw = _ld((qh_ptr + rows4 * qh_rs + c4 * 2).to(tl.pointer_type(tl.int64)), mw, 0,
-                     EVEN)
-            h0 = hw.to(tl.int32)
-            h1 = (hw >> 32).to(tl.int32)
+            hw = _ld(qh_ptr + rows4 * qh_rs + c4 * 4 + i4, mw, 0, EVEN).to(tl.int32)
             # int8 scales, sign-extended
             b0 = (sw << 24) >> 24
             b1 = (sw << 16) >> 24
@@ -505,10 +502,12 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
         c2w = (wv >> 4) & 0x03030303
         c3w = (wv >> 6) & 0x03030303
         if QTYPE == _Q3_K:
-            c0w = c0w | (((h0 >> i4) & 0x01010101) << 2)
-            c1w = c1w | (((h0 >> (i4 + 4)) & 0x01010101) << 2)
-            c2w = c2w | (((h1 >> i4) & 0x01010101) << 2)
-            c3w = c3w | (((h1 >> (i4 + 4)) & 0x01010101) << 2)
+            # slice s's 4 high bits (bits 4s..4s+3 of hw) spread to bit 2 of each byte: the
+            # four shifted copies of a nibble x*(4 + 2^9 + 2^16 + 2^23) do not overlap
+            c0w = c0w | ((hw & 0xF) * 0x00810204) & 0x04040404
+            c1w = c1w | (((hw >> 4) & 0xF) * 0x00810204) & 0x04040404
+            c2w = c2w | (((hw >> 8) & 0xF) * 0x00810204) & 0x04040404
+            c3w = c3w | (((hw >> 12) & 0xF) * 0x00810204) & 0x04040404
             ia = (b0 * (_idot_x(c0w, x0, x0r, USE_ASM, WIDE) - 4 * s0)
                   + b1 * (_idot_x(c1w, x1, x1r, USE_ASM, WIDE) - 4 * s1))
             ib = (b2 * (_idot_x(c2w, x2, x2r, USE_ASM, WIDE) - 4 * s2)
@@ -688,12 +687,11 @@ def plane_args(w: QuantTensor) -> tuple[list[torch.Tensor], list[int]]:
     """The six plane pointers (q, qh, d, dmin, sc, mn; a stand-in where a format has none) and
     their row strides in elements, in the kernels' argument order."""
     p = w.planes
-    if w.qtype in (Q2_K, Q3_K):   # the tile loads 4 scale bytes / 2 high-bit words at once
-        for key, a in (("sc", 4), ("qh", 8)):
-            t = p.get(key)
-            if t is not None and (t.data_ptr() % a or (t.stride(0) * t.element_size()) % a):
-                raise ValueError(f"{QTYPE_NAMES[w.qtype]} plane {key!r} is not {a}-byte aligned "
-                                 "(rows and start); the kernels read it in words")
+    if w.qtype in (Q2_K, Q3_K):   # the tile loads a chunk's 4 scale bytes at once
+        t = p["sc"]
+        if t.data_ptr() % 4 or (t.stride(0) * t.element_size()) % 4:
+            raise ValueError(f"{QTYPE_NAMES[w.qtype]} scale plane is not 4-byte aligned (rows "
+                             "and start); the kernels read it in words")
     ptrs, strides = [], []
     for key in ("q", "qh", "d", "dmin", "sc", "mn"):
         t = p.get(key)
