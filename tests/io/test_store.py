@@ -404,6 +404,12 @@ def test_pull_local_path_and_resolve(tmp_path, home):
         st.pull(str(pipe))
     with pytest.raises(ModelNotFoundError):
         st.resolve("no-such-model")
+    # a path that is not there is named as one (not "not a known model name")
+    for gone in (str(tmp_path / "gone.gguf"), "gone.gguf", str(tmp_path / "sub" / "m")):
+        with pytest.raises(ModelNotFoundError, match="does not exist"):
+            st.pull(gone)
+    with pytest.raises(ModelNotFoundError, match="not a known model name"):
+        st.pull("no-such-model")
     with pytest.raises(ModelNotFoundError, match="not pulled"):
         st.resolve("smollm2", pull=False)
 

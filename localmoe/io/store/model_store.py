@@ -273,6 +273,8 @@ class ModelStore(PullMixin):
                     return self._pull_path(p, link=link)
             except OSError as e:   # e.g. a store on a read-only or full file system
                 raise self._os_error(f"cannot pull {source}", e) from None
+        if "/" in source or os.sep in source or source.lower().endswith((".gguf", ".safetensors")):
+            raise ModelNotFoundError(f"model file {str(p)!r} does not exist")
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
