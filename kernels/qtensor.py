@@ -334,7 +334,7 @@ def _unpack_bits(words: torch.Tensor, shifts: Sequence[int], mask: int) -> torch
 # 1 high bit per value, one word per 32-value chunk: value 16s+4w+b -> bit 8b+4s+w
 _SH_H1_32 = [8 * b + 4 * s + w for s in range(2) for w in range(4) for b in range(4)]
 # Q3_K: 1 bit per value, four int16 per 64-value chunk: value 16s+4w+b -> int16 w, bit 4s+b
-# (the order of _q3k_high's last axis: s, then b)
+# (shift i for bit i: the packed axis is ordered (s, b))
 _SH_H1_Q3K = list(range(16))
 # Q6_K: 2 bits per value, one word per 16-value slice: value 4w+b -> bits 8b+2w
 _SH_H2_16 = [8 * b + 2 * w for w in range(4) for b in range(4)]
