@@ -564,8 +564,11 @@ def parse_completion_request(request: dict, vocab: int | None, llm=None):
             raise InvalidRequestError(
                 "prompt must be a string, a list with one string, or a list of token ids "
                 "inside the vocabulary (one prompt per request)", "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise InvalidRequestError("prompt must be a non-empty string", "prompt")
+    elif not isinstance(prompt, str):
+        # "" is a prompt, as in OpenAI's API: the tokenizer's BOS alone, or the engine's
+        # "the prompt is empty" where the model adds none
+        raise InvalidRequestError("prompt must be a string, a list with one string, or a list "
+                                  "of token ids", "prompt")
     echo = request.get("echo", False)
     if echo is None:
         echo = False

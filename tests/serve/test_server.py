@@ -1334,3 +1334,18 @@ def test_a_host_this_machine_does_not_have_names_the_host():
     with pytest.raises(LocalMoEError, match="cannot listen on 192.0.2.1:8000.*--host") as ei:
         _check_port_free("192.0.2.1", 8000)
     assert "--port" not in str(ei.value)
+
+
+def test_completion_prompt_may_be_the_empty_string():
+    """OpenAI's completions accept ``prompt: ""`` (the server said "must be a non-empty
+    string"); the engine then starts from the BOS token, or says the prompt is empty where the
+    model adds none. Other types stay a 400 naming the field."""
+    import localmoe.openai as openai_api
+    from localmoe.errors import InvalidRequestError
+
+    openai_api.validate_request("completion", {"prompt": ""})
+    openai_api.validate_request("completion", {"prompt": [""]})
+    for bad in (None, 5, {"a": 1}, [1.5], []):
+        with pytest.raises(InvalidRequestError, match="prompt must be") as ei:
+            openai_api.validate_request("completion", {"prompt": bad})
+        assert ei.value.param == "prompt"
