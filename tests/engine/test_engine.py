@@ -669,7 +669,10 @@ def test_model_name_is_the_name_the_user_gave(tmp_path):
     from localmoe.testing.synthetic import write_gguf
 
     path = write_gguf(tmp_path / "my-model.Q8_0.gguf", "tiny-llama")
-    assert LLM(path, backend="torch", n_ctx=32).model_name == "my-model.Q8_0"
+    said = []
+    assert LLM(path, backend="torch", n_ctx=32,
+               progress=lambda f, m: said.append(m)).model_name == "my-model.Q8_0"
+    assert "opened my-model.Q8_0" in said     # the load's progress line too, not general.name
     assert LLM(str(path), backend="torch", n_ctx=32).model_name == "my-model.Q8_0"
     # an already opened ModelFile is named by its file too, not by general.name
     mf = open_model(path)
