@@ -99,7 +99,8 @@ class Engine:
         check_act_env()    # so is a bad $LOCALMOE_ACT_PRECISION
         prog(0.0, "resolving model")
         model_file = self._open(model)
-        prog(0.1, f"opened {self._model_name(model, model_file)}")   # the user's name for it
+        name = self._model_name(model, model_file)   # the user's name for it
+        prog(0.1, f"opened {name}")
         kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)
         be, reason = select_backend("auto" if backend is None else backend, model_file.format, kv_spec)
         check_backend_options(backend_options, be)
@@ -123,7 +124,7 @@ class Engine:
         runner = be.load(model_file, n_ctx=ctx, kv_spec=kv_spec, device=device, **backend_options)
         prog(1.0, "ready")
         self._setup(runner, tokenizer, template, model_file=model_file,
-                    backend_reason=reason, model_name=self._model_name(model, model_file))
+                    backend_reason=reason, model_name=name)
 
     # -- construction ---------------------------------------------------------------------------
     @staticmethod

@@ -273,8 +273,7 @@ class ModelStore(PullMixin):
                     return self._pull_path(p, link=link)
             except OSError as e:   # e.g. a store on a read-only or full file system
                 raise self._os_error(f"cannot pull {source}", e) from None
-        if "/" in source or os.sep in source or source.lower().endswith((".gguf", ".safetensors")):
-            raise ModelNotFoundError(f"model file {str(p)!r} does not exist")
+        _raise_if_missing_path(source)
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
@@ -547,11 +546,17 @@ class ModelStore(PullMixin):
             raise ModelNotFoundError(
                 f"model {gone.name!r} is in the store but its file {lost} is missing; "
                 f"{self.repair_hint(gone)}")
-        if s.endswith(".gguf") or os.sep in s:
-            raise ModelNotFoundError(f"model file {s} does not exist")
+        _raise_if_missing_path(s)
         raise ModelNotFoundError(
             f"no model named {s!r}: not a file, not in the store (`localmoe models`), and not one "
             f"of the pullable names {', '.join(self.catalog)}; give a path or `localmoe pull` it")
+
+
+def _raise_if_missing_path(s: str) -> None:
+    """A name that is not there and reads as a path (a ``.gguf`` name or a folder separator)
+    is a missing file, not an unknown model name: raise ModelNotFoundError saying so."""
+    if s.endswith(".gguf") or os.sep in s:
+        raise ModelNotFoundError(f"model file {s} does not exist")
 
 
 def resolve_model(name_or_path: str | os.PathLike | None = None) -> Path:
