@@ -24,7 +24,9 @@ sequence of one token decodes 8 steps; the graph is replayed 32 times back to ba
 times), then the generation loop runs 64 tokens and the graph is timed again. One JSON line
 per step: graph ms, a hash of the logits of one fixed decode step (the same in every row
 of a healthy runner), host ms per replay enqueue, generation-loop ms, graph ms after the loop,
-the captured graphs, and the GPU's clocks (``nvidia-smi``).
+the captured graphs, how many were captured again because the allocator grew
+(``graphs.Refresh``; ``LOCALMOE_GRAPH_REFRESH=0`` turns that off, to see the slow state), and
+the GPU's clocks (``nvidia-smi``).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def context0(runner, prompt: list[int], tag: str, host_only: bool = False,
             "logits_argmax": int(check.argmax()), "enqueue_ms": round(host_ms, 4),
             ("decode_ms" if host_only else "gen_ms"): round(gen, 4), "graph_after_gen_ms": after,
             "decode_graphs": sorted(k for k, v in runner.graphs.graphs.items() if v.graph),
+            "recaptured": runner.graphs.refreshes,
             "prefill_graphs": sorted(k for k, v in pg.graphs.items() if v.graph) if pg else None,
             "reserved_mib": round(torch.cuda.memory_reserved() / 2**20, 1),
             "segments": len(torch.cuda.memory_snapshot()),
@@ -159,8 +162,9 @@ def summarize(path: str, top: int = 14) -> None:
     between the first profiled row and the slowest one."""
     rows = [json.loads(line) for line in open(path) if line.strip().startswith("{")]
     for d in rows:
-        print(d["step"], d.get("graph_ms", d.get("codes")), d.get("logits_sha", ""),
-              d.get("reserved_mib", ""), d.get("segments", ""))
+        print(d["step"], d.get("graph_ms", d.get("codes")), d.get("graph_after_gen_ms", ""),
+              d.get("logits_sha", ""), d.get("reserved_mib", ""), d.get("segments", ""),
+              d.get("recaptured", ""))
     shas = {d["logits_sha"] for d in rows if "logits_sha" in d}
     if shas:
         print("logits: the same in every row" if len(shas) == 1

@@ -15,7 +15,16 @@ first step of a bucket runs eagerly, warming up every kernel, then captures).
 
 A capture that fails (driver, memory) logs one warning and the runner decodes eagerly from then
 on (``stats()["cuda_graphs"]`` gives the reason); ``cuda_graphs=False`` or
-``LOCALMOE_CUDA_GRAPHS=0`` turn graphs off. Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
+``LOCALMOE_CUDA_GRAPHS=0`` turn graphs off.
+
+A decode graph is captured again when the CUDA caching allocator has reserved more device
+memory since its capture (:class:`Refresh`; ``LOCALMOE_GRAPH_REFRESH=0`` turns it off). Measured
+on the H200 (``benchmarks/results/graph_history_h200-2026-12-05-s25.json``, Qwen3-30B-A3B
+file): after a 512-token prompt decoded past its end, a 4,096-token prompt and one more device
+allocation, the context-0 graph captured first replays in 2.016-2.020 ms instead of
+1.857-1.863; captured again it takes 1.846-1.850. ``cuGraphUpload`` and ``empty_cache`` do not
+restore it. The cause is not known; the allocator's growth is the cheap signal that comes with
+such a history. Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
 window or outlier side buffers, rotated or per-channel keys (their writes take host-side
 positions), and non-CUDA devices.
 """
@@ -34,6 +43,67 @@ log = logging.getLogger("localmoe.triton")
 
 MAX_BATCH = 8
 MIN_BUCKET = 256
+
+
+class Refresh:
+    """When to capture a decode graph again: the CUDA caching allocator has reserved more
+    device memory than when the graph was captured (a prompt's eager run or a prefill graph
+    mapped new segments, see the module's docstring).
+
+    The allocator is read (``torch.cuda.memory_reserved``, a host-side query, no sync) at most
+    every ``every`` decode steps, and at the next step after :meth:`soon` (the runner calls it
+    after every prompt), not at every step. Graphs are captured again for at most ``limit``
+    growths of the allocator over the object's life, so a workload whose memory keeps growing
+    cannot keep re-capturing.
+
+    Args:
+        reserved: () -> bytes reserved by the allocator now.
+        every: decode steps between reads of the allocator.
+        limit: growths of the allocator that may lead to captures.
+    """
+
+    def __init__(self, reserved, every: int = 64, limit: int = 16):
+        self.reserved = reserved
+        self.every = every
+        self.limit = limit
+        #: graphs captured again so far
+        self.count = 0
+        #: times a read found more bytes reserved than any read before
+        self.growths = 0
+        self._wait = 0           # steps until the next read
+        self._now = 0            # bytes at the last read
+        self._high = None        # the most bytes any read found
+
+    def soon(self) -> None:
+        """Read the allocator at the next step (after a prompt, which may have grown it)."""
+        self._wait = 0
+
+    def _read(self) -> None:
+        self._now = int(self.reserved())
+        if self._high is None or self._now > self._high:
+            if self._high is not None:
+                self.growths += 1
+                if self.growths == self.limit + 1:
+                    log.info("the CUDA allocator grew %d times; decode graphs are not captured "
+                             "again after this", self.limit)
+            self._high = self._now
+
+    def stamp(self) -> int:
+        """Bytes reserved now (after a capture: the graph's stamp)."""
+        self._read()
+        return self._now
+
+    def stale(self, stamp: int) -> bool:
+        """Whether a graph captured when ``stamp`` bytes were reserved should be captured
+        again before this step (counts it)."""
+        self._wait -= 1
+        if self._wait <= 0:
+            self._wait = self.every
+            self._read()
+        if self._now <= stamp or self.growths > self.limit:
+            return False
+        self.count += 1
+        return True
 
 
 def graph_unavailable(runner) -> str | None:
@@ -97,6 +167,7 @@ class _Graph:
     copied: list = field(default_factory=list)   # per buffer: CUDA event after its last copy
     turn: int = 0                    # the buffer the next step writes
     eager_runs: int = 0              # eager steps launched from Python (no graph)
+    reserved: int = 0                # device bytes the allocator held after the capture
     tape: Any = None                 # the eager step's launch tape (backends.triton.tape)
 
 
@@ -128,6 +199,16 @@ class DecodeGraphs:
                                      if os.environ.get("LOCALMOE_LAUNCH_TAPE", "1") == "0" else None)
         self.tapes = 0
         self.tape_replays = 0
+        #: when a graph is captured again (None: never; ``LOCALMOE_GRAPH_REFRESH=0``)
+        self.refresh: Refresh | None = None
+        if capture and os.environ.get("LOCALMOE_GRAPH_REFRESH", "1") != "0":
+            dev = torch.device(runner.device)
+            self.refresh = Refresh(lambda: torch.cuda.memory_reserved(dev))
+
+    @property
+    def refreshes(self) -> int:
+        """Decode graphs captured again because the allocator grew (:class:`Refresh`)."""
+        return self.refresh.count if self.refresh is not None else 0
 
     def bucket(self, max_len: int) -> int:
         b = MIN_BUCKET
@@ -236,12 +317,18 @@ class DecodeGraphs:
         self._fill(g, batch, tokens_on_device)
         if not self.capture:       # eager: the same static-buffer step, launched op by op
             return self._eager(g)
+        if g.graph is not None and self.refresh is not None and self.refresh.stale(g.reserved):
+            log.info("decode graph (batch %d, up to %d tokens): the allocator grew since its "
+                     "capture, capturing it again", g.batch, g.max_len)
+            g.graph = g.out = None       # frees its memory in the pool for the new capture
         if g.graph is None:
             out, self.failed = _capture(g, self._step, self.pool, "decoding")
             if self.failed:
                 self.graphs.pop(key, None)
             else:
                 self.captures += 1
+                if self.refresh is not None:
+                    g.reserved = self.refresh.stamp()
             return out
         g.graph.replay()
         g.replays += 1

@@ -215,6 +215,8 @@ class TritonRunner(CacheSequences):
             return self._graph_forward(batch, on_device, tokens_on_device)
         if tokens_on_device is not None:   # not a static-buffer step: read the tokens here
             batch = [(sid, [int(t)]) for (sid, _), t in zip(batch, tokens_on_device.tolist())]
+        if self.graphs is not None and self.graphs.refresh is not None:
+            self.graphs.refresh.soon()     # a prompt may grow the allocator (graphs.Refresh)
         pg = self.prefill_graphs
         if pg is not None and not all_logits and pg.usable(batch):
             with torch.inference_mode():
@@ -343,7 +345,9 @@ class TritonRunner(CacheSequences):
         """The torch runner's stats plus ``fused_decode_calls``, ``fused_attention``,
         ``weights`` (``"quantized"`` or why the weights were dequantized), ``act_precision``,
         ``pdl`` (programmatic dependent launch: ``"on (at_exit)"`` or ``"off (why)"``),
-        ``cuda_graphs``, ``fused_step``, ``launch_tape`` and ``prefill_graphs``."""
+        ``cuda_graphs`` (captures, replays, and graphs captured again because the allocator
+        grew: :class:`~localmoe.backends.triton.graphs.Refresh`), ``fused_step``,
+        ``launch_tape`` and ``prefill_graphs``."""
         out = runner_stats(self)
         out["fused_decode_calls"] = self.n_fused_calls
         out["fused_attention"] = self._fused
@@ -353,7 +357,8 @@ class TritonRunner(CacheSequences):
 
         out["pdl"] = pdl_status(self.device)
         g = self.graphs
-        out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays}
+        out["cuda_graphs"] = ({"captured": g.captures, "replays": g.replays,
+                               "recaptured": g.refreshes}
                               if g is not None and g.capture else f"off ({self.graphs_off})")
         out["fused_step"] = "on" if self.fused is not None else f"off ({self.fused_off})"
         if g is not None and not g.capture:

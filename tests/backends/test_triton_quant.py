@@ -581,6 +581,90 @@ def test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length(lean_fil
     assert pg.captures == 1 and pg.replays == 1
 
 
+def test_graph_refresh_reads_the_allocator_rarely_and_within_its_limit():
+    """graphs.Refresh: the allocator is read at the first step, then every ``every`` steps
+    or at the step after ``soon()``; a graph is stale when the bytes read exceed its stamp;
+    after ``limit`` growths of the allocator no graph is captured again."""
+    from localmoe.backends.triton.graphs import Refresh
+
+    mem = {"now": 100}
+    reads = []
+
+    def reserved():
+        reads.append(mem["now"])
+        return mem["now"]
+
+    f = Refresh(reserved, every=4, limit=2)
+    stamp = f.stamp()
+    assert stamp == 100 and not f.stale(stamp) and len(reads) == 2
+    mem["now"] = 200                       # grown, but not read before the 4th step
+    assert [f.stale(stamp) for _ in range(3)] == [False, False, False] and len(reads) == 2
+    assert f.stale(stamp) and len(reads) == 3 and (f.count, f.growths) == (1, 1)
+    assert f.stale(stamp) and f.count == 2     # another graph of the same stamp
+    stamp = f.stamp()                      # captured again at 200
+    assert not f.stale(stamp)
+    mem["now"] = 150                       # shrank (empty_cache): nothing is stale
+    f.soon()
+    assert not f.stale(stamp) and f.growths == 1
+    mem["now"] = 300
+    f.soon()                               # a prompt ran: read at the next step
+    assert f.stale(stamp) and (f.count, f.growths) == (3, 2)
+    stamp = f.stamp()
+    mem["now"] = 400
+    f.soon()
+    assert not f.stale(stamp) and (f.count, f.growths) == (3, 3)   # past the limit
+
+
+def test_decode_graph_is_captured_again_after_the_allocator_grew(lean_files, monkeypatch):
+    """DecodeGraphs.run with a stand-in allocator reader: the first decode step captures; after
+    a prompt that grew the allocator, the next step drops the graph and captures it again, and
+    every step's logits are those of a runner without graphs. On the GPU with real captures;
+    without one a stand-in capture reruns the step on the static buffers at each replay (as in
+    test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length)."""
+    from types import SimpleNamespace
+
+    from localmoe.backends.triton import graphs as G
+
+    def fake_capture(g, step, pool, what):
+        out = step(g)
+
+        def replay():
+            g.out = step(g)
+        g.out, g.graph = out, SimpleNamespace(replay=replay)
+        return out, None
+
+    if CUDA:
+        monkeypatch.setenv("LOCALMOE_PREFILL_GRAPHS", "0")   # prompts eager in both runs
+    else:
+        monkeypatch.setattr(G, "_capture", fake_capture)
+    mf = open_model(str(lean_files["tiny-qwen3moe"]))
+    mem = {}
+    runs = {}
+    for graphs in (False, True):
+        mem["now"] = 1000
+        r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2,
+                         cuda_graphs=graphs and CUDA)
+        if graphs:
+            g = r.graphs
+            if not CUDA:
+                g.capture, g.pool = True, object()
+            g.refresh = G.Refresh(lambda: mem["now"], every=64)
+        a, b = r.new_sequence(), r.new_sequence()
+        outs = r.forward([(a, [5, 9, 13])]) + r.forward([(a, [21])]) + r.forward([(a, [22])])
+        mem["now"] = 5000                 # the second prompt grows the allocator
+        outs += r.forward([(b, [7, 8])]) + r.forward([(a, [23])]) + r.forward([(a, [24])])
+        runs[graphs] = torch.stack(outs)
+        if graphs:
+            st = r.stats()["cuda_graphs"]
+            assert st == {"captured": 2, "replays": 2, "recaptured": 1}, st
+            gg, = g.graphs.values()
+            assert gg.reserved == 5000
+    if CUDA:      # split-K GEMVs add with atomics: float additions in another order
+        assert (runs[True] - runs[False]).abs().max() < 1e-2 * runs[False].abs().max()
+    else:
+        assert torch.equal(runs[False], runs[True])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_prefill_graphs_fill_a_quantized_cache(files):
