@@ -11,6 +11,9 @@
 #   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
 #                                      file: the kernels it slows (profiled), the logits' hash,
 #                                      the allocator's reserved MiB, other histories (~8 min)
+#   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
+#                                      int4:c/int4, the table's tile against 16-token tiles
+#                                      and 16 waves (~6 min)
 #   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
 #                                      (rules printed and saved, not written to kernels/configs)
 #   benchmarks/gpu_session.sh qwen3    localmoe rows of vs_llamacpp on the Qwen3-30B-A3B-shaped
@@ -22,7 +25,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -78,6 +81,16 @@ case "$STAGE" in
         --host-only >"$OUT/history-$tag.jsonl" 2>"$OUT/history-$tag.err"
       say "history $tag rc=$?"; python3 benchmarks/graph_history.py summarize "$OUT/history-$tag.jsonl"
     done
+    ;;
+  attn)
+    # session 26 (static, sm_90): with the separate reduction kernel the int2:c/int2 split
+    # kernel at the table's 64k tile (32 tokens, one warp) has 176 registers; 16-token
+    # one-warp tiles 128 and 32-token two-warp tiles 128 (no spill). At 8 waves the grid, not
+    # the registers, caps the warps per SM: the variants with 16 waves give them twice as many
+    timeout 540 python3 benchmarks/bench_attention.py --contexts 16384 65536 --batches 1 \
+      --formats f16 int2:c/int2 int4:c/int4 --variants '[{}, {"block_n": 16, "num_warps": 1, "waves": 8}, {"block_n": 16, "num_warps": 1, "waves": 16}, {"block_n": 32, "num_warps": 1, "waves": 16}, {"block_n": 32, "num_warps": 2, "waves": 16}]' \
+      --out "$OUT/attention.json" >"$OUT/attn.log" 2>&1
+    say "attention rc=$?"; tail -25 "$OUT/attn.log"
     ;;
   tune)
     timeout 540 python3 benchmarks/bench_quant_kernels.py --sweep --tune-tokens 1 8 \

@@ -7,6 +7,8 @@ by per-element instruction issue, so instructions per element predict its speed 
 before any device time is spent.
 
 Usage: ``python benchmarks/sass_stats.py int4 int2 fp4 int4/int2 --block-n 128 --warps 8``
+(formats as ``int2c/int2`` for per-channel int2 keys; ``--swap`` and ``--stages 2`` as the
+H200 table launches 2/3-bit values).
 """
 from __future__ import annotations
 
@@ -29,12 +31,12 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, extra=None,
-                    swap=False):
+                    swap=False, fuse=False):
     fn = da._decode_split_kernel
     names = fn.arg_names
     const = dict(HKV=4, QPK=qpk, QPK_P=qpk, BLOCK_H=max(8 if swap else 16, qpk), D=d, DV=d,
                  PAGE=16, BLOCK_N=block_n, SWAP=swap,
-                 N_SINK=0, N_RING=0, ROT=False, IDX64=False, HAS_ROWS=False, FUSE=True,
+                 N_SINK=0, N_RING=0, ROT=False, IDX64=False, HAS_ROWS=False, FUSE=fuse,
                  SPLITS_P=64, MERGE_C=8, PDL=False, SINGLE=False, QUANT=False,
                  V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
                  K_NARROW=(kfmt[0] == 1 and kfmt[1] in (2, 3) and d < 64))
@@ -149,6 +151,11 @@ def main(argv=None):
     ap.add_argument("--hist", action="store_true")
     ap.add_argument("--swap", action="store_true",
                     help="products transposed (decode_attention(swap_ab=True))")
+    ap.add_argument("--fuse", action="store_true",
+                    help="the split-K merge in the same launch (fused_reduce=True; off in the "
+                         "H200 table, whose separate reduction kernel keeps the split "
+                         "kernel's registers down: int2:c/int2 at 32-token one-warp tiles 176 "
+                         "registers without, 255 and a spill stack with)")
     ap.add_argument("--kout", type=int, default=0,
                     help="outliers per token of per-channel keys (K_NOUT)")
     a = ap.parse_args(argv)
@@ -161,7 +168,7 @@ def main(argv=None):
                 if a.kout:
                     extra = dict(K_NOUT=a.kout, K_NOP=triton.next_power_of_2(a.kout))
                 c = compile_variant(parse_fmt(kf), parse_fmt(vf), bn, w, a.stages, extra=extra,
-                                    swap=a.swap)
+                                    swap=a.swap, fuse=a.fuse)
                 sass, res = sass_of(c)
                 n, hist, tot = loop_stats(sass)
                 m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", res)
