@@ -195,12 +195,14 @@ def routings(m, t, r, gen):
     return out
 
 
-def moe_weights(m, dev, qtype: str = "Q4_K"):
+def moe_weights(m, dev, qtype: str = "Q4_K", slot_table: bool = False):
     """``qtype`` experts of model ``m``: fused gate/up ``[E, 2F, D]``, down ``[E, D, F]``,
-    slots."""
+    and the slot table the kernels read (the identity), or None as the decode step passes
+    while every expert is resident (no table read)."""
     e, f, d = m["e"], m["f"], m["d"]
     gu = QuantTensor.interleave_rows(make(qtype, (e, f, d), 3, dev), make(qtype, (e, f, d), 4, dev))
-    return gu, make(qtype, (e, d, f), 5, dev), torch.arange(e, dtype=torch.int32, device=dev)
+    slot = torch.arange(e, dtype=torch.int32, device=dev) if slot_table else None
+    return gu, make(qtype, (e, d, f), 5, dev), slot
 
 
 def moe_routings(m, t, gu, wd, dev, gen):
@@ -215,15 +217,16 @@ def moe_routings(m, t, gu, wd, dev, gen):
 
 
 def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("both", "both_xq"),
-              qtype: str = "Q4_K", l2: bool = False):
+              qtype: str = "Q4_K", l2: bool = False, slot_table: bool = False):
     """Rows of the fused MoE (``stages``: ``both`` from float x, ``both_xq`` from int8 blocks,
     ``gate_up`` / ``down`` alone); ``l2``: the gate/up and down launches also timed with their
-    weights in L2 (rows ``moe_gate_up_l2`` / ``moe_down_l2``)."""
+    weights in L2 (rows ``moe_gate_up_l2`` / ``moe_down_l2``); ``slot_table``: the kernels
+    read expert ids through an (identity) slot table, as with offloaded experts."""
     rows = []
     if l2:
         stages = tuple(stages) + tuple(s for s in ("gate_up", "down") if s not in stages)
     e, f, d, k = m["e"], m["f"], m["d"], m["k"]
-    gu, wd, slot = moe_weights(m, dev, qtype)
+    gu, wd, slot = moe_weights(m, dev, qtype, slot_table)
     gen = torch.Generator().manual_seed(0)
     row_gu, row_d = gu.nbytes // gu.rows, wd.nbytes // wd.rows
     grow_gu, grow_d = gu.ggml_nbytes // gu.rows, wd.ggml_nbytes // wd.rows
@@ -513,6 +516,9 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-qtypes", nargs="*", default=["Q4_K"], metavar="QTYPE",
                     help="GGUF types of the timed experts (default Q4_K, as in a Q4_K_M file; "
                          "e.g. IQ4_XS Q3_K Q2_K)")
+    ap.add_argument("--slot-table", action="store_true",
+                    help="the MoE kernels read expert ids through a slot table (as with "
+                         "offloaded experts) instead of the identity the decode step passes")
     ap.add_argument("--l2", action="store_true",
                     help="also time each MoE launch alone, cold and with its weights in L2 (what a "
                          "prefetch of the down rows during gate/up could reach)")
@@ -530,7 +536,8 @@ def main(argv=None) -> int:
         for name, m in models.items():
             rows += bench_gemv(name, m, a.tokens, dev)
             for qt in a.expert_qtypes:
-                rows += bench_moe(name, m, a.tokens, dev, qtype=qt.upper(), l2=a.l2)
+                rows += bench_moe(name, m, a.tokens, dev, qtype=qt.upper(), l2=a.l2,
+                                  slot_table=a.slot_table)
     res = {
         "suite": "quant_kernels",
         "machine": platform.node(),

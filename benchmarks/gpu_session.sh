@@ -11,6 +11,8 @@
 #   benchmarks/gpu_session.sh history  the slow-state checks of graph_history.py on the Qwen3
 #                                      file: the kernels it slows (profiled), the logits' hash,
 #                                      the allocator's reserved MiB, other histories (~8 min)
+#   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
+#                                      the slot-table read, A/B/A/B (~8 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -25,7 +27,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -80,6 +82,28 @@ case "$STAGE" in
       LOCALMOE_GRAPH_REFRESH=$R timeout 130 python3 benchmarks/graph_history.py "$F" ${spec#*:} \
         --host-only >"$OUT/history-$tag.jsonl" 2>"$OUT/history-$tag.err"
       say "history $tag rc=$?"; python3 benchmarks/graph_history.py summarize "$OUT/history-$tag.jsonl"
+    done
+    ;;
+  slots)
+    # session 26: the decode MoE kernels skip the identity slot table (one dependent load less
+    # per program). A/B/A/B: the launches alone, then the decode graph in fresh processes
+    for i in 1 2; do
+      for v in "" "--slot-table"; do
+        tag=slots${v:+-table}-$i
+        timeout 80 python3 benchmarks/bench_quant_kernels.py --models qwen3-30b-a3b --tokens 1 8 \
+          $v --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+        say "$tag rc=$?"; grep -E "moe|quant\+moe" "$OUT/$tag.log" | head -4
+      done
+    done
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    for i in 1 2; do
+      for t in 0 1; do
+        LOCALMOE_MOE_SLOT_TABLE=$t timeout 55 python3 benchmarks/graph_history.py "$F" fresh \
+          --host-only >"$OUT/graph-slots$t-$i.jsonl" 2>&1
+        say "graph slot_table=$t rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-slots$t-$i.jsonl"
+      done
     done
     ;;
   attn)

@@ -124,7 +124,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         STAGES: tl.constexpr = 1, ROUTE: tl.constexpr = False,
                         EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
                         HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
-                        PACKED: tl.constexpr = True):
+                        PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -148,7 +148,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
     else:
         e = tl.load(ids_ptr + pid)
-    slot = tl.load(slot_ptr + e).to(tl.int64)
+    slot = _slot(slot_ptr, e, e >= 0, SLOTS)
     loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
     rmask4 = (loc < 2 * F)[None, :, None, None]
     rows4 = (slot * (2 * F) + loc)[None, :, None, None]
@@ -184,6 +184,18 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
             tl.atomic_xchg(cp, 0)
     else:
         _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
+
+
+@triton.jit
+def _slot(slot_ptr, e, mask, SLOTS: tl.constexpr):
+    """int64 slot of expert ``e`` in the stacked tensors: ``slot_of[e]`` (a dependent load
+    before the weights' loads), or ``e`` itself without ``SLOTS`` (every expert resident in
+    its own slot: the identity table, not read)."""
+    if SLOTS:
+        s = tl.load(slot_ptr + e, mask=mask, other=0).to(tl.int64)
+    else:
+        s = tl.where(mask, e, 0).to(tl.int64)
+    return s
 
 
 @triton.jit
@@ -239,7 +251,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
-                     STAGES: tl.constexpr = 1):
+                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -257,7 +269,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         pidv = t * TOP_K + jj
         e = tl.load(ids_ptr + pidv, mask=jm, other=0)
         wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
-        slot = tl.load(slot_ptr + e, mask=jm, other=0).to(tl.int64)
+        slot = _slot(slot_ptr, e, jm, SLOTS)
         rows4 = slot[:, None, None, None] * D + loc4
         tmask4 = jm[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
@@ -274,7 +286,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
-            WIDE, STAGES)
+            WIDE, STAGES, SLOTS)
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
 
 
@@ -285,7 +297,7 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
                            TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
                            XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False,
-                           STAGES: tl.constexpr = 1):
+                           STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
     """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
@@ -293,7 +305,7 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
         pid = t * TOP_K + j
         e = tl.load(ids_ptr + pid)
         wgt = tl.load(wts_ptr + pid).to(tl.float32)
-        slot = tl.load(slot_ptr + e).to(tl.int64)
+        slot = _slot(slot_ptr, e, e >= 0, SLOTS)
         rows4 = slot * D + loc4
         tt = tl.zeros([1], dtype=tl.int32) + pid
         tmask4 = (tt >= 0)[:, None, None, None]
@@ -349,7 +361,9 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         w_down: ``[E, D, F]``.
         topk_ids: ``[T, top_k]`` int32/int64 expert ids (device tensor; never read on the host).
         topk_weights: ``[T, top_k]`` routing weights (float).
-        slot_of: int32 ``[E]`` expert -> slot in the stacked tensors (identity when None).
+        slot_of: int32 ``[E]`` expert -> slot in the stacked tensors, read on the device
+            (the offload manager's seam); None: expert ``e`` is in slot ``e`` and no table is
+            read (one dependent load less before each program's weight loads).
         activation: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh approximation).
         out: optional ``[T, D]`` output.
         config: overrides of :func:`moe_config` (``{"gate_up": {...}, "down": {...}}``).
@@ -380,8 +394,6 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
     cfg = {"gate_up": {}, "down": {}}
     for k, v in (config or {}).items():
         cfg[k].update(v)
-    if slot_of is None:
-        slot_of = torch.arange(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
     h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
@@ -391,12 +403,13 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
 
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
-                slot_of: torch.Tensor, activation: str = "silu", config: dict | None = None,
-                route: Routing | None = None) -> QuantAct:
+                slot_of: torch.Tensor | None, activation: str = "silu",
+                config: dict | None = None, route: Routing | None = None) -> QuantAct:
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
     (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them).
-    ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``."""
+    ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``.
+    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read)."""
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
@@ -427,7 +440,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         lg = rb = wts = h.d
         rargs, rscale, lg_rs = {}, 1.0, 0
     _moe_gate_up_kernel[(blocks, t * top_k, split)](
-        x.q, x.s, h.q, h.s, topk_ids, slot_of, *ptrs, p, cnt, lg, rb, wts, f, n_chunks,
+        x.q, x.s, h.q, h.s, topk_ids, topk_ids if slot_of is None else slot_of, *ptrs, p, cnt,
+        lg, rb, wts, f, n_chunks,
         split_chunks, x.q.stride(0), x.s.stride(0), h.q.stride(0), h.s.stride(0),
         *strides, p.stride(0) if split > 1 else 0, p.stride(1) if split > 1 else 0,
         e, lg_rs, float(rscale),
@@ -436,7 +450,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        **rargs, **pdl_args(h.q.device))
+        SLOTS=slot_of is not None, **rargs, **pdl_args(h.q.device))
     return h
 
 
@@ -465,10 +479,12 @@ def _split_scratch(split: int, rows: int, width: int, blocks: int, device
 
 
 def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
-             topk_weights: torch.Tensor, slot_of: torch.Tensor, out: torch.Tensor | None = None,
-             dtype: torch.dtype = torch.float32, config: dict | None = None) -> torch.Tensor:
+             topk_weights: torch.Tensor, slot_of: torch.Tensor | None,
+             out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+             config: dict | None = None) -> torch.Tensor:
     """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
-    @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`."""
+    @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`;
+    ``slot_of`` None: expert ``e`` is in slot ``e``."""
     e, d, f = w_down.shape
     t, top_k = topk_ids.shape
     c = dict(moe_config("down", t, top_k, e, d, f, w_down.qtype, topk_ids.device),
@@ -481,13 +497,14 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
     et = bool(c.get("experts_tile", False))
     tkp = next_pow2(top_k) if et else 1
     _moe_down_kernel[(cdiv(d, c["BN"]), t)](
-        h.q, h.s, out, topk_ids, topk_weights, slot_of, *ptrs, d, f // cv,
+        h.q, h.s, out, topk_ids, topk_weights, topk_ids if slot_of is None else slot_of, *ptrs,
+        d, f // cv,
         h.q.stride(0), h.s.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        **pdl_args(out.device))
+        SLOTS=slot_of is not None, **pdl_args(out.device))
     return out
 
 

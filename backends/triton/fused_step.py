@@ -273,13 +273,16 @@ class FusedDecode:
         moe = m.moe
         ex = m.experts
         if isinstance(routed, Routing):
-            out = [fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slot_of[i],
+            out = [fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slots(i),
                              activation=moe.activation, route=routed)]
         else:
             w, ids = routed if routed is not None else moe.route(i, hf)
-            run = fused_moe if hq is not None else moe_prefill
-            out = [run(hq if hq is not None else hf, ex.gate_up[i], ex.down[i], ids, w,
-                       slot_of=ex.slot_of[i], activation=moe.activation)]
+            if hq is not None:
+                out = [fused_moe(hq, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slots(i),
+                                 activation=moe.activation)]
+            else:
+                out = [moe_prefill(hf, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slot_of[i],
+                                   activation=moe.activation)]
         if "sh_gate_up" in L:
             h = hf.to(m.dtype)
             sh = m._glu(i, h, "sh_gate_up", "sh_down")

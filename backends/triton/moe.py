@@ -80,5 +80,5 @@ class TritonMoE:
         gu, dn, slot = ex.gate_up[layer], ex.down[layer], ex.slot_of[layer]
         self.calls += 1
         if x.shape[0] <= GEMV_MAX_TOKENS:
-            return fused_moe(x, gu, dn, ids, w, slot_of=slot, activation=self.activation)
+            return fused_moe(x, gu, dn, ids, w, slot_of=ex.slots(layer), activation=self.activation)
         return moe_prefill(x, gu, dn, ids, w, slot_of=slot, activation=self.activation)

@@ -24,6 +24,7 @@ tensors are checked for NaN/Inf with one host read at the end.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -149,6 +150,9 @@ class QuantExperts(ExpertProvider):
         down: layer -> QuantTensor ``[E, D, F]``.
         slot_of: layer -> int32 ``[E]`` device tensor, expert -> slot in the stacked tensors
             (identity: every expert resident). The kernels read expert ids through it.
+        identity_slots: True while every ``slot_of`` table is the identity: the decode
+            kernels then skip reading it (:meth:`slots`). Whatever fills the tables with
+            anything else (the offload manager) sets it False before graphs are captured.
     """
 
     def __init__(self, gate_up: dict[int, Any], down: dict[int, Any]):
@@ -157,6 +161,14 @@ class QuantExperts(ExpertProvider):
         self.n_experts = first.shape[0]
         self.slot_of = {i: torch.arange(self.n_experts, dtype=torch.int32, device=first.device)
                         for i in gate_up}
+        # LOCALMOE_MOE_SLOT_TABLE=1: read the (identity) tables anyway, for comparisons
+        self.identity_slots = os.environ.get("LOCALMOE_MOE_SLOT_TABLE", "0") != "1"
+
+    def slots(self, layer: int) -> torch.Tensor | None:
+        """The slot table the decode kernels of ``layer`` read, or None while the tables are
+        the identity (:func:`localmoe.kernels.fused_moe.fused_moe` then reads expert ``e``'s
+        rows from slot ``e``, one dependent load less per program)."""
+        return None if self.identity_slots else self.slot_of[layer]
 
     def layers(self) -> list[int]:
         return sorted(self.gate_up)

@@ -208,6 +208,23 @@ def test_slot_table_is_read_on_the_device():
     assert rel(moved, base) > tol.FP16
 
 
+@pytest.mark.parametrize("tile", [False, True])
+def test_no_slot_table_reads_slot_e_as_the_identity_table_does(tile):
+    """slot_of=None (no table read: every expert in its own slot) gives the identity table's
+    result bit for bit, in both launches and both down paths (experts unrolled or one tile),
+    at 2 tokens; a permuted table gives another."""
+    gu, wd = experts(8, 8, 4, 32, 64, seed=3)
+    x = torch.randn(2, 64, device=DEV)
+    ids, w = route(2, 4, 2, seed=2)
+    cfg = {"gate_up": {"BN": 32, "CH": 2}, "down": {"BN": 64, "CH": 1, "experts_tile": tile}}
+    none = fused_moe(x, gu, wd, ids, w, slot_of=None, config=cfg)
+    ident = fused_moe(x, gu, wd, ids, w, config=cfg,
+                      slot_of=torch.arange(4, dtype=torch.int32, device=DEV))
+    assert torch.equal(none, ident)
+    perm = torch.tensor([1, 0, 3, 2], dtype=torch.int32, device=DEV)
+    assert rel(fused_moe(x, gu, wd, ids, w, slot_of=perm, config=cfg), none) > tol.FP16
+
+
 def test_fused_moe_rejects_bad_inputs():
     gu, wd = experts(8, 8, 4, 32, 64)
     x = torch.randn(2, 64, device=DEV)
