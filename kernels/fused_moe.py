@@ -42,8 +42,10 @@ the router kernel 7.0 -> 2.8 us per layer, the gate/up launch +1.3 us (the top-k
 ``x`` comes as a :class:`QuantAct` (from the kernel that produces it, e.g. the router/norm
 kernel of the decode step) or as floats (then :func:`fused_moe` adds one ``quantize_act``
 launch). Expert ids are read on the device, through ``slot_of[e]`` (int32 ``[n_experts]``:
-the slot of expert ``e`` in the stacked tensors; the identity today, the offload manager's
-seam): nothing on the host looks at the routing. Only the routed experts' rows are read.
+the slot of expert ``e`` in the stacked tensors, the offload manager's seam), or with
+``slot_of=None`` (every expert resident in its own slot, what the decode step passes today)
+as slot ``e`` itself, without that dependent load: nothing on the host looks at the routing.
+Only the routed experts' rows are read.
 Weight layout: :mod:`localmoe.kernels.qtensor` planes (ggml block formats).
 
 Measured on the H200 (benchmarks/results/quant_kernels_h200-2026-12-02.json, Q4_K experts,
