@@ -535,27 +535,29 @@ def test_fused_prefill_into_a_quantized_cache(f32_prefill, kv):
     assert (n11 - n16).abs().max() < (1e-4 if not CUDA else 2e-2) * n11.abs().max()
 
 
+def _stand_in_capture(g, step, pool, what):
+    """A stand-in for ``graphs._capture`` on any device: the eager run; as in a real capture,
+    recording the step runs nothing, so the graph's output is the eager run's until the first
+    replay, which reruns the step on the static buffers."""
+    from types import SimpleNamespace
+
+    out = step(g)
+
+    def replay():
+        g.out = step(g)
+    g.out, g.graph = out, SimpleNamespace(replay=replay)
+    return out, None
+
+
 def test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length(lean_files, monkeypatch):
     """PrefillGraphs.run's bookkeeping with a quantized cache, on any device: the capture's
     eager run and later replays (here a stand-in graph that reruns the step on the static
     buffers) leave the cache as the step body with the exact prompt length does (the same
     bookkeeping for every layer: a 1-layer model in the interpreter)."""
-    from types import SimpleNamespace
-
     from localmoe.backends.reference import prepare_batch
     from localmoe.backends.triton import graphs as G
 
-    def fake_capture(g, step, pool, what):
-        # the eager run; as in a real capture, recording the step runs nothing: the graph's
-        # output is the eager run's until the first replay reruns the step
-        out = step(g)
-
-        def replay():
-            g.out = step(g)
-        g.out, g.graph = out, SimpleNamespace(replay=replay)
-        return out, None
-
-    monkeypatch.setattr(G, "_capture", fake_capture)
+    monkeypatch.setattr(G, "_capture", _stand_in_capture)
     mf = open_model(str(lean_files["tiny-qwen3moe"]))
     prompt = [3 + (7 * i) % 190 for i in range(37)]            # the 64-token bucket
     ref = TritonRunner(mf, n_ctx=128, device=DEV, dtype=DT, kv_spec="int4")
@@ -621,22 +623,12 @@ def test_decode_graph_is_captured_again_after_the_allocator_grew(lean_files, mon
     every step's logits are those of a runner without graphs. On the GPU with real captures;
     without one a stand-in capture reruns the step on the static buffers at each replay (as in
     test_prefill_graph_runs_write_a_quantized_cache_for_the_true_length)."""
-    from types import SimpleNamespace
-
     from localmoe.backends.triton import graphs as G
-
-    def fake_capture(g, step, pool, what):
-        out = step(g)
-
-        def replay():
-            g.out = step(g)
-        g.out, g.graph = out, SimpleNamespace(replay=replay)
-        return out, None
 
     if CUDA:
         monkeypatch.setenv("LOCALMOE_PREFILL_GRAPHS", "0")   # prompts eager in both runs
     else:
-        monkeypatch.setattr(G, "_capture", fake_capture)
+        monkeypatch.setattr(G, "_capture", _stand_in_capture)
     mf = open_model(str(lean_files["tiny-qwen3moe"]))
     mem = {}
     runs = {}
