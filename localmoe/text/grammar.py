@@ -538,9 +538,20 @@ class Constraint:
                 param="response_format")
 
     def accept(self, token_id: int) -> bool:
-        """Advance by the sampled token; False when the grammar refused it (the generation
-        should end)."""
-        return bool(self.m.consume_token(int(token_id))) and not self.m.is_error()
+        """Advance by the sampled token (one the last mask allowed).
+
+        Raises:
+            InvalidRequestError: the grammar engine failed on an allowed token (e.g. a
+                pattern with a huge repetition count needs more regex states than its limit),
+                so the output could not be kept valid under the schema.
+        """
+        ok = bool(self.m.consume_token(int(token_id)))
+        if self.m.is_error():
+            raise InvalidRequestError(
+                f"the schema's grammar could not go on after the token it allowed: "
+                f"{_one_line(self.m.get_error())[:200]}; simplify the schema (e.g. smaller "
+                f"repetition counts)", param="response_format")
+        return ok
 
     @property
     def done(self) -> bool:

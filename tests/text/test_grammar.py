@@ -261,3 +261,16 @@ def test_allowed_bits_is_the_packed_mask(tok):
         assert prev is None or not np.array_equal(prev, bits)  # the mask does change
         prev = bits
         assert a.accept(t) and b.accept(t)
+
+
+def test_an_engine_failure_on_an_allowed_token_is_an_error_not_a_stop(tok):
+    """A pattern whose repetition needs more regex states than the engine's limit compiles
+    and allows its opening quote, then fails on consuming it: that is a request error, not an
+    output of one quote ended as if complete."""
+    gr = g.Grammar.json_schema(tok, {"type": "string", "pattern": "^a{1000000}$"})
+    c = gr.start()
+    allowed = np.flatnonzero(c.allowed())
+    assert len(allowed) >= 1
+    with pytest.raises(InvalidRequestError, match="could not go on"):
+        c.accept(int(allowed[0]))
+
