@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import sys
@@ -412,6 +413,38 @@ def test_pull_local_path_and_resolve(tmp_path, home):
         st.pull("no-such-model")
     with pytest.raises(ModelNotFoundError, match="not pulled"):
         st.resolve("smollm2", pull=False)
+
+
+def test_a_stored_or_catalog_name_wins_over_a_same_named_entry_of_the_current_folder(
+        tmp_path, home, monkeypatch):
+    """A bare name the store or the catalog knows means that model even when the current
+    folder holds a file or folder of that name (``./NAME`` is the path); the default model
+    never looks at the current folder; a bare name nobody knows is still a path; an entry
+    listing no files says so."""
+    from localmoe.io.store import model_store as ms
+    from localmoe.testing.synthetic import write_gguf
+
+    src = write_gguf(tmp_path / "my-model.gguf", "tiny-llama")
+    st = ModelStore(progress=False)
+    m = st.pull(str(src))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    (cwd / "my-model").mkdir()                     # an unrelated folder, as in the trial
+    (cwd / "smollm2").write_bytes(b"")
+    assert st.resolve("my-model") == m.path
+    assert st.resolve("./my-model") == Path("./my-model")
+    monkeypatch.setattr(ms, "DEFAULT_MODEL", "my-model")
+    assert st.resolve(None) == m.path
+    with pytest.raises(ModelNotFoundError, match="not pulled"):   # the catalog's, not the file
+        st.resolve("smollm2", pull=False)
+    (cwd / "other").mkdir()
+    assert st.resolve("other") == Path("other")
+    data = json.loads(st.manifest_path.read_text())
+    data["my-model"]["files"] = []
+    st.manifest_path.write_text(json.dumps(data))
+    with pytest.raises(ModelNotFoundError, match="lists no files"):
+        st.resolve("my-model")
 
 
 def test_pull_name_repairs_a_model_pulled_from_a_local_file(tmp_path, home, capsys):

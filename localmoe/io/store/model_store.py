@@ -278,6 +278,18 @@ class ModelStore(PullMixin):
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
 
+    def _known_name(self, s: str) -> bool:
+        """Whether ``s`` is a bare name (:func:`_bare`) of the catalog or the store (an
+        unreadable manifest counts as not knowing it: the path is used)."""
+        if not _bare(s):
+            return False
+        if s in self.catalog:
+            return True
+        try:
+            return self.get(s, include_missing=True) is not None
+        except StoreError:
+            return False
+
     def repair_hint(self, m: StoredModel) -> str:
         """What fixes the missing or damaged stored model ``m``: ``localmoe pull NAME`` while
         what it was pulled from is there (:meth:`pull` fetches it again), else the source
@@ -497,22 +509,27 @@ class ModelStore(PullMixin):
     def resolve(self, name_or_path: str | os.PathLike | None = None, *, pull: bool = True) -> Path:
         """Turn a model argument into a path.
 
-        ``None`` means the default model (:data:`DEFAULT_MODEL`), an empty name is an error; an
-        existing path is returned as
-        is; a stored name gives its file; a catalog name or ``hf:`` reference not yet stored is
-        pulled when ``pull`` is true (said on stderr: a progress bar on a terminal, else a plain
-        line when the pull starts; then one line when it is done; see ``progress``).
+        ``None`` means the default model (:data:`DEFAULT_MODEL`, from the store or the
+        catalog, whatever the current folder holds), an empty name is an error; an existing
+        path is returned as is, except that a bare name (no folder part, no ``.gguf``, not
+        starting with ``.`` or ``~``) the store or the catalog knows means that model even
+        when a file or folder of that name is in the current folder (``./NAME`` is the
+        path); a stored name gives its file; a catalog name or ``hf:`` reference not yet
+        stored is pulled when ``pull`` is true (said on stderr: a progress bar on a terminal,
+        else a plain line when the pull starts; then one line when it is done; see
+        ``progress``).
 
         Raises:
             ModelNotFoundError: not a path, not stored, not pullable, empty.
             ModelLoadError: a stored model whose files are not the size it was pulled with.
             StoreError: the pull failed.
         """
-        if name_or_path is None:
+        default = name_or_path is None
+        if default:
             name_or_path = DEFAULT_MODEL
         s = nonempty(name_or_path)
         p = Path(s).expanduser()
-        if p.exists():
+        if not default and p.exists() and not self._known_name(s):
             return p
         m = self.get(s)
         if m is not None:
@@ -542,6 +559,10 @@ class ModelStore(PullMixin):
             return m.path
         gone = self.get(s, include_missing=True)
         if gone is not None:
+            if not gone.files:
+                raise ModelNotFoundError(
+                    f"model {gone.name!r} is in the store but its entry lists no files "
+                    f"(a damaged manifest); {self.repair_hint(gone)}")
             lost = next((f for f in gone.files if not f.exists()), gone.path)
             raise ModelNotFoundError(
                 f"model {gone.name!r} is in the store but its file {lost} is missing; "
@@ -550,6 +571,12 @@ class ModelStore(PullMixin):
         raise ModelNotFoundError(
             f"no model named {s!r}: not a file, not in the store (`localmoe models`), and not one "
             f"of the pullable names {', '.join(self.catalog)}; give a path or `localmoe pull` it")
+
+
+def _bare(s: str) -> bool:
+    """A model argument that reads as a name, not a path: no folder part, no ``.gguf``
+    ending, not starting with ``.`` or ``~``."""
+    return not (os.sep in s or "/" in s or s.startswith((".", "~")) or s.endswith(".gguf"))
 
 
 def _raise_if_missing_path(s: str) -> None:
