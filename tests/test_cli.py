@@ -808,6 +808,39 @@ def test_bench_over_the_context_is_refused_before_the_weights_load(tmp_path, mon
     assert "Traceback" not in r.output
 
 
+def test_bench_json_dash_puts_the_json_on_stdout(tmp_path):
+    """``bench --json -``: one JSON object on stdout (the table goes to stderr), no file."""
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    r = CliRunner().invoke(cli, ["bench", "-m", str(path), "--backend", "torch", "-p", "4",
+                                 "-n", "2", "-r", "1", "-t", "1", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["prompt_tokens"] == 4 and d["gen_tokens"] == 2
+    assert "tpot_ms_median" in r.stderr and not (tmp_path / "-").exists()
+
+
+def test_info_takes_the_model_as_an_argument_or_with_m(tmp_path):
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    a, b = run(["info", "--json", str(path)]), run(["info", "--json", "-m", str(path)])
+    assert a.exit_code == b.exit_code == 0 and json.loads(a.output) == json.loads(b.output)
+    for args, needle in ((["info"], "give the model"), (["info", "x", "-m", "y"], "two models")):
+        r = run(args, prog_name="localmoe")
+        assert r.exit_code == 2 and needle in r.stderr and "localmoe info --help" in r.stderr
+
+
+def test_an_option_missing_its_value_names_the_commands_help():
+    """click raises "requires an argument" without a context: the line still names the
+    command whose flag it is, as other usage errors do."""
+    for cmd, flag in (("generate", "--top-k"), ("bench", "--json")):
+        r = run([cmd, flag], prog_name="localmoe")
+        assert r.exit_code == 2, r.output
+        assert f"requires an argument. (see 'localmoe {cmd} --help')" in r.stderr, r.stderr
+
+
 def test_unknown_backend_lists_auto_too(tmp_path):
     from localmoe.testing.synthetic import write_gguf
 

@@ -85,7 +85,8 @@ class _Group(click.Group):
             finally:
                 _stop_spinner()  # the load spinner goes before an error line is printed
         except click.UsageError as e:  # a command's flags or arguments, an unknown command
-            _one_line_usage(e)
+            sub = ctx.invoked_subcommand
+            _one_line_usage(e, f"{ctx.command_path} {sub}" if sub else ctx.command_path)
             raise
         except LocalMoEError as e:
             click.echo(f"error: {e}{_flag_of(e)}", err=True)
@@ -129,15 +130,17 @@ def cli() -> None:
     """
 
 
-def _one_line_usage(e: click.UsageError) -> None:
+def _one_line_usage(e: click.UsageError, fallback: str = "localmoe") -> None:
     """Make click print usage error ``e`` as one line, ``error: MESSAGE (see 'localmoe CMD
     --help')``, instead of its usage block, hint and blank line; the exit status stays 2.
-    A bare group or command shown its help for want of arguments keeps the help."""
+    A bare group or command shown its help for want of arguments keeps the help.
+    ``fallback``: the command path to name when click gave the error no context (an option
+    missing its value)."""
     if isinstance(e, click.exceptions.NoArgsIsHelpError):
         return
 
     def show(file: Any = None) -> None:
-        path = e.ctx.command_path if e.ctx is not None else "localmoe"
+        path = e.ctx.command_path if e.ctx is not None else fallback
         click.echo(f"error: {e.format_message()} (see '{path} --help')",
                    file=file if file is not None else sys.stderr)
 

@@ -17,8 +17,10 @@ from localmoe.errors import LocalMoEError
 @click.option("-p", "--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("-n", "--gen-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("-r", "--repeat", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
-              help="Also write the results to this JSON file.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, allow_dash=True),
+              default=None, metavar="FILE",
+              help="Also write the results to this JSON file ('-': the JSON on stdout, the "
+                   "table on stderr).")
 @routing.record_routing_option
 def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, prompt_tokens,
           gen_tokens, repeat, json_out, record_routing):
@@ -29,7 +31,7 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
     import platform
     import statistics
 
-    if json_out:  # refuse an unwritable --json path before minutes of benchmarking
+    if json_out and json_out != "-":  # refuse an unwritable path before minutes of work
         parent = os.path.dirname(os.path.abspath(json_out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise LocalMoEError(f"cannot write {json_out}: {parent} is not a writable folder")
@@ -81,8 +83,11 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
     finally:
         llm.close()
     for k, v in res.items():
-        click.echo(f"{k:<20} {v:.2f}" if isinstance(v, float) else f"{k:<20} {v}")
-    if json_out:
+        click.echo(f"{k:<20} {v:.2f}" if isinstance(v, float) else f"{k:<20} {v}",
+                   err=json_out == "-")
+    if json_out == "-":
+        click.echo(json.dumps(res, indent=1))
+    elif json_out:
         try:
             with open(json_out, "w") as f:
                 json.dump(res, f, indent=1)

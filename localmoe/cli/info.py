@@ -83,13 +83,22 @@ def _fmt_count(n: float) -> str:
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", required=False)
+@click.option("-m", "--model", "model_opt", default=None, metavar="MODEL",
+              help="The model, as for generate (the same as the MODEL argument).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def info(model, as_json):
+def info(model, model_opt, as_json):
     """Show a model's architecture, parameters, experts, quant mix, context, template and the
-    KV cache bytes per token of every format."""
+    KV cache bytes per token of every format (MODEL: a path, store name, short name or hf:
+    reference; also as -m MODEL)."""
     from localmoe.io.loader import open_model
     from localmoe.io.store import ModelStore, format_size
+
+    if model is not None and model_opt is not None and model != model_opt:
+        raise click.UsageError(f"two models given ({model!r} and -m {model_opt!r}); give one")
+    model = model if model is not None else model_opt
+    if model is None:
+        raise click.UsageError("give the model: localmoe info MODEL (or -m MODEL)")
 
     mf = open_model(ModelStore().resolve(model))
     d = model_info(mf, model)
