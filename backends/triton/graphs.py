@@ -24,7 +24,9 @@ file): after a 512-token prompt decoded past its end, a 4,096-token prompt and o
 allocation, the context-0 graph captured first replays in 2.016-2.020 ms instead of
 1.857-1.863; captured again it takes 1.846-1.850. ``cuGraphUpload`` and ``empty_cache`` do not
 restore it. The cause is not known; the allocator's growth is the cheap signal that comes with
-such a history. Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
+such a history.
+
+Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
 window or outlier side buffers, rotated or per-channel keys (their writes take host-side
 positions), and non-CUDA devices.
 """
