@@ -26,7 +26,8 @@ allocation, the context-0 graph captured first replays in 2.016-2.020 ms instead
 restore it. The cause is not known; the allocator's growth is the cheap signal that comes with
 such a history.
 
-Not graphed (the runner takes its eager path): prefill, ``all_logits``, KV formats with sink,
+Not decode graphs (prompts of a new sequence have :class:`PrefillGraphs`; the rest takes the
+runner's eager path): prompts, ``all_logits``, KV formats with sink,
 window or outlier side buffers, rotated or per-channel keys (their writes take host-side
 positions), and non-CUDA devices.
 """
