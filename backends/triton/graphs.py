@@ -27,9 +27,9 @@ restore it. The cause is not known; the allocator's growth is the cheap signal t
 such a history.
 
 Not decode graphs (prompts of a new sequence have :class:`PrefillGraphs`; the rest takes the
-runner's eager path): prompts, ``all_logits``, KV formats with sink,
-window or outlier side buffers, rotated or per-channel keys (their writes take host-side
-positions), and non-CUDA devices.
+runner's eager path): prompts, ``all_logits``, KV formats with sink, window or outlier side
+buffers, rotated or per-channel keys (their writes take host-side positions), and non-CUDA
+devices.
 """
 
 from __future__ import annotations
