@@ -793,6 +793,30 @@ def test_bench_refuses_unwritable_json_path_before_loading(tmp_path, monkeypatch
     assert r.exit_code == 1 and "cannot write" in r.output and "Traceback" not in r.output
 
 
+def test_bench_refuses_an_empty_or_read_only_json_file_before_loading(tmp_path, monkeypatch):
+    """``--json ''`` is a usage error (it was ignored: no JSON, exit 0); an existing file that
+    cannot be opened for writing is refused before the benchmark, not after it."""
+    import localmoe.cli.options as cli_options
+
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: pytest.fail("loaded the model"))
+    r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", ""])
+    assert r.exit_code == 2 and "--json needs a file name" in r.output
+    import localmoe.cli.bench as bench_mod
+
+    ro = tmp_path / "ro.json"
+    ro.write_text("keep")
+
+    def refuse(path, mode="r", *a, **k):   # as a read-only or immutable file does (root too)
+        if "+" in mode or "w" in mode:
+            raise PermissionError(13, "Permission denied", str(path))
+        return open(path, mode, *a, **k)
+
+    monkeypatch.setattr(bench_mod, "open", refuse, raising=False)
+    r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(ro)])
+    assert r.exit_code == 1 and "cannot write" in r.output and "Permission denied" in r.output
+    assert ro.read_text() == "keep"
+
+
 def test_bench_over_the_context_is_refused_before_the_weights_load(tmp_path, monkeypatch):
     """-p + -n past the context: one error line with the numbers, and no backend ever loads."""
     from localmoe.backends import torch_backend

@@ -12,6 +12,22 @@ from localmoe.cli.options import model_options
 from localmoe.errors import LocalMoEError
 
 
+def _check_writable(path: str) -> None:
+    """Raise LocalMoEError unless ``path`` can be written: an existing file is opened for
+    writing without truncating it (a read-only or immutable file fails here, not after the
+    benchmark), a new one needs a writable folder."""
+    if os.path.lexists(path):
+        try:
+            with open(path, "r+b"):
+                pass
+        except OSError as e:
+            raise LocalMoEError(f"cannot write {path}: {e.strerror or e}") from None
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise LocalMoEError(f"cannot write {path}: {parent} is not a writable folder")
+
+
 @click.command()
 @model_options
 @click.option("-p", "--prompt-tokens", type=click.IntRange(min=1), default=128, show_default=True)
@@ -31,10 +47,10 @@ def bench(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, promp
     import platform
     import statistics
 
+    if json_out == "":
+        raise click.UsageError("--json needs a file name ('-': the JSON on stdout)")
     if json_out and json_out != "-":  # refuse an unwritable path before minutes of work
-        parent = os.path.dirname(os.path.abspath(json_out))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise LocalMoEError(f"cannot write {json_out}: {parent} is not a writable folder")
+        _check_writable(json_out)
     if record_routing:
         backend = routing.check_request(record_routing, backend)
     def fits(llm) -> None:  # lengths over the context are refused before the weights load
