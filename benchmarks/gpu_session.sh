@@ -70,15 +70,14 @@ case "$STAGE" in
     # session 25: the slow state needs both prompts and then any allocation; a recapture
     # restores it. Which kernels slow down, do the logits stay the same, does any cudaMalloc
     # (reserved MiB) or only one after both prompts flip it, and is a second prompt enough
-    # (with LOCALMOE_GRAPH_REFRESH=0: the runner no longer recaptures by itself). Then the
-    # default, which recaptures a graph when the allocator grew: the graph after the
-    # generation loop (graph_after_gen_ms) and the next rows should stay at the fresh time
+    # Then one with LOCALMOE_GRAPH_REFRESH=1 (a graph captured again when the allocator grew;
+    # session 26: it does not catch the slow state)
     for spec in "profile:fresh,warm512,ttft4096,alloc,fresh,recapture,fresh --profile" \
                 "bigalloc:fresh,bigalloc,fresh" "pp:fresh,warm512,pp512,alloc,fresh" \
                 "ttft2:fresh,ttft4096,ttft4096,alloc,fresh" \
                 "refresh:fresh,warm512,ttft4096,alloc,fresh,fresh"; do
       tag=${spec%%:*}
-      [ "$tag" = refresh ] && R=1 || R=0
+      [ "$tag" = refresh ] && R=1 || R=0   # (0 is the default)
       LOCALMOE_GRAPH_REFRESH=$R timeout 130 python3 benchmarks/graph_history.py "$F" ${spec#*:} \
         --host-only >"$OUT/history-$tag.jsonl" 2>"$OUT/history-$tag.err"
       say "history $tag rc=$?"; python3 benchmarks/graph_history.py summarize "$OUT/history-$tag.jsonl"

@@ -25,7 +25,7 @@ times), then the generation loop runs 64 tokens and the graph is timed again. On
 per step: graph ms, a hash of the logits of one fixed decode step (the same in every row
 of a healthy runner), host ms per replay enqueue, generation-loop ms, graph ms after the loop,
 the captured graphs, how many were captured again because the allocator grew
-(``graphs.Refresh``; ``LOCALMOE_GRAPH_REFRESH=0`` turns that off, to see the slow state), and
+(``graphs.Refresh``, with ``LOCALMOE_GRAPH_REFRESH=1``), and
 the GPU's clocks (``nvidia-smi``).
 """
 

@@ -17,14 +17,17 @@ A capture that fails (driver, memory) logs one warning and the runner decodes ea
 on (``stats()["cuda_graphs"]`` gives the reason); ``cuda_graphs=False`` or
 ``LOCALMOE_CUDA_GRAPHS=0`` turn graphs off.
 
-A decode graph is captured again when the CUDA caching allocator has reserved more device
-memory since its capture (:class:`Refresh`; ``LOCALMOE_GRAPH_REFRESH=0`` turns it off). Measured
-on the H200 (``benchmarks/results/graph_history_h200-2026-12-05-s25.json``, Qwen3-30B-A3B
+With ``LOCALMOE_GRAPH_REFRESH=1`` a decode graph is captured again when the CUDA caching
+allocator has reserved more device memory since its capture (:class:`Refresh`; off by
+default, see below). Measured on the H200 (``benchmarks/results/graph_history_h200-2026-12-05-s25.json``, Qwen3-30B-A3B
 file): after a 512-token prompt decoded past its end, a 4,096-token prompt and one more device
 allocation, the context-0 graph captured first replays in 2.016-2.020 ms instead of
 1.857-1.863; captured again it takes 1.846-1.850. ``cuGraphUpload`` and ``empty_cache`` do not
-restore it. The cause is not known; the allocator's growth is the cheap signal that comes with
-such a history.
+restore it. The cause is not known, and the allocator's growth is not its signal: measured
+again (``benchmarks/results/graph_refresh_h200-2026-12-05-s26.json``), the re-captures after
+the two prompts do happen, but the allocation that then slows the graph is served from the
+allocator's cache (reserved memory unchanged) and the graph goes to 2.003-2.007 ms all the
+same. So the re-capture is off by default, kept for that experiment.
 
 Not decode graphs (prompts of a new sequence have :class:`PrefillGraphs`; the rest takes the
 runner's eager path): prompts, ``all_logits``, KV formats with sink, window or outlier side
@@ -202,9 +205,10 @@ class DecodeGraphs:
                                      if os.environ.get("LOCALMOE_LAUNCH_TAPE", "1") == "0" else None)
         self.tapes = 0
         self.tape_replays = 0
-        #: when a graph is captured again (None: never; ``LOCALMOE_GRAPH_REFRESH=0``)
+        #: when a graph is captured again (None: never, the default;
+        #: ``LOCALMOE_GRAPH_REFRESH=1`` turns it on)
         self.refresh: Refresh | None = None
-        if capture and os.environ.get("LOCALMOE_GRAPH_REFRESH", "1") != "0":
+        if capture and os.environ.get("LOCALMOE_GRAPH_REFRESH", "0") == "1":
             dev = torch.device(runner.device)
             self.refresh = Refresh(lambda: torch.cuda.memory_reserved(dev))
 
