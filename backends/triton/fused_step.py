@@ -277,12 +277,10 @@ class FusedDecode:
                              activation=moe.activation, route=routed)]
         else:
             w, ids = routed if routed is not None else moe.route(i, hf)
-            if hq is not None:
-                out = [fused_moe(hq, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slots(i),
-                                 activation=moe.activation)]
-            else:
-                out = [moe_prefill(hf, ex.gate_up[i], ex.down[i], ids, w, slot_of=ex.slot_of[i],
-                                   activation=moe.activation)]
+            run, slot = ((fused_moe, ex.slots(i)) if hq is not None
+                         else (moe_prefill, ex.slot_of[i]))
+            out = [run(hq if hq is not None else hf, ex.gate_up[i], ex.down[i], ids, w,
+                       slot_of=slot, activation=moe.activation)]
         if "sh_gate_up" in L:
             h = hf.to(m.dtype)
             sh = m._glu(i, h, "sh_gate_up", "sh_down")
