@@ -13,7 +13,7 @@
 #                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
 #                                      the slot-table read, A/B/A/B (~8 min)
-#   benchmarks/gpu_session.sh fold     the quantized kernels' chunk offsets folded into the loads'
+#   benchmarks/gpu_session.sh lean     the quantized kernels' lean K loops (chunk offsets in the loads'
 #                                      immediates (LOCALMOE_QTILE_LEAN=1) against off: GPU tests
 #                                      of the MoE kernels, the launches, the decode graph (~8 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
@@ -30,7 +30,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|fold|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|lean|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -108,18 +108,18 @@ case "$STAGE" in
       done
     done
     ;;
-  fold)
+  lean)
     # session 27 (static, sm_90): with the chunks' offsets added as per-register constants the
     # loads take them as immediates: the gate/up K loop 449 -> 401 instructions, 138 -> 128
     # registers; down 139 -> 128, the Q4_K GEMV 145 -> 130. A/B/A/B in fresh processes
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-      >"$OUT/fold-tests.log" 2>&1
-    say "tests rc=$?"; tail -2 "$OUT/fold-tests.log"
+      >"$OUT/lean-tests.log" 2>&1
+    say "tests rc=$?"; tail -2 "$OUT/lean-tests.log"
     for i in 1 2; do
       for f in 1 0; do
         LOCALMOE_QTILE_LEAN=$f timeout 75 python3 benchmarks/bench_quant_kernels.py \
-          --models qwen3-30b-a3b --tokens 1 8 --out "$OUT/fold$f-$i.json" >"$OUT/fold$f-$i.log" 2>&1
-        say "kernels lean=$f rc=$?"; grep -E "moe|gemv" "$OUT/fold$f-$i.log" | head -8
+          --models qwen3-30b-a3b --tokens 1 8 --out "$OUT/lean$f-$i.json" >"$OUT/lean$f-$i.log" 2>&1
+        say "kernels lean=$f rc=$?"; grep -E "moe|gemv" "$OUT/lean$f-$i.log" | head -8
       done
     done
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
@@ -128,8 +128,8 @@ case "$STAGE" in
     for i in 1 2; do
       for f in 1 0; do
         LOCALMOE_QTILE_LEAN=$f timeout 50 python3 benchmarks/graph_history.py "$F" fresh \
-          --host-only >"$OUT/graph-fold$f-$i.jsonl" 2>&1
-        say "graph lean=$f rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-fold$f-$i.jsonl"
+          --host-only >"$OUT/graph-lean$f-$i.jsonl" 2>&1
+        say "graph lean=$f rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-lean$f-$i.jsonl"
       done
     done
     ;;
