@@ -13,9 +13,9 @@
 #                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
 #                                      the slot-table read, A/B/A/B (~8 min)
-#   benchmarks/gpu_session.sh lean     the quantized kernels' lean K loops (chunk offsets in the loads'
-#                                      immediates (LOCALMOE_QTILE_LEAN=1) against off: GPU tests
-#                                      of the MoE kernels, the launches, the decode graph (~8 min)
+#   benchmarks/gpu_session.sh lean     the quantized kernels' lean K loops (LOCALMOE_QTILE_LEAN=1)
+#                                      against the plain ones: GPU tests of the MoE kernels, the
+#                                      launches, the decode graph, A/B/A/B (~8 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -109,9 +109,9 @@ case "$STAGE" in
     done
     ;;
   lean)
-    # session 27 (static, sm_90): with the chunks' offsets added as per-register constants the
-    # loads take them as immediates: the gate/up K loop 449 -> 401 instructions, 138 -> 128
-    # registers; down 139 -> 128, the Q4_K GEMV 145 -> 130. A/B/A/B in fresh processes
+    # session 27 (static, sm_90): chunk offsets folded into the loads' immediates, 4-bit high
+    # nibbles dotted in place: the gate/up K loop 449 -> 395 instructions, 138 -> 128
+    # registers; down 139 -> 127, the Q4_K GEMV 145 -> 128. A/B/A/B in fresh processes
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
       >"$OUT/lean-tests.log" 2>&1
     say "tests rc=$?"; tail -2 "$OUT/lean-tests.log"
