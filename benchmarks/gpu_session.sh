@@ -15,7 +15,8 @@
 #                                      the slot-table read, A/B/A/B (~8 min)
 #   benchmarks/gpu_session.sh lean     the quantized kernels' lean K loops (LOCALMOE_QTILE_LEAN=1)
 #                                      against the plain ones: GPU tests of the MoE kernels, the
-#                                      launches, the decode graph, A/B/A/B (~8 min)
+#                                      launches A/B/A/B (~6 min); leangraph: the decode graph
+#                                      A/B/A/B (~4 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -30,7 +31,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|lean|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|lean|leangraph|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -111,9 +112,11 @@ case "$STAGE" in
   lean)
     # session 27 (static, sm_90): chunk offsets folded into the loads' immediates, 4-bit high
     # nibbles dotted in place: the gate/up K loop 449 -> 395 instructions, 138 -> 128
-    # registers; down 139 -> 127, the Q4_K GEMV 145 -> 128. A/B/A/B in fresh processes
+    # registers; down 139 -> 127, the Q4_K GEMV 145 -> 128. GPU tests, then the launches
+    # A/B/A/B in fresh processes
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-      >"$OUT/lean-tests.log" 2>&1
+      tests/kernels/test_quant_gemv.py \
+      -k "lean or full_size or routing" >"$OUT/lean-tests.log" 2>&1
     say "tests rc=$?"; tail -2 "$OUT/lean-tests.log"
     for i in 1 2; do
       for f in 1 0; do
@@ -122,6 +125,9 @@ case "$STAGE" in
         say "kernels lean=$f rc=$?"; grep -E "moe|gemv" "$OUT/lean$f-$i.log" | head -8
       done
     done
+    ;;
+  leangraph)
+    # the decode graph with the lean K loops and without, A/B/A/B in fresh processes
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
     F=$(tail -1 "$OUT/file.log")
