@@ -112,14 +112,15 @@ case "$STAGE" in
   lean)
     # session 27 (static, sm_90): chunk offsets folded into the loads' immediates, 4-bit high
     # nibbles dotted in place: the gate/up K loop 449 -> 395 instructions, 138 -> 128
-    # registers; down 139 -> 127, the Q4_K GEMV 145 -> 128. GPU tests, then the launches
-    # A/B/A/B in fresh processes
+    # registers; down 139 -> 127, the Q4_K GEMV 145 -> 128 (2: the dp4a chained, gate/up 362
+    # but one more shared-memory exchange). GPU tests, then the launches 1/2/0 twice, each in
+    # a fresh process
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
       tests/kernels/test_quant_gemv.py \
       -k "lean or full_size or routing" >"$OUT/lean-tests.log" 2>&1
     say "tests rc=$?"; tail -2 "$OUT/lean-tests.log"
     for i in 1 2; do
-      for f in 1 0; do
+      for f in 1 2 0; do
         LOCALMOE_QTILE_LEAN=$f timeout 75 python3 benchmarks/bench_quant_kernels.py \
           --models qwen3-30b-a3b --tokens 1 8 --out "$OUT/lean$f-$i.json" >"$OUT/lean$f-$i.log" 2>&1
         say "kernels lean=$f rc=$?"; grep -E "moe|gemv" "$OUT/lean$f-$i.log" | head -8
@@ -132,7 +133,7 @@ case "$STAGE" in
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
     F=$(tail -1 "$OUT/file.log")
     for i in 1 2; do
-      for f in 1 0; do
+      for f in 1 2 0; do
         LOCALMOE_QTILE_LEAN=$f timeout 50 python3 benchmarks/graph_history.py "$F" fresh \
           --host-only >"$OUT/graph-lean$f-$i.jsonl" 2>&1
         say "graph lean=$f rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-lean$f-$i.jsonl"

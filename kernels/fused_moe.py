@@ -128,7 +128,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
                         HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
                         PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True,
-                        LEAN: tl.constexpr = False):
+                        LEAN: tl.constexpr = 0):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -256,7 +256,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
                      STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                     LEAN: tl.constexpr = False):
+                     LEAN: tl.constexpr = 0):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -303,7 +303,7 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
                            XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False,
                            STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                           LEAN: tl.constexpr = False):
+                           LEAN: tl.constexpr = 0):
     """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other

@@ -214,10 +214,14 @@ def iq4_lookup(w, USE_ASM: tl.constexpr):
         return lo, hi
 
 
-def lean_loop() -> bool:
-    """Whether the quantized kernels' K loops add the chunks' offsets as per-register constants
-    (:func:`_at`); ``LOCALMOE_QTILE_LEAN=0`` turns it off (for A/B timings)."""
-    return os.environ.get("LOCALMOE_QTILE_LEAN", "1") not in ("0", "false", "False")
+def lean_loop() -> int:
+    """The quantized kernels' K loop: 1 (the default, ``LOCALMOE_QTILE_LEAN`` unset or 1) the
+    lean one (chunk offsets as per-register constants, :func:`_at`; 4-bit high nibbles dotted
+    in place), 0 the plain one (for A/B timings), 2 the lean one with each slice's four dp4a
+    chained through the instruction's addend (an experiment: fewer instructions, one more
+    shared-memory exchange per tile). Anything else is 1."""
+    v = os.environ.get("LOCALMOE_QTILE_LEAN", "1").strip()
+    return int(v) if v in ("0", "1", "2") else 1
 
 
 def use_asm() -> bool:
@@ -257,11 +261,45 @@ def _dp4a(a, b, USE_ASM: tl.constexpr, UA: tl.constexpr = False):
 
 
 @triton.jit
-def _idot(wq, xw, USE_ASM: tl.constexpr, UA: tl.constexpr = False):
+def _idot(wq, xw, USE_ASM: tl.constexpr, UA: tl.constexpr = False, CHAIN: tl.constexpr = False):
     """Integer dot of one 16-value slice per (token, row, chunk): code words wq [1, BN, CH, 4]
-    and x words xw [TP, BN, CH, 4] -> [TP, BN, CH, 1] int32 (``UA``: unsigned code bytes)."""
-    a, b = tl.broadcast(wq, xw)
-    return tl.sum(_dp4a(a, b, USE_ASM, UA), axis=3, keep_dims=True)
+    and x words xw [TP, BN, CH, 4] -> [TP, BN, CH, 1] int32 (``UA``: unsigned code bytes).
+    ``CHAIN``: the four dp4a of a slice accumulate into one another (dp4a's addend) instead
+    of being summed after."""
+    if CHAIN:
+        w0, w1, w2, w3 = _words4(wq)
+        x0, x1, x2, x3 = _words4(xw)
+        r = _dp4a_acc(w0, x0, tl.zeros_like(w0 + x0), USE_ASM, UA)
+        r = _dp4a_acc(w1, x1, r, USE_ASM, UA)
+        r = _dp4a_acc(w2, x2, r, USE_ASM, UA)
+        r = _dp4a_acc(w3, x3, r, USE_ASM, UA)
+        return tl.expand_dims(r, 3)
+    else:
+        a, b = tl.broadcast(wq, xw)
+        return tl.sum(_dp4a(a, b, USE_ASM, UA), axis=3, keep_dims=True)
+
+
+@triton.jit
+def _words4(v):
+    """The four words of ``v`` [A, B, C, 4] as four [A, B, C] tensors (register moves)."""
+    v01, v23 = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2], 2, 2]))
+    v0, v1 = tl.split(v01)
+    v2, v3 = tl.split(v23)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _dp4a_acc(a, b, c, USE_ASM: tl.constexpr, UA: tl.constexpr = False):
+    """``c`` + :func:`_dp4a` ``(a, b)``, the addend inside the instruction."""
+    if USE_ASM:
+        if UA:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return c + _dp4a(a, b, USE_ASM, UA)
 
 
 @triton.jit
@@ -363,7 +401,7 @@ def _at(ptr, c0, MUL: tl.constexpr, DIV: tl.constexpr, CH: tl.constexpr, LEAN: t
 
 @triton.jit
 def _x_block(xq_ptr, xs_ptr, xb4, xsb4, c0, off, mx, CV: tl.constexpr, CH: tl.constexpr,
-             EVEN: tl.constexpr, WIDE: tl.constexpr = False, LEAN: tl.constexpr = False):
+             EVEN: tl.constexpr, WIDE: tl.constexpr = False, LEAN: tl.constexpr = 0):
     """The quantized x of the 32-value blocks starting at value offsets ``(c0 + r) * CV + off``
     (r = 0..CH-1 along dimension 2), broadcast over the BN rows (xb4 / xsb4: the token rows'
     offsets as [TP, BN, 1, 1]):
@@ -394,14 +432,15 @@ def _x_block(xq_ptr, xs_ptr, xb4, xsb4, c0, off, mx, CV: tl.constexpr, CH: tl.co
 
 
 @triton.jit
-def _idot_x(wq, xw, xr, USE_ASM: tl.constexpr, WIDE: tl.constexpr, UA: tl.constexpr = False):
+def _idot_x(wq, xw, xr, USE_ASM: tl.constexpr, WIDE: tl.constexpr, UA: tl.constexpr = False,
+            CHAIN: tl.constexpr = False):
     """:func:`_idot` of code words ``wq`` with x's words ``xw``; ``WIDE``: plus the residual
     codes' dot ``xr`` / 254, in float32."""
     if WIDE:
-        return (_idot(wq, xw, USE_ASM, UA).to(tl.float32)
-                + _idot(wq, xr, USE_ASM, UA).to(tl.float32) * (1.0 / 254.0))
+        return (_idot(wq, xw, USE_ASM, UA, CHAIN).to(tl.float32)
+                + _idot(wq, xr, USE_ASM, UA, CHAIN).to(tl.float32) * (1.0 / 254.0))
     else:
-        return _idot(wq, xw, USE_ASM, UA)
+        return _idot(wq, xw, USE_ASM, UA, CHAIN)
 
 
 @triton.jit
@@ -434,7 +473,7 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
            q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
            QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
-           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False, LEAN: tl.constexpr = False):
+           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False, LEAN: tl.constexpr = 0):
     """acc [TP, BN, CH, 1] += contributions (in units of :func:`_acc_unit`) of chunks
     c0 .. c0+CH-1 (< c_end) of the rows4
     [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4.
@@ -532,14 +571,14 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
         if QTYPE == _Q6_K:
             lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
             hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
-        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE)
+        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE, False, LEAN >= 2)
         if H16:
-            i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE, True)
+            i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE, True, LEAN >= 2)
             i_lo = i_lo * 16
             s0 = s0 * 16
             s1 = s1 * 16
         else:
-            i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE)
+            i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE, False, LEAN >= 2)
         if QTYPE == _Q6_K:
             it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
             acc += dx0 * (d * it.to(tl.float32))
@@ -623,7 +662,7 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
                        LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
-                       STAGES: tl.constexpr = 1, LEAN: tl.constexpr = False):
+                       STAGES: tl.constexpr = 1, LEAN: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)

@@ -196,8 +196,8 @@ def test_pipelined_k_loops_compute_what_the_plain_ones_do(qts, stages):
 
 @pytest.mark.parametrize("qts", [(12, 14), (11, 12)], ids=["Q4_K-Q6_K", "Q3_K-Q4_K"])
 def test_lean_k_loops_give_the_plain_loops_bits(qts, monkeypatch):
-    """``LOCALMOE_QTILE_LEAN=0`` (the plain K loop) and the default lean one compute the same
-    bits in gate/up (split and not) and both down paths."""
+    """``LOCALMOE_QTILE_LEAN=0`` (the plain K loop), the default lean one (1) and the chained
+    one (2) compute the same bits in gate/up (split and not) and both down paths."""
     e, f, d = 5, 256, 512
     gu, wd = experts(*qts, e, f, d, seed=5)
     x = torch.randn(2, d, device=DEV)
@@ -208,10 +208,11 @@ def test_lean_k_loops_give_the_plain_loops_bits(qts, monkeypatch):
                "down": {"BN": 64, "CH": 8, "experts_tile": et}}
         monkeypatch.setenv("LOCALMOE_QTILE_LEAN", "0")
         a = fused_moe(x, gu, wd, ids, w, config=cfg)
-        monkeypatch.setenv("LOCALMOE_QTILE_LEAN", "1")
-        b = fused_moe(x, gu, wd, ids, w, config=cfg)
-        assert torch.isfinite(b).all()
-        assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (split, et)
+        for lean in ("1", "2"):
+            monkeypatch.setenv("LOCALMOE_QTILE_LEAN", lean)
+            b = fused_moe(x, gu, wd, ids, w, config=cfg)
+            assert torch.isfinite(b).all()
+            assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (split, et, lean)
     assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
 
 

@@ -89,9 +89,9 @@ def test_gemv_pipelined_k_loop_computes_what_the_plain_one_does(qt):
 
 @pytest.mark.parametrize("qt", QUANT_QTYPES, ids=IDS)
 def test_lean_k_loop_gives_the_plain_loops_bits(qt, monkeypatch):
-    """``LOCALMOE_QTILE_LEAN`` (on by default: the chunks' offsets as per-register constants,
-    4-bit high nibbles kept in place and their dot scaled by a power of two) changes the
-    instructions, not the arithmetic: the same bits as the plain loop, with tiles of 4 chunks
+    """``LOCALMOE_QTILE_LEAN`` (1 by default: the chunks' offsets as per-register constants,
+    4-bit high nibbles kept in place and their dot scaled by a power of two; 2: also the dp4a
+    chained) changes the instructions, not the arithmetic: the same bits as the plain loop, with tiles of 4 chunks
     (a K-quant's super-block scale then indexed the plain way) and of 8, masked and not."""
     torch.manual_seed(qt)
     w = make(qt, 13, small_k(qt), seed=qt)
@@ -100,10 +100,11 @@ def test_lean_k_loop_gives_the_plain_loops_bits(qt, monkeypatch):
                 {"BN": 8, "CH": 8, "num_warps": 4, "split": 2}):
         monkeypatch.setenv("LOCALMOE_QTILE_LEAN", "0")
         a = quant_gemv(x, w, config=cfg)
-        monkeypatch.setenv("LOCALMOE_QTILE_LEAN", "1")
-        b = quant_gemv(x, w, config=cfg)
-        assert torch.isfinite(b).all()
-        assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], cfg
+        for lean in ("1", "2"):
+            monkeypatch.setenv("LOCALMOE_QTILE_LEAN", lean)
+            b = quant_gemv(x, w, config=cfg)
+            assert torch.isfinite(b).all()
+            assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (cfg, lean)
     check(x, w, b)
 
 
