@@ -13,10 +13,6 @@
 #                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
 #                                      the slot-table read, A/B/A/B (~8 min)
-#   benchmarks/gpu_session.sh lean     the quantized kernels' lean K loops (LOCALMOE_QTILE_LEAN=1)
-#                                      against the plain ones: GPU tests of the MoE kernels, the
-#                                      launches A/B/A/B (~6 min); leangraph: the decode graph
-#                                      A/B/A/B (~4 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -31,7 +27,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|lean|leangraph|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -44,7 +40,9 @@ if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     --target /tmp/site "$WHEELS"/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -c "import localmoe" 2>/dev/null || \
+# localmoe.kernels, not localmoe: the repository root holds a localmoe/ folder, so a plain
+# "import localmoe" succeeds there without the install that maps kernels/ and backends/ in
+python3 -c "import localmoe.kernels" 2>/dev/null || \
   python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/pip.log" 2>&1
 python3 -c "import localmoe, torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" \
   || exit 1
@@ -106,37 +104,6 @@ case "$STAGE" in
         LOCALMOE_MOE_SLOT_TABLE=$t timeout 55 python3 benchmarks/graph_history.py "$F" fresh \
           --host-only >"$OUT/graph-slots$t-$i.jsonl" 2>&1
         say "graph slot_table=$t rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-slots$t-$i.jsonl"
-      done
-    done
-    ;;
-  lean)
-    # session 27 (static, sm_90): chunk offsets folded into the loads' immediates, 4-bit high
-    # nibbles dotted in place: the gate/up K loop 449 -> 395 instructions, 138 -> 128
-    # registers; down 139 -> 127, the Q4_K GEMV 145 -> 128 (2: the dp4a chained, gate/up 362
-    # but one more shared-memory exchange). GPU tests, then the launches 1/2/0 twice, each in
-    # a fresh process
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-      tests/kernels/test_quant_gemv.py \
-      -k "lean or full_size or routing" >"$OUT/lean-tests.log" 2>&1
-    say "tests rc=$?"; tail -2 "$OUT/lean-tests.log"
-    for i in 1 2; do
-      for f in 1 2 0; do
-        LOCALMOE_QTILE_LEAN=$f timeout 75 python3 benchmarks/bench_quant_kernels.py \
-          --models qwen3-30b-a3b --tokens 1 8 --out "$OUT/lean$f-$i.json" >"$OUT/lean$f-$i.log" 2>&1
-        say "kernels lean=$f rc=$?"; grep -E "moe|gemv" "$OUT/lean$f-$i.log" | head -8
-      done
-    done
-    ;;
-  leangraph)
-    # the decode graph with the lean K loops and without, A/B/A/B in fresh processes
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
-    for i in 1 2; do
-      for f in 1 2 0; do
-        LOCALMOE_QTILE_LEAN=$f timeout 50 python3 benchmarks/graph_history.py "$F" fresh \
-          --host-only >"$OUT/graph-lean$f-$i.jsonl" 2>&1
-        say "graph lean=$f rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-lean$f-$i.jsonl"
       done
     done
     ;;

@@ -90,8 +90,7 @@ from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.quant_gemv import (
-    QuantAct, _acc_unit, _qtile, _x_rows, dequantize_act, lean_loop, pack_store_blocks, plane_args,
-    quantize_act,
+    QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
     quantize_act_ref, use_asm, wide_default,
 )
 
@@ -127,8 +126,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         STAGES: tl.constexpr = 1, ROUTE: tl.constexpr = False,
                         EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
                         HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
-                        PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True,
-                        LEAN: tl.constexpr = 0):
+                        PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
@@ -166,8 +164,8 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                     WIDE, LEAN)
-    gu = tl.sum(tl.sum(acc, axis=3), axis=2) * _acc_unit(QTYPE, LEAN)      # [1, 2BN]
+                     WIDE)
+    gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
     if SPLIT > 1:
         # split-K: every K part stores its partial sums in its slice of the scratch; the last
         # part of this (row block, token, expert) to finish (an acq_rel counter; the barrier
@@ -255,8 +253,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
-                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                     LEAN: tl.constexpr = 0):
+                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
@@ -283,15 +280,15 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
                          xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                         WIDE, LEAN)
-        y = tl.sum(tl.sum(acc, axis=3), axis=2) * _acc_unit(QTYPE, LEAN)   # [TKP, BN]
+                         WIDE)
+        y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
         total = tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
     else:
         total = _down_experts_unrolled(
             hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
-            WIDE, STAGES, SLOTS, LEAN)
+            WIDE, STAGES, SLOTS)
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
 
 
@@ -302,8 +299,7 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
                            TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
                            XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False,
-                           STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                           LEAN: tl.constexpr = 0):
+                           STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
     """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
@@ -321,8 +317,8 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
             acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr,
                          xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                         WIDE, LEAN)
-        total += (wgt * _acc_unit(QTYPE, LEAN)) * tl.sum(tl.sum(acc, axis=3), axis=2)
+                         WIDE)
+        total += wgt * tl.sum(tl.sum(acc, axis=3), axis=2)
     return total
 
 
@@ -456,7 +452,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        SLOTS=slot_of is not None, LEAN=lean_loop(), **rargs, **pdl_args(h.q.device))
+        SLOTS=slot_of is not None, **rargs, **pdl_args(h.q.device))
     return h
 
 
@@ -510,7 +506,7 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, LEAN=lean_loop(), **pdl_args(out.device))
+        SLOTS=slot_of is not None, **pdl_args(out.device))
     return out
 
 

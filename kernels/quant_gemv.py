@@ -214,16 +214,6 @@ def iq4_lookup(w, USE_ASM: tl.constexpr):
         return lo, hi
 
 
-def lean_loop() -> int:
-    """The quantized kernels' K loop: 1 (the default, ``LOCALMOE_QTILE_LEAN`` unset or 1) the
-    lean one (chunk offsets as per-register constants, :func:`_at`; 4-bit high nibbles dotted
-    in place), 0 the plain one (for A/B timings), 2 the lean one with each slice's four dp4a
-    chained through the instruction's addend (an experiment: fewer instructions, one more
-    shared-memory exchange per tile). Anything else is 1."""
-    v = os.environ.get("LOCALMOE_QTILE_LEAN", "1").strip()
-    return int(v) if v in ("0", "1", "2") else 1
-
-
 def use_asm() -> bool:
     """Inline PTX (dp4a) on a real GPU; its exact emulation under ``TRITON_INTERPRET=1``."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
@@ -234,72 +224,26 @@ def use_asm() -> bool:
 # -----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dp4a(a, b, USE_ASM: tl.constexpr, UA: tl.constexpr = False):
-    """Elementwise sum of the 4 byte products of int32 words ``a`` and ``b``: signed bytes,
-    or with ``UA`` unsigned bytes of ``a`` (0..255) times signed bytes of ``b``."""
+def _dp4a(a, b, USE_ASM: tl.constexpr):
+    """Elementwise sum of the 4 signed-byte products of int32 words ``a`` and ``b``."""
     if USE_ASM:
-        if UA:
-            return tl.inline_asm_elementwise(
-                "{ .reg .s32 z; mov.s32 z, 0; dp4a.u32.s32 $0, $1, $2, z; }",
-                "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .s32 z; mov.s32 z, 0; dp4a.s32.s32 $0, $1, $2, z; }",
-                "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "{ .reg .s32 z; mov.s32 z, 0; dp4a.s32.s32 $0, $1, $2, z; }",
+            "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        if UA:
-            r = (a & 0xFF) * ((b << 24) >> 24)
-            r += ((a >> 8) & 0xFF) * ((b << 16) >> 24)
-            r += ((a >> 16) & 0xFF) * ((b << 8) >> 24)
-            r += ((a >> 24) & 0xFF) * (b >> 24)
-        else:
-            r = ((a << 24) >> 24) * ((b << 24) >> 24)
-            r += ((a << 16) >> 24) * ((b << 16) >> 24)
-            r += ((a << 8) >> 24) * ((b << 8) >> 24)
-            r += (a >> 24) * (b >> 24)
+        r = ((a << 24) >> 24) * ((b << 24) >> 24)
+        r += ((a << 16) >> 24) * ((b << 16) >> 24)
+        r += ((a << 8) >> 24) * ((b << 8) >> 24)
+        r += (a >> 24) * (b >> 24)
         return r
 
 
 @triton.jit
-def _idot(wq, xw, USE_ASM: tl.constexpr, UA: tl.constexpr = False, CHAIN: tl.constexpr = False):
+def _idot(wq, xw, USE_ASM: tl.constexpr):
     """Integer dot of one 16-value slice per (token, row, chunk): code words wq [1, BN, CH, 4]
-    and x words xw [TP, BN, CH, 4] -> [TP, BN, CH, 1] int32 (``UA``: unsigned code bytes).
-    ``CHAIN``: the four dp4a of a slice accumulate into one another (dp4a's addend) instead
-    of being summed after."""
-    if CHAIN:
-        w0, w1, w2, w3 = _words4(wq)
-        x0, x1, x2, x3 = _words4(xw)
-        r = _dp4a_acc(w0, x0, tl.zeros_like(w0 + x0), USE_ASM, UA)
-        r = _dp4a_acc(w1, x1, r, USE_ASM, UA)
-        r = _dp4a_acc(w2, x2, r, USE_ASM, UA)
-        r = _dp4a_acc(w3, x3, r, USE_ASM, UA)
-        return tl.expand_dims(r, 3)
-    else:
-        a, b = tl.broadcast(wq, xw)
-        return tl.sum(_dp4a(a, b, USE_ASM, UA), axis=3, keep_dims=True)
-
-
-@triton.jit
-def _words4(v):
-    """The four words of ``v`` [A, B, C, 4] as four [A, B, C] tensors (register moves)."""
-    v01, v23 = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2], 2, 2]))
-    v0, v1 = tl.split(v01)
-    v2, v3 = tl.split(v23)
-    return v0, v1, v2, v3
-
-
-@triton.jit
-def _dp4a_acc(a, b, c, USE_ASM: tl.constexpr, UA: tl.constexpr = False):
-    """``c`` + :func:`_dp4a` ``(a, b)``, the addend inside the instruction."""
-    if USE_ASM:
-        if UA:
-            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        return c + _dp4a(a, b, USE_ASM, UA)
+    and x words xw [TP, BN, CH, 4] -> [TP, BN, CH, 1] int32."""
+    a, b = tl.broadcast(wq, xw)
+    return tl.sum(_dp4a(a, b, USE_ASM), axis=3, keep_dims=True)
 
 
 @triton.jit
@@ -384,37 +328,18 @@ def _ld(ptr, mask, other, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _at(ptr, c0, MUL: tl.constexpr, DIV: tl.constexpr, CH: tl.constexpr, LEAN: tl.constexpr):
-    """``ptr + ((c0 + r) * MUL) // DIV`` for the tile's chunks ``c0 + r``, r = 0..CH-1 along
-    dimension 2 of a 4-D tile (``ptr`` broadcasts against ``[1, 1, CH, 1]``). ``c0`` is a
-    multiple of ``CH``; with ``LEAN`` (and ``CH * MUL`` a multiple of ``DIV``) the runtime part
-    ``(c0 * MUL) // DIV`` is added to the (row) pointers first and the chunks' offsets
-    ``(r * MUL) // DIV`` after: those are compile-time constants of each register, which
-    ptxas folds into the loads' immediate offsets (sm_90: one address instruction per load
-    instead of three; ``benchmarks/sass_quant.py``)."""
-    r = tl.arange(0, CH)[None, None, :, None]
-    if LEAN and (CH * MUL) % DIV == 0:
-        return (ptr + (c0 * MUL) // DIV) + (r * MUL) // DIV
-    else:
-        return ptr + ((c0 + r) * MUL) // DIV
-
-
-@triton.jit
-def _x_block(xq_ptr, xs_ptr, xb4, xsb4, c0, off, mx, CV: tl.constexpr, CH: tl.constexpr,
-             EVEN: tl.constexpr, WIDE: tl.constexpr = False, LEAN: tl.constexpr = 0):
-    """The quantized x of the 32-value blocks starting at value offsets ``(c0 + r) * CV + off``
-    (r = 0..CH-1 along dimension 2), broadcast over the BN rows (xb4 / xsb4: the token rows'
-    offsets as [TP, BN, 1, 1]):
+def _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr, WIDE: tl.constexpr = False):
+    """The quantized x of the 32-value blocks starting at value offsets kb [1, 1, CH, 1],
+    broadcast over the BN rows (xb4 / xsb4: the token rows' offsets as [TP, BN, 1, 1]):
     words of its two 16-value slices [TP, BN, CH, 4] each, their int8 sums and the block scale
     [TP, BN, CH, 1] each. ``WIDE``: also the words of the residual codes (``x0r``, ``x1r``;
     else ``x0``, ``x1`` again), and the sums are float32 ``hi + lo / 254``."""
     W: tl.constexpr = 2 if WIDE else 1
     i4 = tl.arange(0, 4)[None, None, None, :]
-    xw = _at(xq_ptr + xb4 + (off // 4) * W, c0, (CV // 4) * W, 1, CH, LEAN) + i4
+    xw = xq_ptr + xb4 + (kb // 4) * W + i4
     x0 = _ld(xw, mx, 0, EVEN)
     x1 = _ld(xw + 4, mx, 0, EVEN)
-    sd = _at(xs_ptr.to(tl.pointer_type(tl.int64)) + xsb4 // 2 + (off // 32) * W, c0,
-             (CV // 32) * W, 1, CH, LEAN)
+    sd = xs_ptr.to(tl.pointer_type(tl.int64)) + xsb4 // 2 + (kb // 32) * W
     pair = _ld(sd, mx, 0, EVEN)
     sp = pair.to(tl.int32)
     dx = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
@@ -432,15 +357,14 @@ def _x_block(xq_ptr, xs_ptr, xb4, xsb4, c0, off, mx, CV: tl.constexpr, CH: tl.co
 
 
 @triton.jit
-def _idot_x(wq, xw, xr, USE_ASM: tl.constexpr, WIDE: tl.constexpr, UA: tl.constexpr = False,
-            CHAIN: tl.constexpr = False):
+def _idot_x(wq, xw, xr, USE_ASM: tl.constexpr, WIDE: tl.constexpr):
     """:func:`_idot` of code words ``wq`` with x's words ``xw``; ``WIDE``: plus the residual
     codes' dot ``xr`` / 254, in float32."""
     if WIDE:
-        return (_idot(wq, xw, USE_ASM, UA, CHAIN).to(tl.float32)
-                + _idot(wq, xr, USE_ASM, UA, CHAIN).to(tl.float32) * (1.0 / 254.0))
+        return (_idot(wq, xw, USE_ASM).to(tl.float32)
+                + _idot(wq, xr, USE_ASM).to(tl.float32) * (1.0 / 254.0))
     else:
-        return _idot(wq, xw, USE_ASM, UA, CHAIN)
+        return _idot(wq, xw, USE_ASM)
 
 
 @triton.jit
@@ -459,23 +383,12 @@ def k_chunk_scales(v):
 
 
 @triton.jit
-def _acc_unit(QTYPE: tl.constexpr, LEAN: tl.constexpr):
-    """What one unit of :func:`_qtile`'s acc is worth: 1/16 where it keeps high nibbles in
-    place, else 1; multiply the reduced acc by it."""
-    if LEAN and (QTYPE == _Q4_0 or QTYPE == _Q4_1 or QTYPE == _Q4_K):
-        return 0.0625
-    else:
-        return 1.0
-
-
-@triton.jit
 def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
            q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
            q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
            QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
-           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False, LEAN: tl.constexpr = 0):
-    """acc [TP, BN, CH, 1] += contributions (in units of :func:`_acc_unit`) of chunks
-    c0 .. c0+CH-1 (< c_end) of the rows4
+           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False):
+    """acc [TP, BN, CH, 1] += contributions of chunks c0 .. c0+CH-1 (< c_end) of the rows4
     [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4.
 
     Every operand is loaded as a 4-D tile [TP|1, BN, CH, 4|1] (x broadcast over rows by a
@@ -483,66 +396,63 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
     bits and scales) comes before any arithmetic: x's words reach the dots through shared
     memory, and a load written after that exchange is issued only once x has arrived, one
     more round trip per tile (seen in the sm_90 SASS of the fused MoE and the Q6_K head:
-    ``benchmarks/sass_quant.py``, ``late_loads``). ``LEAN``: the chunks' offsets as constants
-    of each register (:func:`_at`)."""
+    ``benchmarks/sass_quant.py``, ``late_loads``)."""
     cc = c0 + tl.arange(0, CH)
+    c4 = cc[None, None, :, None]
     cm4 = (cc < c_end)[None, None, :, None]
     i4 = tl.arange(0, 4)[None, None, None, :]
     mw = rmask4 & cm4
     mx = tmask4 & cm4
     # ---- x: int8 words + sums of each 16-value slice, one scale per 32 values ----------------
-    x0, x1, x0r, x1r, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, c0, 0, mx, CV, CH,
-                                             EVEN, WIDE, LEAN)
+    kb = c4 * CV
+    x0, x1, x0r, x1r, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN, WIDE)
     if CV == 64:
-        x2, x3, x2r, x3r, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, c0, 32, mx, CV, CH,
-                                                 EVEN, WIDE, LEAN)
+        x2, x3, x2r, x3r, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN,
+                                                 WIDE)
     # ---- weight loads -------------------------------------------------------------------------
     if QTYPE == _Q8_0:
-        wp = _at(q_ptr + rows4 * q_rs, c0, 8, 1, CH, LEAN) + i4
+        wp = q_ptr + rows4 * q_rs + c4 * 8 + i4
         wlo = _ld(wp, mw, 0, EVEN)
         whi = _ld(wp + 4, mw, 0, EVEN)
-        d = _ld(_at(d_ptr + rows4 * d_rs, c0, 1, 1, CH, LEAN), mw, 0.0, EVEN).to(tl.float32)
+        d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
     elif CV == 32:
-        wv = _ld(_at(q_ptr + rows4 * q_rs, c0, 4, 1, CH, LEAN) + i4, mw, 0, EVEN)
+        wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
-            h = _ld(_at(qh_ptr + rows4 * qh_rs, c0, 1, 1, CH, LEAN), mw, 0, EVEN)
+            h = _ld(qh_ptr + rows4 * qh_rs + c4, mw, 0, EVEN)
         if QTYPE == _Q6_K:
-            hp = _at(qh_ptr + rows4 * qh_rs, c0, 2, 1, CH, LEAN)
+            hp = qh_ptr + rows4 * qh_rs + c4 * 2
             h0 = _ld(hp, mw, 0, EVEN)
             h1 = _ld(hp + 1, mw, 0, EVEN)
-            d = _ld(_at(d_ptr + rows4 * d_rs, c0, 1, 8, CH, LEAN), mw, 0.0, EVEN).to(tl.float32)
-            sp = _at(sc_ptr + rows4 * sc_rs, c0, 2, 1, CH, LEAN)
+            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            sp = sc_ptr + rows4 * sc_rs + c4 * 2
             sc0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
             sc1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            dw = _ld(_at(d_ptr + rows4 * d_rs, c0, 1, 8, CH, LEAN), mw, 0, EVEN)
-            scw = _ld(_at(sc_ptr + rows4 * sc_rs, c0, 1, 1, CH, LEAN), mw, 0, EVEN)
+            dw = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN)
+            scw = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN)
         elif QTYPE == _IQ4_XS:
-            d = _ld(_at(d_ptr + rows4 * d_rs, c0, 1, 8, CH, LEAN), mw, 0.0, EVEN).to(tl.float32)
-            sc = _ld(_at(sc_ptr + rows4 * sc_rs, c0, 1, 1, CH, LEAN), mw, 0, EVEN).to(tl.int32)
+            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            sc = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN).to(tl.int32)
         else:
-            d = _ld(_at(d_ptr + rows4 * d_rs, c0, 1, 1, CH, LEAN), mw, 0.0, EVEN).to(tl.float32)
+            d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
             if QTYPE == _Q4_1 or QTYPE == _Q5_1:
-                m = _ld(_at(dm_ptr + rows4 * dm_rs, c0, 1, 1, CH, LEAN), mw, 0.0,
-                        EVEN).to(tl.float32)
+                m = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN).to(tl.float32)
     else:  # CV == 64: Q2_K, Q3_K (2-bit low codes, 4 slices per chunk)
         # the chunk's 4 scale bytes as one 32-bit word (plane_args checks the plane's
         # alignment); Q3_K's high bits as a tile beside the codes, one int16 per code word, so
         # the codes, their high bits and x keep one layout (vectorized loads)
-        wv = _ld(_at(q_ptr + rows4 * q_rs, c0, 4, 1, CH, LEAN) + i4, mw, 0, EVEN)
-        sw = _ld(_at(sc_ptr + rows4 * sc_rs, c0, 4, 1, CH, LEAN).to(tl.pointer_type(tl.int32)),
-                 mw, 0, EVEN)
-        d = _ld(_at(d_ptr + rows4 * d_rs, c0, 1, 4, CH, LEAN), mw, 0.0, EVEN).to(tl.float32)
+        wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
+        sw = _ld((sc_ptr + rows4 * sc_rs + c4 * 4).to(tl.pointer_type(tl.int32)), mw, 0, EVEN)
+        d = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
         if QTYPE == _Q3_K:
-            hw = _ld(_at(qh_ptr + rows4 * qh_rs, c0, 4, 1, CH, LEAN) + i4, mw, 0,
-                     EVEN).to(tl.int32)
+            hw = _ld(qh_ptr + rows4 * qh_rs + c4 * 4 + i4, mw, 0, EVEN).to(tl.int32)
             # int8 scales, sign-extended
             b0 = (sw << 24) >> 24
             b1 = (sw << 16) >> 24
             b2 = (sw << 8) >> 24
             b3 = sw >> 24
         else:
-            dm = _ld(_at(dm_ptr + rows4 * dm_rs, c0, 1, 4, CH, LEAN), mw, 0.0, EVEN).to(tl.float32)
+            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
             b0 = sw & 0xFF
             b1 = (sw >> 8) & 0xFF
             b2 = (sw >> 16) & 0xFF
@@ -552,16 +462,8 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
         idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
         acc += dx0 * (d * idot.to(tl.float32))
     elif CV == 32:
-        # LEAN, 4-bit codes: the high nibbles stay in place (bytes 16 * q, unsigned) and their
-        # dot is 16 times the shifted one: the sums below are 16 times theirs, acc too (the
-        # caller scales the total by :func:`_acc_unit`; exact: powers of two), one shift less
-        # per code word
-        H16: tl.constexpr = LEAN and (QTYPE == _Q4_0 or QTYPE == _Q4_1 or QTYPE == _Q4_K)
         if QTYPE == _IQ4_NL or QTYPE == _IQ4_XS:
             lo, hi = iq4_lookup(wv, USE_ASM)
-        elif H16:
-            lo = wv & 0x0F0F0F0F
-            hi = wv & -252645136                 # 0xF0F0F0F0
         else:
             lo = wv & 0x0F0F0F0F
             hi = (wv >> 4) & 0x0F0F0F0F
@@ -571,14 +473,8 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
         if QTYPE == _Q6_K:
             lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
             hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
-        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE, False, LEAN >= 2)
-        if H16:
-            i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE, True, LEAN >= 2)
-            i_lo = i_lo * 16
-            s0 = s0 * 16
-            s1 = s1 * 16
-        else:
-            i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE, False, LEAN >= 2)
+        i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE)
+        i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE)
         if QTYPE == _Q6_K:
             it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
             acc += dx0 * (d * it.to(tl.float32))
@@ -662,7 +558,7 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
                        LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
-                       STAGES: tl.constexpr = 1, LEAN: tl.constexpr = 0):
+                       STAGES: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -685,8 +581,8 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
             acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                          q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                         WIDE, LEAN)
-        out = tl.sum(tl.sum(acc, axis=3), axis=2) * _acc_unit(QTYPE, LEAN)     # [1, BN]
+                         WIDE)
+        out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
         # y_ss: the partials' slice stride (0: every split adds into one output)
         yp = y_ptr + pid_k.to(tl.int64) * y_ss + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
         ym = (tt < T)[:, None] & (rows < N)[None, :]
@@ -935,7 +831,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
         LINE=128 // ptrs[0].element_size(), WIDE=x.wide, STAGES=int(cfg.get("stages", 1)),
-        LEAN=lean_loop(), num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
+        num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
     if y is not out:
         out.copy_(y)
 

@@ -194,28 +194,6 @@ def test_pipelined_k_loops_compute_what_the_plain_ones_do(qts, stages):
     assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
 
 
-@pytest.mark.parametrize("qts", [(12, 14), (11, 12)], ids=["Q4_K-Q6_K", "Q3_K-Q4_K"])
-def test_lean_k_loops_give_the_plain_loops_bits(qts, monkeypatch):
-    """``LOCALMOE_QTILE_LEAN=0`` (the plain K loop), the default lean one (1) and the chained
-    one (2) compute the same bits in gate/up (split and not) and both down paths."""
-    e, f, d = 5, 256, 512
-    gu, wd = experts(*qts, e, f, d, seed=5)
-    x = torch.randn(2, d, device=DEV)
-    ids, w = route(2, e, 2, seed=5)
-    ch = 2 if qts[0] in (10, 11) else 8
-    for split, et in ((1, False), (2, True)):
-        cfg = {"gate_up": {"BN": 32, "CH": ch, "split": split},
-               "down": {"BN": 64, "CH": 8, "experts_tile": et}}
-        monkeypatch.setenv("LOCALMOE_QTILE_LEAN", "0")
-        a = fused_moe(x, gu, wd, ids, w, config=cfg)
-        for lean in ("1", "2"):
-            monkeypatch.setenv("LOCALMOE_QTILE_LEAN", lean)
-            b = fused_moe(x, gu, wd, ids, w, config=cfg)
-            assert torch.isfinite(b).all()
-            assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (split, et, lean)
-    assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
-
-
 def test_slot_table_is_read_on_the_device():
     gu, wd = experts(8, 8, 4, 32, 64, seed=7)
     x = torch.randn(1, 64, device=DEV)

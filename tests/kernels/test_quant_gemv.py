@@ -87,27 +87,6 @@ def test_gemv_pipelined_k_loop_computes_what_the_plain_one_does(qt):
     check(x, w, b)
 
 
-@pytest.mark.parametrize("qt", QUANT_QTYPES, ids=IDS)
-def test_lean_k_loop_gives_the_plain_loops_bits(qt, monkeypatch):
-    """``LOCALMOE_QTILE_LEAN`` (1 by default: the chunks' offsets as per-register constants,
-    4-bit high nibbles kept in place and their dot scaled by a power of two; 2: also the dp4a
-    chained) changes the instructions, not the arithmetic: the same bits as the plain loop, with tiles of 4 chunks
-    (a K-quant's super-block scale then indexed the plain way) and of 8, masked and not."""
-    torch.manual_seed(qt)
-    w = make(qt, 13, small_k(qt), seed=qt)
-    x = torch.randn(3, w.K, device=DEV)
-    for cfg in ({"BN": 8, "CH": 4, "num_warps": 4, "split": 1},
-                {"BN": 8, "CH": 8, "num_warps": 4, "split": 2}):
-        monkeypatch.setenv("LOCALMOE_QTILE_LEAN", "0")
-        a = quant_gemv(x, w, config=cfg)
-        for lean in ("1", "2"):
-            monkeypatch.setenv("LOCALMOE_QTILE_LEAN", lean)
-            b = quant_gemv(x, w, config=cfg)
-            assert torch.isfinite(b).all()
-            assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (cfg, lean)
-    check(x, w, b)
-
-
 @pytest.mark.parametrize("qt", [12, 10, 5 + 1], ids=["Q4_K", "Q2_K", "Q5_0"])
 def test_gemv_unmasked_tiles(qt):
     # N % BN == 0, whole K tiles, T a power of two: the kernel drops every bounds mask
