@@ -815,6 +815,27 @@ def test_bench_refuses_an_empty_or_read_only_json_file_before_loading(tmp_path, 
     r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(ro)])
     assert r.exit_code == 1 and "cannot write" in r.output and "Permission denied" in r.output
     assert ro.read_text() == "keep"
+    # a new file where the folder's mode says yes but creating fails (/proc as root, a
+    # read-only mount): refused before the benchmark, nothing left behind
+    new = tmp_path / "new.json"
+
+    def no_create(path, mode="r", *a, **k):
+        if "x" in mode or "w" in mode:
+            raise OSError(30, "Read-only file system", str(path))
+        return open(path, mode, *a, **k)
+
+    monkeypatch.setattr(bench_mod, "open", no_create, raising=False)
+    r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(new)])
+    assert r.exit_code == 1 and "cannot write" in r.output and "Read-only" in r.output
+    assert not new.exists()
+    monkeypatch.setattr(bench_mod, "open", open, raising=False)
+
+    def stop(*a, **k):
+        raise RuntimeError("reached the load")
+
+    monkeypatch.setattr(cli_options, "load_llm", stop)
+    r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(new)])
+    assert isinstance(r.exception, RuntimeError) and not new.exists()   # checked, removed
 
 
 def test_bench_over_the_context_is_refused_before_the_weights_load(tmp_path, monkeypatch):

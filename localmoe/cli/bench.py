@@ -15,7 +15,7 @@ from localmoe.errors import LocalMoEError
 def _check_writable(path: str) -> None:
     """Raise LocalMoEError unless ``path`` can be written: an existing file is opened for
     writing without truncating it (a read-only or immutable file fails here, not after the
-    benchmark), a new one needs a writable folder."""
+    benchmark), a new one is created and removed again."""
     if os.path.lexists(path):
         try:
             with open(path, "r+b"):
@@ -26,6 +26,12 @@ def _check_writable(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise LocalMoEError(f"cannot write {path}: {parent} is not a writable folder")
+    try:   # the folder's mode can say yes where creating fails (/proc, a read-only mount, root)
+        with open(path, "xb"):
+            pass
+        os.remove(path)
+    except OSError as e:
+        raise LocalMoEError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 @click.command()

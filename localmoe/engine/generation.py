@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from typing import Any, Iterator, Sequence
 
 from localmoe.errors import ModelLoadError
@@ -337,10 +338,19 @@ def _model_source(eng: Any) -> str:
     return str(path) if path else (eng.model_name or "the model")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def greedy_prefix_reuse() -> bool:
-    """Whether greedy requests reuse cached prompt prefixes (``$LOCALMOE_GREEDY_PREFIX_REUSE=1``;
-    off by default so that temperature 0 gives the same tokens for the same request)."""
-    return os.environ.get("LOCALMOE_GREEDY_PREFIX_REUSE", "") not in ("", "0")
+    """Whether greedy requests reuse cached prompt prefixes (``$LOCALMOE_GREEDY_PREFIX_REUSE``
+    1/true/yes/on; off by default so that temperature 0 gives the same tokens for the same
+    request). A value that is neither on nor off (0/false/no/off) leaves it off, with a
+    warning: reuse can change greedy answers, so only a clear yes turns it on."""
+    v = os.environ.get("LOCALMOE_GREEDY_PREFIX_REUSE", "").strip().lower()
+    if v not in _ON and v not in _OFF:
+        warnings.warn(f"LOCALMOE_GREEDY_PREFIX_REUSE={v!r} is not 1/true/yes/on or "
+                      "0/false/no/off; greedy prefix reuse stays off", stacklevel=2)
+    return v in _ON
 
 
 def _greedy(p: Any) -> bool:

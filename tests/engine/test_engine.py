@@ -272,6 +272,22 @@ def test_one_generation_at_a_time():
     assert all(r.text == " the" * 5 for r in results)
 
 
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True),
+                                      ("", False), ("0", False), ("false", False),
+                                      ("off", False), ("No", False), ("banana", None)])
+def test_greedy_prefix_reuse_reads_yes_and_no_words(monkeypatch, value, on):
+    """``=false`` (or ``off``, ``no``) turned the reuse on (anything but "" or "0" did; a
+    fresh-user trial, session 27): off words are off, an unknown word warns and stays off."""
+    from localmoe.engine.generation import greedy_prefix_reuse
+
+    monkeypatch.setenv("LOCALMOE_GREEDY_PREFIX_REUSE", value)
+    if on is None:
+        with pytest.warns(UserWarning, match="stays off"):
+            assert greedy_prefix_reuse() is False
+    else:
+        assert greedy_prefix_reuse() is on
+
+
 def test_prefix_reuse_prefills_only_the_suffix(monkeypatch):
     # greedy requests reuse prefixes only when asked to (docs/LIMITS.md)
     monkeypatch.setenv("LOCALMOE_GREEDY_PREFIX_REUSE", "1")

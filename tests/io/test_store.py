@@ -1018,6 +1018,28 @@ def test_a_local_copy_of_a_catalog_model_gets_the_catalog_name(tmp_path, home):
     assert hashlib.sha256(st2.find("tiny").read_bytes()).hexdigest() != sha
 
 
+def test_a_local_file_named_like_a_catalog_model_does_not_take_its_name(tmp_path, home):
+    """`localmoe pull ./smollm2.gguf` of another model (a fresh-user trial, session 27) stored it
+    as ``smollm2``: the default model then ran that file and `pull smollm2` called it damaged.
+    A catalog name is the catalog model's: the file gets a tagged name (linked or copied), its
+    file name does not answer for the catalog name, and the catalog model still takes it."""
+    from localmoe.testing.synthetic import write_gguf
+
+    real = write_gguf(tmp_path / "real.gguf", "tiny-llama")
+    (tmp_path / "sub").mkdir()
+    mine = write_gguf(tmp_path / "sub" / "tiny.gguf", "tiny-llama", seed=1)
+    sha = hashlib.sha256(mine.read_bytes()).hexdigest()
+    st = ModelStore(progress=False, catalog=fake_catalog(real.read_bytes()))
+    m = st.pull(str(mine))
+    assert m.name == f"tiny-{sha[:8]}" and st.get("tiny") is None
+    linked = st.pull(str(mine), link=True)
+    assert linked.name.startswith("tiny-") and st.get("tiny") is None
+    # the catalog model itself (here a local copy of its bytes) takes the name
+    assert st.pull(str(real)).name == "tiny"
+    assert st.get("tiny").sha256 == hashlib.sha256(real.read_bytes()).hexdigest()
+    assert st.get(f"tiny-{sha[:8]}").sha256 == sha
+
+
 def test_a_linked_file_changed_behind_the_stores_back_is_marked_and_linked_again(tmp_path, home,
                                                                                  capsys):
     """A linked file (the user's) cut short or replaced after `pull --link` was listed as whole

@@ -204,8 +204,9 @@ class ModelStore(PullMixin):
         for m in items:  # a store name wins over another entry's file name
             if name == m.name:
                 return m
-        for m in items:
-            if name in (m.path.name, m.path.stem):
+        c = self.catalog.get(name)
+        for m in items:  # a file named like a catalog model that is not it does not answer
+            if name in (m.path.name, m.path.stem) and (c is None or m.sha256 == c.sha256):
                 return m
         for m in items:  # an hf: reference already pulled
             if name.startswith("hf:") and m.source == name:
@@ -361,8 +362,12 @@ class ModelStore(PullMixin):
         uses any more are deleted (a linked entry's files are the user's: never)."""
         with hold_ctrl_c():
             data = self._read_manifest()
-            name = self._free_name(data, self._catalog_alias(data, name, source, sha), source,
-                                   sha)
+            name = self._catalog_alias(data, name, source, sha)
+            # a catalog name belongs to the catalog's model: another file of that name (a
+            # local ./smollm2.gguf) gets a tagged name, never the default model's
+            c = self.catalog.get(name)
+            name = self._free_name(data, name, source, sha,
+                                   reserved=c is not None and c.sha256 != sha)
             others = {os.path.realpath(f) for k, e in data.items() if k != name
                       for f in self._files(e)}
             old = data.get(name)
@@ -396,16 +401,19 @@ class ModelStore(PullMixin):
                     return c.name
         return name
 
-    def _free_name(self, data: dict[str, dict], name: str, source: str, sha: str) -> str:
+    def _free_name(self, data: dict[str, dict], name: str, source: str, sha: str, *,
+                   reserved: bool = False) -> str:
         """The entry a pull of ``source`` named ``name`` goes to: the one it updates (``name``,
         or a ``name-...`` entry, pulled from the same origin before), else ``name`` or
-        ``name-<sha256 prefix>``, whichever is free, holds the same content or lost its files."""
+        ``name-<sha256 prefix>``, whichever is free, holds the same content or lost its files
+        (``reserved``: never ``name`` itself)."""
         origin = source_origin(source)
-        for k in [name] + sorted(k for k in data if k.startswith(name + "-")):
+        first = [] if reserved else [name]
+        for k in first + sorted(k for k in data if k.startswith(name + "-")):
             if k in data and source_origin(data[k].get("source", "")) == origin:
                 return k
         tag = sha or hashlib.sha256(source.encode()).hexdigest()
-        for cand in [name] + [f"{name}-{tag[:n]}" for n in (8, 12, 16, 64)]:
+        for cand in first + [f"{name}-{tag[:n]}" for n in (8, 12, 16, 64)]:
             e = data.get(cand)
             if (e is None or (sha and e.get("sha256") == sha)
                     or not all(f.exists() for f in self._files(e))):
