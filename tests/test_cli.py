@@ -806,25 +806,24 @@ def test_bench_refuses_an_empty_or_read_only_json_file_before_loading(tmp_path, 
     ro = tmp_path / "ro.json"
     ro.write_text("keep")
 
-    def refuse(path, mode="r", *a, **k):   # as a read-only or immutable file does (root too)
-        if "+" in mode or "w" in mode:
-            raise PermissionError(13, "Permission denied", str(path))
-        return open(path, mode, *a, **k)
+    def refusing(modes: str, err: OSError):   # open() failing for the given modes
+        def fake(path, mode="r", *a, **k):
+            if any(c in mode for c in modes):
+                raise err
+            return open(path, mode, *a, **k)
+        return fake
 
-    monkeypatch.setattr(bench_mod, "open", refuse, raising=False)
+    # as a read-only or immutable file does (root too)
+    monkeypatch.setattr(bench_mod, "open", refusing("+w", PermissionError(13, "Permission denied")),
+                        raising=False)
     r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(ro)])
     assert r.exit_code == 1 and "cannot write" in r.output and "Permission denied" in r.output
     assert ro.read_text() == "keep"
     # a new file where the folder's mode says yes but creating fails (/proc as root, a
     # read-only mount): refused before the benchmark, nothing left behind
     new = tmp_path / "new.json"
-
-    def no_create(path, mode="r", *a, **k):
-        if "x" in mode or "w" in mode:
-            raise OSError(30, "Read-only file system", str(path))
-        return open(path, mode, *a, **k)
-
-    monkeypatch.setattr(bench_mod, "open", no_create, raising=False)
+    monkeypatch.setattr(bench_mod, "open", refusing("xw", OSError(30, "Read-only file system")),
+                        raising=False)
     r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(new)])
     assert r.exit_code == 1 and "cannot write" in r.output and "Read-only" in r.output
     assert not new.exists()
