@@ -1040,6 +1040,39 @@ def test_a_local_file_named_like_a_catalog_model_does_not_take_its_name(tmp_path
     assert st.get(f"tiny-{sha[:8]}").sha256 == sha
 
 
+def test_pull_by_name_moves_another_file_off_the_catalog_name(server, tmp_path, home, capsys):
+    """A store of an earlier version where a local file took a catalog name (``tiny`` holding
+    another model): `pull tiny` said "truncated or damaged" and stored the catalog model as
+    ``tiny-<sha>``, so the name kept answering with the wrong file. Now the other file moves to
+    a tagged name (one line says so) and the catalog model gets the name; pulling that file
+    again later finds it under its tagged name."""
+    from localmoe.testing.synthetic import write_gguf
+
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
+    mine = write_gguf(tmp_path / "tiny.gguf", "tiny-llama", seed=1)
+    sha = hashlib.sha256(mine.read_bytes()).hexdigest()
+    tagged = st.pull(str(mine)).name
+    data = st._read_manifest()
+    data["tiny"] = data.pop(tagged)          # what the earlier version stored
+    st._write_manifest(data)
+    assert st.get("tiny").sha256 == sha
+    m = st.pull("tiny")
+    err = capsys.readouterr().err
+    assert "not the catalog model" in err and f"now '{tagged}'" in err and "damaged" not in err
+    assert m.name == "tiny" and m.path.read_bytes() == FAKE_GGUF
+    assert st.get(tagged).sha256 == sha and st.get(tagged).path.read_bytes() == mine.read_bytes()
+    assert st.pull(str(mine)).name == tagged and len(st.list()) == 2
+    # the same file under both names: the catalog name's entry is dropped, the file kept
+    st.remove("tiny")
+    data = st._read_manifest()
+    data["tiny"] = dict(data[tagged])
+    st._write_manifest(data)
+    assert st.pull("tiny").path.read_bytes() == FAKE_GGUF
+    assert sorted(x.name for x in st.list()) == sorted(["tiny", tagged])
+    assert st.get(tagged).path.read_bytes() == mine.read_bytes()
+
+
 def test_a_linked_file_changed_behind_the_stores_back_is_marked_and_linked_again(tmp_path, home,
                                                                                  capsys):
     """A linked file (the user's) cut short or replaced after `pull --link` was listed as whole

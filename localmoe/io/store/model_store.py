@@ -233,6 +233,15 @@ class ModelStore(PullMixin):
         """
         source = nonempty(source)
         m = self.get(source, include_missing=True)
+        c = self.catalog.get(source)
+        if (m is not None and c is not None and m.name == source and m.source_path is not None
+                and m.sha256 != c.sha256):
+            # another file stored under the catalog's name (an earlier version let a local
+            # ./smollm2.gguf take it): it moves to a tagged name, the catalog model comes
+            new = self._set_aside(source)
+            print(f"{source}: the stored entry is {m.source_path}, not the catalog model; it "
+                  f"is now {new!r}, pulling {source}", file=sys.stderr, flush=True)
+            m = None
         if m is not None and (source in self.catalog or source.startswith("hf:")
                               or m.name == source):
             # a stored model named: whole, it is the answer; damaged, missing (or forced) it
@@ -278,6 +287,23 @@ class ModelStore(PullMixin):
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
+
+    def _set_aside(self, name: str) -> str:
+        """Move the entry ``name`` to a name tagged with its sha256 (:meth:`_free_name`,
+        never ``name``) and return that name; where the same file is already stored under it,
+        the entry is dropped instead (its copies that nothing uses deleted, as ``rm`` does)."""
+        with hold_ctrl_c():
+            data = self._read_manifest()
+            e = data.pop(name)
+            new = self._free_name(data, name, e.get("source", ""), e.get("sha256", ""),
+                                  reserved=True)
+            held = data.get(new)
+            if held is None or not all(f.exists() for f in self._files(held)):
+                data[new] = e
+            self._write_manifest(data)
+            if data[new] is not e:
+                self._drop_files(self._entry(name, e), data)
+            return new
 
     def _known_name(self, s: str) -> bool:
         """Whether ``s`` is a bare name (:func:`_bare`) of the catalog or the store (an
