@@ -204,9 +204,8 @@ class ModelStore(PullMixin):
         for m in items:  # a store name wins over another entry's file name
             if name == m.name:
                 return m
-        c = self.catalog.get(name)
         for m in items:  # a file named like a catalog model that is not it does not answer
-            if name in (m.path.name, m.path.stem) and (c is None or m.sha256 == c.sha256):
+            if name in (m.path.name, m.path.stem) and not self._not_catalogs(name, m.sha256):
                 return m
         for m in items:  # an hf: reference already pulled
             if name.startswith("hf:") and m.source == name:
@@ -286,12 +285,16 @@ class ModelStore(PullMixin):
             f"{source!r} is not a known model name, an hf:OWNER/REPO/FILE reference or an "
             f"existing path; known names: {', '.join(self.catalog)}")
 
+    def _not_catalogs(self, name: str, sha: str) -> bool:
+        """Whether ``name`` is a catalog name and content of sha256 ``sha`` is not that
+        catalog model's (so it may not take or answer for the name)."""
+        c = self.catalog.get(name)
+        return c is not None and c.sha256 != sha
+
     def _squatter(self, m: StoredModel, name: str) -> bool:
         """Whether ``m``, asked for by the catalog name ``name``, is another file stored
         under that name (a local file pulled by an earlier version), not the catalog model."""
-        c = self.catalog.get(name)
-        return (c is not None and m.name == name and m.source_path is not None
-                and m.sha256 != c.sha256)
+        return m.name == name and m.source_path is not None and self._not_catalogs(name, m.sha256)
 
     def _set_aside(self, name: str) -> str:
         """Move the entry ``name`` to a name tagged with its sha256 (:meth:`_free_name`,
@@ -303,10 +306,11 @@ class ModelStore(PullMixin):
             new = self._free_name(data, name, e.get("source", ""), e.get("sha256", ""),
                                   reserved=True)
             held = data.get(new)
-            if held is None or not all(f.exists() for f in self._files(held)):
+            keep = held is None or not all(f.exists() for f in self._files(held))
+            if keep:
                 data[new] = e
             self._write_manifest(data)
-            if data[new] is not e:
+            if not keep:
                 self._drop_files(self._entry(name, e), data)
             return new
 
@@ -396,9 +400,8 @@ class ModelStore(PullMixin):
             name = self._catalog_alias(data, name, source, sha)
             # a catalog name belongs to the catalog's model: another file of that name (a
             # local ./smollm2.gguf) gets a tagged name, never the default model's
-            c = self.catalog.get(name)
             name = self._free_name(data, name, source, sha,
-                                   reserved=c is not None and c.sha256 != sha)
+                                   reserved=self._not_catalogs(name, sha))
             others = {os.path.realpath(f) for k, e in data.items() if k != name
                       for f in self._files(e)}
             old = data.get(name)
