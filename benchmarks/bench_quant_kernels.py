@@ -216,12 +216,26 @@ def moe_routings(m, t, gu, wd, dev, gen):
     return [(i.to(dev), w.to(dev)) for i, w in routings(m, t, r, gen)]
 
 
+def _routing_of(ids: torch.Tensor, n_experts: int):
+    """A :class:`Routing` whose logits pick ``ids [T, top_k]`` (softmax, norm_topk_prob)."""
+    from localmoe.kernels.router import Routing
+
+    t, k = ids.shape
+    lg = torch.full((t, n_experts), -4.0, device=ids.device)
+    lg.scatter_(1, ids.long(), (4.0 - 0.1 * torch.arange(k, device=ids.device)).expand(t, k).contiguous())
+    return Routing(lg, k, "softmax", True, 1.0, None, torch.empty_like(ids),
+                   torch.empty(t, k, device=ids.device))
+
+
 def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("both", "both_xq"),
-              qtype: str = "Q4_K", l2: bool = False, slot_table: bool = False):
+              qtype: str = "Q4_K", l2: bool = False, slot_table: bool = False,
+              route: bool = False):
     """Rows of the fused MoE (``stages``: ``both`` from float x, ``both_xq`` from int8 blocks,
     ``gate_up`` / ``down`` alone); ``l2``: the gate/up and down launches also timed with their
     weights in L2 (rows ``moe_gate_up_l2`` / ``moe_down_l2``); ``slot_table``: the kernels
-    read expert ids through an (identity) slot table, as with offloaded experts."""
+    read expert ids through an (identity) slot table, as with offloaded experts; ``route``:
+    ``both_xq`` routes from router logits as the decode step does (launch 1 computes the
+    top-k; ``LOCALMOE_MOE_EARLY`` then applies), the logits picking each rotation's experts."""
     rows = []
     if l2:
         stages = tuple(stages) + tuple(s for s in ("gate_up", "down") if s not in stages)
@@ -246,7 +260,12 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
         for cfg in (configs or [None]):
             for stage in stages:
                 try:
-                    if stage in ("both", "both_xq"):
+                    if stage == "both_xq" and route:
+                        rls = [_routing_of(i, e) for i, _ in rts]
+                        calls = [lambda r=r: fused_moe(xa, gu, wd, None, None, slot_of=slot,
+                                                       config=cfg, route=r) for r in rls]
+                        nbytes = nb
+                    elif stage in ("both", "both_xq"):
                         xin = xa if stage == "both_xq" else x
                         calls = [lambda i=i, w=w, xin=xin: fused_moe(xin, gu, wd, i, w, slot_of=slot,
                                                                      config=cfg)
@@ -519,6 +538,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-table", action="store_true",
                     help="the MoE kernels read expert ids through a slot table (as with "
                          "offloaded experts) instead of the identity the decode step passes")
+    ap.add_argument("--route", action="store_true",
+                    help="the MoE from router logits (launch 1 routes, as in the decode step)")
+    ap.add_argument("--moe-only", action="store_true", help="skip the GEMV rows")
     ap.add_argument("--l2", action="store_true",
                     help="also time each MoE launch alone, cold and with its weights in L2 (what a "
                          "prefetch of the down rows during gate/up could reach)")
@@ -534,10 +556,12 @@ def main(argv=None) -> int:
         rows = []
         models = {"tiny": TINY} if a.tiny else {k: MODELS[k] for k in a.models}
         for name, m in models.items():
-            rows += bench_gemv(name, m, a.tokens, dev)
+            if not a.moe_only:
+                rows += bench_gemv(name, m, a.tokens, dev)
             for qt in a.expert_qtypes:
                 rows += bench_moe(name, m, a.tokens, dev, qtype=qt.upper(), l2=a.l2,
-                                  slot_table=a.slot_table)
+                                  slot_table=a.slot_table, route=a.route,
+                                  stages=("both_xq",) if a.route else ("both", "both_xq"))
     res = {
         "suite": "quant_kernels",
         "machine": platform.node(),

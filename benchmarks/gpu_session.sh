@@ -13,6 +13,9 @@
 #                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
 #                                      the slot-table read, A/B/A/B (~8 min)
+#   benchmarks/gpu_session.sh early    the down launch started early (LOCALMOE_MOE_EARLY 0-3): GPU
+#                                      tests, both MoE launches A/B (~7 min); early-graph: the
+#                                      decode graph at context 0 by mode (EARLY_MODES) (~7 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -27,7 +30,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|early|early-graph|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -106,6 +109,36 @@ case "$STAGE" in
         say "graph slot_table=$t rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-slots$t-$i.jsonl"
       done
     done
+    ;;
+  early|early-graph)
+    # session 28: the down launch started early (LOCALMOE_MOE_EARLY: 1 routing recomputed before
+    # PDL's wait, 2/3 and its weight rows asked for into L2 / L1), gate/up signalling after its
+    # own wait. "early": the GPU tests, then both launches at 1 and 8 tokens from router logits,
+    # modes alternated twice in fresh processes; "early-graph": the decode graph at context 0
+    if [ "$STAGE" = early ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        -k "early or routing_in" >"$OUT/early-tests.log" 2>&1
+      say "tests rc=$?"; tail -3 "$OUT/early-tests.log"
+      for i in 1 2; do
+        for m in 0 1 2 3; do
+          LOCALMOE_MOE_EARLY=$m timeout 80 python3 benchmarks/bench_quant_kernels.py \
+            --models qwen3-30b-a3b --tokens 1 8 --route --moe-only \
+            --out "$OUT/early$m-$i.json" >"$OUT/early$m-$i.log" 2>&1
+          say "early=$m rc=$?"; grep -E "^moe" "$OUT/early$m-$i.log" | head -2
+        done
+      done
+    else
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+        >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+      F=$(tail -1 "$OUT/file.log")
+      for i in 1 2; do
+        for m in ${EARLY_MODES:-0 2 3}; do
+          LOCALMOE_MOE_EARLY=$m timeout 60 python3 benchmarks/graph_history.py "$F" fresh \
+            --host-only >"$OUT/graph-early$m-$i.jsonl" 2>"$OUT/graph-early$m-$i.err"
+          say "graph early=$m rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[^"]*"\|"decode_ms": [0-9.]*' "$OUT/graph-early$m-$i.jsonl" | tr '\n' ' '; echo
+        done
+      done
+    fi
     ;;
   attn)
     # session 26 (static, sm_90): with the separate reduction kernel the int2:c/int2 split

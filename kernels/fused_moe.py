@@ -78,6 +78,8 @@ experts).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -85,7 +87,7 @@ import triton.language as tl
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.keys import PAD_KEY, key_low, key_score, score_key
 from localmoe.kernels.launch_config import device_table
-from localmoe.kernels.pdl import pdl_args, pdl_begin
+from localmoe.kernels.pdl import PDL_ORDERS, pdl_args, pdl_begin
 from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
@@ -134,17 +136,11 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     if ROUTE:
         # the token's routing from its logits, in every program; the first program of the
         # token writes the ids and weights for launch 2
-        ee = tl.arange(0, EP)
-        em = ee < E
-        lg = tl.load(lg_ptr + t.to(tl.int64) * lg_rs + ee, mask=em, other=float("-inf"))
+        r_ids, r_wts = _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K, EP, KP, GATE,
+                                    HAS_BIAS, NORM, PACKED)
         kk = tl.arange(0, KP)
         lead = pid_n + tl.program_id(2) + (pid - t * TOP_K)     # 0: the token's first program
         wm = (kk < TOP_K) & (kk * 0 + lead == 0)
-        if GATE == 0 and not HAS_BIAS:
-            r_ids, r_wts = _route_topk(lg, ee, em, EP, KP, NORM, rscale, TOP_K)
-        else:   # sigmoid gating or a selection bias: the router's own selection loop
-            r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE,
-                                      HAS_BIAS, NORM, PACKED)
         e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
         tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
         tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
@@ -186,6 +182,44 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
             tl.atomic_xchg(cp, 0)
     else:
         _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
+
+
+@triton.jit
+def _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K: tl.constexpr, EP: tl.constexpr,
+                 KP: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 NORM: tl.constexpr, PACKED: tl.constexpr):
+    """Token ``t``'s routing from its router logits (row ``t`` of ``lg_ptr``): ``(ids [KP],
+    weights [KP])``, by :func:`_route_topk` for softmax gating without a selection bias, else
+    by the router's own :func:`localmoe.kernels.router.route_pick`."""
+    ee = tl.arange(0, EP)
+    em = ee < E
+    lg = tl.load(lg_ptr + t.to(tl.int64) * lg_rs + ee, mask=em, other=float("-inf"))
+    if GATE == 0 and not HAS_BIAS:
+        r_ids, r_wts = _route_topk(lg, ee, em, EP, KP, NORM, rscale, TOP_K)
+    else:   # sigmoid gating or a selection bias: the router's own selection loop
+        r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE,
+                                  HAS_BIAS, NORM, PACKED)
+    return r_ids, r_wts
+
+
+@triton.jit
+def _prefetch_spans(ptr, start, nbytes, LINES: tl.constexpr, LEVEL: tl.constexpr):
+    """Ask for the 128-byte lines of the byte ranges ``[ptr + start[i], + nbytes)`` (``start``
+    ``[TKP]`` int64 element offsets of ``ptr``'s type) to be brought into L2 (``LEVEL`` 1) or
+    this SM's L1 (``LEVEL`` 2): PTX ``prefetch.global.L2`` / ``.L1``, weights only (no
+    ordering with other kernels' stores is needed)."""
+    a0 = (ptr + start).to(tl.int64)                                  # [TKP] byte addresses
+    line = tl.arange(0, LINES).to(tl.int64) * 128
+    a = (a0 & -128)[:, None] + line[None, :]
+    a = tl.where(a < (a0 + nbytes)[:, None], a, 0)                  # 0: not issued
+    if LEVEL == 1:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.u64 %p, $1, 0; @%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l", [a], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.u64 %p, $1, 0; @%p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
+            "=r,l", [a], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -253,8 +287,15 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
-                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
-    pdl_begin(PDL)
+                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
+                     lg_ptr=None, rb_ptr=None, E=0, lg_rs=0, rscale=1.0,
+                     q_rb=0, qh_rb=0, d_rb=0, dm_rb=0, sc_rb=0, mn_rb=0,
+                     EARLY: tl.constexpr = 0, PF_LINES: tl.constexpr = 1,
+                     EP: tl.constexpr = 1, GATE: tl.constexpr = 0,
+                     HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
+                     PACKED: tl.constexpr = True):
+    if EARLY == 0 or not ET:
+        pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     loc = pid_n * BN + tl.arange(0, BN)
@@ -269,9 +310,29 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         jj = tl.arange(0, TKP)
         jm = jj < TOP_K
         pidv = t * TOP_K + jj
-        e = tl.load(ids_ptr + pidv, mask=jm, other=0)
-        wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
-        slot = _slot(slot_ptr, e, jm, SLOTS)
+        if EARLY > 0:
+            # launched while launch 1 still runs (it lets this launch start right after its
+            # own wait, so the router's logits are complete): the routing again from the
+            # logits, then (EARLY 2/3) this program's weight rows asked for into L2 / L1,
+            # all before the wait for launch 1's h
+            e, wgt = _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K, EP, TKP, GATE,
+                                  HAS_BIAS, NORM, PACKED)
+            e = tl.where(jm, e, 0)
+            slot = _slot(slot_ptr, e, jm, SLOTS)
+            if EARLY > 1 and PDL > 0:
+                r0 = slot * D + pid_n * BN                       # [TKP] first rows
+                nr = tl.minimum(D - pid_n * BN, BN)
+                _prefetch_spans(q_ptr, r0 * q_rs, nr * q_rb, PF_LINES, EARLY - 1)
+                _prefetch_spans(qh_ptr, r0 * qh_rs, nr * qh_rb, PF_LINES, EARLY - 1)
+                _prefetch_spans(d_ptr, r0 * d_rs, nr * d_rb, PF_LINES, EARLY - 1)
+                _prefetch_spans(dm_ptr, r0 * dm_rs, nr * dm_rb, PF_LINES, EARLY - 1)
+                _prefetch_spans(sc_ptr, r0 * sc_rs, nr * sc_rb, PF_LINES, EARLY - 1)
+                _prefetch_spans(mn_ptr, r0 * mn_rs, nr * mn_rb, PF_LINES, EARLY - 1)
+            pdl_begin(PDL)
+        else:
+            e = tl.load(ids_ptr + pidv, mask=jm, other=0)
+            wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
+            slot = _slot(slot_ptr, e, jm, SLOTS)
         rows4 = slot[:, None, None, None] * D + loc4
         tmask4 = jm[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
@@ -398,20 +459,38 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         cfg[k].update(v)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
-    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
+    t, top_k = ids.shape
+    dcfg = dict(moe_config("down", t, top_k, w_down.shape[0], w_down.shape[1], w_down.shape[2],
+                           w_down.qtype, ids.device), **cfg["down"])
+    early = _early(dcfg, route)
+    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route,
+                    signal_early=early > 0)
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
-                    config=cfg["down"])
+                    config=dcfg, route=route if early else None, early=early)
+
+
+def _early(down_cfg: dict, route: Routing | None) -> int:
+    """The down launch's early start (``LOCALMOE_MOE_EARLY``, else the launch choice's
+    ``early``): 0 off; 1 launched while launch 1 runs, the routing recomputed from the logits
+    before its wait; 2 / 3 also its weight rows asked for into L2 / L1 before the wait. Only
+    with ``route`` (the logits) and the experts tile."""
+    v = os.environ.get("LOCALMOE_MOE_EARLY")
+    mode = int(v) if v in ("0", "1", "2", "3") else int(down_cfg.get("early", 0))
+    return mode if route is not None and down_cfg.get("experts_tile", False) else 0
 
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
                 slot_of: torch.Tensor | None, activation: str = "silu",
-                config: dict | None = None, route: Routing | None = None) -> QuantAct:
+                config: dict | None = None, route: Routing | None = None,
+                signal_early: bool = False) -> QuantAct:
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
     (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them).
     ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``.
-    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read)."""
+    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read). ``signal_early``: with
+    PDL, every program lets the next launch start right after its own wait (the down launch's
+    early start, :func:`_early`)."""
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
@@ -452,8 +531,15 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        SLOTS=slot_of is not None, **rargs, **pdl_args(h.q.device))
+        SLOTS=slot_of is not None, **rargs, **_pdl_gate_up(h.q.device, signal_early))
     return h
+
+
+def _pdl_gate_up(device, signal_early: bool) -> dict:
+    a = pdl_args(device)
+    if signal_early and a["PDL"]:
+        a["PDL"] = PDL_ORDERS["wait_first"]
+    return a
 
 
 def _reg_cap(c: dict) -> dict:
@@ -483,10 +569,14 @@ def _split_scratch(split: int, rows: int, width: int, blocks: int, device
 def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor, slot_of: torch.Tensor | None,
              out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, route: Routing | None = None,
+             early: int = 0) -> torch.Tensor:
     """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
     @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`;
-    ``slot_of`` None: expert ``e`` is in slot ``e``."""
+    ``slot_of`` None: expert ``e`` is in slot ``e``. ``early`` (1-3, with ``route``, the
+    logits launch 1 routed from, and the experts tile): the routing recomputed from the logits
+    before PDL's wait (:func:`_early`); launch 1 must have been launched with
+    ``signal_early``."""
     e, d, f = w_down.shape
     t, top_k = topk_ids.shape
     c = dict(moe_config("down", t, top_k, e, d, f, w_down.qtype, topk_ids.device),
@@ -506,8 +596,26 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, **pdl_args(out.device))
+        SLOTS=slot_of is not None, **_early_args(early if et else 0, route, ptrs, strides, c["BN"],
+                                                 e),
+        **pdl_args(out.device))
     return out
+
+
+def _early_args(early: int, route: Routing | None, ptrs, strides, bn: int, n_experts: int
+                ) -> dict:
+    """The down kernel's arguments of an early start (:func:`_early`): the logits and routing
+    constants, and each plane's row bytes for the prefetch."""
+    if not early or route is None:
+        return {}
+    rb = [s * p.element_size() for p, s in zip(ptrs, strides)]
+    lg = route.logits
+    return dict(lg_ptr=lg, rb_ptr=route.selection_bias if route.selection_bias is not None else lg,
+                E=n_experts, lg_rs=lg.stride(0), rscale=float(route.expert_weights_scale),
+                q_rb=rb[0], qh_rb=rb[1], d_rb=rb[2], dm_rb=rb[3], sc_rb=rb[4], mn_rb=rb[5],
+                EARLY=early, PF_LINES=next_pow2(cdiv(bn * max(rb), 128) + 1),
+                EP=next_pow2(n_experts), GATE=GATING[route.gating],
+                HAS_BIAS=route.selection_bias is not None, NORM=route.norm_topk_prob)
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,
