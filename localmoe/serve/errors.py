@@ -24,13 +24,16 @@ class HTTPError(Exception):
                           "code": self.code}}
 
 
-def error_from_exception(e: BaseException, prompt_param: str = "messages") -> HTTPError:
+def error_from_exception(e: BaseException, prompt_param: str = "messages",
+                         max_tokens_param: str = "max_tokens") -> HTTPError:
     """Map an exception raised while handling a request to an HTTP error: 400 for a bad
     request, a prompt (or a prompt and ``max_tokens``) over the context or a template
     failure, 404 for an unknown model, 503 (type ``model_error``) for damaged weights met by
     a request, 500 for anything else (a bug is logged with its traceback, which is never
-    sent). ``prompt_param``: the request
-    field a prompt over the context is blamed on (``"prompt"`` on ``/v1/completions``)."""
+    sent). ``prompt_param``: the request field a prompt over the context is blamed on
+    (``"prompt"`` on ``/v1/completions``); ``max_tokens_param``: the field blamed when the
+    prompt fits but ``max_tokens`` does not fit beside it (``"max_completion_tokens"`` when
+    the request gave that one)."""
     if isinstance(e, HTTPError):
         return e
     if isinstance(e, ContextOverflowError) and e.n_completion is not None:
@@ -40,7 +43,7 @@ def error_from_exception(e: BaseException, prompt_param: str = "messages") -> HT
                               f"({e.n_prompt} in the {prompt_param}, {e.n_completion} in the "
                               f"completion); lower max_tokens or shorten the {prompt_param}, or "
                               f"restart the server with a larger context (localmoe serve -c N)",
-                         param=prompt_param, code="context_length_exceeded")
+                         param=max_tokens_param, code="context_length_exceeded")
     if isinstance(e, ContextOverflowError):
         # the hint for a client: --ctx-size / n_ctx are the server operator's, not its own
         return HTTPError(400, f"{e.reason}; shorten the {prompt_param}, or restart the server "

@@ -84,6 +84,7 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
     state = _state(request)
     t_arrival = time.perf_counter()
     status: int | None = 500
+    body = None
     try:
         _check_auth(request)
         body = await _read_json(request, state.max_body_bytes)
@@ -105,8 +106,12 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
         status = None if isinstance(resp, CountedStream) else resp.status_code
         return resp
     except Exception as e:  # noqa: BLE001 -- every failure becomes an error object
+        # max_completion_tokens wins over max_tokens when both are given (as in sampling)
+        mt_param = ("max_completion_tokens" if isinstance(body, dict)
+                    and body.get("max_completion_tokens") is not None else "max_tokens")
         err = error_from_exception(
-            e, prompt_param="prompt" if endpoint == "/v1/completions" else "messages")
+            e, prompt_param="prompt" if endpoint == "/v1/completions" else "messages",
+            max_tokens_param=mt_param)
         status = err.status
         return error_response(err)
     finally:

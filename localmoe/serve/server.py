@@ -19,8 +19,8 @@ Behaviour:
 * A client that disconnects (stream or not) cancels its generation at the next token.
 * Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: ``400`` for
   invalid JSON, invalid parameters (``param`` names the field) and a prompt over the context
-  or a ``max_tokens`` that does not fit beside it (``code: "context_length_exceeded"``, the
-  token counts in the message; without ``max_tokens`` the reply may fill the context); ``401`` for a
+  or a ``max_tokens`` that does not fit beside it (``code: "context_length_exceeded"``,
+  ``param`` the prompt's field or the ``max_tokens`` one, the token counts in the message; without ``max_tokens`` the reply may fill the context); ``401`` for a
   missing/wrong API key; ``404`` for an unknown model or route; ``413`` for a body over
   ``max_body_bytes``; ``503`` while loading (only for requests that pass validation: a bad
   one gets its 400/404 while the model loads too). Only bugs give ``500`` (no traceback is

@@ -619,8 +619,10 @@ def test_missing_or_null_messages_say_messages_is_required(live):
 def test_max_tokens_beyond_the_context_is_a_400_not_a_cut(live, scripted_llm):
     """A max_tokens (or max_completion_tokens) that does not fit in the context beside the
     prompt was silently capped (a non-streamed request could run for minutes); it is a 400
-    context_length_exceeded with vLLM's counts, on both endpoints, streamed or not. One that
-    just fits, or none, still generates."""
+    context_length_exceeded with vLLM's counts, on both endpoints, streamed or not, whose
+    ``param`` names the field that does not fit (the max_tokens field the client sent, as
+    OpenAI does; the prompt's field only when the prompt alone is over). One that just fits,
+    or none, still generates."""
     chat, comp = live.url + "/v1/chat/completions", live.url + "/v1/completions"
     msgs = [{"role": "user", "content": "hi"}]
     n_chat = httpx.post(chat, json={"model": "scripted", "messages": msgs, "max_tokens": 1}
@@ -632,13 +634,21 @@ def test_max_tokens_beyond_the_context_is_a_400_not_a_cut(live, scripted_llm):
         for field in ("max_tokens", "max_completion_tokens"):
             for stream in (False, True):
                 body = {"model": "scripted", **base, "stream": stream, field: 513 - n}
-                err = _err(httpx.post(url, json=body), 400, param)
+                err = _err(httpx.post(url, json=body), 400, field)
                 assert err["code"] == "context_length_exceeded", err
                 assert err["type"] == "invalid_request_error"
                 assert err["message"].startswith(
                     f"this model's maximum context length is 512 tokens, but 513 tokens were "
                     f"requested ({n} in the {param}, {513 - n} in the completion); lower "
                     f"max_tokens"), err["message"]
+        # both given: max_completion_tokens is the one used, so the one blamed
+        body = {"model": "scripted", **base, "max_tokens": 1, "max_completion_tokens": 513 - n}
+        _err(httpx.post(url, json=body), 400, "max_completion_tokens")
+        # a prompt over the context on its own is the prompt's fault, whatever max_tokens says
+        long = ({"messages": [{"role": "user", "content": "word " * 800}]} if param == "messages"
+                else {"prompt": "word " * 800})
+        err = _err(httpx.post(url, json={"model": "scripted", **long, "max_tokens": 8}), 400, param)
+        assert err["code"] == "context_length_exceeded"
         # exactly the room left is fine; so is no max_tokens at all
         r = httpx.post(url, json={"model": "scripted", **base, "max_tokens": 512 - n})
         assert r.status_code == 200, r.text
