@@ -441,6 +441,41 @@ def test_missing_cuda_device_is_a_one_line_error(monkeypatch, tmp_path):
     assert not opened
 
 
+def test_indexed_device_strings_are_accepted(monkeypatch, tmp_path):
+    """--device cpu:0 (torch's name for the CPU) was refused as an unknown device; it runs as
+    cpu in generate, chat and serve and in the Python API. cpu:N past 0 and nonsense stay one
+    error line before anything loads."""
+    import uvicorn
+
+    import localmoe.serve.server as server
+    import localmoe.tui.app as tui_app
+    from localmoe.engine.options import check_device
+    from localmoe.errors import InvalidRequestError
+    from localmoe.testing.synthetic import write_gguf
+
+    assert check_device("cpu:0") == check_device(" CPU:0 ") == "cpu"
+    assert check_device("cuda:1") == "cuda:1"
+    for bad in ("cpu:1", "cpu:", "cpu:x", "cuda:x", "cpu0"):
+        with pytest.raises(InvalidRequestError):
+            check_device(bad)
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    r = run(["generate", "-m", m, "--backend", "torch", "--device", "cpu:0", "-n", "2", "hi"])
+    assert r.exit_code == 0, r.output
+    opened = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda model, **kw: opened.append(kw["device"]))
+    monkeypatch.setattr(server, "_check_port_free", lambda *a: opened.append("serve"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **kw: None)
+    assert run(["chat", "-m", m, "--backend", "torch", "--device", "cpu:0"]).exit_code == 0
+    r = run(["serve", "-m", m, "--backend", "torch", "--device", "cpu:0"])
+    assert opened == ["cpu:0", "serve"], (opened, r.output)
+    opened.clear()
+    for cmd in (["generate", "hi"], ["chat"], ["serve"]):
+        r = run([*cmd, "-m", m, "--backend", "torch", "--device", "cpu:1"])
+        assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                              "'cpu:1' does not exist")
+    assert not opened
+
+
 @pytest.mark.parametrize("args", [["--raw"], [], ["--system", "Be brief."]])
 def test_prompt_over_the_context_is_refused_before_weights_load(monkeypatch, tmp_path, args):
     """A prompt longer than the context was reported only after the weights had loaded (the

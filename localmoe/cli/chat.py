@@ -29,7 +29,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     from localmoe.backends.registry import env_threads, select_backend
 
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
-    check_device(device)
+    device = check_device(device)
     env_threads()
     check_act_env()
     if model is None:  # the default / last / continued model is found (or pulled) by the UI

@@ -70,20 +70,26 @@ def parse_kv_request(kv: Any = "f16", k: str | None = None, v: str | None = None
 
 def check_device(device: Any) -> str | None:
     """Refuse a device string no backend understands, before anything loads; returns it
-    normalized (``" CUDA:1"`` -> ``"cuda:1"``; None stays None).
+    normalized (``" CUDA:1"`` -> ``"cuda:1"``, ``"cpu:0"`` -> ``"cpu"``; None stays None).
 
-    Accepted: None (the backend's default), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (N a GPU
-    index). Whether that device is present is the backend's check
-    (:func:`check_backend_device`).
+    Accepted: None (the backend's default), ``"cpu"``, ``"cpu:0"`` (torch's name for the same
+    device), ``"cuda"``, ``"cuda:N"`` (N a GPU index). Whether a GPU is present is the
+    backend's check (:func:`check_backend_device`).
 
     Raises:
-        InvalidRequestError: anything else (``param="device"``).
+        InvalidRequestError: anything else, ``"cpu:N"`` with N > 0 included (there is one CPU
+            device) (``param="device"``).
     """
     if device is None:
         return None
     d = str(device).strip().lower()
     if d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
         return d
+    if d.startswith("cpu:") and d[4:].isdigit():
+        if int(d[4:]) == 0:
+            return "cpu"
+        raise InvalidRequestError(f"device {device!r} does not exist: there is one CPU device "
+                                  f"(cpu, or cpu:0)", param="device")
     raise InvalidRequestError(f"unknown device {device!r}; use cpu, cuda or cuda:N (N = GPU index)",
                               param="device")
 

@@ -125,7 +125,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     # fail before binding on a bad format, device, context size, $LOCALMOE_THREADS or
     # $LOCALMOE_ACT_PRECISION, a missing or corrupt file or an unusable backend
     kv_spec = parse_kv_request(kv_cache, kv_cache_k, kv_cache_v)
-    check_device(llm_options.get("device"))
+    device = check_device(llm_options.get("device"))
     if llm_options.get("n_threads") is None:
         env_threads()
     check_act_env()
@@ -134,7 +134,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     context_size(n_ctx, model_file.spec.n_ctx_train)   # refuses one above the training context
     kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)
     be, _ = select_backend("auto" if backend is None else backend, model_file.format, kv_spec)
-    check_backend_device(be, llm_options.get("device"))
+    check_backend_device(be, device)
     _check_port_free(host, port)
     if not is_loopback(host) and not api_key:
         msg = (f"WARNING: serving on {host}:{port} without an API key; anyone who can reach "
