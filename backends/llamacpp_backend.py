@@ -37,6 +37,7 @@ from localmoe.errors import (BackendUnavailableError, ContextOverflowError, KVCa
                              LocalMoEError, ModelLoadError, UnsupportedModelError)
 from localmoe.backends.registry import (Backend, check_threads, cuda_device_problem, env_threads,
                                register_backend)
+from localmoe.io.env import env_flag
 
 # localmoe KV format name -> (ggml type id, llama.cpp name, bytes per block, values per block)
 KV_TYPE_MAP: dict[str, tuple[int, str, int, int]] = {
@@ -117,7 +118,7 @@ def safe_model_params(llama_cpp: Any) -> Iterator[bool]:
     low = getattr(llama_cpp, "llama_cpp", None)
     default = getattr(low, "llama_model_default_params", None)
     off = (default is not None and amx_build(llama_cpp)
-           and os.environ.get("LOCALMOE_LLAMACPP_AMX", "") != "1"
+           and not env_flag("LOCALMOE_LLAMACPP_AMX", False)
            and any(f[0] == "use_extra_bufts" for f in getattr(default(), "_fields_", ())))
     if not off:
         yield False
@@ -144,7 +145,7 @@ def _quiet_llama_logs(llama_cpp: Any) -> None:
     interleave with streamed text on the terminal. While a model loads they are collected
     instead (see :func:`_load_llama`)."""
     global _LOG_CB
-    if _LOG_CB is not None or os.environ.get("LOCALMOE_DEBUG"):
+    if _LOG_CB is not None or env_flag("LOCALMOE_DEBUG", False):
         return
     import sys
 

@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 import localmoe.io.dequant as dq
+from localmoe.io.env import env_flag
 
 __all__ = ["PackedWeight", "PackedLinear", "kernel_status", "pack_gguf", "rms_norm",
            "PACKABLE_QTYPES"]
@@ -122,8 +123,8 @@ def _c_source() -> str:
 def _build() -> tuple[ctypes.CDLL | None, str | None]:
     """Compile (once per source, flags, compiler and machine) and load the C kernels:
     ``(library, None)``, or ``(None, reason)`` when they cannot be had."""
-    if os.environ.get("LOCALMOE_CPU_QMATMUL", "1").lower() in ("0", "off", "false", "no"):
-        return None, "disabled by LOCALMOE_CPU_QMATMUL=0"
+    if not env_flag("LOCALMOE_CPU_QMATMUL", True):
+        return None, "disabled by LOCALMOE_CPU_QMATMUL"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler (cc/gcc) found"

@@ -24,13 +24,12 @@ state grows; error handling and the lock stay with the engine.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
-import warnings
 from typing import Any, Iterator, Sequence
 
 from localmoe.errors import ModelLoadError
+from localmoe.io.env import env_flag
 from localmoe.engine.results import GenerationResult, StreamEvent, measure_timings
 
 
@@ -69,7 +68,7 @@ class Generation:
         # launched before the sampled id is read (LOCALMOE_PIPELINE=0 turns it off)
         self._pipe = bool(self._fwd_kw) and getattr(
             engine.runner, "supports_device_tokens", False) is True and \
-            os.environ.get("LOCALMOE_PIPELINE", "1") != "0"
+            env_flag("LOCALMOE_PIPELINE", True)
         self.stopper = StopChecker(tuple(p.stop or ()), eog)
         self.detok = IncrementalDetokenizer(tok)
         self.generated: list[int] = []
@@ -338,19 +337,13 @@ def _model_source(eng: Any) -> str:
     return str(path) if path else (eng.model_name or "the model")
 
 
-_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
 def greedy_prefix_reuse() -> bool:
     """Whether greedy requests reuse cached prompt prefixes (``$LOCALMOE_GREEDY_PREFIX_REUSE``
     1/true/yes/on; off by default so that temperature 0 gives the same tokens for the same
     request). A value that is neither on nor off (0/false/no/off) leaves it off, with a
-    warning: reuse can change greedy answers, so only a clear yes turns it on."""
-    v = os.environ.get("LOCALMOE_GREEDY_PREFIX_REUSE", "").strip().lower()
-    if v not in _ON and v not in _OFF:
-        warnings.warn(f"LOCALMOE_GREEDY_PREFIX_REUSE={v!r} is not 1/true/yes/on or "
-                      "0/false/no/off; greedy prefix reuse stays off", stacklevel=2)
-    return v in _ON
+    logged warning (:func:`localmoe.io.env.env_flag`): reuse can change greedy answers, so
+    only a clear yes turns it on."""
+    return bool(env_flag("LOCALMOE_GREEDY_PREFIX_REUSE", False))
 
 
 def _greedy(p: Any) -> bool:

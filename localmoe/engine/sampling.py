@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from localmoe.errors import InvalidRequestError, require_utf8
+from localmoe.io.env import env_flag
 
 __all__ = ["SamplingParams", "Sampler", "TokenLogprob", "GREEDY_TEMPERATURE", "MAX_TOP_LOGPROBS"]
 
@@ -308,7 +309,7 @@ class Sampler:
             extra positions are never sampled.
         exempt_ids: ids the penalties never touch (end-of-turn and control tokens).
         device_sampling: None = on the device when the logits are a CUDA tensor (default;
-            ``$LOCALMOE_DEVICE_SAMPLING`` 1/0 overrides it); True = always the device path
+            ``$LOCALMOE_DEVICE_SAMPLING`` on/off, e.g. 1/0, overrides it); True = always the device path
             (CPU tensors and arrays included); False = always the NumPy path.
     Raises:
         InvalidRequestError: bad params, or a ``logit_bias`` id >= vocab_size.
@@ -338,8 +339,7 @@ class Sampler:
         self.rng = np.random.Generator(np.random.PCG64(seed & ((1 << 128) - 1) if seed >= 0
                                                        else (-seed) | (1 << 127)))
         if device_sampling is None:
-            env = os.environ.get("LOCALMOE_DEVICE_SAMPLING", "")
-            device_sampling = True if env == "1" else False if env == "0" else None
+            device_sampling = env_flag("LOCALMOE_DEVICE_SAMPLING", None)
         self.device_sampling = device_sampling
         self._dev: _DeviceState | None = None
 

@@ -354,6 +354,8 @@ def test_an_unavailable_backend_names_the_ones_that_run_here(monkeypatch):
 
 @pytest.mark.parametrize("info,env,off", [(b"AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1", "", True),
                                           (b"AVX2 = 1 | AMX_INT8 = 1", "1", False),
+                                          (b"AVX2 = 1 | AMX_INT8 = 1", "yes", False),
+                                          (b"AVX2 = 1 | AMX_INT8 = 1", "0", True),
                                           (b"AVX2 = 1 | REPACK = 1", "", False)])
 def test_amx_builds_load_without_the_extra_cpu_buffers(monkeypatch, info, env, off):
     """On a llama.cpp built with AMX, models load with ``use_extra_bufts = False`` (the AMX

@@ -155,11 +155,12 @@ def test_decode_attention_matches_torch(dtype, h, hkv, d, length):
     assert (got - ref).abs().max().item() <= tol.FP32
 
 
-def test_kernel_can_be_disabled(monkeypatch):
+@pytest.mark.parametrize("value", ["0", "off", " No "])
+def test_kernel_can_be_disabled(monkeypatch, value):
     monkeypatch.setattr(cq, "_lib_tried", False)
     monkeypatch.setattr(cq, "_lib", None)
     monkeypatch.setattr(cq, "_lib_reason", None)
-    monkeypatch.setenv("LOCALMOE_CPU_QMATMUL", "0")
+    monkeypatch.setenv("LOCALMOE_CPU_QMATMUL", value)
     assert "LOCALMOE_CPU_QMATMUL" in cq.kernel_status()
 
 

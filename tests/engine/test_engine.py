@@ -275,17 +275,26 @@ def test_one_generation_at_a_time():
 @pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True),
                                       ("", False), ("0", False), ("false", False),
                                       ("off", False), ("No", False), ("banana", None)])
-def test_greedy_prefix_reuse_reads_yes_and_no_words(monkeypatch, value, on):
+def test_greedy_prefix_reuse_reads_yes_and_no_words(monkeypatch, caplog, recwarn, value, on):
     """``=false`` (or ``off``, ``no``) turned the reuse on (anything but "" or "0" did; a
-    fresh-user trial, session 27): off words are off, an unknown word warns and stays off."""
+    fresh-user trial, session 27): off words are off, an unknown word stays off with one
+    logged warning line (not a Python warning, which printed its source line)."""
+    import logging
+
+    import localmoe.io.env as env
     from localmoe.engine.generation import greedy_prefix_reuse
 
+    env._warn.cache_clear()   # each bad value is logged once per process
     monkeypatch.setenv("LOCALMOE_GREEDY_PREFIX_REUSE", value)
+    with caplog.at_level(logging.WARNING):
+        assert greedy_prefix_reuse() is bool(on)
+    warned = [r.getMessage() for r in caplog.records]
     if on is None:
-        with pytest.warns(UserWarning, match="stays off"):
-            assert greedy_prefix_reuse() is False
+        assert warned == ["LOCALMOE_GREEDY_PREFIX_REUSE='banana' is not 1/true/yes/on or "
+                          "0/false/no/off; assuming the default (off)"]
     else:
-        assert greedy_prefix_reuse() is on
+        assert not warned
+    assert not recwarn.list
 
 
 def test_prefix_reuse_prefills_only_the_suffix(monkeypatch):
@@ -789,12 +798,12 @@ def test_device_logits_are_asked_of_a_runner_that_can_keep_them(monkeypatch):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                      "maximum": 99}}, "required": ["n"]}
     texts = {}
-    for env in ("0", "1"):
+    for env in ("0", "1", "no", "true"):  # the on/off words of every LOCALMOE_* switch
         monkeypatch.setenv("LOCALMOE_DEVICE_SAMPLING", env)
         runner.asked = []
         texts[env] = [llm.generate("x", temperature=0, json_schema=schema, max_tokens=12).text,
                       llm.generate("x", temperature=0, repeat_penalty=1.5, max_tokens=12).text]
-        assert any(runner.asked) == (env == "1")
+        assert any(runner.asked) == (env in ("1", "true")), env
     assert texts["1"] == texts["0"] and texts["0"][0].startswith('{"n": ')
 
 
@@ -870,10 +879,11 @@ def test_pipelined_steps_give_the_same_stream_and_a_consistent_cache(kw, monkeyp
     assert piped.runner.piped == max(0, n - 1) + (out[0][2] == "stop" and n < (
         kw.get("max_tokens") or 10 ** 9))
     assert held[1] == held[0] + (out[0][2] == "stop")
-    monkeypatch.setenv("LOCALMOE_PIPELINE", "0")
-    piped.runner.piped = 0
-    assert piped.generate("x", temperature=0, **kw).text == out[0][1]
-    assert piped.runner.piped == 0
+    for off in ("0", "false", "Off"):   # the on/off words of every LOCALMOE_* switch
+        monkeypatch.setenv("LOCALMOE_PIPELINE", off)
+        piped.runner.piped = 0
+        assert piped.generate("x", temperature=0, **kw).text == out[0][1]
+        assert piped.runner.piped == 0
 
 
 def test_forward_ahead_cancel_and_close(monkeypatch):
