@@ -872,6 +872,49 @@ def test_bench_refuses_an_empty_or_read_only_json_file_before_loading(tmp_path, 
     assert isinstance(r.exception, RuntimeError) and not new.exists()   # checked, removed
 
 
+def test_bench_refuses_an_existing_file_that_takes_no_data_before_loading(tmp_path, monkeypatch):
+    """An existing file that opens for writing but refuses the data (/proc/version as root:
+    Input/output error on write) failed only after the whole benchmark; it is one error line
+    up front. A regular file checked so is left as it was."""
+    import io
+
+    import localmoe.cli.bench as bench_mod
+    import localmoe.cli.options as cli_options
+
+    monkeypatch.setattr(cli_options, "load_llm", lambda *a, **k: pytest.fail("loaded the model"))
+    r = run(["bench", "-m", "x.gguf", "--json", "/proc/version"])   # root or not, on Linux
+    if os.path.exists("/proc/version"):
+        assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                              "cannot write /proc/version")
+
+    class NoData(io.RawIOBase):   # as a /proc file opened by root
+        def writable(self):
+            return True
+
+        def write(self, b):
+            raise OSError(5, "Input/output error")
+
+    def fake(path, mode="r", *a, **k):
+        return NoData() if "+" in mode or "w" in mode else open(path, mode, *a, **k)
+
+    f = tmp_path / "taken.json"
+    f.write_text("keep")
+    monkeypatch.setattr(bench_mod, "open", fake, raising=False)
+    r = run(["bench", "-m", "x.gguf", "--json", str(f)])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                          f"cannot write {f}: Input/output error")
+    monkeypatch.setattr(bench_mod, "open", open, raising=False)
+    mtime = f.stat().st_mtime_ns
+
+    def stop(*a, **k):
+        raise RuntimeError("reached the load")
+
+    monkeypatch.setattr(cli_options, "load_llm", stop)
+    r = CliRunner().invoke(cli, ["bench", "-m", "x.gguf", "--json", str(f)])
+    assert isinstance(r.exception, RuntimeError)   # a writable file passes the check ...
+    assert f.read_text() == "keep" and f.stat().st_mtime_ns == mtime   # ... untouched
+
+
 def test_bench_over_the_context_is_refused_before_the_weights_load(tmp_path, monkeypatch):
     """-p + -n past the context: one error line with the numbers, and no backend ever loads."""
     from localmoe.backends import torch_backend

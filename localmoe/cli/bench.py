@@ -14,12 +14,14 @@ from localmoe.errors import LocalMoEError
 
 def _check_writable(path: str) -> None:
     """Raise LocalMoEError unless ``path`` can be written: an existing file is opened for
-    writing without truncating it (a read-only or immutable file fails here, not after the
-    benchmark), a new one is created and removed again."""
+    writing without truncating it and given an empty write (a read-only or immutable file,
+    or one that opens but takes no data such as /proc/version as root, fails here, not after
+    the benchmark; a regular file is left as it was), a new one is created and removed
+    again."""
     if os.path.lexists(path):
         try:
-            with open(path, "r+b"):
-                pass
+            with open(path, "r+b", buffering=0) as f:
+                f.write(b"")   # no bytes: a file that refuses writes says so, nothing changes
         except OSError as e:
             raise LocalMoEError(f"cannot write {path}: {e.strerror or e}") from None
         return
