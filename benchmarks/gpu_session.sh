@@ -15,7 +15,7 @@
 #                                      the slot-table read, A/B/A/B (~8 min)
 #   benchmarks/gpu_session.sh early    the down launch started early (LOCALMOE_MOE_EARLY 0-3): GPU
 #                                      tests, both MoE launches A/B (~7 min); early-graph: the
-#                                      decode graph at context 0 by variant (EARLY_VARIANTS) (~8 min)
+#                                      decode graph at context 0 by mode (EARLY_MODES) (~7 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -131,16 +131,11 @@ case "$STAGE" in
       python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
         >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
       F=$(tail -1 "$OUT/file.log")
-      # variants: base, d<m> (LOCALMOE_MOE_EARLY=m), g (LOCALMOE_PDL_EARLY=gemv: the GEMVs
-      # after a norm or the attention's reduction start early and prefetch), d<m>g (both)
       for i in 1 2; do
-        for v in ${EARLY_VARIANTS:-base d2 g d2g}; do
-          m=0; g=""
-          case "$v" in d*) m=${v:1:1};; esac
-          case "$v" in *g) g=gemv;; esac
-          LOCALMOE_MOE_EARLY=$m LOCALMOE_PDL_EARLY=$g timeout 60 python3 benchmarks/graph_history.py \
-            "$F" fresh --host-only >"$OUT/graph-$v-$i.jsonl" 2>"$OUT/graph-$v-$i.err"
-          say "graph $v rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[^"]*"\|"decode_ms": [0-9.]*' "$OUT/graph-$v-$i.jsonl" | tr '\n' ' '; echo
+        for m in ${EARLY_MODES:-0 2 3}; do
+          LOCALMOE_MOE_EARLY=$m timeout 60 python3 benchmarks/graph_history.py "$F" fresh \
+            --host-only >"$OUT/graph-early$m-$i.jsonl" 2>"$OUT/graph-early$m-$i.err"
+          say "graph early=$m rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[^"]*"\|"decode_ms": [0-9.]*' "$OUT/graph-early$m-$i.jsonl" | tr '\n' ' '; echo
         done
       done
     fi

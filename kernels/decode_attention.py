@@ -1082,8 +1082,7 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
         _decode_reduce_kernel[(B * HQ,)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
             HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
-            WIDE=qa is not None and qa.wide,
-            **pdl_args(out.device, before="gemv" if qa is not None else None))
+            WIDE=qa is not None and qa.wide, **pdl_args(out.device))
     elif qa is not None:
         from localmoe.kernels.quant_gemv import quantize_act
 

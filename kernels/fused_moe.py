@@ -87,7 +87,7 @@ import triton.language as tl
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.keys import PAD_KEY, key_low, key_score, score_key
 from localmoe.kernels.launch_config import device_table
-from localmoe.kernels.pdl import PDL_ORDERS, pdl_args, pdl_begin
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
@@ -287,15 +287,8 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
-                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                     lg_ptr=None, rb_ptr=None, E=0, lg_rs=0, rscale=1.0,
-                     q_rb=0, qh_rb=0, d_rb=0, dm_rb=0, sc_rb=0, mn_rb=0,
-                     EARLY: tl.constexpr = 0, PF_LINES: tl.constexpr = 1,
-                     EP: tl.constexpr = 1, GATE: tl.constexpr = 0,
-                     HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
-                     PACKED: tl.constexpr = True):
-    if EARLY == 0 or not ET:
-        pdl_begin(PDL)
+                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     loc = pid_n * BN + tl.arange(0, BN)
@@ -310,29 +303,9 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         jj = tl.arange(0, TKP)
         jm = jj < TOP_K
         pidv = t * TOP_K + jj
-        if EARLY > 0:
-            # launched while launch 1 still runs (it lets this launch start right after its
-            # own wait, so the router's logits are complete): the routing again from the
-            # logits, then (EARLY 2/3) this program's weight rows asked for into L2 / L1,
-            # all before the wait for launch 1's h
-            e, wgt = _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K, EP, TKP, GATE,
-                                  HAS_BIAS, NORM, PACKED)
-            e = tl.where(jm, e, 0)
-            slot = _slot(slot_ptr, e, jm, SLOTS)
-            if EARLY > 1 and PDL > 0:
-                r0 = slot * D + pid_n * BN                       # [TKP] first rows
-                nr = tl.minimum(D - pid_n * BN, BN)
-                _prefetch_spans(q_ptr, r0 * q_rs, nr * q_rb, PF_LINES, EARLY - 1)
-                _prefetch_spans(qh_ptr, r0 * qh_rs, nr * qh_rb, PF_LINES, EARLY - 1)
-                _prefetch_spans(d_ptr, r0 * d_rs, nr * d_rb, PF_LINES, EARLY - 1)
-                _prefetch_spans(dm_ptr, r0 * dm_rs, nr * dm_rb, PF_LINES, EARLY - 1)
-                _prefetch_spans(sc_ptr, r0 * sc_rs, nr * sc_rb, PF_LINES, EARLY - 1)
-                _prefetch_spans(mn_ptr, r0 * mn_rs, nr * mn_rb, PF_LINES, EARLY - 1)
-            pdl_begin(PDL)
-        else:
-            e = tl.load(ids_ptr + pidv, mask=jm, other=0)
-            wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
-            slot = _slot(slot_ptr, e, jm, SLOTS)
+        e = tl.load(ids_ptr + pidv, mask=jm, other=0)
+        wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
+        slot = _slot(slot_ptr, e, jm, SLOTS)
         rows4 = slot[:, None, None, None] * D + loc4
         tmask4 = jm[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
@@ -459,38 +432,20 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         cfg[k].update(v)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
-    t, top_k = ids.shape
-    dcfg = dict(moe_config("down", t, top_k, w_down.shape[0], w_down.shape[1], w_down.shape[2],
-                           w_down.qtype, ids.device), **cfg["down"])
-    early = _early(dcfg, route)
-    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route,
-                    signal_early=early > 0)
+    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
-                    config=dcfg, route=route if early else None, early=early)
-
-
-def _early(down_cfg: dict, route: Routing | None) -> int:
-    """The down launch's early start (``LOCALMOE_MOE_EARLY``, else the launch choice's
-    ``early``): 0 off; 1 launched while launch 1 runs, the routing recomputed from the logits
-    before its wait; 2 / 3 also its weight rows asked for into L2 / L1 before the wait. Only
-    with ``route`` (the logits) and the experts tile."""
-    v = os.environ.get("LOCALMOE_MOE_EARLY")
-    mode = int(v) if v in ("0", "1", "2", "3") else int(down_cfg.get("early", 0))
-    return mode if route is not None and down_cfg.get("experts_tile", False) else 0
+                    config=cfg["down"])
 
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
                 slot_of: torch.Tensor | None, activation: str = "silu",
-                config: dict | None = None, route: Routing | None = None,
-                signal_early: bool = False) -> QuantAct:
+                config: dict | None = None, route: Routing | None = None) -> QuantAct:
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
     (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them).
     ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``.
-    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read). ``signal_early``: with
-    PDL, every program lets the next launch start right after its own wait (the down launch's
-    early start, :func:`_early`)."""
+    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read)."""
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
@@ -531,15 +486,8 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        SLOTS=slot_of is not None, **rargs, **_pdl_gate_up(h.q.device, signal_early))
+        SLOTS=slot_of is not None, **rargs, **pdl_args(h.q.device))
     return h
-
-
-def _pdl_gate_up(device, signal_early: bool) -> dict:
-    a = pdl_args(device)
-    if signal_early and a["PDL"]:
-        a["PDL"] = PDL_ORDERS["wait_first"]
-    return a
 
 
 def _reg_cap(c: dict) -> dict:
@@ -569,14 +517,10 @@ def _split_scratch(split: int, rows: int, width: int, blocks: int, device
 def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor, slot_of: torch.Tensor | None,
              out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-             config: dict | None = None, route: Routing | None = None,
-             early: int = 0) -> torch.Tensor:
+             config: dict | None = None) -> torch.Tensor:
     """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
     @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`;
-    ``slot_of`` None: expert ``e`` is in slot ``e``. ``early`` (1-3, with ``route``, the
-    logits launch 1 routed from, and the experts tile): the routing recomputed from the logits
-    before PDL's wait (:func:`_early`); launch 1 must have been launched with
-    ``signal_early``."""
+    ``slot_of`` None: expert ``e`` is in slot ``e``."""
     e, d, f = w_down.shape
     t, top_k = topk_ids.shape
     c = dict(moe_config("down", t, top_k, e, d, f, w_down.qtype, topk_ids.device),
@@ -596,26 +540,8 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, **_early_args(early if et else 0, route, ptrs, strides, c["BN"],
-                                                 e),
-        **pdl_args(out.device))
+        SLOTS=slot_of is not None, **pdl_args(out.device))
     return out
-
-
-def _early_args(early: int, route: Routing | None, ptrs, strides, bn: int, n_experts: int
-                ) -> dict:
-    """The down kernel's arguments of an early start (:func:`_early`): the logits and routing
-    constants, and each plane's row bytes for the prefetch."""
-    if not early or route is None:
-        return {}
-    rb = [s * p.element_size() for p, s in zip(ptrs, strides)]
-    lg = route.logits
-    return dict(lg_ptr=lg, rb_ptr=route.selection_bias if route.selection_bias is not None else lg,
-                E=n_experts, lg_rs=lg.stride(0), rscale=float(route.expert_weights_scale),
-                q_rb=rb[0], qh_rb=rb[1], d_rb=rb[2], dm_rb=rb[3], sc_rb=rb[4], mn_rb=rb[5],
-                EARLY=early, PF_LINES=next_pow2(cdiv(bn * max(rb), 128) + 1),
-                EP=next_pow2(n_experts), GATE=GATING[route.gating],
-                HAS_BIAS=route.selection_bias is not None, NORM=route.norm_topk_prob)
 
 
 def fused_moe_ref(x: torch.Tensor, w_gate_up: QuantTensor, w_down: QuantTensor,

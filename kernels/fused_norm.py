@@ -245,7 +245,7 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
             ND=len(deltas), HAS_W=w is not None, STORE_R=residual_out is not None,
             STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block,
             NB=block // 32, WIDE=hq is not None and hq.wide, num_warps=warps,
-            **pdl_args(x.device, before="gemv" if quant else None))
+            **pdl_args(x.device))
     return residual_out, hq, hf
 
 

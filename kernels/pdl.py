@@ -58,7 +58,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["early_kinds", "pdl_args", "pdl_begin", "pdl_prefetch", "pdl_status", "pdl_supported", "prefetch_l2",
+__all__ = ["pdl_args", "pdl_begin", "pdl_prefetch", "pdl_status", "pdl_supported", "prefetch_l2",
            "prefetch_rows_l2"]
 
 
@@ -115,12 +115,10 @@ def _current_index() -> int:
     return torch.cuda.current_device()
 
 
-def pdl_prefetch(device, kind: str | None = None) -> bool:
+def pdl_prefetch(device) -> bool:
     """Whether the GEMV kernels prefetch their weight rows into L2 before PDL's wait (PDL on
-    ``device`` and ``LOCALMOE_PDL_PREFETCH=1``, or ``kind`` (the kernel's kind) started early:
-    :func:`early_kinds`)."""
-    return pdl_supported(device) and (os.environ.get("LOCALMOE_PDL_PREFETCH", "0") == "1"
-                                      or (kind is not None and kind in early_kinds()))
+    ``device`` and ``LOCALMOE_PDL_PREFETCH=1``)."""
+    return pdl_supported(device) and os.environ.get("LOCALMOE_PDL_PREFETCH", "0") == "1"
 
 
 #: ``LOCALMOE_PDL_ORDER`` -> the ``PDL`` constexpr of :func:`pdl_begin`
@@ -150,29 +148,13 @@ def _warn_order(name: str) -> None:
         "LOCALMOE_PDL_ORDER=%r is not one of %s; using at_exit", name, ", ".join(PDL_ORDERS))
 
 
-def pdl_args(device, before: str | None = None) -> dict:
+def pdl_args(device) -> dict:
     """Keyword arguments for a kernel launch on ``device`` whose kernel takes a ``PDL``
     constexpr and calls :func:`pdl_begin`: ``PDL`` (0, or :func:`pdl_order`'s mode) and, when
-    supported, ``launch_pdl``. ``before``: the kind of kernel that follows this one (e.g.
-    ``"gemv"``); when :func:`early_kinds` names it, this kernel lets it start right after its
-    own wait (``wait_first``), so that the next kernel's work before its wait (a prefetch of
-    its weights) overlaps this one."""
+    supported, ``launch_pdl``."""
     if pdl_supported(device):
-        mode = PDL_ORDERS["wait_first"] if before and before in early_kinds() else pdl_order()
-        return {"PDL": mode, "launch_pdl": True}
+        return {"PDL": pdl_order(), "launch_pdl": True}
     return {"PDL": 0}
-
-
-def early_kinds() -> frozenset:
-    """Kernels started while their predecessor still runs (``LOCALMOE_PDL_EARLY``, a comma
-    list; default none): ``gemv`` (the GEMVs after a norm or the attention's reduction, their
-    weights prefetched into L2 before their wait)."""
-    return _early_kinds(os.environ.get("LOCALMOE_PDL_EARLY", ""))
-
-
-@functools.lru_cache(maxsize=8)
-def _early_kinds(v: str) -> frozenset:
-    return frozenset(x.strip() for x in v.split(",") if x.strip())
 
 
 @triton.jit

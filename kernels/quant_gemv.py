@@ -829,7 +829,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         EVEN=(n % cfg["BN"] == 0 and split_chunks % cfg["CH"] == 0 and n_chunks % split_chunks == 0
               and t == next_pow2(t)),
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
-        PREFETCH=pdl_prefetch(y.device, "gemv") and w.nbytes <= _PREFETCH_MAX,
+        PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
         LINE=128 // ptrs[0].element_size(), WIDE=x.wide, STAGES=int(cfg.get("stages", 1)),
         num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
     if y is not out:

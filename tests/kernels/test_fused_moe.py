@@ -309,35 +309,3 @@ def test_routing_in_the_gate_up_launch(gating, norm, bias, split, e, top_k):
     with pytest.raises(ValueError, match="ids / weights buffers"):
         fused_moe(x, gu, wd, None, None, route=rt._replace(ids=ids_buf.long()))
 
-
-@pytest.mark.parametrize("gating,norm,bias,early,qts,t", [
-    ("softmax", True, False, 1, (8, 2), 3), ("softmax", False, False, 3, (12, 12), 1),
-    ("sigmoid", True, True, 2, (8, 2), 2)],
-    ids=["softmax-norm-early1", "softmax-q4k-early3", "sigmoid-bias-early2"])
-def test_down_started_early_computes_what_the_plain_down_does(gating, norm, bias, early, qts, t):
-    """The down launch's early start (fused_moe.py ``_early``; on the GPU launched while
-    launch 1 runs): it routes again from the logits before PDL's wait (and asks for its weight
-    rows ahead), so its output is the plain down launch's, bit for bit, for every gating."""
-    from localmoe.kernels.router import Routing
-
-    e, top_k = 12, 4
-    f, d = (256, 256) if 12 in qts else (64, 96)     # (Q4_K: K a multiple of 256)
-    gu, wd = experts(*qts, e, f, d, seed=41)
-    g = torch.Generator().manual_seed(41)
-    x = torch.randn(t, d, generator=g).to(DEV)
-    logits = torch.randn(t, e, generator=g).to(DEV)
-    sb = (torch.randn(e, generator=g) * 0.1).to(DEV) if bias else None
-    slot_of = torch.randperm(e, generator=g).to(torch.int32).to(DEV)
-
-    def run(mode):
-        ids = torch.full((t, top_k), -1, dtype=torch.int32, device=DEV)
-        w = torch.full((t, top_k), float("nan"), device=DEV)
-        rt = Routing(logits, top_k, gating, norm, 1.5, sb, ids, w)
-        cfg = {"gate_up": {"BN": 32, "CH": 2, "split": 2},
-               "down": {"BN": 8, "CH": 4, "num_warps": 2, "experts_tile": True, "early": mode}}
-        return fused_moe(x, gu, wd, None, None, slot_of=slot_of, config=cfg, route=rt), ids
-
-    (y0, ids0), (y1, ids1) = run(0), run(early)
-    assert torch.equal(ids0, ids1) and (ids0 >= 0).all()
-    assert torch.equal(y0, y1)
-    assert rel(y1, y0 * 0) > 0.5        # (not both zero)

@@ -33,25 +33,6 @@ def test_on_by_default_for_a_capable_gpu(gpu_that_can, monkeypatch):
     assert not pdl.pdl_prefetch(dev)
 
 
-def test_a_kernel_before_an_early_kind_signals_after_its_wait(gpu_that_can, monkeypatch):
-    """LOCALMOE_PDL_EARLY=gemv: the kernels before a GEMV (launched with before="gemv") let it
-    start right after their own wait, and the GEMV prefetches its weights; others unchanged."""
-    for k in ("LOCALMOE_PDL", "LOCALMOE_PDL_ORDER", "LOCALMOE_PDL_PREFETCH"):
-        monkeypatch.delenv(k, raising=False)
-    dev = torch.device("cuda", 0)
-    monkeypatch.delenv("LOCALMOE_PDL_EARLY", raising=False)
-    assert pdl.pdl_args(dev, before="gemv")["PDL"] == pdl.PDL_ORDERS["at_exit"]
-    assert not pdl.pdl_prefetch(dev, "gemv")
-    monkeypatch.setenv("LOCALMOE_PDL_EARLY", " gemv, other")
-    assert pdl.early_kinds() == {"gemv", "other"}
-    assert pdl.pdl_args(dev, before="gemv")["PDL"] == pdl.PDL_ORDERS["wait_first"]
-    assert pdl.pdl_args(dev, before="attention")["PDL"] == pdl.PDL_ORDERS["at_exit"]
-    assert pdl.pdl_args(dev)["PDL"] == pdl.PDL_ORDERS["at_exit"]
-    assert pdl.pdl_prefetch(dev, "gemv") and not pdl.pdl_prefetch(dev)
-    monkeypatch.setenv("LOCALMOE_PDL", "0")
-    assert pdl.pdl_args(dev, before="gemv") == {"PDL": 0}
-
-
 @pytest.mark.parametrize("order", ["signal_first", "wait_first", "at_exit"])
 def test_the_order_picks_the_kernels_mode(order, gpu_that_can, monkeypatch):
     monkeypatch.delenv("LOCALMOE_PDL", raising=False)
