@@ -13,9 +13,9 @@
 #                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
 #                                      the slot-table read, A/B/A/B (~8 min)
-#   benchmarks/gpu_session.sh early    the down launch started early (LOCALMOE_MOE_EARLY 0-3): GPU
-#                                      tests, both MoE launches A/B (~7 min); early-graph: the
-#                                      decode graph at context 0 by mode (EARLY_MODES) (~7 min)
+#   benchmarks/gpu_session.sh one      the one-token MoE in one launch (LOCALMOE_MOE_ONE_LAUNCH 0-3):
+#                                      GPU tests, the MoE A/B (~5 min); one-graph: the decode
+#                                      graph at context 0 by mode (ONE_MODES) (~6 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -30,7 +30,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|early|early-graph|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|one|one-graph|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -110,21 +110,21 @@ case "$STAGE" in
       done
     done
     ;;
-  early|early-graph)
-    # session 28: the down launch started early (LOCALMOE_MOE_EARLY: 1 routing recomputed before
-    # PDL's wait, 2/3 and its weight rows asked for into L2 / L1), gate/up signalling after its
-    # own wait. "early": the GPU tests, then both launches at 1 and 8 tokens from router logits,
-    # modes alternated twice in fresh processes; "early-graph": the decode graph at context 0
-    if [ "$STAGE" = early ]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-        -k "early or routing_in" >"$OUT/early-tests.log" 2>&1
-      say "tests rc=$?"; tail -3 "$OUT/early-tests.log"
+  one|one-graph)
+    # session 28: the one-token fused MoE in one launch (LOCALMOE_MOE_ONE_LAUNCH: 1 on, 2 / 3 the
+    # down rows prefetched into L2 / L1 before the wait for h). "one": the GPU tests, then both
+    # launches from router logits at 1 token, modes alternated twice in fresh processes;
+    # "one-graph": the decode graph at context 0 by mode (ONE_MODES)
+    if [ "$STAGE" = one ]; then
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+        -k "one_launch or routing_in" >"$OUT/one-tests.log" 2>&1
+      say "tests rc=$?"; tail -3 "$OUT/one-tests.log"
       for i in 1 2; do
         for m in 0 1 2 3; do
-          LOCALMOE_MOE_EARLY=$m timeout 80 python3 benchmarks/bench_quant_kernels.py \
-            --models qwen3-30b-a3b --tokens 1 8 --route --moe-only \
-            --out "$OUT/early$m-$i.json" >"$OUT/early$m-$i.log" 2>&1
-          say "early=$m rc=$?"; grep -E "^moe" "$OUT/early$m-$i.log" | head -2
+          LOCALMOE_MOE_ONE_LAUNCH=$m timeout 80 python3 benchmarks/bench_quant_kernels.py \
+            --models qwen3-30b-a3b olmoe-1b-7b --tokens 1 --route --moe-only \
+            --out "$OUT/one$m-$i.json" >"$OUT/one$m-$i.log" 2>&1
+          say "one=$m rc=$?"; grep -E "^moe" "$OUT/one$m-$i.log" | head -2
         done
       done
     else
@@ -132,10 +132,10 @@ case "$STAGE" in
         >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
       F=$(tail -1 "$OUT/file.log")
       for i in 1 2; do
-        for m in ${EARLY_MODES:-0 2 3}; do
-          LOCALMOE_MOE_EARLY=$m timeout 60 python3 benchmarks/graph_history.py "$F" fresh \
-            --host-only >"$OUT/graph-early$m-$i.jsonl" 2>"$OUT/graph-early$m-$i.err"
-          say "graph early=$m rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[^"]*"\|"decode_ms": [0-9.]*' "$OUT/graph-early$m-$i.jsonl" | tr '\n' ' '; echo
+        for m in ${ONE_MODES:-0 1 2 3}; do
+          LOCALMOE_MOE_ONE_LAUNCH=$m timeout 60 python3 benchmarks/graph_history.py "$F" fresh \
+            --host-only >"$OUT/graph-one$m-$i.jsonl" 2>"$OUT/graph-one$m-$i.err"
+          say "graph one=$m rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[^"]*"\|"decode_ms": [0-9.]*' "$OUT/graph-one$m-$i.jsonl" | tr '\n' ' '; echo
         done
       done
     fi

@@ -309,3 +309,77 @@ def test_routing_in_the_gate_up_launch(gating, norm, bias, split, e, top_k):
     with pytest.raises(ValueError, match="ids / weights buffers"):
         fused_moe(x, gu, wd, None, None, route=rt._replace(ids=ids_buf.long()))
 
+
+
+@pytest.mark.parametrize("gating,norm,bias,qts,split,mode", [
+    ("softmax", True, False, (8, 2), 2, "1"), ("softmax", False, False, (12, 12), 1, "3"),
+    ("sigmoid", True, True, (8, 2), 1, "2")],
+    ids=["softmax-norm-split2", "softmax-q4k-pf-l1", "sigmoid-bias-pf-l2"])
+def test_one_launch_computes_what_the_two_launches_do(gating, norm, bias, qts, split, mode,
+                                                      monkeypatch):
+    """LOCALMOE_MOE_ONE_LAUNCH (fused_moe.moe_one_launch): one token's gate/up and down items
+    taken by ticket in one launch, the down items waiting for all of h, give the two
+    launches' output, ids and weights bit for bit, and leave the counters at zero for the next
+    launch (a second call gives the same)."""
+    from localmoe.kernels import fused_moe as fm
+    from localmoe.kernels.router import Routing
+
+    e, top_k = 12, 4
+    f, d = (256, 256) if 12 in qts else (64, 96)     # (Q4_K: K a multiple of 256)
+    gu, wd = experts(*qts, e, f, d, seed=41)
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(1, d, generator=g).to(DEV)
+    logits = torch.randn(1, e, generator=g).to(DEV)
+    sb = (torch.randn(e, generator=g) * 0.1).to(DEV) if bias else None
+    slot_of = torch.randperm(e, generator=g).to(torch.int32).to(DEV)
+    cfg = {"gate_up": {"BN": 32, "CH": 2, "split": split},
+           "down": {"BN": 32, "CH": 2, "num_warps": 2, "experts_tile": True}}
+
+    def run():
+        ids = torch.full((1, top_k), -1, dtype=torch.int32, device=DEV)
+        w = torch.full((1, top_k), float("nan"), device=DEV)
+        rt = Routing(logits, top_k, gating, norm, 1.5, sb, ids, w)
+        return fused_moe(x, gu, wd, None, None, slot_of=slot_of, config=cfg, route=rt), ids, w
+
+    monkeypatch.setenv("LOCALMOE_MOE_ONE_LAUNCH", "0")
+    y0, ids0, w0 = run()
+    monkeypatch.setenv("LOCALMOE_MOE_ONE_LAUNCH", mode)
+    calls = []
+    orig = fm.moe_one_launch
+    monkeypatch.setattr(fm, "moe_one_launch", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    y1, ids1, w1 = run()
+    y2, _, _ = run()
+    assert len(calls) == 2                            # (the one-launch path ran)
+    assert torch.equal(ids0, ids1) and torch.equal(w0, w1) and (ids0 >= 0).all()
+    assert torch.equal(y0, y1) and torch.equal(y1, y2)
+    assert rel(y1, fused_moe_ref(x, gu, wd, ids0, w0, slot_of=slot_of)) < TOL["twin"]
+    assert fm._SYNC[str(torch.device(DEV))].abs().sum().item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["1", "2", "3"])
+@pytest.mark.parametrize("shape,qts", [((128, 768, 2048, 8), (12, 12)), ((64, 1024, 2048, 8), (12, 14))],
+                         ids=["qwen3-30b-a3b", "olmoe-1b-7b"])
+def test_one_launch_full_size_on_gpu(shape, qts, mode, monkeypatch):
+    """The one-launch MoE at full size, launched 20 times in a row (counters reset by each
+    launch): the two launches' output bit for bit, no host sync."""
+    from localmoe.kernels.router import Routing
+
+    e, f, d, top_k = shape
+    gu, wd = experts(*qts, e, f, d, seed=3)
+    x = quantize_act(torch.randn(1, d, device=DEV))
+    lg = torch.randn(1, e, device=DEV)
+    rt = Routing(lg, top_k, "softmax", True, 1.0, None,
+                 torch.empty(1, top_k, dtype=torch.int32, device=DEV), torch.empty(1, top_k, device=DEV))
+    cfg = {"down": {"experts_tile": True}}
+    monkeypatch.setenv("LOCALMOE_MOE_ONE_LAUNCH", "0")
+    y0 = fused_moe(x, gu, wd, None, None, config=cfg, route=rt).clone()
+    monkeypatch.setenv("LOCALMOE_MOE_ONE_LAUNCH", mode)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ys = [fused_moe(x, gu, wd, None, None, config=cfg, route=rt) for _ in range(20)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for y in ys:
+        assert torch.equal(y, y0)
