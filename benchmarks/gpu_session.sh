@@ -116,15 +116,21 @@ case "$STAGE" in
     # launches from router logits at 1 token, modes alternated twice in fresh processes;
     # "one-graph": the decode graph at context 0 by mode (ONE_MODES)
     if [ "$STAGE" = one ]; then
-      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-        -k "one_launch or routing_in" >"$OUT/one-tests.log" 2>&1
-      say "tests rc=$?"; tail -3 "$OUT/one-tests.log"
+      if [ "${ONE_TESTS:-1}" = 1 ]; then
+        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+          -k "one_launch or routing_in" >"$OUT/one-tests.log" 2>&1
+        say "tests rc=$?"; tail -3 "$OUT/one-tests.log"
+      fi
+      # variants: m:<mode> or m:<mode>:<down BN>:<down CH> (LOCALMOE_MOE_ONE_DOWN)
       for i in 1 2; do
-        for m in 0 1 2 3; do
-          LOCALMOE_MOE_ONE_LAUNCH=$m timeout 80 python3 benchmarks/bench_quant_kernels.py \
-            --models qwen3-30b-a3b olmoe-1b-7b --tokens 1 --route --moe-only \
-            --out "$OUT/one$m-$i.json" >"$OUT/one$m-$i.log" 2>&1
-          say "one=$m rc=$?"; grep -E "^moe" "$OUT/one$m-$i.log" | head -2
+        for v in ${ONE_VARIANTS:-0 1 1:8:32 1:8:16 2:8:16}; do
+          st=0; w=$v; [ "${v:0:1}" = s ] && { st=1; w=${v:1}; }   # s...: static items
+          IFS=: read -r m bn ch <<<"$w"
+          od=""; [ -n "$bn" ] && od="{\"BN\": $bn, \"CH\": $ch}"
+          LOCALMOE_MOE_ONE_STATIC=$st LOCALMOE_MOE_ONE_LAUNCH=$m LOCALMOE_MOE_ONE_DOWN="$od" timeout 80 python3 \
+            benchmarks/bench_quant_kernels.py --models qwen3-30b-a3b olmoe-1b-7b --tokens 1 \
+            --route --moe-only --out "$OUT/one${v//:/_}-$i.json" >"$OUT/one${v//:/_}-$i.log" 2>&1
+          say "one=$v rc=$?"; grep -E "^moe" "$OUT/one${v//:/_}-$i.log" | head -2
         done
       done
     else

@@ -78,6 +78,7 @@ experts).
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -220,7 +221,7 @@ def _moe_one_launch_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, out_ptr, ids_ptr, rw_
                            BND: tl.constexpr, CHD: tl.constexpr, EVEND: tl.constexpr,
                            ACT: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr,
                            SLOTS: tl.constexpr, PF: tl.constexpr, PF_LINES: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, STATIC: tl.constexpr = False):
     pdl_begin(PDL)
     # one token: every program routes it (as launch 1 does); the first writes ids and weights
     t = tl.program_id(0) * 0
@@ -236,7 +237,10 @@ def _moe_one_launch_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, out_ptr, ids_ptr, rw_
     # holding a gate/up ticket never waits, and every down ticket is handed out after the
     # last gate/up ticket, so a down item's wait for all of h cannot deadlock whatever the
     # grid and the residency
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    if STATIC:   # item p, then p + n_progs, ...: needs every program resident (GPU trials)
+        ticket = tl.program_id(0)
+    else:
+        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while ticket < n_items:
         if ticket < n_gu:
             pk = ticket % SPLIT
@@ -263,9 +267,15 @@ def _moe_one_launch_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, out_ptr, ids_ptr, rw_
                 _prefetch_spans(ddm_ptr, r0 * ddm_rs, nr * ddm_rb, PF_LINES, PF)
                 _prefetch_spans(dsc_ptr, r0 * dsc_rs, nr * dsc_rb, PF_LINES, PF)
                 _prefetch_spans(dmn_ptr, r0 * dmn_rs, nr * dmn_rb, PF_LINES, PF)
-            done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-            while done < n_gu:                 # every gate/up item finished: h is complete
+            if STATIC:
+                done = tl.load(sync_ptr + 1, volatile=True)
+                while done < n_gu:
+                    done = tl.load(sync_ptr + 1, volatile=True)
                 done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+            else:
+                done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
+                while done < n_gu:                 # every gate/up item finished: h is complete
+                    done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
             tl.debug_barrier()
             total = _down_et_tile(r_ids, r_wts, jm, kk, loc[None, :, None, None],
                                   (loc < D)[None, :, None, None], D, d_chunks, hq_ptr, hs_ptr,
@@ -274,7 +284,10 @@ def _moe_one_launch_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, out_ptr, ids_ptr, rw_
                                   QD, CVD, BND, CHD, TKP, EVEND, False, USE_ASM, WIDE, 1, SLOTS)
             tl.store(out_ptr + loc[None, :], total.to(out_ptr.dtype.element_ty),
                      mask=(loc < D)[None, :])
-        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+        if STATIC:
+            ticket += n_progs
+        else:
+            ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     # the last program out resets the counters for the next launch
     if tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel") == n_progs - 1:
         tl.atomic_xchg(sync_ptr, 0)
@@ -574,6 +587,9 @@ def _one_launch(x: QuantAct, w_gate_up: QuantTensor, w_down: QuantTensor, ids: t
               **cfg["down"])
     v = os.environ.get("LOCALMOE_MOE_ONE_LAUNCH")
     mode = int(v) if v in ("0", "1", "2", "3") else int(dn.get("one_launch", 0))
+    od = os.environ.get("LOCALMOE_MOE_ONE_DOWN")     # e.g. '{"BN": 8, "CH": 32}' (trials)
+    if od:
+        dn.update(json.loads(od))
     if not mode or not dn.get("experts_tile", False) or g["BN"] % 32 or (f2 // 2) % 32:
         return None
     return g, dn, mode - 1
@@ -636,7 +652,8 @@ def moe_one_launch(x: QuantAct, w_gate_up: QuantTensor, w_down: QuantTensor, rou
         EVEND=(d % bnd == 0 and d_chunks % chd == 0 and next_pow2(top_k) == top_k),
         ACT=ACTIVATIONS[activation], USE_ASM=gcfg.get("asm", use_asm()), WIDE=x.wide,
         SLOTS=slot_of is not None, PF=pf if use_asm() else 0, PF_LINES=next_pow2(cdiv(bnd * max(rb), 128) + 1),
-        num_warps=max(gcfg.get("num_warps", 4), dcfg.get("num_warps", 4)),
+        num_warps=gcfg.get("num_warps", 4),
+        STATIC=use_asm() and os.environ.get("LOCALMOE_MOE_ONE_STATIC", "0") == "1",
         **pdl_args(dev))
     return out
 
