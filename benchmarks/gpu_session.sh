@@ -13,9 +13,8 @@
 #                                      the allocator's reserved MiB, other histories (~8 min)
 #   benchmarks/gpu_session.sh slots    the MoE launches and the decode graph with and without
 #                                      the slot-table read, A/B/A/B (~8 min)
-#   benchmarks/gpu_session.sh one      the one-token MoE in one launch (LOCALMOE_MOE_ONE_LAUNCH 0-3):
-#                                      GPU tests, the MoE A/B (~5 min); one-graph: the decode
-#                                      graph at context 0 by mode (ONE_MODES) (~6 min)
+#   benchmarks/gpu_session.sh int2gap  int2 KV at 64k: the graph against its kernels' sum with the
+#                                      long-context tile varied (INT2_VARIANTS), f16 beside (~8 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -30,7 +29,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|one|one-graph|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -110,41 +109,35 @@ case "$STAGE" in
       done
     done
     ;;
-  one|one-graph)
-    # session 28: the one-token fused MoE in one launch (LOCALMOE_MOE_ONE_LAUNCH: 1 on, 2 / 3 the
-    # down rows prefetched into L2 / L1 before the wait for h). "one": the GPU tests, then both
-    # launches from router logits at 1 token, modes alternated twice in fresh processes;
-    # "one-graph": the decode graph at context 0 by mode (ONE_MODES)
-    if [ "$STAGE" = one ]; then
-      if [ "${ONE_TESTS:-1}" = 1 ]; then
-        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
-          -k "one_launch or routing_in" >"$OUT/one-tests.log" 2>&1
-        say "tests rc=$?"; tail -3 "$OUT/one-tests.log"
-      fi
-      # variants: m:<mode> or m:<mode>:<down BN>:<down CH> (LOCALMOE_MOE_ONE_DOWN)
-      for i in 1 2; do
-        for v in ${ONE_VARIANTS:-0 1 1:8:32 1:8:16 2:8:16}; do
-          st=0; w=$v; [ "${v:0:1}" = s ] && { st=1; w=${v:1}; }   # s...: static items
-          IFS=: read -r m bn ch <<<"$w"
-          od=""; [ -n "$bn" ] && od="{\"BN\": $bn, \"CH\": $ch}"
-          LOCALMOE_MOE_ONE_STATIC=$st LOCALMOE_MOE_ONE_LAUNCH=$m LOCALMOE_MOE_ONE_DOWN="$od" timeout 80 python3 \
-            benchmarks/bench_quant_kernels.py --models qwen3-30b-a3b olmoe-1b-7b --tokens 1 \
-            --route --moe-only --out "$OUT/one${v//:/_}-$i.json" >"$OUT/one${v//:/_}-$i.log" 2>&1
-          say "one=$v rc=$?"; grep -E "^moe" "$OUT/one${v//:/_}-$i.log" | head -2
-        done
-      done
-    else
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-        >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-      F=$(tail -1 "$OUT/file.log")
-      for i in 1 2; do
-        for m in ${ONE_MODES:-0 1 2 3}; do
-          LOCALMOE_MOE_ONE_LAUNCH=$m timeout 60 python3 benchmarks/graph_history.py "$F" fresh \
-            --host-only >"$OUT/graph-one$m-$i.jsonl" 2>"$OUT/graph-one$m-$i.err"
-          say "graph one=$m rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[^"]*"\|"decode_ms": [0-9.]*' "$OUT/graph-one$m-$i.jsonl" | tr '\n' ' '; echo
-        done
-      done
-    fi
+  int2gap)
+    # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the
+    # H200 with PDL off as on (f16: shorter), and one shared-memory carveout for every kernel
+    # made it worse. Does the split kernel's shape cause the gaps (8 waves of one-warp 16 KB
+    # programs)? The default int2 cache at 64k with the H200 table's long-context tile changed
+    # (LOCALMOE_LAUNCH_CONFIG files written here), against f16, in fresh processes
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    python3 - "$OUT" <<'PY'
+import copy, json, sys
+t = json.load(open("kernels/configs/nvidia_h200.json"))
+rule = next(r for r in t["tile"] if r.get("when", {}).get("k_chan") is True
+            and r["when"].get("k_fmt") == "int2" and "min" in r["when"].get("max_len", {}))
+for tag, ch in {"w4": {"waves": 4.0}, "w2": {"waves": 2.0},
+                "b64": {"block_n": 64, "num_warps": 2, "waves": 4.0},
+                "b128": {"block_n": 128, "num_warps": 4, "waves": 2.0}}.items():
+    v = copy.deepcopy(t)
+    next(r for r in v["tile"] if r == rule).update(ch)
+    json.dump(v, open(f"{sys.argv[1]}/lc-{tag}.json", "w"), indent=1)
+PY
+    for v in ${INT2_VARIANTS:-f16 base w4 w2 b64 b128}; do
+      kv=int2; lc=""
+      case "$v" in f16) kv=f16;; base) ;; *) lc="$OUT/lc-$v.json";; esac
+      LOCALMOE_LAUNCH_CONFIG=$lc timeout 100 python3 benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b \
+        --model-dir "$MODELS" --kv $kv --depths 65536 --no-eager --out "$OUT/int2gap-$v.json" \
+        >"$OUT/int2gap-$v.log" 2>&1
+      say "int2gap $v rc=$?"; grep -o '"graph_ms": [0-9.]*\|"tpot_generate_ms": [0-9.]*\|"kernel_us_per_token": [0-9.]*' "$OUT/int2gap-$v.log" | head -3 | tr '\n' ' '; echo
+    done
     ;;
   attn)
     # session 26 (static, sm_90): with the separate reduction kernel the int2:c/int2 split

@@ -69,6 +69,14 @@ at 8 tokens 89.9 -> 98.2 / 98.4; the Qwen3 decode graph 1.857-1.861 -> 1.910-1.9
 1.878-1.882 ms. Like sessions 16 and 21's prefetches: the extra requests delay the running
 launch's own loads more than the next launch gains.
 
+Also tried and dropped (session 28, ``pdl_early_h100-2026-12-05-s28.json``,
+``moe_one_launch-2026-12-05-s28.json``): launch 2 started while launch 1 runs (launch 1
+signalling PDL right after its wait, launch 2 routing again from the logits and prefetching
+its rows before its own wait): both launches at one token 18.68 -> 22.1-23.1 us, the decode
+graph +153 us (H100); and the one-token MoE as one launch (work items by an atomic ticket or
+statically, the down items waiting on a counter for all of h): 17.5 -> 25.2-25.8 us (H200).
+At one token launch 1's 384 programs of ~128-140 registers fill the SMs (3 per SM).
+
 Launch choices (BN, CH, warps, xb of each launch) come from the ``moe_gate_up`` and
 ``moe_down`` knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config`,
 tuned by ``benchmarks/bench_quant_kernels.py --sweep --write-config``): :func:`moe_config`.
@@ -77,9 +85,6 @@ experts).
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 import triton
@@ -137,34 +142,22 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     if ROUTE:
         # the token's routing from its logits, in every program; the first program of the
         # token writes the ids and weights for launch 2
-        r_ids, r_wts = _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K, EP, KP, GATE,
-                                    HAS_BIAS, NORM, PACKED)
+        ee = tl.arange(0, EP)
+        em = ee < E
+        lg = tl.load(lg_ptr + t.to(tl.int64) * lg_rs + ee, mask=em, other=float("-inf"))
         kk = tl.arange(0, KP)
         lead = pid_n + tl.program_id(2) + (pid - t * TOP_K)     # 0: the token's first program
         wm = (kk < TOP_K) & (kk * 0 + lead == 0)
+        if GATE == 0 and not HAS_BIAS:
+            r_ids, r_wts = _route_topk(lg, ee, em, EP, KP, NORM, rscale, TOP_K)
+        else:   # sigmoid gating or a selection bias: the router's own selection loop
+            r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE,
+                                      HAS_BIAS, NORM, PACKED)
         e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
         tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
         tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
     else:
         e = tl.load(ids_ptr + pid)
-    _gate_up_item(e, pid, pid_n, tl.program_id(2), tl.num_programs(0), t, xq_ptr, xs_ptr,
-                  hq_ptr, hs_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, p_ptr,
-                  cnt_ptr, F, n_chunks, split_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
-                  q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs, QTYPE, CV, BN, CH, ACT,
-                  EVEN, XB, USE_ASM, SPLIT, WIDE, STAGES, SLOTS)
-
-
-@triton.jit
-def _gate_up_item(e, pid, pid_n, pk, blocks, t, xq_ptr, xs_ptr, hq_ptr, hs_ptr, slot_ptr,
-                  q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, p_ptr, cnt_ptr,
-                  F, n_chunks, split_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
-                  q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs,
-                  QTYPE: tl.constexpr, CV: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
-                  ACT: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
-                  USE_ASM: tl.constexpr, SPLIT: tl.constexpr, WIDE: tl.constexpr,
-                  STAGES: tl.constexpr, SLOTS: tl.constexpr):
-    """Row block ``pid_n`` (of ``blocks``), K part ``pk`` of h's row ``pid`` (token ``t``,
-    expert ``e``): launch 1's work of one program."""
     slot = _slot(slot_ptr, e, e >= 0, SLOTS)
     loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
     rmask4 = (loc < 2 * F)[None, :, None, None]
@@ -173,7 +166,7 @@ def _gate_up_item(e, pid, pid_n, pk, blocks, t, xq_ptr, xs_ptr, hq_ptr, hs_ptr, 
     tmask4 = (tt >= 0)[:, None, None, None]
     xb4, xsb4 = _x_rows(xq_rs, xs_rs, tt, rows4, XB)
     acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
-    c_begin = pk * split_chunks
+    c_begin = tl.program_id(2) * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
     for c0 in tl.range(c_begin, c_end, CH, num_stages=STAGES):
         acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
@@ -190,9 +183,9 @@ def _gate_up_item(e, pid, pid_n, pk, blocks, t, xq_ptr, xs_ptr, hq_ptr, hs_ptr, 
         row = pid.to(tl.int64)
         lp = p_ptr + row * p_rs + loc[None, :]
         lm = (loc < 2 * F)[None, :]
-        tl.store(lp + pk.to(tl.int64) * p_ss, gu, mask=lm)
+        tl.store(lp + tl.program_id(2).to(tl.int64) * p_ss, gu, mask=lm)
         tl.debug_barrier()
-        cp = cnt_ptr + pid * blocks + pid_n
+        cp = cnt_ptr + pid * tl.num_programs(0) + pid_n
         if tl.atomic_add(cp, 1, sem="acq_rel") == SPLIT - 1:
             gu = tl.zeros([1, 2 * BN], dtype=tl.float32)
             for k in tl.static_range(SPLIT):
@@ -201,136 +194,6 @@ def _gate_up_item(e, pid, pid_n, pk, blocks, t, xq_ptr, xs_ptr, hq_ptr, hs_ptr, 
             tl.atomic_xchg(cp, 0)
     else:
         _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
-
-
-@triton.jit
-def _moe_one_launch_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, out_ptr, ids_ptr, rw_ptr, slot_ptr,
-                           gq_ptr, gqh_ptr, gd_ptr, gdm_ptr, gsc_ptr, gmn_ptr,
-                           dq_ptr, dqh_ptr, dd_ptr, ddm_ptr, dsc_ptr, dmn_ptr,
-                           p_ptr, cnt_ptr, sync_ptr, lg_ptr, rb_ptr,
-                           F, D, n_chunks, split_chunks, d_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
-                           gq_rs, gqh_rs, gd_rs, gdm_rs, gsc_rs, gmn_rs,
-                           dq_rs, dqh_rs, dd_rs, ddm_rs, dsc_rs, dmn_rs,
-                           p_ss, p_rs, E, lg_rs, rscale, blocks, n_gu, n_items, n_progs,
-                           dq_rb, dqh_rb, dd_rb, ddm_rb, dsc_rb, dmn_rb,
-                           TOP_K: tl.constexpr, TKP: tl.constexpr, EP: tl.constexpr,
-                           GATE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                           PACKED: tl.constexpr, QG: tl.constexpr, CVG: tl.constexpr,
-                           BNG: tl.constexpr, CHG: tl.constexpr, EVENG: tl.constexpr,
-                           SPLIT: tl.constexpr, QD: tl.constexpr, CVD: tl.constexpr,
-                           BND: tl.constexpr, CHD: tl.constexpr, EVEND: tl.constexpr,
-                           ACT: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr,
-                           SLOTS: tl.constexpr, PF: tl.constexpr, PF_LINES: tl.constexpr,
-                           PDL: tl.constexpr, STATIC: tl.constexpr = False):
-    pdl_begin(PDL)
-    # one token: every program routes it (as launch 1 does); the first writes ids and weights
-    t = tl.program_id(0) * 0
-    r_ids, r_wts = _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K, EP, TKP, GATE,
-                                HAS_BIAS, NORM, PACKED)
-    kk = tl.arange(0, TKP)
-    jm = kk < TOP_K
-    wm = jm & (kk * 0 + tl.program_id(0) == 0)
-    tl.store(ids_ptr + kk, r_ids, mask=wm)
-    tl.store(rw_ptr + kk, r_wts, mask=wm)
-    # work items in ticket order: first the gate/up items (one (row block, expert, K part)
-    # each, launch 1's programs), then the down items (BND rows over all experts). A program
-    # holding a gate/up ticket never waits, and every down ticket is handed out after the
-    # last gate/up ticket, so a down item's wait for all of h cannot deadlock whatever the
-    # grid and the residency
-    if STATIC:   # item p, then p + n_progs, ...: needs every program resident (GPU trials)
-        ticket = tl.program_id(0)
-    else:
-        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    while ticket < n_items:
-        if ticket < n_gu:
-            pk = ticket % SPLIT
-            r = ticket // SPLIT
-            pid_n = r % blocks
-            j = r // blocks
-            e = tl.sum(tl.where(kk == j, r_ids, 0), axis=0)
-            _gate_up_item(e, j, pid_n, pk, blocks, t, xq_ptr, xs_ptr, hq_ptr, hs_ptr, slot_ptr,
-                          gq_ptr, gqh_ptr, gd_ptr, gdm_ptr, gsc_ptr, gmn_ptr, p_ptr, cnt_ptr,
-                          F, n_chunks, split_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
-                          gq_rs, gqh_rs, gd_rs, gdm_rs, gsc_rs, gmn_rs, p_ss, p_rs,
-                          QG, CVG, BNG, CHG, ACT, EVENG, False, USE_ASM, SPLIT, WIDE, 1, SLOTS)
-            tl.debug_barrier()                 # the program's h stores before the count
-            tl.atomic_add(sync_ptr + 1, 1, sem="release")
-        else:
-            loc = (ticket - n_gu) * BND + tl.arange(0, BND)
-            if PF > 0:   # this item's down rows asked for before the wait for h
-                slot = _slot(slot_ptr, r_ids, jm, SLOTS)
-                r0 = slot * D + (ticket - n_gu) * BND
-                nr = tl.minimum(D - (ticket - n_gu) * BND, BND)
-                _prefetch_spans(dq_ptr, r0 * dq_rs, nr * dq_rb, PF_LINES, PF)
-                _prefetch_spans(dqh_ptr, r0 * dqh_rs, nr * dqh_rb, PF_LINES, PF)
-                _prefetch_spans(dd_ptr, r0 * dd_rs, nr * dd_rb, PF_LINES, PF)
-                _prefetch_spans(ddm_ptr, r0 * ddm_rs, nr * ddm_rb, PF_LINES, PF)
-                _prefetch_spans(dsc_ptr, r0 * dsc_rs, nr * dsc_rb, PF_LINES, PF)
-                _prefetch_spans(dmn_ptr, r0 * dmn_rs, nr * dmn_rb, PF_LINES, PF)
-            if STATIC:
-                done = tl.load(sync_ptr + 1, volatile=True)
-                while done < n_gu:
-                    done = tl.load(sync_ptr + 1, volatile=True)
-                done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-            else:
-                done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-                while done < n_gu:                 # every gate/up item finished: h is complete
-                    done = tl.atomic_add(sync_ptr + 1, 0, sem="acquire")
-            tl.debug_barrier()
-            total = _down_et_tile(r_ids, r_wts, jm, kk, loc[None, :, None, None],
-                                  (loc < D)[None, :, None, None], D, d_chunks, hq_ptr, hs_ptr,
-                                  slot_ptr, dq_ptr, dqh_ptr, dd_ptr, ddm_ptr, dsc_ptr, dmn_ptr,
-                                  hq_rs, hs_rs, dq_rs, dqh_rs, dd_rs, ddm_rs, dsc_rs, dmn_rs,
-                                  QD, CVD, BND, CHD, TKP, EVEND, False, USE_ASM, WIDE, 1, SLOTS)
-            tl.store(out_ptr + loc[None, :], total.to(out_ptr.dtype.element_ty),
-                     mask=(loc < D)[None, :])
-        if STATIC:
-            ticket += n_progs
-        else:
-            ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    # the last program out resets the counters for the next launch
-    if tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel") == n_progs - 1:
-        tl.atomic_xchg(sync_ptr, 0)
-        tl.atomic_xchg(sync_ptr + 1, 0)
-        tl.atomic_xchg(sync_ptr + 2, 0)
-
-
-@triton.jit
-def _route_token(lg_ptr, rb_ptr, t, lg_rs, E, rscale, TOP_K: tl.constexpr, EP: tl.constexpr,
-                 KP: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 NORM: tl.constexpr, PACKED: tl.constexpr):
-    """Token ``t``'s routing from its router logits (row ``t`` of ``lg_ptr``): ``(ids [KP],
-    weights [KP])``, by :func:`_route_topk` for softmax gating without a selection bias, else
-    by the router's own :func:`localmoe.kernels.router.route_pick`."""
-    ee = tl.arange(0, EP)
-    em = ee < E
-    lg = tl.load(lg_ptr + t.to(tl.int64) * lg_rs + ee, mask=em, other=float("-inf"))
-    if GATE == 0 and not HAS_BIAS:
-        r_ids, r_wts = _route_topk(lg, ee, em, EP, KP, NORM, rscale, TOP_K)
-    else:   # sigmoid gating or a selection bias: the router's own selection loop
-        r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE,
-                                  HAS_BIAS, NORM, PACKED)
-    return r_ids, r_wts
-
-
-@triton.jit
-def _prefetch_spans(ptr, start, nbytes, LINES: tl.constexpr, LEVEL: tl.constexpr):
-    """Ask for the 128-byte lines of the byte ranges ``[ptr + start[i], + nbytes)`` (``start``
-    ``[TKP]`` int64 element offsets of ``ptr``'s type) to be brought into L2 (``LEVEL`` 1) or
-    this SM's L1 (``LEVEL`` 2): PTX ``prefetch.global.L2`` / ``.L1``, weights only (no
-    ordering with other kernels' stores is needed)."""
-    a0 = (ptr + start).to(tl.int64)                                  # [TKP] byte addresses
-    line = tl.arange(0, LINES).to(tl.int64) * 128
-    a = (a0 & -128)[:, None] + line[None, :]
-    a = tl.where(a < (a0 + nbytes)[:, None], a, 0)                  # 0: not issued
-    if LEVEL == 1:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred %p; setp.ne.u64 %p, $1, 0; @%p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l", [a], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred %p; setp.ne.u64 %p, $1, 0; @%p prefetch.global.L1 [$1]; mov.u32 $0, 0; }",
-            "=r,l", [a], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -416,10 +279,18 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         pidv = t * TOP_K + jj
         e = tl.load(ids_ptr + pidv, mask=jm, other=0)
         wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
-        total = _down_et_tile(e, wgt, jm, pidv, loc4, rmask4, D, n_chunks, hq_ptr, hs_ptr,
-                              slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                              hq_rs, hs_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV,
-                              BN, CH, TKP, EVEN, XB, USE_ASM, WIDE, STAGES, SLOTS)
+        slot = _slot(slot_ptr, e, jm, SLOTS)
+        rows4 = slot[:, None, None, None] * D + loc4
+        tmask4 = jm[:, None, None, None]
+        xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
+        acc = tl.zeros([TKP, BN, CH, 1], dtype=tl.float32)
+        for c0 in tl.range(0, n_chunks, CH, num_stages=STAGES):
+            acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
+                         xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                         WIDE)
+        y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
+        total = tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
     else:
         total = _down_experts_unrolled(
             hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
@@ -427,31 +298,6 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
             WIDE, STAGES, SLOTS)
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
-
-
-@triton.jit
-def _down_et_tile(e, wgt, jm, pidv, loc4, rmask4, D, n_chunks, hq_ptr, hs_ptr, slot_ptr,
-                  q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                  hq_rs, hs_rs, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                  QTYPE: tl.constexpr, CV: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
-                  TKP: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
-                  USE_ASM: tl.constexpr, WIDE: tl.constexpr, STAGES: tl.constexpr,
-                  SLOTS: tl.constexpr):
-    """The weighted sum ``[1, BN]`` over a token's experts ``e [TKP]`` (weights ``wgt``,
-    ``jm`` the real ones, h rows ``pidv``) of the down rows ``loc4``, the experts as the
-    tile's first dimension."""
-    slot = _slot(slot_ptr, e, jm, SLOTS)
-    rows4 = slot[:, None, None, None] * D + loc4
-    tmask4 = jm[:, None, None, None]
-    xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
-    acc = tl.zeros([TKP, BN, CH, 1], dtype=tl.float32)
-    for c0 in tl.range(0, n_chunks, CH, num_stages=STAGES):
-        acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
-                     xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                     WIDE)
-    y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
-    return tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
 
 
 @triton.jit
@@ -560,102 +406,10 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         cfg[k].update(v)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
-    dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
-    one = _one_launch(xa, w_gate_up, w_down, ids, route, cfg)
-    if one is not None:
-        return moe_one_launch(xa, w_gate_up, w_down, route, slot_of, activation, out, dt,
-                              *one)
     h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
+    dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
                     config=cfg["down"])
-
-
-def _one_launch(x: QuantAct, w_gate_up: QuantTensor, w_down: QuantTensor, ids: torch.Tensor,
-                route: Routing | None, cfg: dict) -> tuple[dict, dict, int] | None:
-    """``(gate_up config, down config, prefetch)`` when :func:`fused_moe` runs as one launch
-    (:func:`moe_one_launch`), else None: one token, routed from logits, the down launch's
-    choice the experts tile, and ``LOCALMOE_MOE_ONE_LAUNCH`` set (``1``; ``2`` / ``3``: the
-    down rows prefetched into L2 / L1 before the wait for h) or the ``one_launch`` field of
-    the down launch's choice."""
-    t, top_k = ids.shape
-    if route is None or t != 1:
-        return None
-    e, f2, d = w_gate_up.shape
-    g = dict(moe_config("gate_up", t, top_k, e, d, f2 // 2, w_gate_up.qtype, ids.device),
-             **cfg["gate_up"])
-    dn = dict(moe_config("down", t, top_k, e, d, f2 // 2, w_down.qtype, ids.device),
-              **cfg["down"])
-    v = os.environ.get("LOCALMOE_MOE_ONE_LAUNCH")
-    mode = int(v) if v in ("0", "1", "2", "3") else int(dn.get("one_launch", 0))
-    od = os.environ.get("LOCALMOE_MOE_ONE_DOWN")     # e.g. '{"BN": 8, "CH": 32}' (trials)
-    if od:
-        dn.update(json.loads(od))
-    if not mode or not dn.get("experts_tile", False) or g["BN"] % 32 or (f2 // 2) % 32:
-        return None
-    return g, dn, mode - 1
-
-
-_SYNC: dict = {}
-
-
-def moe_one_launch(x: QuantAct, w_gate_up: QuantTensor, w_down: QuantTensor, route: Routing,
-                   slot_of: torch.Tensor | None, activation: str, out: torch.Tensor | None,
-                   dtype: torch.dtype, gcfg: dict, dcfg: dict, pf: int = 0) -> torch.Tensor:
-    """:func:`fused_moe` of one token in one launch (inputs checked there): the programs take
-    work items in ticket order (an atomic counter), first launch 1's (gate/up of a row block,
-    expert and K part), then launch 2's (``BN`` down rows over all the token's experts, the
-    experts tile), and a down item waits (an acquire counter) until every gate/up item has
-    written its h blocks. Saves the second launch's start and its dependent loads of the
-    ids; the same arithmetic in the same order as the two launches (bit for bit). ``pf`` 1 / 2:
-    a down item asks for its weight rows into L2 / L1 before that wait. Returns ``[1, D]``."""
-    e, f2, d = w_gate_up.shape
-    f = f2 // 2
-    top_k = route.top_k
-    dev = x.q.device
-    cvg, cvd = chunk_values(w_gate_up.qtype), chunk_values(w_down.qtype)
-    n_chunks = d // cvg
-    chg = min(gcfg["CH"], next_pow2(n_chunks))
-    split_chunks = cdiv(cdiv(n_chunks, max(1, gcfg.get("split", 1))), chg) * chg
-    split = cdiv(n_chunks, split_chunks)
-    blocks = cdiv(f, gcfg["BN"])
-    h = QuantAct.empty(top_k, f, dev, wide=x.wide)
-    p, cnt = _split_scratch(split, top_k, 2 * f, blocks, dev) if split > 1 else (h.d, h.d)
-    sync = _SYNC.get(str(dev))
-    if sync is None:     # ticket, finished gate/up items, programs out (the kernel resets them)
-        sync = _SYNC[str(dev)] = torch.zeros(4, dtype=torch.int32, device=dev)
-    if out is None:
-        out = torch.empty((1, d), dtype=dtype, device=dev)
-    d_chunks = f // cvd
-    chd = min(dcfg["CH"], next_pow2(d_chunks))
-    bnd = dcfg["BN"]
-    n_gu = blocks * top_k * split
-    n_items = n_gu + cdiv(d, bnd)
-    n_progs = int(dcfg.get("programs", 0) or n_gu)
-    gp, gs = plane_args(w_gate_up)
-    dp, ds = plane_args(w_down)
-    rb = [st * t.element_size() for t, st in zip(dp, ds)]
-    lg = route.logits
-    _moe_one_launch_kernel[(n_progs,)](
-        x.q, x.s, h.q, h.s, out, route.ids, route.weights,
-        route.ids if slot_of is None else slot_of, *gp, *dp, p, cnt, sync, lg,
-        route.selection_bias if route.selection_bias is not None else lg,
-        f, d, n_chunks, split_chunks, d_chunks, x.q.stride(0), x.s.stride(0),
-        h.q.stride(0), h.s.stride(0), *gs, *ds,
-        p.stride(0) if split > 1 else 0, p.stride(1) if split > 1 else 0,
-        e, lg.stride(0), float(route.expert_weights_scale), blocks, n_gu, n_items, n_progs,
-        *rb,
-        TOP_K=top_k, TKP=next_pow2(top_k), EP=next_pow2(e), GATE=GATING[route.gating],
-        HAS_BIAS=route.selection_bias is not None, NORM=route.norm_topk_prob,
-        PACKED=True, QG=w_gate_up.qtype, CVG=cvg, BNG=gcfg["BN"], CHG=chg,
-        EVENG=(f % gcfg["BN"] == 0 and split_chunks % chg == 0 and n_chunks % split_chunks == 0),
-        SPLIT=split, QD=w_down.qtype, CVD=cvd, BND=bnd, CHD=chd,
-        EVEND=(d % bnd == 0 and d_chunks % chd == 0 and next_pow2(top_k) == top_k),
-        ACT=ACTIVATIONS[activation], USE_ASM=gcfg.get("asm", use_asm()), WIDE=x.wide,
-        SLOTS=slot_of is not None, PF=pf if use_asm() else 0, PF_LINES=next_pow2(cdiv(bnd * max(rb), 128) + 1),
-        num_warps=gcfg.get("num_warps", 4),
-        STATIC=use_asm() and os.environ.get("LOCALMOE_MOE_ONE_STATIC", "0") == "1",
-        **pdl_args(dev))
-    return out
 
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,

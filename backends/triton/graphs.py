@@ -144,9 +144,6 @@ def _capture(g, step, pool, what: str):
     the caller goes on eagerly)."""
     out = step(g)
     torch.cuda.synchronize()
-    from localmoe.kernels import carveout
-    if carveout.requested() is not None:        # (a trial: LOCALMOE_SMEM_CARVEOUT)
-        carveout.apply(carveout.requested())
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
