@@ -251,7 +251,7 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
         nb_gu = statistics.mean(distinct) * 2 * f * row_gu
         nb_d = statistics.mean(distinct) * d * row_d
         gnb = statistics.mean(distinct) * (2 * f * grow_gu + d * grow_d)
-        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(t, d, generator=gen).to(dev, torch.bfloat16)   # (seeded: the twin check)
         if check:
             ids, w = rts[0]
             err = rel(fused_moe(x, gu, wd, ids, w, slot_of=slot), fused_moe_ref(x, gu, wd, ids, w))
