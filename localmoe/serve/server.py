@@ -139,10 +139,9 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     if not is_loopback(host) and not api_key:
         msg = (f"WARNING: serving on {host}:{port} without an API key; anyone who can reach "
                f"this address can use the model. Pass --api-key KEY or bind 127.0.0.1.")
-        log.warning(msg)
         import sys
 
-        print(msg, file=sys.stderr)
+        print(msg, file=sys.stderr)     # once (logging is configured only later, at the bind)
 
     failed: list[LocalMoEError] = []
     running: list = []  # the uvicorn.Server, for the loader to stop

@@ -121,6 +121,8 @@ def real_llm(request):
     from localmoe.api import LLM
     from tests.conftest import _real_model
 
+    pytest.importorskip("llama_cpp")       # (the [llamacpp] extra; the suite runs without it)
+
     m = LLM(str(_real_model(request.param)), backend="llamacpp", n_ctx=8192)
     yield m
     m.close()
