@@ -17,6 +17,7 @@ from typing import Any, Iterable
 from textual import work
 
 from localmoe.errors import ContextOverflowError, LocalMoEError
+from localmoe.io.store import DEFAULT_MODEL
 
 from .engine_api import EngineProtocol, build_sampling_params, expert_stats
 from .loading import NO_MODEL_HELP
@@ -105,7 +106,8 @@ class Generation:
             self._editing_id = None
         chat_id = self._ensure_saved_chat(text)
         msg = self.store.add_message(chat_id, "user", text)
-        self.store.set_model(chat_id, str(self.model) if self.model else None)
+        # (no model given: the default one is what loaded, as _ensure_saved_chat records)
+        self.store.set_model(chat_id, str(self.model) if self.model else DEFAULT_MODEL)
         prompt = self._chat_screen().query_one(PromptInput)
         prompt.remember(text)
         prompt.clear()

@@ -12,6 +12,7 @@ from pathlib import Path
 from textual import work
 
 from localmoe.errors import LocalMoEError
+from localmoe.io.store import DEFAULT_MODEL
 
 from .engine_api import EngineProtocol, expert_stats, sampling_defaults
 from .store import ChatSettings
@@ -104,8 +105,8 @@ class EngineLoading:
             self.model_defaults = sampling_defaults(getattr(engine.model_file, "metadata", None))
         except Exception:
             self.model_defaults = {}
-        if self.model is not None:
-            self.store.set_meta("last_model", str(self.model))
+        self.store.set_meta("last_model", str(self.model) if self.model is not None
+                            else DEFAULT_MODEL)
         rs = self._runner_stats()
         hit, gbps = expert_stats(rs)
         self._stats(status="", backend=getattr(engine, "backend_name", None),

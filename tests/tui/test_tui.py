@@ -328,6 +328,26 @@ def test_persistence_across_restart_and_continue(db):
     assert "remember me" in text and "fake-model" in text and "4" in text.splitlines()[1]
 
 
+def test_a_first_chat_without_a_model_records_the_default_model(db):
+    """Started without -m in a new store, the default model loads: the saved chat and the
+    store's last model name it (they were left empty, so --list showed no model and a later
+    reopen could run the chat on another model)."""
+    from localmoe.io.store import DEFAULT_MODEL
+
+    async def body():
+        app = make_app(db, FakeEngine(["hi there"]), model=None)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "first words")
+        return app.chat_id
+
+    chat_id = run(body())
+    store = ChatStore(db)
+    assert store.get_chat(chat_id).model == DEFAULT_MODEL
+    assert store.get_meta("last_model") == DEFAULT_MODEL
+    assert DEFAULT_MODEL in list_chats_text(store)
+
+
 def test_quit_mid_answer_keeps_partial_and_theme(db):
     """Ctrl+Q while streaming: the app exits cleanly, the partial answer is saved (and shown
     by --continue); the theme picked is restored on the next start."""
