@@ -1123,3 +1123,38 @@ def test_ollama_names_and_an_empty_backend(home, tmp_path):
     r = run(["generate", "-m", m, "--backend", " ", "-n", "1", "hi"])
     assert r.exit_code == 1 and r.stderr.strip().startswith("error: backend must not be empty"), \
         r.stderr
+
+
+def test_a_model_whose_chat_template_does_not_compile_runs_raw_and_refuses_chat(
+        home, tmp_path, monkeypatch):
+    """A GGUF whose chat template has a syntax error could not be used at all: generate
+    --raw and bench printed `error: the chat template has a syntax error ...` (exit 1). Now
+    they run, with one `warning:` line naming the error (said once); what needs the template
+    (generate without --raw, chat) is refused with that error as one line, as before."""
+    import localmoe.tui.app as tui_app
+    from localmoe.testing.synthetic import write_gguf
+
+    bad = str(write_gguf(tmp_path / "bad.gguf", "tiny-llama",
+                         chat_template="{% for m in messages %}{{ m.content }"))
+    syntax = "the chat template has a syntax error at line 1: unexpected '}'"
+    # a real process: stderr exactly as a user sees it (no log set up: a `warning:` line)
+    r = lm("generate", "-m", bad, "--backend", "torch", "--raw", "-n", "3", "--greedy", "hi",
+           timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [
+        f"warning: bad: {syntax}; loaded without it: plain completions work, chat with this "
+        f"model fails"], r.stderr
+    assert r.stdout.strip()
+    r = run(["bench", "-m", bad, "--backend", "torch", "-p", "4", "-n", "2", "-r", "1", "-t", "1"])
+    assert r.exit_code == 0, r.output
+    # the chat template is needed: the error itself, one line, before any weights load
+    from localmoe.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "load",
+                        lambda *a, **k: pytest.fail("loaded the weights"))
+    r = run(["generate", "-m", bad, "--backend", "torch", "-n", "3", "hi"])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr), syntax)
+    assert "warning" not in r.stderr
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: pytest.fail("opened the chat UI"))
+    r = run(["chat", "-m", bad])
+    assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr), syntax)

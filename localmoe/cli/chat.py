@@ -23,7 +23,8 @@ def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) 
 def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     """The checks ``LLM`` makes before loading weights, for commands that load later (chat):
     KV format, device, $LOCALMOE_THREADS, $LOCALMOE_ACT_PRECISION, model file, backend, context size. Raises the same
-    LocalMoEError."""
+    LocalMoEError; and the TemplateError of a chat template that does not compile (``LLM``
+    loads such a model for plain completions, but a chat has no use for it)."""
     from localmoe.engine.options import (check_act_env, check_backend_device, check_device,
                                          parse_kv_request)
     from localmoe.backends.registry import env_threads, select_backend
@@ -51,6 +52,11 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
             raise InvalidRequestError(
                 f"context size {n_ctx} is larger than the model's training context of {n_train} "
                 f"tokens; use a context size of at most {n_train}", param="n_ctx")
+        from localmoe.text.chat_template import ChatTemplate
+
+        src = ChatTemplate.model_source(mf)
+        if src is not None:  # none: a base model chats in a plain transcript
+            ChatTemplate.check(src)
     finally:
         mf.close()
 

@@ -53,6 +53,20 @@ def _token_id(t) -> int:
     return int(t)
 
 
+def _warn_template(template: Any, name: str) -> None:
+    """One warning line for a model whose chat template (or its ``tool_use`` variant) does not
+    compile and was loaded without it (``ChatTemplate.from_model(strict=False)``); nothing for
+    a good template or none."""
+    from localmoe.text.chat_template import BrokenChatTemplate, warn
+
+    if isinstance(template, BrokenChatTemplate):
+        warn(f"{name}: {template.error}; loaded without it: plain completions work, chat "
+             f"with this model fails")
+    elif getattr(template, "tool_error", None):
+        warn(f"{name}: the tool-use variant of its chat template is not used, requests with "
+             f"tools get the default template: {template.tool_error}")
+
+
 class Engine:
     """A loaded model ready to generate (docs/INTERFACES.md, "Engine / Python API").
 
@@ -72,6 +86,10 @@ class Engine:
             an exception it raises stops the load (``localmoe generate`` refuses a prompt
             longer than the context this way).
         **backend_options: passed to the backend's ``load`` (``n_threads``, ...).
+
+    A chat template that does not compile does not stop the load: it is logged once as a
+    warning, plain completions work and everything that needs the template (``chat_stream``,
+    ``generate(raw=False)``, :meth:`render_chat`) raises its TemplateError.
 
     Raises:
         ModelLoadError, UnsupportedModelError, BackendUnavailableError, KVCacheFormatError,
@@ -111,11 +129,16 @@ class Engine:
 
         tokenizer = Tokenizer.from_model(model_file)
         check_vocab_fits(tokenizer, model_file)
-        template = ChatTemplate.from_model(model_file, tokenizer)
+        # a template that does not compile loads as a BrokenChatTemplate: plain completions
+        # work, chat raises its TemplateError (as llama.cpp and Ollama load such a model)
+        template = ChatTemplate.from_model(model_file, tokenizer, strict=False)
         if before_load is not None:  # what the text helpers need; _setup sets them again
             self.tokenizer, self.template, self.n_ctx = tokenizer, template, ctx
             self.model_file, self.backend_name = model_file, be.name
             before_load(self)
+        # after before_load: a command that needs the template (`generate` without --raw)
+        # stops there with the error itself, not this warning and then the error
+        _warn_template(template, name)
         prog(0.2, f"loading weights ({be.name} backend)")
         if be.name == "triton" and progress is not None:
             backend_options.setdefault("load_progress", lambda done, total: prog(

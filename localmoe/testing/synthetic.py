@@ -233,7 +233,8 @@ def _gen(rng: np.random.Generator, p: Preset, t: _T, qtype: str):
     return quantize_blocks(x, qtype)
 
 
-def _metadata(p: Preset, tok: Tokenizer) -> list[tuple[str, str, Any]]:
+def _metadata(p: Preset, tok: Tokenizer,
+              chat_template: str | None = CHATML_TEMPLATE) -> list[tuple[str, str, Any]]:
     a = p.arch
     kv: list[tuple[str, str, Any]] = [
         ("general.name", "str", f"synthetic {p.name}"),
@@ -275,8 +276,9 @@ def _metadata(p: Preset, tok: Tokenizer) -> list[tuple[str, str, Any]]:
         ("tokenizer.ggml.eos_token_id", "u32", tok.eos_id),
         ("tokenizer.ggml.padding_token_id", "u32", tok.pad_id),
         ("tokenizer.ggml.add_bos_token", "bool", p.add_bos),
-        ("tokenizer.chat_template", "str", CHATML_TEMPLATE),
     ]
+    if chat_template is not None:
+        kv.append(("tokenizer.chat_template", "str", chat_template))
     for k, v in p.extra_kv.items():
         kv.append((k.replace("{arch}", a), "auto", v))
     return kv
@@ -313,7 +315,8 @@ def _add_kv(w, key: str, kind: str, val: Any) -> None:
 
 
 def write_gguf(path: str | Path, preset: str | Preset, seed: int = 0, *, quant: str | None = None,
-               n_layers: int | None = None, split_max_tensors: int = 0) -> Path:
+               n_layers: int | None = None, split_max_tensors: int = 0,
+               chat_template: str | None = CHATML_TEMPLATE) -> Path:
     """Write a random-weight GGUF file for ``preset`` (a :data:`PRESETS` key or a :class:`Preset`).
 
     Args:
@@ -324,6 +327,8 @@ def write_gguf(path: str | Path, preset: str | Preset, seed: int = 0, *, quant: 
         quant: override the storage of every weight matrix: ``"f32"``, ``"f16"``, ``"q8_0"``,
             ``"q4_k"``, ... or ``"mixed"`` (norms and routers stay F32).
         n_layers: write only this many layers (e.g. a 4-layer Qwen3-30B-A3B for quick benchmarks).
+        chat_template: the ``tokenizer.chat_template`` text (default ChatML; None writes no
+            template, as a base model has none; any text is written as is, a broken one too).
     Returns:
         Path of the file (first shard when split).
 
@@ -339,7 +344,7 @@ def write_gguf(path: str | Path, preset: str | Preset, seed: int = 0, *, quant: 
     vocab = len(tok.tokens)
     plan = _plan(p, vocab)
     w = gguf.GGUFWriter(path, p.arch, split_max_tensors=split_max_tensors)
-    for key, kind, val in _metadata(p, tok):
+    for key, kind, val in _metadata(p, tok, chat_template):
         _add_kv(w, key, kind, val)
     storages = []
     for t in plan:

@@ -89,7 +89,13 @@ def _warn_env(name: str, raw: str, default: float) -> None:
     server's, which names the level), else on stderr as the command line's other warnings
     (``warning: ...``). The default reads as the user would write it (8388608, not 8.38861e+06)."""
     shown = str(int(default)) if float(default).is_integer() else f"{default:g}"
-    msg = f"{name}={raw!r} is not a positive number; using {shown}"
+    warn(f"{name}={raw!r} is not a positive number; using {shown}")
+
+
+def warn(msg: str) -> None:
+    """One warning about a chat template: into the log where one is set up (the server's,
+    which names the level), else on stderr as the command line's other warnings
+    (``warning: ...``; logging's last resort would print it bare)."""
     log = logging.getLogger(__name__)
     if log.hasHandlers():
         log.warning(msg)
@@ -583,6 +589,8 @@ class ChatTemplate:
         self.tool_source = tool_source if isinstance(tool_source, str) and tool_source.strip() else None
         self._tool_tpl = self._compile(self.tool_source) if self.tool_source else None
         self._renders_bos: bool | None = None
+        #: why the model's ``tool_use`` variant was dropped (``from_model(strict=False)``)
+        self.tool_error: str | None = None
 
     @staticmethod
     def _compile(source: str):
@@ -599,21 +607,43 @@ class ChatTemplate:
         except Exception as e:
             raise TemplateError(f"the chat template cannot be compiled: {e}") from e
 
+    @staticmethod
+    def check(source: str) -> None:
+        """Compile ``source`` and drop it: raises what the constructor would for it.
+
+        Raises:
+            TemplateError: the template does not parse (or is too long to be compiled).
+        """
+        ChatTemplate._compile(source)
+
+    @staticmethod
+    def model_source(model_file: Any) -> str | None:
+        """The default template text of ``model_file``, or None when it has none."""
+        src = getattr(model_file, "chat_template", None)
+        if src is None:
+            src = (getattr(model_file, "metadata", None) or {}).get("tokenizer.chat_template")
+        return src if src and isinstance(src, str) and src.strip() else None
+
     @classmethod
-    def from_model(cls, model_file: Any, tokenizer: Any) -> "ChatTemplate | None":
+    def from_model(cls, model_file: Any, tokenizer: Any, *,
+                   strict: bool = True) -> "ChatTemplate | BrokenChatTemplate | None":
         """The template of a loaded model, or None when the model has none (base models).
 
         Args:
             model_file: a ``ModelFile`` (``.chat_template`` or ``.metadata["tokenizer.chat_template"]``).
             tokenizer: the model's ``Tokenizer`` (BOS/EOS texts, control-token texts).
+            strict: False keeps a model whose template does not compile usable without it
+                (as llama.cpp and Ollama do): a :class:`BrokenChatTemplate` in its place
+                (every render raises its TemplateError), and a ``tool_use`` variant that does
+                not compile is dropped (the default template serves requests with tools too;
+                ``.tool_error`` says why). Reporting either is the caller's.
         Raises:
-            TemplateError: the template does not parse.
+            TemplateError: with ``strict``, the template (or its ``tool_use`` variant) does not
+                parse.
         """
         md = getattr(model_file, "metadata", None) or {}
-        src = getattr(model_file, "chat_template", None)
+        src = cls.model_source(model_file)
         if src is None:
-            src = md.get("tokenizer.chat_template")
-        if not src or not isinstance(src, str):
             return None
 
         def text(i):
@@ -626,8 +656,20 @@ class ChatTemplate:
             ctl = [text(i) for i in tokenizer.control_ids]
         except Exception:
             pass
-        return cls(src, bos_token=text(tokenizer.bos_id), eos_token=text(tokenizer.eos_id),
-                   control_tokens=ctl, tool_source=md.get("tokenizer.chat_template.tool_use"))
+        bos, eos = text(tokenizer.bos_id), text(tokenizer.eos_id)
+        try:
+            return cls(src, bos_token=bos, eos_token=eos, control_tokens=ctl,
+                       tool_source=md.get("tokenizer.chat_template.tool_use"))
+        except TemplateError as e:
+            if strict:
+                raise
+            first = e
+        try:  # the default template alone (it compiles first: the error may be its own)
+            tpl = cls(src, bos_token=bos, eos_token=eos, control_tokens=ctl)
+        except TemplateError as e:
+            return BrokenChatTemplate(src, e, bos_token=bos, eos_token=eos)
+        tpl.tool_error = str(first)  # the tool_use variant's
+        return tpl
 
     # ------------------------------------------------------------------ render
     def _render(self, messages: list[dict], tools, add_generation_prompt: bool, extra: dict,
@@ -745,3 +787,45 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars, bos={self.bos_token!r}, eos={self.eos_token!r})"
+
+
+class BrokenChatTemplate:
+    """The chat template of a model whose template does not compile: the model loads and
+    serves plain completions; everything that needs the template raises the compile error
+    (:meth:`render`, :meth:`render_marked`, :meth:`encode`), as loading used to.
+
+    Args:
+        source: the template text that does not compile.
+        error: its TemplateError (the message is raised again, unchanged, by every render).
+        bos_token / eos_token: as for :class:`ChatTemplate`.
+    """
+
+    control_tokens: tuple[str, ...] = ()
+    tool_source = None
+    tool_error = None
+    renders_bos = False
+
+    def __init__(self, source: str, error: TemplateError, bos_token: str = "",
+                 eos_token: str = ""):
+        self.source = source
+        self.error = str(error)
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+
+    def _fail(self):
+        raise TemplateError(self.error)
+
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        """Raises TemplateError: the template does not compile."""
+        self._fail()
+
+    def render_marked(self, *args: Any, **kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+        """Raises TemplateError: the template does not compile."""
+        self._fail()
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        """Raises TemplateError: the template does not compile."""
+        self._fail()
+
+    def __repr__(self) -> str:
+        return f"BrokenChatTemplate({len(self.source)} chars: {self.error})"

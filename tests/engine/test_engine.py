@@ -951,3 +951,89 @@ def test_wrong_argument_types_are_request_errors():
         with pytest.raises(InvalidRequestError):
             case()
     assert llm.count_tokens("x") >= 1 and not llm.runner.closed
+
+
+BROKEN_TEMPLATE = "{% for m in messages %}{{ m.content }"   # Jinja: unexpected '}'
+
+
+def test_a_chat_template_that_does_not_compile_loads_for_plain_completions(tmp_path, caplog):
+    """A model whose embedded chat template has a syntax error could not be loaded at all
+    (LLM raised the TemplateError), not even for a raw completion: it loads with one warning
+    naming the error; raw generation works; chat, generate(raw=False) and render_chat raise
+    the same TemplateError (a LocalMoEError) loading used to."""
+    import logging
+
+    from localmoe.errors import TemplateError
+    from localmoe.testing.synthetic import write_gguf
+
+    path = write_gguf(tmp_path / "bad.gguf", "tiny-llama", chat_template=BROKEN_TEMPLATE)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(path, backend="torch", n_ctx=64)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("bad: the chat template has a syntax error at line 1: "
+                                "unexpected '}'") and "plain completions work" in warned[0]
+    try:
+        r = llm.generate("hello", raw=True, max_tokens=3, temperature=0)
+        assert r.completion_tokens == 3
+        want = "the chat template has a syntax error at line 1: unexpected '}'"
+        msgs = [{"role": "user", "content": "hi"}]
+        for call in (lambda: llm.chat(msgs, max_tokens=2),
+                     lambda: llm.chat(msgs, max_tokens=2, stream=True),
+                     lambda: llm.generate("hi", raw=False, max_tokens=2),
+                     lambda: llm.chat_stream(msgs),
+                     lambda: llm.render_chat(msgs)):
+            with pytest.raises(TemplateError) as e:
+                out = call()
+                if not isinstance(out, (str, dict)):
+                    next(iter(out))   # a stream raises when first advanced at the latest
+            assert isinstance(e.value, LocalMoEError) and str(e.value) == want
+        # the engine still works after the refusals
+        assert llm.generate("hello", max_tokens=2, temperature=0).completion_tokens == 2
+    finally:
+        llm.close()
+
+
+def test_a_tool_use_template_that_does_not_compile_is_dropped_with_a_warning(tmp_path, caplog):
+    """A broken ``tokenizer.chat_template.tool_use`` variant stopped the load too: the model
+    loads with the default template (chat with and without tools works) and one warning."""
+    import logging
+
+    from localmoe.io.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    mf = open_model(write_gguf(tmp_path / "t.gguf", "tiny-llama"))
+    mf.metadata["tokenizer.chat_template.tool_use"] = BROKEN_TEMPLATE
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(mf, backend="torch", n_ctx=128)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "tool-use variant" in warned[0] and "line 1" in warned[0], warned
+    try:
+        assert llm.template.tool_source is None and llm.template.tool_error
+        msgs = [{"role": "user", "content": "hi"}]
+        assert "<|im_start|>user\nhi" in llm.render_chat(msgs)
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        assert llm.tokenizer.decode(llm.prompt_ids(messages=msgs, tools=[tool])).endswith(
+            llm.render_chat(msgs))   # the default template, which ignores tools
+    finally:
+        llm.close()
+
+
+def test_good_and_missing_chat_templates_load_without_a_warning(tmp_path, caplog):
+    import logging
+
+    from localmoe.text.chat_template import ChatTemplate
+    from localmoe.testing.synthetic import write_gguf
+
+    good = write_gguf(tmp_path / "good.gguf", "tiny-llama")
+    base = write_gguf(tmp_path / "base.gguf", "tiny-llama", chat_template=None)
+    with caplog.at_level(logging.WARNING):
+        a, b = LLM(good, backend="torch", n_ctx=64), LLM(base, backend="torch", n_ctx=64)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    try:
+        assert type(a.template) is ChatTemplate and b.template is None
+        assert a.render_chat([{"role": "user", "content": "hi"}]).startswith("<|im_start|>")
+        assert b.render_chat([{"role": "user", "content": "hi"}]) == "User: hi\nAssistant:"
+    finally:
+        a.close()
+        b.close()

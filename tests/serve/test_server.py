@@ -830,6 +830,57 @@ def test_load_failure_is_reported_not_raised():
         srv.stop()
 
 
+def test_a_chat_template_that_does_not_compile_serves_completions_and_refuses_chat(tmp_path,
+                                                                                      caplog):
+    """A GGUF whose chat template has a syntax error: /health reported the load as failed and
+    every request got a 503 model_load_failed, /v1/completions too (it needs no template).
+    Now the server is ready (the error logged once as a warning), /v1/completions answers and
+    /v1/chat/completions gets the template failure's 400 naming the syntax error."""
+    import logging
+
+    from localmoe.serve.server import create_app, warm_up
+    from localmoe.testing.synthetic import write_gguf
+
+    bad = write_gguf(tmp_path / "bad.gguf", "tiny-llama",
+                     chat_template="{% for m in messages %}{{ m.content }")
+
+    def factory():  # as `localmoe serve` loads it
+        from localmoe.api import LLM
+
+        llm = LLM(bad, backend="torch", n_ctx=64)
+        warm_up(llm)
+        return llm
+
+    with caplog.at_level(logging.WARNING):
+        srv = LiveServer(create_app(factory, model_name="bad"))
+        try:
+            deadline = time.time() + 60
+            while httpx.get(srv.url + "/health").json()["status"] == "loading":
+                assert time.time() < deadline
+                time.sleep(0.05)
+            r = httpx.get(srv.url + "/health")
+            assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+            r = httpx.post(srv.url + "/v1/completions",
+                           json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 3
+            for stream in (False, True):
+                r = httpx.post(srv.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error" and err["param"] == "messages"
+                assert err["message"] == ("the chat template could not render these messages: "
+                                          "the chat template has a syntax error at line 1: "
+                                          "unexpected '}'"), err
+        finally:
+            srv.stop()
+    said = [(r.levelname, r.getMessage()) for r in caplog.records
+            if "syntax error" in r.getMessage()]
+    assert len(said) == 1 and said[0][0] == "WARNING", said
+    assert said[0][1].startswith("bad: the chat template has a syntax error at line 1"), said
+
+
 # ----------------------------------------------------------------- concurrency, disconnect
 
 def test_eight_concurrent_requests_all_complete_correctly(live):

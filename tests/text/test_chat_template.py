@@ -330,3 +330,38 @@ def test_a_bad_template_limit_variable_falls_back_with_a_warning(raw, monkeypatc
     assert f"LOCALMOE_TEMPLATE_SECONDS={raw!r} is not a positive number; using 2" in caplog.text
     monkeypatch.setenv("LOCALMOE_TEMPLATE_SECONDS", "0.5")
     assert ct.TemplateLimits().seconds == 0.5
+
+
+def test_from_model_not_strict_keeps_a_template_that_does_not_compile_as_its_error():
+    """from_model(strict=False) (the engine's load): a default template with a syntax error
+    is a BrokenChatTemplate whose every render raises the compile error; a broken tool_use
+    variant is dropped (tool_error says why); strict (the default) still raises."""
+    from localmoe.text.chat_template import BrokenChatTemplate
+
+    class Tok:
+        bos_id = eos_id = None
+        control_ids = ()
+
+    def mf(default, tool=None):
+        return type("MF", (), {"chat_template": default,
+                               "metadata": {"tokenizer.chat_template.tool_use": tool}})()
+
+    want = "the chat template has a syntax error at line 1: unexpected '}'"
+    with pytest.raises(TemplateError, match="syntax error"):
+        ChatTemplate.from_model(mf("{{ x }"), Tok())
+    broken = ChatTemplate.from_model(mf("{{ x }"), Tok(), strict=False)
+    assert isinstance(broken, BrokenChatTemplate) and broken.error == want
+    assert not broken.renders_bos
+    for call in (broken.render, broken.render_marked, lambda m: broken.encode(Tok(), m)):
+        with pytest.raises(TemplateError) as e:
+            call([{"role": "user", "content": "x"}])
+        assert str(e.value) == want
+    with pytest.raises(TemplateError):
+        ChatTemplate.from_model(mf("ok", "{% if %}"), Tok())
+    tpl = ChatTemplate.from_model(mf("ok:{{ messages[0].content }}", "{% if %}"), Tok(),
+                                  strict=False)
+    assert type(tpl) is ChatTemplate and tpl.tool_source is None and "syntax error" in tpl.tool_error
+    assert tpl.render([{"role": "user", "content": "q"}], tools=TOOLS) == "ok:q"
+    good = ChatTemplate.from_model(mf("ok", "tools"), Tok(), strict=False)
+    assert good.tool_source == "tools" and good.tool_error is None
+    assert ChatTemplate.from_model(mf(None), Tok(), strict=False) is None
