@@ -1147,6 +1147,10 @@ def test_a_model_whose_chat_template_does_not_compile_runs_raw_and_refuses_chat(
     assert r.stdout.strip()
     r = run(["bench", "-m", bad, "--backend", "torch", "-p", "4", "-n", "2", "-r", "1", "-t", "1"])
     assert r.exit_code == 0, r.output
+    # info says so (it said "yes")
+    r = run(["info", bad])
+    assert r.exit_code == 0 and f"does not compile ({syntax}): plain completions only" in r.output
+    assert json.loads(run(["info", "--json", bad]).output)["chat_template_error"] == syntax
     # the chat template is needed: the error itself, one line, before any weights load
     from localmoe.backends import torch_backend
 

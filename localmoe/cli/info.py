@@ -11,6 +11,21 @@ from localmoe.cli.options import KV_INFO_FORMATS
 from localmoe.errors import LocalMoEError
 
 
+def _template_error(model_file) -> str | None:
+    """Why ``model_file``'s chat template does not compile, or None (it does, or it has none)."""
+    from localmoe.errors import TemplateError
+    from localmoe.text.chat_template import ChatTemplate
+
+    src = ChatTemplate.model_source(model_file)
+    if src is None:
+        return None
+    try:
+        ChatTemplate.check(src)
+    except TemplateError as e:
+        return str(e)
+    return None
+
+
 def model_info(model_file, model: str | None = None) -> dict[str, Any]:
     """Facts about a model for ``localmoe info`` (pure; used by tests).
 
@@ -23,7 +38,8 @@ def model_info(model_file, model: str | None = None) -> dict[str, Any]:
     ``general.name`` of a GGUF), path, format, architecture, params_total, params_active,
     n_experts, top_k, n_shared_experts, d_ff_expert, n_layers, d_model, n_heads, n_kv_heads,
     head_dim, context (training context in tokens), n_ctx_default (the context a run gets
-    without --ctx-size, tokens), chat_template (bool), quant_mix ({qtype: {"tensors": n,
+    without --ctx-size, tokens), chat_template (bool), chat_template_error (why a template
+    does not compile, else None: such a model runs plain completions only), quant_mix ({qtype: {"tensors": n,
     "bytes": b}}), kv_bytes_per_token ({format: bytes per token or None}, formats of
     :data:`KV_INFO_FORMATS`: ``"int4"`` is the default per-channel keys, ``"int4:t"`` per-token
     keys), kv_key_grouping ({format: "channel" | "token" | None for float/fp4 keys}).
@@ -70,7 +86,8 @@ def model_info(model_file, model: str | None = None) -> dict[str, Any]:
         "n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
         "vocab_size": spec.vocab_size, "context": spec.n_ctx_train, "n_ctx_default": n_ctx_default,
         "sliding_window": spec.sliding_window,
-        "chat_template": bool(model_file.chat_template), "quant_mix": mix,
+        "chat_template": bool(model_file.chat_template),
+        "chat_template_error": _template_error(model_file), "quant_mix": mix,
         "kv_bytes_per_token": kv, "kv_key_grouping": grouping,
     }
 
@@ -120,7 +137,9 @@ def info(model, model_opt, as_json):
                   f"{d['n_kv_heads']} kv heads, head_dim {d['head_dim']}, vocab {d['vocab_size']}"),
         ("context", f"{d['context']} tokens" + (f" (sliding window {d['sliding_window']})"
                                                  if d["sliding_window"] else "")),
-        ("chat template", "yes" if d["chat_template"] else "no"),
+        ("chat template", ("no" if not d["chat_template"] else "yes" if not d["chat_template_error"]
+                           else f"does not compile ({d['chat_template_error']}): plain "
+                                f"completions only")),
         ("quant mix", ", ".join(f"{q}: {v['tensors']} tensor{'s' if v['tensors'] != 1 else ''} {format_size(v['bytes'])}"
                                 for q, v in sorted(d["quant_mix"].items(),
                                                    key=lambda kv: -kv[1]["bytes"]))),
