@@ -178,6 +178,14 @@ class LiveServer:
             assert time.time() < deadline, "server did not start"
             time.sleep(0.02)
 
+    def wait_loaded(self, seconds: float = 10.0) -> httpx.Response:
+        """Poll /health until the model is no longer loading; the last answer."""
+        deadline = time.time() + seconds
+        while (r := httpx.get(self.url + "/health")).json()["status"] == "loading":
+            assert time.time() < deadline, "still loading"
+            time.sleep(0.02)
+        return r
+
     def client(self, key="none", **kw):
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
                              timeout=60, **kw)
@@ -817,11 +825,7 @@ def test_load_failure_is_reported_not_raised():
 
     srv = LiveServer(create_app(factory, model_name="broken"))
     try:
-        deadline = time.time() + 10
-        while httpx.get(srv.url + "/health").json()["status"] == "loading":
-            assert time.time() < deadline
-            time.sleep(0.02)
-        r = httpx.get(srv.url + "/health")
+        r = srv.wait_loaded(10)
         assert r.status_code == 503 and "truncated" in r.json()["error"]
         r = httpx.post(srv.url + "/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": "hi"}]})
@@ -854,11 +858,7 @@ def test_a_chat_template_that_does_not_compile_serves_completions_and_refuses_ch
     with caplog.at_level(logging.WARNING):
         srv = LiveServer(create_app(factory, model_name="bad"))
         try:
-            deadline = time.time() + 60
-            while httpx.get(srv.url + "/health").json()["status"] == "loading":
-                assert time.time() < deadline
-                time.sleep(0.05)
-            r = httpx.get(srv.url + "/health")
+            r = srv.wait_loaded(60)
             assert r.status_code == 200 and r.json()["status"] == "ok", r.text
             r = httpx.post(srv.url + "/v1/completions",
                            json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
