@@ -235,7 +235,7 @@ def bench_moe(model, m, tokens_list, dev, check=True, configs=None, stages=("bot
     weights in L2 (rows ``moe_gate_up_l2`` / ``moe_down_l2``); ``slot_table``: the kernels
     read expert ids through an (identity) slot table, as with offloaded experts; ``route``:
     ``both_xq`` routes from router logits as the decode step does (launch 1 computes the
-    top-k; ``LOCALMOE_MOE_EARLY`` then applies), the logits picking each rotation's experts."""
+    top-k), the logits picking each rotation's experts."""
     rows = []
     if l2:
         stages = tuple(stages) + tuple(s for s in ("gate_up", "down") if s not in stages)

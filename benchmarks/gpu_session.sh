@@ -116,18 +116,17 @@ case "$STAGE" in
     # programs)? The default int2 cache at 64k with the H200 table's long-context tile changed
     # (LOCALMOE_LAUNCH_CONFIG files written here), against f16, in fresh processes
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }   # (written before the timed runs)
     python3 - "$OUT" <<'PY'
 import copy, json, sys
 t = json.load(open("kernels/configs/nvidia_h200.json"))
-rule = next(r for r in t["tile"] if r.get("when", {}).get("k_chan") is True
-            and r["when"].get("k_fmt") == "int2" and "min" in r["when"].get("max_len", {}))
+i = next(i for i, r in enumerate(t["tile"]) if r.get("when", {}).get("k_chan") is True
+         and r["when"].get("k_fmt") == "int2" and "min" in r["when"].get("max_len", {}))
 for tag, ch in {"w4": {"waves": 4.0}, "w2": {"waves": 2.0},
                 "b64": {"block_n": 64, "num_warps": 2, "waves": 4.0},
                 "b128": {"block_n": 128, "num_warps": 4, "waves": 2.0}}.items():
     v = copy.deepcopy(t)
-    next(r for r in v["tile"] if r == rule).update(ch)
+    v["tile"][i].update(ch)
     json.dump(v, open(f"{sys.argv[1]}/lc-{tag}.json", "w"), indent=1)
 PY
     for v in ${INT2_VARIANTS:-f16 base w4 w2 b64 b128}; do

@@ -52,11 +52,12 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
             raise InvalidRequestError(
                 f"context size {n_ctx} is larger than the model's training context of {n_train} "
                 f"tokens; use a context size of at most {n_train}", param="n_ctx")
+        from localmoe.errors import TemplateError
         from localmoe.text.chat_template import ChatTemplate
 
-        src = ChatTemplate.model_source(mf)
-        if src is not None:  # none: a base model chats in a plain transcript
-            ChatTemplate.check(src)
+        err = ChatTemplate.compile_error(mf)   # (none: a base model chats in a plain transcript)
+        if err is not None:
+            raise TemplateError(err)
     finally:
         mf.close()
 

@@ -11,21 +11,6 @@ from localmoe.cli.options import KV_INFO_FORMATS
 from localmoe.errors import LocalMoEError
 
 
-def _template_error(model_file) -> str | None:
-    """Why ``model_file``'s chat template does not compile, or None (it does, or it has none)."""
-    from localmoe.errors import TemplateError
-    from localmoe.text.chat_template import ChatTemplate
-
-    src = ChatTemplate.model_source(model_file)
-    if src is None:
-        return None
-    try:
-        ChatTemplate.check(src)
-    except TemplateError as e:
-        return str(e)
-    return None
-
-
 def model_info(model_file, model: str | None = None) -> dict[str, Any]:
     """Facts about a model for ``localmoe info`` (pure; used by tests).
 
@@ -44,6 +29,8 @@ def model_info(model_file, model: str | None = None) -> dict[str, Any]:
     :data:`KV_INFO_FORMATS`: ``"int4"`` is the default per-channel keys, ``"int4:t"`` per-token
     keys), kv_key_grouping ({format: "channel" | "token" | None for float/fp4 keys}).
     """
+    from localmoe.text.chat_template import ChatTemplate
+
     from localmoe.io.store import display_name
     from localmoe.kv.spec import KVSpec
 
@@ -87,7 +74,7 @@ def model_info(model_file, model: str | None = None) -> dict[str, Any]:
         "vocab_size": spec.vocab_size, "context": spec.n_ctx_train, "n_ctx_default": n_ctx_default,
         "sliding_window": spec.sliding_window,
         "chat_template": bool(model_file.chat_template),
-        "chat_template_error": _template_error(model_file), "quant_mix": mix,
+        "chat_template_error": ChatTemplate.compile_error(model_file), "quant_mix": mix,
         "kv_bytes_per_token": kv, "kv_key_grouping": grouping,
     }
 

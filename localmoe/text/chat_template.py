@@ -607,14 +607,18 @@ class ChatTemplate:
         except Exception as e:
             raise TemplateError(f"the chat template cannot be compiled: {e}") from e
 
-    @staticmethod
-    def check(source: str) -> None:
-        """Compile ``source`` and drop it: raises what the constructor would for it.
-
-        Raises:
-            TemplateError: the template does not parse (or is too long to be compiled).
-        """
-        ChatTemplate._compile(source)
+    @classmethod
+    def compile_error(cls, model_file: Any) -> str | None:
+        """Why ``model_file``'s default chat template does not compile (the TemplateError the
+        constructor would raise), or None: it compiles, or the model has none."""
+        src = cls.model_source(model_file)
+        if src is None:
+            return None
+        try:
+            cls._compile(src)
+        except TemplateError as e:
+            return str(e)
+        return None
 
     @staticmethod
     def model_source(model_file: Any) -> str | None:
