@@ -34,8 +34,8 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-def assert_one_line_error(r, *needles):
-    assert r.returncode == 1 if hasattr(r, "returncode") else r.exit_code == 1
+def assert_one_line_error(r, *needles, status=1):
+    assert r.returncode == status if hasattr(r, "returncode") else r.exit_code == status
     err = r.stderr
     assert "Traceback" not in err
     lines = [l for l in err.splitlines() if l.strip()]
@@ -81,7 +81,6 @@ def test_errors_are_one_line_with_exit_1(home, tmp_path):
     bad.write_bytes(b"NOTAGGUF" * 10)
     for args, needle in ((["generate", "-m", "no-such-model", "hi"], "no-such-model"),
                          (["generate", "-m", str(bad), "hi"], ""),
-                         (["generate", "--kv-cache", "int9", "-m", str(bad), "hi"], "int9"),
                          (["info", "no-such-model"], "no-such-model"),
                          (["rm", "nothing-here"], "nothing-here")):
         r = run(args)
@@ -91,7 +90,8 @@ def test_errors_are_one_line_with_exit_1(home, tmp_path):
 
 def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
     """A doubled or trailing comma in --kv-cache is refused like any bad option: one line,
-    exit 1, before any model is resolved (generate, chat) or the server starts (serve)."""
+    exit 2 (a usage error), before any model is resolved (generate, chat) or the server starts
+    (serve)."""
     import localmoe.tui.app as tui_app
     import localmoe.serve.server as server
 
@@ -103,13 +103,14 @@ def test_empty_kv_cache_option_is_a_one_line_error(home, tmp_path, monkeypatch):
         for kv in ("int4,,", "int4,", "int2,,sinks=4"):
             r = run([*cmd, "--kv-cache", kv])
             assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                                  "empty KV cache option", repr(kv))
+                                  "Invalid value for '--kv-cache'", "empty KV cache option",
+                                  repr(kv), status=2)
     assert not opened
 
 
 def test_malformed_kv_cache_spec_is_a_one_line_error(home, tmp_path, monkeypatch):
     """A trailing or doubled ':' after the format ran as the plain format; an option with no
-    value is refused naming the option. One line, exit 1, before any model is resolved."""
+    value is refused naming the option. One line, exit 2, before any model is resolved."""
     import localmoe.tui.app as tui_app
     import localmoe.serve.server as server
 
@@ -125,7 +126,7 @@ def test_malformed_kv_cache_spec_is_a_one_line_error(home, tmp_path, monkeypatch
                                                              "value")):
             r = run([*cmd, *args])
             assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                                  needle)
+                                  f"Invalid value for '{args[0]}'", needle, status=2)
             assert "missing.gguf" not in r.stderr
     assert not opened
 
@@ -133,7 +134,7 @@ def test_malformed_kv_cache_spec_is_a_one_line_error(home, tmp_path, monkeypatch
 def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
     """An empty --kv-cache / -k / -v value or an empty k=/v= in the string silently meant f16;
     it is an error naming the accepted formats, before any model is resolved or loaded, in
-    every command, the Python API and the server."""
+    every command (a usage error, exit 2), the Python API and the server."""
     import localmoe.tui.app as tui_app
     import localmoe.serve.server as server
     from localmoe.api import LLM
@@ -154,9 +155,69 @@ def test_empty_kv_cache_format_is_a_one_line_error(home, tmp_path, monkeypatch):
                    ["--kv-cache-k", ""], ["--kv-cache-v", ""]):
             r = run([*cmd, *kv])
             assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                                  "empty KV cache format", "int4")
+                                  "empty KV cache format", "int4", status=2)
             assert "missing.gguf" not in r.stderr
     assert not opened
+
+
+def _kv_commands():
+    """Every command with the KV flags (generate, chat, serve, bench today)."""
+    import importlib
+
+    from localmoe.cli import COMMANDS
+
+    names = []
+    for name, (module, attr) in sorted(COMMANDS.items()):
+        cmd = getattr(importlib.import_module(f"localmoe.cli.{module}"), attr)
+        if {"kv_cache", "kv_cache_k", "kv_cache_v"} <= {p.name for p in cmd.params}:
+            names.append(name)
+    assert {"generate", "chat", "serve", "bench"} <= set(names), names
+    return names
+
+
+def test_bad_kv_cache_value_is_a_usage_error(home, tmp_path, monkeypatch):
+    """`--kv-cache int7` (or -k/-v) exited 1 while every other bad flag value is a click usage
+    error: it is one now in every command that takes the KV flags, exit 2, one line naming the
+    flag and the accepted formats, before any model is resolved or the UI/server starts. The
+    three flags are checked together: an override that makes the string valid is accepted, one
+    that makes it invalid names the flags."""
+    import localmoe.serve.server as server
+    import localmoe.tui.app as tui_app
+
+    opened = []
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: opened.append("chat"))
+    monkeypatch.setattr(server, "run_server", lambda *a, **kw: opened.append("serve"))
+    missing = str(tmp_path / "missing.gguf")
+    formats = "choose one of: f32, f16, bf16, int8, int4, int3, int2, fp4"
+    for cmd in _kv_commands():
+        argv = [cmd, "-m", missing] + (["hi"] if cmd == "generate" else [])
+        for args, flag, needle in (
+                (["--kv-cache", "int7"], "--kv-cache", f"unknown KV cache format 'int7'; {formats}"),
+                (["--kv-cache-k", "int7"], "--kv-cache-k", "'int7'"),
+                (["--kv-cache-v", "int5"], "--kv-cache-v", "'int5'"),
+                # -k's own error, not the rest of the string that it makes look wrong
+                (["--kv-cache-v", "int4", "--kv-cache", "f16,sinks=4", "--kv-cache-k", "f16:c"],
+                 "--kv-cache-k", "'f16:c'"),
+                # each valid alone, not together: every flag given is named
+                (["--kv-cache", "int4,outliers=0.04", "--kv-cache-k", "f16", "--kv-cache-v",
+                  "f16"], "--kv-cache' / '--kv-cache-k' / '--kv-cache-v", "outliers=")):
+            r = run([*argv, *args])
+            assert r.exit_code == 2, (cmd, args, r.output)
+            lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+            assert len(lines) == 1 and "Traceback" not in r.stderr, (cmd, args, r.stderr)
+            assert lines[0].startswith(f"error: Invalid value for '{flag}': "), lines
+            assert needle in lines[0] and lines[0].endswith(f" {cmd} --help')"), lines
+            assert "missing.gguf" not in r.stderr
+        # a string that only the override makes valid (sinks= needs a quantized side) is
+        # accepted: the next error is the missing model's (exit 1; serve's is the server's)
+        r = run([*argv, "--kv-cache", "f16,sinks=4", "--kv-cache-v", "int4"])
+        assert r.exit_code == (0 if cmd == "serve" else 1), (cmd, r.output)
+        assert "Invalid value" not in r.stderr, (cmd, r.output)
+    assert opened == ["serve"]
+    # as a user runs it: exit status 2 and the one line
+    r = lm("generate", "-m", missing, "--kv-cache", "int7", "hi")
+    assert r.returncode == 2 and r.stderr.startswith("error: Invalid value for '--kv-cache': "
+                                                     "unknown KV cache format 'int7'"), r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [(["--temperature", "-1"], "temperature"),
@@ -197,16 +258,18 @@ def test_empty_stop_string_is_a_usage_error(home, tmp_path, stops):
 
 def test_kv_group_size_larger_than_the_head_is_refused_before_loading(tmp_path):
     """`--kv-cache int4:g4096` ran with groups of the head size (64) and was reported as
-    int4:g4096 in --json; `int4:g1` was accepted. Both are one error line, exit status 1."""
+    int4:g4096 in --json; `int4:g1` was accepted. Both are one error line: exit status 1 for
+    the size the model's heads refuse, 2 (a usage error) for one no model takes."""
     from localmoe.testing.synthetic import write_gguf
 
     m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))    # head_dim 64
-    for kv, needle in (("int4:g4096", "KV group size 4096 of the values (int4:g4096) is larger "
-                                      "than this model's head size (64 channels)"),
-                       ("int4:g1", "KV group size must be a power of two from 16 up")):
+    for kv, needle, status in (("int4:g4096", "KV group size 4096 of the values (int4:g4096) "
+                                              "is larger than this model's head size (64 "
+                                              "channels)", 1),
+                               ("int4:g1", "KV group size must be a power of two from 16 up", 2)):
         r = run(["generate", "-m", m, "--backend", "torch", "--json", "--kv-cache", kv, "hi"])
         assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                              needle)
+                              needle, status=status)
         assert r.stdout == ""
     r = run(["generate", "-m", m, "--backend", "torch", "--json", "-n", "1", "--kv-cache",
              "int4:g64", "hi"])
@@ -329,7 +392,7 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
     assert kw == dict(host="127.0.0.1", port=9001, api_key="k", backend="torch", n_ctx=2048,
                       kv_cache="int8", kv_cache_k=None, kv_cache_v="int4")
     r = CliRunner().invoke(cli, ["serve", "--kv-cache", "bogus"])
-    assert r.exit_code == 1 and "bogus" in r.output
+    assert r.exit_code == 2 and "bogus" in r.output
     # an empty or blank key would lock every client out (or let "Bearer " in): a usage error
     for args, env in ((["--api-key", ""], {}), (["--api-key", "  "], {}),
                       ([], {"LOCALMOE_API_KEY": "   "})):
@@ -382,15 +445,16 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
         assert model == m and kw["device"] == "cpu"
         assert KVSpec.parse(kw["kv_cache"]) == want, (args, kw["kv_cache"])
     calls.clear()
-    for args, needle in ((["--kv-cache-k", "int9"], "int9"),
-                         (["--kv-cache-v", "int4:c"], "values"),
-                         (["--kv-cache", "int2,sinks=-1"], "sink"),
-                         (["--device", "tpu"], "tpu"),
-                         (["--backend", "nope"], "nope"),
-                         (["-c", "999999"], "training context"),
-                         (["--kv-cache", "int4:g128"], "use ':g64' or less")):
+    for args, needle, status in ((["--kv-cache-k", "int9"], "int9", 2),
+                                 (["--kv-cache-v", "int4:c"], "values", 2),
+                                 (["--kv-cache", "int2,sinks=-1"], "sink", 2),
+                                 (["--device", "tpu"], "tpu", 1),
+                                 (["--backend", "nope"], "nope", 1),
+                                 (["-c", "999999"], "training context", 1),
+                                 (["--kv-cache", "int4:g128"], "use ':g64' or less", 1)):
         r = CliRunner().invoke(cli, ["chat", "-m", m, *args])
-        assert r.exit_code == 1 and needle in r.output and "Traceback" not in r.output, (args, r.output)
+        assert r.exit_code == status and needle in r.output and "Traceback" not in r.output, \
+            (args, r.output)
     assert not calls  # every bad value was refused before the UI (and any weights)
     r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "--device", "tpu", "hi"])
     assert r.exit_code == 1 and "unknown device 'tpu'" in r.output  # was a torch traceback

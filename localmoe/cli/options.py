@@ -53,9 +53,12 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
         click.option("-c", "--ctx-size", "--n-ctx", "n_ctx", type=click.IntRange(min=1), default=None,
                      help="Context size in tokens (default: model's, at most 4096)."),
         click.option("--kv-cache", default="f16", show_default=True, metavar="FMT",
+                     callback=_check_kv,
                      help=f"KV cache format for keys and values: {KV_CHOICES_HELP}."),
-        click.option("--kv-cache-k", default=None, metavar="FMT", help="Key cache format (overrides --kv-cache)."),
-        click.option("--kv-cache-v", default=None, metavar="FMT", help="Value cache format (overrides --kv-cache)."),
+        click.option("--kv-cache-k", default=None, metavar="FMT", callback=_check_kv,
+                     help="Key cache format (overrides --kv-cache)."),
+        click.option("--kv-cache-v", default=None, metavar="FMT", callback=_check_kv,
+                     help="Value cache format (overrides --kv-cache)."),
         click.option("--device", default=None, help="Device for the backend: cpu, cuda, cuda:N."),
         click.option("-t", "--threads", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
                      metavar="N",
@@ -79,6 +82,50 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+#: the KV flags of :func:`model_options` (parameter name -> flag), in KVSpec.parse's order
+KV_FLAGS = {"kv_cache": "--kv-cache", "kv_cache_k": "--kv-cache-k", "kv_cache_v": "--kv-cache-v"}
+
+
+def _check_kv(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Callback of ``--kv-cache``, ``--kv-cache-k`` and ``--kv-cache-v`` (every command of
+    :func:`model_options`): a value :meth:`KVSpec.parse` refuses (an unknown format, a bad
+    option or group size) is a usage error, exit status 2, ``Invalid value for '--kv-cache':
+    unknown KV cache format 'int7'; choose one of: ...``, before anything loads. The three are
+    checked together once the last of them is processed (click fills ``ctx.params`` in
+    processing order), since an override can make the rest of the string valid or not
+    (``--kv-cache f16,sinks=4 --kv-cache-v int4`` is); the flag named is the one that fails on
+    its own, else every KV flag given. What depends on the model or the backend (a group size
+    over the head size, a format llama.cpp lacks) stays a LocalMoEError (exit status 1) of the
+    load."""
+    if ctx.resilient_parsing:
+        return value
+    values = {n: value if n == param.name else ctx.params.get(n) for n in KV_FLAGS}
+    if any(n not in ctx.params for n in KV_FLAGS if n != param.name):
+        return value   # not the last of the three: checked when that one comes
+    if (values["kv_cache"], values["kv_cache_k"], values["kv_cache_v"]) == ("f16", None, None):
+        return value   # the default (no import of the KV codecs, i.e. torch, for nothing)
+    from localmoe.errors import KVCacheFormatError
+    from localmoe.kv.spec import KVSpec
+
+    try:
+        KVSpec.parse(values["kv_cache"], values["kv_cache_k"], values["kv_cache_v"])
+    except KVCacheFormatError as e:
+        alone = {"kv_cache": lambda v: (v, None, None), "kv_cache_k": lambda v: ("f16", v, None),
+                 "kv_cache_v": lambda v: ("f16", None, v)}
+        given = [n for n in KV_FLAGS if values[n] is not None and
+                 ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        # one side's format is checked alone before --kv-cache: a bad override makes the rest
+        # of the string look wrong (`--kv-cache f16,sinks=4 --kv-cache-k f16:c`)
+        for n in sorted(given, key=lambda n: n == "kv_cache"):
+            try:
+                KVSpec.parse(*alone[n](values[n]))
+            except KVCacheFormatError as e1:
+                raise click.BadParameter(str(e1), ctx=ctx, param_hint=f"'{KV_FLAGS[n]}'") from None
+        hint = " / ".join(f"'{KV_FLAGS[n]}'" for n in given or KV_FLAGS)
+        raise click.BadParameter(str(e), ctx=ctx, param_hint=hint) from None
+    return value
 
 
 def _act_precision(ctx: click.Context, param: click.Parameter, value: str | None) -> None:

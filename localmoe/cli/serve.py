@@ -16,8 +16,6 @@ from localmoe.errors import LocalMoEError
               help="Require this bearer token (env LOCALMOE_API_KEY).")
 def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host, port, api_key):
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, ...)."""
-    from localmoe.kv.spec import KVSpec
-
     if api_key is not None:
         if not api_key.strip():   # a client cannot send a blank token: refuse, not lock out
             raise click.BadParameter(
@@ -25,7 +23,6 @@ def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host,
                 "for a server without authentication", param_hint="--api-key/LOCALMOE_API_KEY")
         api_key = api_key.strip()   # clients' tokens are compared without surrounding spaces
 
-    KVSpec.parse(kv_cache, kv_cache_k, kv_cache_v)
     import localmoe.serve.server as server
 
     kwargs = dict(host=host, port=port, api_key=api_key, backend=backend, n_ctx=n_ctx,
