@@ -15,6 +15,8 @@
 #                                      the slot-table read, A/B/A/B (~8 min)
 #   benchmarks/gpu_session.sh int2gap  int2 KV at 64k: the graph against its kernels' sum with the
 #                                      long-context tile varied (INT2_VARIANTS), f16 beside (~8 min)
+#   benchmarks/gpu_session.sh trace    time stamps of every program of the MoE's two launches
+#                                      (benchmarks/trace_moe.py), 1 and 8 tokens (~4 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -29,7 +31,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -108,6 +110,19 @@ case "$STAGE" in
         say "graph slot_table=$t rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-slots$t-$i.jsonl"
       done
     done
+    ;;
+  trace)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_trace.py \
+      >"$OUT/trace-tests.log" 2>&1
+    say "trace tests rc=$?"; tail -3 "$OUT/trace-tests.log"
+    timeout 300 python3 benchmarks/trace_moe.py --tokens 1 8 \
+      --variant 'split1={"gate_up": {"split": 1}}' \
+      --variant 'split4={"gate_up": {"split": 4}}' \
+      --out "$OUT/trace_moe.json" >"$OUT/trace_moe.log" 2>&1
+    say "trace rc=$?"; cat "$OUT/trace_moe.log" | head -150
+    timeout 120 python3 benchmarks/trace_moe.py --tokens 1 --no-route \
+      --out "$OUT/trace_moe_noroute.json" >"$OUT/trace_moe_noroute.log" 2>&1
+    say "trace no-route rc=$?"; head -40 "$OUT/trace_moe_noroute.log"
     ;;
   int2gap)
     # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the

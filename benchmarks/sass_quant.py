@@ -52,7 +52,7 @@ def _signature(fn, const: dict, qtype: int) -> dict:
         elif n.endswith("_ptr"):
             sig[n] = {"xs_ptr": "*fp32", "hs_ptr": "*fp32", "p_ptr": "*fp32", "wts_ptr": "*fp32",
                       "out_ptr": "*fp16", "y_ptr": "*fp16", "dm_ptr": "*fp16",
-                      "mn_ptr": "*fp16", "d_ptr": _D.get(qtype, "*fp16"),
+                      "mn_ptr": "*fp16", "tr_ptr": "*i64", "d_ptr": _D.get(qtype, "*fp16"),
                       "sc_ptr": _SC.get(qtype, "*i8"),
                       "qh_ptr": _QH.get(qtype, "*i32")}.get(n, "*i32")
         else:
@@ -60,10 +60,11 @@ def _signature(fn, const: dict, qtype: int) -> dict:
     return sig
 
 
-def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8):
+def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8, extra: dict | None = None):
     """The compiled kernel of ``kind`` (``gate_up``, ``down`` or ``gemv``) for ggml type
     ``qtype`` and launch choice ``cfg`` (BN, CH, num_warps, xb, stages, and split /
-    experts_tile), at one token, every tile in bounds."""
+    experts_tile), at one token, every tile in bounds; ``extra``: more constexprs (e.g.
+    ``{"TRACE": True}``)."""
     cv = chunk_values(qtype)
     common = dict(QTYPE=qtype, CV=cv, BN=cfg["BN"], CH=cfg["CH"], EVEN=True,
                   XB=bool(cfg.get("xb", False)), USE_ASM=True, PDL=0, WIDE=False,
@@ -80,6 +81,7 @@ def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8):
         const = dict(common, TP=1, ATOMIC=False, PREFETCH=False, LINE=32)
     else:
         raise ValueError(f"kind must be gate_up, down or gemv, not {kind!r}")
+    const.update(extra or {})
     for prm in fn.params:   # constexprs left at their defaults (e.g. gate/up's routing: off)
         if prm.is_constexpr and prm.name not in const and prm.has_default:
             const[prm.name] = prm.default

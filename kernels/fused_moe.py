@@ -97,12 +97,14 @@ from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
+from localmoe.kernels.trace import RECORD, RECORD_C, stamp, stamp_end
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
     quantize_act_ref, use_asm, wide_default,
 )
 
-__all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "moe_config", "ACTIVATIONS"]
+__all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "moe_config", "moe_programs",
+           "ACTIVATIONS"]
 
 ACTIVATIONS = {"silu": 0, "gelu": 1}
 
@@ -124,7 +126,7 @@ def moe_config(stage: str, tokens: int, top_k: int, n_experts: int, d_model: int
 @triton.jit
 def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, p_ptr, cnt_ptr,
-                        lg_ptr, rb_ptr, rw_ptr,
+                        lg_ptr, rb_ptr, rw_ptr, tr_ptr,
                         F, n_chunks, split_chunks, xq_rs, xs_rs, hq_rs, hs_rs,
                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, p_ss, p_rs, E, lg_rs, rscale,
                         TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
@@ -134,10 +136,17 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         STAGES: tl.constexpr = 1, ROUTE: tl.constexpr = False,
                         EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
                         HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
-                        PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True):
-    pdl_begin(PDL)
+                        PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True,
+                        TRACE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
+    if TRACE:   # one record per program (localmoe.kernels.trace): entry, waited, routed, ...
+        rec = tr_ptr + ((pid_n * tl.num_programs(1) + pid) * tl.num_programs(2)
+                        + tl.program_id(2)).to(tl.int64) * RECORD_C
+        stamp(rec, 0, pid_n)
+    pdl_begin(PDL)
+    if TRACE:
+        stamp(rec, 1, pid_n)
     t = pid // TOP_K
     if ROUTE:
         # the token's routing from its logits, in every program; the first program of the
@@ -158,6 +167,8 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
     else:
         e = tl.load(ids_ptr + pid)
+    if TRACE:
+        stamp(rec, 2, e)
     slot = _slot(slot_ptr, e, e >= 0, SLOTS)
     loc = pid_n * (2 * BN) + tl.arange(0, 2 * BN)      # rows of the fused [2F] gate/up block
     rmask4 = (loc < 2 * F)[None, :, None, None]
@@ -174,6 +185,8 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
                      WIDE)
     gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
+    if TRACE:
+        stamp(rec, 3, tl.sum(gu).to(tl.int32, bitcast=True))
     if SPLIT > 1:
         # split-K: every K part stores its partial sums in its slice of the scratch; the last
         # part of this (row block, token, expert) to finish (an acq_rel counter; the barrier
@@ -186,14 +199,21 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         tl.store(lp + tl.program_id(2).to(tl.int64) * p_ss, gu, mask=lm)
         tl.debug_barrier()
         cp = cnt_ptr + pid * tl.num_programs(0) + pid_n
-        if tl.atomic_add(cp, 1, sem="acq_rel") == SPLIT - 1:
+        old = tl.atomic_add(cp, 1, sem="acq_rel")
+        if TRACE:
+            stamp_end(rec, 4, old, old == SPLIT - 1)
+        if old == SPLIT - 1:
             gu = tl.zeros([1, 2 * BN], dtype=tl.float32)
             for k in tl.static_range(SPLIT):
                 gu += tl.load(lp + k * p_ss, mask=lm, other=0.0, cache_modifier=".cg")
             _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
             tl.atomic_xchg(cp, 0)
+            if TRACE:
+                stamp(rec, 5, tl.sum(gu).to(tl.int32, bitcast=True))
     else:
         _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
+        if TRACE:
+            stamp_end(rec, 4, tl.sum(gu).to(tl.int32, bitcast=True), 0)
 
 
 @triton.jit
@@ -254,17 +274,23 @@ def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs,
 
 @triton.jit
 def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
-                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, tr_ptr,
                      D, n_chunks, hq_rs, hs_rs, out_rs,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
-                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
-    pdl_begin(PDL)
+                     STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
+                     TRACE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
+    if TRACE:   # one record per program (localmoe.kernels.trace): entry, waited, ids, ...
+        rec = tr_ptr + (pid_n * tl.num_programs(1) + t).to(tl.int64) * RECORD_C
+        stamp(rec, 0, pid_n)
+    pdl_begin(PDL)
+    if TRACE:
+        stamp(rec, 1, pid_n)
     loc = pid_n * BN + tl.arange(0, BN)
     rmask4 = (loc < D)[None, :, None, None]
     loc4 = loc[None, :, None, None]
@@ -279,6 +305,8 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         pidv = t * TOP_K + jj
         e = tl.load(ids_ptr + pidv, mask=jm, other=0)
         wgt = tl.load(wts_ptr + pidv, mask=jm, other=0.0).to(tl.float32)
+        if TRACE:
+            stamp(rec, 2, tl.sum(e))
         slot = _slot(slot_ptr, e, jm, SLOTS)
         rows4 = slot[:, None, None, None] * D + loc4
         tmask4 = jm[:, None, None, None]
@@ -297,7 +325,11 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
             WIDE, STAGES, SLOTS)
+    if TRACE:
+        stamp(rec, 3, tl.sum(total).to(tl.int32, bitcast=True))
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
+    if TRACE:
+        stamp_end(rec, 4, tl.sum(total).to(tl.int32, bitcast=True), 0)
 
 
 @triton.jit
@@ -361,7 +393,8 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
               topk_ids: torch.Tensor | None, topk_weights: torch.Tensor | None,
               slot_of: torch.Tensor | None = None, activation: str = "silu",
               out: torch.Tensor | None = None, config: dict | None = None,
-              route: Routing | None = None) -> torch.Tensor:
+              route: Routing | None = None,
+              trace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed-expert MLP for decode, in two launches, with no host sync.
 
     Args:
@@ -382,6 +415,9 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
             :func:`localmoe.kernels.router.norm_router_logits`); launch 1 routes every token
             itself and fills ``route.ids`` / ``route.weights`` (the same ids and weights as
             :func:`localmoe.kernels.router.router`).
+        trace: a measuring tool (GPU only): int64 buffers ``(gate_up, down)`` of
+            :func:`localmoe.kernels.trace.trace_buffer` shape, one record per program of each
+            launch (:func:`moe_programs`); the kernels then write their time stamps there.
     Returns:
         ``[T, D]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
@@ -406,20 +442,57 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         cfg[k].update(v)
     ids = topk_ids.contiguous()
     xa = x if isinstance(x, QuantAct) else quantize_act(x, wide=wide_default(None, experts=True))
-    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route)
+    tg, td = trace if trace is not None else (None, None)
+    h = moe_gate_up(xa, w_gate_up, ids, slot_of, activation, cfg["gate_up"], route=route,
+                    trace=tg)
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
-                    config=cfg["down"])
+                    config=cfg["down"], trace=td)
+
+
+def moe_programs(stage: str, w: QuantTensor, tokens: int, top_k: int,
+                 config: dict | None = None) -> int:
+    """Programs of one :func:`moe_gate_up` (``stage`` ``"gate_up"``, ``w`` the ``[E, 2F, D]``
+    experts) or :func:`moe_down` (``"down"``, ``w`` ``[E, D, F]``) launch of ``tokens``
+    tokens: the records a trace buffer needs."""
+    if stage == "gate_up":
+        e, f2, d = w.shape
+        c = dict(moe_config("gate_up", tokens, top_k, e, d, f2 // 2, w.qtype, w.device),
+                 **(config or {}))
+        n_chunks = d // chunk_values(w.qtype)
+        ch = min(c["CH"], next_pow2(n_chunks))
+        split_chunks = cdiv(cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
+        return cdiv(f2 // 2, c["BN"]) * tokens * top_k * cdiv(n_chunks, split_chunks)
+    e, d, f = w.shape
+    c = dict(moe_config("down", tokens, top_k, e, d, f, w.qtype, w.device), **(config or {}))
+    return cdiv(d, c["BN"]) * tokens
+
+
+def _trace_args(trace: torch.Tensor | None, programs: int, fallback: torch.Tensor):
+    """(buffer, constexprs) of a launch's optional trace buffer (checked: int64, one
+    :data:`localmoe.kernels.trace.RECORD` record per program)."""
+    if trace is None:
+        return fallback, {}
+    if not use_asm() or trace.device.type != "cuda":
+        raise ValueError("fused_moe: a trace needs a CUDA GPU (the stamps are PTX; the "
+                         "interpreter cannot run them)")
+    if (trace.dtype != torch.int64 or trace.dim() != 2 or trace.shape[1] != RECORD
+            or trace.shape[0] < programs or not trace.is_contiguous()):
+        raise ValueError(f"fused_moe: a trace buffer must be contiguous int64 "
+                         f"[>= {programs}, {RECORD}], got {tuple(trace.shape)} {trace.dtype}")
+    return trace, {"TRACE": True}
 
 
 def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
                 slot_of: torch.Tensor | None, activation: str = "silu",
-                config: dict | None = None, route: Routing | None = None) -> QuantAct:
+                config: dict | None = None, route: Routing | None = None,
+                trace: torch.Tensor | None = None) -> QuantAct:
     """Launch 1 of :func:`fused_moe` (inputs checked there): ``h`` ``[T*top_k, F]`` as a
     :class:`QuantAct`, row ``t*top_k + j`` = ``act(gate) * up`` of token ``t``'s ``j``-th expert
     (each program owns ``BN`` (a multiple of 32) values of a row and quantizes them).
     ``route``: ``topk_ids`` is ``route.ids``, written here from ``route.logits``.
-    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read)."""
+    ``slot_of`` None: expert ``e`` is in slot ``e`` (no table is read). ``trace``: see
+    :func:`fused_moe`."""
     e, f2, d = w_gate_up.shape
     f = f2 // 2
     t, top_k = topk_ids.shape
@@ -449,9 +522,10 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     else:
         lg = rb = wts = h.d
         rargs, rscale, lg_rs = {}, 1.0, 0
+    tr, targs = _trace_args(trace, blocks * t * top_k * split, h.d)
     _moe_gate_up_kernel[(blocks, t * top_k, split)](
         x.q, x.s, h.q, h.s, topk_ids, topk_ids if slot_of is None else slot_of, *ptrs, p, cnt,
-        lg, rb, wts, f, n_chunks,
+        lg, rb, wts, tr, f, n_chunks,
         split_chunks, x.q.stride(0), x.s.stride(0), h.q.stride(0), h.s.stride(0),
         *strides, p.stride(0) if split > 1 else 0, p.stride(1) if split > 1 else 0,
         e, lg_rs, float(rscale),
@@ -460,7 +534,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        SLOTS=slot_of is not None, **rargs, **pdl_args(h.q.device))
+        SLOTS=slot_of is not None, **rargs, **targs, **pdl_args(h.q.device))
     return h
 
 
@@ -491,10 +565,10 @@ def _split_scratch(split: int, rows: int, width: int, blocks: int, device
 def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor, slot_of: torch.Tensor | None,
              out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
     @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`;
-    ``slot_of`` None: expert ``e`` is in slot ``e``."""
+    ``slot_of`` None: expert ``e`` is in slot ``e``; ``trace``: see :func:`fused_moe`."""
     e, d, f = w_down.shape
     t, top_k = topk_ids.shape
     c = dict(moe_config("down", t, top_k, e, d, f, w_down.qtype, topk_ids.device),
@@ -506,15 +580,16 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
     ch = min(c["CH"], next_pow2(f // cv))
     et = bool(c.get("experts_tile", False))
     tkp = next_pow2(top_k) if et else 1
+    tr, targs = _trace_args(trace, cdiv(d, c["BN"]) * t, h.s)
     _moe_down_kernel[(cdiv(d, c["BN"]), t)](
         h.q, h.s, out, topk_ids, topk_weights, topk_ids if slot_of is None else slot_of, *ptrs,
-        d, f // cv,
+        tr, d, f // cv,
         h.q.stride(0), h.s.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, **pdl_args(out.device))
+        SLOTS=slot_of is not None, **targs, **pdl_args(out.device))
     return out
 
 
