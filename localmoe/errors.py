@@ -8,6 +8,8 @@ server and TUI catch ``LocalMoEError`` and show the message; anything else is a 
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LocalMoEError(Exception):
     """Base class of every user-facing localmoe error."""
@@ -110,6 +112,25 @@ def require_utf8(text: str, what: str, param: str | None) -> None:
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"{what} is not valid UTF-8 (an undecodable byte or a lone "
                                   f"surrogate at character {e.start})", param) from None
+
+
+def require_utf8_in(obj: Any, where: str) -> None:
+    """:func:`require_utf8` for every string in ``obj`` (nested dicts and lists, any depth),
+    each named by its path from ``where``, as message and ``param``: ``messages[1].content``,
+    ``messages[0].content[2].text``, ``tools[0].function.description``.
+
+    Raises:
+        InvalidRequestError: for the first string UTF-8 cannot encode.
+    """
+    todo = [(obj, where)]
+    while todo:   # a loop, not recursion: parsed JSON can nest ~1000 deep
+        o, w = todo.pop()
+        if isinstance(o, str):
+            require_utf8(o, w, w)
+        elif isinstance(o, dict):
+            todo.extend((v, f"{w}.{k}") for k, v in reversed(list(o.items())))
+        elif isinstance(o, (list, tuple)):
+            todo.extend((v, f"{w}[{i}]") for i, v in reversed(list(enumerate(o))))
 
 
 class StoreError(LocalMoEError):

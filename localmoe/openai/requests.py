@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from localmoe.errors import InvalidRequestError
+from localmoe.errors import InvalidRequestError, require_utf8, require_utf8_in
 from localmoe.text.tool_calls import new_call_id
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -261,11 +261,15 @@ def _refuse_other_shapes(req: dict) -> None:
 
 
 def _text_content(content, param: str, allow_none: bool) -> str | None:
+    """A message's content (at ``param``, ``messages[i].content``) as one string; a text
+    UTF-8 cannot encode (a lone surrogate, JSON ``"\\ud800"``) is refused naming its field,
+    ``messages[i].content`` or ``messages[i].content[j].text`` for a content part."""
     if content is None:
         if allow_none:
             return None
         raise InvalidRequestError(f"{param} is required", param)
     if isinstance(content, str):
+        require_utf8(content, param, param)
         return content
     if isinstance(content, list):
         parts = []
@@ -279,6 +283,7 @@ def _text_content(content, param: str, allow_none: bool) -> str | None:
             if not isinstance(text, str):
                 raise InvalidRequestError(f"{param}[{j}].text must be a string",
                                           f"{param}[{j}].text")
+            require_utf8(text, f"{param}[{j}].text", f"{param}[{j}].text")
             parts.append(text)
         return "".join(parts)
     raise InvalidRequestError(f"{param} must be a string or a list of text parts", param)
@@ -324,6 +329,7 @@ def _check_tools(tools) -> list[dict]:
         if desc is not None:
             clean["description"] = desc
         clean["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        require_utf8_in(clean, f"{p}.function")   # it may be rendered into a system message
         out.append({"type": "function", "function": clean})
     return out
 
@@ -365,6 +371,10 @@ def _json_kind(v) -> str:
 
 
 def _check_messages(msgs) -> list[dict]:
+    """The request's messages as the templates take them. Every text field used is checked
+    here, naming it (``messages[i].content[j].text``), for text UTF-8 cannot encode (a lone
+    surrogate): the template's own check of it would name the messages the template sees,
+    with the parts joined and, for a template without tools, tool traffic rewritten."""
     if msgs is None:  # absent or null: "got null" read as if the client had sent a null
         raise InvalidRequestError(
             "messages is required: a non-empty list of {\"role\": ..., \"content\": ...} "
@@ -397,12 +407,14 @@ def _check_messages(msgs) -> list[dict]:
         if role == "tool":
             tcid = m.get("tool_call_id")
             if tcid is not None:
+                require_utf8_in(tcid, f"{p}.tool_call_id")
                 msg["tool_call_id"] = str(tcid)
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidRequestError(f"{p}.name must be a string, got {_json_kind(name)}",
                                       f"{p}.name")
         if name is not None:
+            require_utf8(name, f"{p}.name", f"{p}.name")
             msg["name"] = name
         out.append(msg)
     return out
@@ -460,6 +472,8 @@ def _check_message_tool_calls(p: str, calls) -> tuple[list[dict], list[str], boo
         if not isinstance(args, dict):
             raise InvalidRequestError(f"{q}.function.arguments must be a JSON object",
                                       f"{q}.function.arguments")
+        require_utf8_in({"id": c.get("id"), "function": {"name": fn["name"], "arguments": args}},
+                        q)
         if c.get("id"):
             ids.append(str(c["id"]))
         else:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable
 
-from localmoe.errors import TemplateError
+from localmoe.errors import TemplateError, require_utf8_in
 
 __all__ = ["ChatTemplate", "normalize_messages", "TemplateLimits", "TemplateLimitError", "LIMITS",
            "MAX_SOURCE_CHARS"]
@@ -268,26 +268,6 @@ def normalize_messages(messages: Iterable[Any]) -> list[dict]:
             msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
         out.append(msg)
     return out
-
-
-def _check_utf8(obj: Any, where: str) -> None:
-    """Refuse text UTF-8 cannot encode (a lone surrogate: an undecodable byte or a ``\\ud800``
-    escape), naming where it is in the caller's input, before it reaches the template.
-
-    Raises:
-        InvalidRequestError: names the message field (``messages[1].content``) and the
-            character position inside it.
-    """
-    from localmoe.errors import require_utf8
-
-    if isinstance(obj, str):
-        require_utf8(obj, where, where.split("[")[0].split(".")[0])
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _check_utf8(v, f"{where}.{k}")
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _check_utf8(v, f"{where}[{i}]")
 
 
 def _mark(obj: Any, specials: list[str]) -> Any:
@@ -718,8 +698,12 @@ class ChatTemplate:
     def _prepare(self, messages, tools):
         msgs = normalize_messages(messages)
         tools_plain = None if tools is None else _to_plain(list(tools))
-        _check_utf8(msgs, "messages")
-        _check_utf8(tools_plain, "tools")
+        # text UTF-8 cannot encode (a lone surrogate: an undecodable byte or a "\ud800"
+        # escape) is refused before it reaches the template, naming the field
+        # (messages[1].content) as message and param (the server checks the request's own
+        # fields first: it rewrites tool traffic for templates without tools)
+        require_utf8_in(msgs, "messages")
+        require_utf8_in(tools_plain, "tools")
         return msgs, tools_plain
 
     def render(self, messages: Iterable[Any], tools: list | None = None,

@@ -124,6 +124,40 @@ def test_request_with_lone_surrogate_gets_400_naming_the_message(servers):
     assert r.status_code == 400 and "messages[0].content" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("fields,param", [
+    ('"messages": [{"role": "user", "content": "ab\\ud800"}]', "messages[0].content"),
+    ('"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": [{"type": '
+     '"text", "text": "fine"}, {"type": "text", "text": "\\udfffx"}]}]',
+     "messages[1].content[1].text"),
+    ('"messages": [{"role": "user", "content": "hi", "name": "b\\udc80"}]', "messages[0].name"),
+    # the PLAIN template knows no tools: the server rewrites tool calls and tools as text
+    # (the template's check named "messages[1].content" and "messages[0].content")
+    ('"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, '
+     '"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '
+     '"{\\"a\\": \\"\\\\ud800\\"}"}}]}, {"role": "tool", "tool_call_id": "c1", '
+     '"content": "x"}]', "messages[1].tool_calls[0].function.arguments.a"),
+    ('"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+     '"function": {"name": "f", "description": "\\ud800"}}]', "tools[0].function.description")])
+def test_lone_surrogate_400_names_the_exact_field(servers, fields, param):
+    """A lone surrogate in a message got a 400 whose `param` was "messages": it names the
+    field, as the other per-message errors do (a content part's text included, which the
+    template sees joined), and the request is refused without the model (validate_request,
+    which the server runs while the model loads)."""
+    import localmoe.openai as openai_api
+    from localmoe.errors import InvalidRequestError
+
+    raw = '{"model": "fake", ' + fields + '}'
+    r = httpx.post(servers["surrogate"].url + "/v1/chat/completions", content=raw,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param} is not valid UTF-8"), err
+    with pytest.raises(InvalidRequestError) as ei:
+        openai_api.validate_request("chat", json.loads(raw))
+    assert ei.value.param == param
+
+
 def test_disconnect_during_upload_is_not_a_500(servers):
     from localmoe.serve.errors import HTTPError
     from localmoe.serve.routes import _read_json

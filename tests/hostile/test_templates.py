@@ -92,4 +92,4 @@ def test_non_utf8_message_is_named_where_the_user_wrote_it():
     with pytest.raises(InvalidRequestError) as ei:
         t.render([{"role": "user", "content": "fine"}, {"role": "user", "content": "abc\ud800"}])
     assert "messages[1].content" in str(ei.value) and "character 3" in str(ei.value)
-    assert ei.value.param == "messages"
+    assert ei.value.param == "messages[1].content"   # the field, as the server's 400 names it
