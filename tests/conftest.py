@@ -7,37 +7,16 @@ files), then in the localmoe model store (``localmoe pull smollm2`` / ``gemma3-2
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
+from localmoe.testing.hf_kernels import installed_kernels_first
 
-def _installed_kernels_first() -> None:
-    """Import the installed ``kernels`` distribution (Hugging Face's hub kernels, which
-    transformers >= 5.25 requires and imports) before anything else can: run from the
-    repository root, this checkout's ``kernels/`` folder (the sources of ``localmoe.kernels``)
-    stands first on ``sys.path`` and would be imported as ``kernels`` instead, failing
-    transformers' import (``cannot import name ... from 'kernels'``)."""
-    import importlib
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    if "kernels" in sys.modules:
-        return
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
-    try:
-        if importlib.util.find_spec("kernels") is not None:
-            importlib.import_module("kernels")
-    except Exception:  # noqa: BLE001 -- a broken optional package: transformers says so itself
-        pass
-    finally:
-        sys.path[:] = saved
-
-
-_installed_kernels_first()
+# Hugging Face's `kernels` (which transformers >= 5.25 imports) before anything else can import
+# it: from the repository root, this checkout's kernels/ folder would shadow it
+installed_kernels_first()
 
 REAL_MODELS = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from localmoe.testing.bpe import CHATML_TEMPLATE, SPECIALS, Tokenizer, build_tokenizer
+from localmoe.testing.hf_kernels import installed_kernels_first
 from localmoe.testing.quants import quantize_blocks, random_blocks
 
 __all__ = [
@@ -442,6 +443,8 @@ def write_hf(dir: str | Path, preset: str | Preset, seed: int = 0, *, max_shard_
         ValueError: the preset has no HF architecture.
     """
     import torch
+
+    installed_kernels_first()   # run from the repository root, kernels/ would shadow HF's
     from transformers import AutoModelForCausalLM
 
     p = _resolve(preset, None, None)
@@ -494,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     if not out.parent.is_dir() and out.parent.exists():
         ap.exit(1, f"error: cannot write {a.out}: {out.parent} is not a folder\n")
     if a.hf:
+        installed_kernels_first()   # `python -m` from the repository root: sys.path[0] is it
         try:
             import transformers  # noqa: F401  (write_hf builds the model with it)
         except ImportError:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +196,62 @@ def test_cli_bad_output_paths_are_one_line_errors(tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit) as e:
         syn.main(["--preset", "tiny-llama", "--hf", "--out", str(tmp_path / "hf")])
     assert e.value.code == 1 and "needs the transformers package" in capsys.readouterr().err
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cli_hf_runs_from_the_repository_root(tmp_path):
+    """`python -m localmoe.testing.synthetic --hf` from the repository root failed: sys.path[0]
+    is the root, whose kernels/ folder (localmoe.kernels' sources) shadowed Hugging Face's
+    `kernels` package that transformers imports (`cannot import name 'CUDAProperties' from
+    'kernels'`). The command as a user runs it, in a fresh process."""
+    pytest.importorskip("transformers")
+    assert (REPO_ROOT / "kernels" / "__init__.py").is_file()
+    out = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "localmoe.testing.synthetic", "--preset",
+                        "tiny-llama", "--hf", "--out", str(out)], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+def test_installed_kernels_first_skips_the_checkouts_kernels_folder(tmp_path, monkeypatch):
+    """The helper behind it (tests/conftest.py uses it too): with the repository root (or "",
+    the current folder, there) before the installed `kernels`, `import kernels` gets the
+    installed one afterwards; sys.path is unchanged; a folder holding some other `kernels`
+    does not count as shadowing; a `kernels` already imported from the checkout is replaced,
+    another one is kept."""
+    from localmoe.testing.hf_kernels import installed_kernels_first, shadowing_entries
+
+    site = tmp_path / "site"   # a stand-in for site-packages holding HF's kernels
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("WHICH = 'installed'\n")
+    monkeypatch.chdir(REPO_ROOT)
+    path = [str(REPO_ROOT), "", str(site)]
+    assert shadowing_entries(path) == [str(REPO_ROOT), ""]
+    monkeypatch.setattr(sys, "path", path + [p for p in sys.path if p not in path])
+    saved = {n: m for n, m in sys.modules.items() if n == "kernels" or n.startswith("kernels.")}
+    try:
+        for n in saved:
+            del sys.modules[n]
+        import kernels
+
+        assert not hasattr(kernels, "WHICH")   # the shadowing this is about: the checkout's
+        before = list(sys.path)
+        installed_kernels_first()   # ... already imported from the checkout: replaced
+        assert sys.modules["kernels"].WHICH == "installed" and sys.path == before
+        del sys.modules["kernels"]
+        installed_kernels_first()   # nothing imported yet
+        assert sys.modules["kernels"].WHICH == "installed" and sys.path == before
+        other = types.ModuleType("kernels")   # imported from elsewhere: left alone
+        sys.modules["kernels"] = other
+        installed_kernels_first()
+        assert sys.modules["kernels"] is other
+    finally:
+        for n in [n for n in sys.modules if n == "kernels" or n.startswith("kernels.")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
 
 
 @pytest.mark.parametrize("args,why", [
