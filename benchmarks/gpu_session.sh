@@ -17,6 +17,9 @@
 #                                      long-context tile varied (INT2_VARIANTS), f16 beside (~8 min)
 #   benchmarks/gpu_session.sh trace    time stamps of every program of the MoE's two launches
 #                                      (benchmarks/trace_moe.py), 1 and 8 tokens (~4 min)
+#   benchmarks/gpu_session.sh pdlloop  LOCALMOE_PDL_ORDER=after_loop (the MoE, GEMV and attention
+#                                      kernels signal after their K loop) against at_exit: the
+#                                      MoE trace, then the decode graph A/B/A/B (~4 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -31,7 +34,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|pdlloop|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -124,6 +127,23 @@ case "$STAGE" in
       --out "$OUT/trace_moe_noroute.json" >"$OUT/trace_moe_noroute.log" 2>&1
     say "trace no-route rc=$?"; head -40 "$OUT/trace_moe_noroute.log"
     ;;
+  pdlloop)
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    for o in at_exit after_loop; do
+      LOCALMOE_PDL_ORDER=$o timeout 120 python3 benchmarks/trace_moe.py --tokens 1 \
+        --out "$OUT/trace_moe_$o.json" >"$OUT/trace_moe_$o.log" 2>&1
+      say "trace $o rc=$?"; grep -E "==|last_exit|first_entry|gap_" "$OUT/trace_moe_$o.log"
+    done
+    for i in 1 2; do
+      for o in at_exit after_loop; do
+        LOCALMOE_PDL_ORDER=$o timeout 70 python3 benchmarks/graph_history.py "$F" fresh \
+          --host-only >"$OUT/graph-$o-$i.jsonl" 2>&1
+        say "graph $o rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[0-9a-f]\{12\}' "$OUT/graph-$o-$i.jsonl" | tr '\n' ' '; echo
+      done
+    done
+    ;;
   int2gap)
     # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the
     # H200 with PDL off as on (f16: shorter), and one shared-memory carveout for every kernel
@@ -132,25 +152,31 @@ case "$STAGE" in
     # (LOCALMOE_LAUNCH_CONFIG files written here), against f16, in fresh processes
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }   # (written before the timed runs)
+    # the tile variants: INT2_TILES, a JSON object {tag: changes to the rule}; the runs:
+    # INT2_VARIANTS (f16, base = the table, or a tag), each at every depth of INT2_DEPTHS
     python3 - "$OUT" <<'PY'
-import copy, json, sys
+import copy, json, os, sys
 t = json.load(open("kernels/configs/nvidia_h200.json"))
 i = next(i for i, r in enumerate(t["tile"]) if r.get("when", {}).get("k_chan") is True
          and r["when"].get("k_fmt") == "int2" and "min" in r["when"].get("max_len", {}))
-for tag, ch in {"w4": {"waves": 4.0}, "w2": {"waves": 2.0},
-                "b64": {"block_n": 64, "num_warps": 2, "waves": 4.0},
-                "b128": {"block_n": 128, "num_warps": 4, "waves": 2.0}}.items():
+tiles = json.loads(os.environ.get("INT2_TILES") or json.dumps(
+    {"w4": {"waves": 4.0}, "w2": {"waves": 2.0},
+     "b64": {"block_n": 64, "num_warps": 2, "waves": 4.0},
+     "b128": {"block_n": 128, "num_warps": 4, "waves": 2.0}}))
+for tag, ch in tiles.items():
     v = copy.deepcopy(t)
     v["tile"][i].update(ch)
     json.dump(v, open(f"{sys.argv[1]}/lc-{tag}.json", "w"), indent=1)
 PY
-    for v in ${INT2_VARIANTS:-f16 base w4 w2 b64 b128}; do
-      kv=int2; lc=""
-      case "$v" in f16) kv=f16;; base) ;; *) lc="$OUT/lc-$v.json";; esac
-      LOCALMOE_LAUNCH_CONFIG=$lc timeout 100 python3 benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b \
-        --model-dir "$MODELS" --kv $kv --depths 65536 --no-eager --out "$OUT/int2gap-$v.json" \
-        >"$OUT/int2gap-$v.log" 2>&1
-      say "int2gap $v rc=$?"; grep -o '"graph_ms": [0-9.]*\|"tpot_generate_ms": [0-9.]*\|"kernel_us_per_token": [0-9.]*' "$OUT/int2gap-$v.log" | head -3 | tr '\n' ' '; echo
+    for d in ${INT2_DEPTHS:-65536}; do
+      for v in ${INT2_VARIANTS:-f16 base w4 w2 b64 b128}; do
+        kv=int2; lc=""
+        case "$v" in f16) kv=f16;; base) ;; *) lc="$OUT/lc-$v.json";; esac
+        LOCALMOE_LAUNCH_CONFIG=$lc timeout 100 python3 benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b \
+          --model-dir "$MODELS" --kv $kv --depths $d --no-eager --out "$OUT/int2gap-$v-$d.json" \
+          >"$OUT/int2gap-$v-$d.log" 2>&1
+        say "int2gap $v $d rc=$?"; grep -o '"graph_ms": [0-9.]*\|"tpot_generate_ms": [0-9.]*\|"kernel_us_per_token": [0-9.]*' "$OUT/int2gap-$v-$d.log" | head -3 | tr '\n' ' '; echo
+      done
     done
     ;;
   attn)

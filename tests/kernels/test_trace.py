@@ -90,5 +90,10 @@ def test_traced_moe_matches_and_every_program_stamps_in_order(split):
         ts = rec[:, 0:2 * n:2]
         assert (ts > 0).all()
         assert (ts[:, 1:] >= ts[:, :-1]).all()
-    if split > 1:    # one combining program per (row block, expert)
-        assert int(bufs[0][:, FLAG].sum()) == bufs[0].shape[0] // split
+    combined = bufs[0][:, 10].cpu()            # stamp 5: the split-K part that combined
+    if split > 1:    # one per (row block, expert), after its own exit stamp
+        assert int((combined > 0).sum()) == bufs[0].shape[0] // split
+        done = combined > 0
+        assert (combined[done] >= bufs[0][done, 8].cpu()).all()
+    else:
+        assert not combined.any()
