@@ -17,9 +17,6 @@
 #                                      long-context tile varied (INT2_VARIANTS), f16 beside (~8 min)
 #   benchmarks/gpu_session.sh trace    time stamps of every program of the MoE's two launches
 #                                      (benchmarks/trace_moe.py), 1 and 8 tokens (~4 min)
-#   benchmarks/gpu_session.sh pdlloop  LOCALMOE_PDL_ORDER=after_loop (the MoE, GEMV and attention
-#                                      kernels signal after their K loop) against at_exit: the
-#                                      MoE trace, then the decode graph A/B/A/B (~4 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -34,7 +31,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|pdlloop|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -126,23 +123,6 @@ case "$STAGE" in
     timeout 120 python3 benchmarks/trace_moe.py --tokens 1 --no-route \
       --out "$OUT/trace_moe_noroute.json" >"$OUT/trace_moe_noroute.log" 2>&1
     say "trace no-route rc=$?"; head -40 "$OUT/trace_moe_noroute.log"
-    ;;
-  pdlloop)
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
-    for o in at_exit after_loop; do
-      LOCALMOE_PDL_ORDER=$o timeout 120 python3 benchmarks/trace_moe.py --tokens 1 \
-        --out "$OUT/trace_moe_$o.json" >"$OUT/trace_moe_$o.log" 2>&1
-      say "trace $o rc=$?"; grep -E "==|last_exit|first_entry|gap_" "$OUT/trace_moe_$o.log"
-    done
-    for i in 1 2; do
-      for o in at_exit after_loop; do
-        LOCALMOE_PDL_ORDER=$o timeout 70 python3 benchmarks/graph_history.py "$F" fresh \
-          --host-only >"$OUT/graph-$o-$i.jsonl" 2>&1
-        say "graph $o rc=$?"; grep -o '"graph_ms": \[[^]]*\]\|"logits_sha": "[0-9a-f]\{12\}' "$OUT/graph-$o-$i.jsonl" | tr '\n' ' '; echo
-      done
-    done
     ;;
   int2gap)
     # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from localmoe.kernels.launch_config import CHOICE_FIELDS, device_table
-from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_loaded
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.quant_gemv import pack_store_blocks
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.scratch import grown
@@ -673,7 +673,6 @@ def _decode_split_kernel(
             acc3 = _pv(acc3, alpha, pf, v3, SWAP)
         m_i = m_new
 
-    pdl_loaded(PDL)
     ok = l_i > 0
     inv = 1.0 / tl.where(ok, l_i, 1.0)
     lse = tl.where(ok, m_i + tl.log2(tl.where(ok, l_i, 1.0)), float("-inf"))

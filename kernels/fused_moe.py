@@ -93,7 +93,7 @@ import triton.language as tl
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.keys import PAD_KEY, key_low, key_score, score_key
 from localmoe.kernels.launch_config import device_table
-from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_loaded
+from localmoe.kernels.pdl import pdl_args, pdl_begin
 from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
@@ -185,7 +185,6 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
                      WIDE)
     gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
-    pdl_loaded(PDL)
     if TRACE:
         stamp(rec, 3, tl.sum(gu).to(tl.int32, bitcast=True))
     if SPLIT > 1:
@@ -326,7 +325,6 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
             WIDE, STAGES, SLOTS)
-    pdl_loaded(PDL)
     if TRACE:
         stamp(rec, 3, tl.sum(total).to(tl.int32, bitcast=True))
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])

@@ -58,7 +58,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["pdl_args", "pdl_begin", "pdl_loaded", "pdl_prefetch", "pdl_status", "pdl_supported", "prefetch_l2",
+__all__ = ["pdl_args", "pdl_begin", "pdl_prefetch", "pdl_status", "pdl_supported", "prefetch_l2",
            "prefetch_rows_l2"]
 
 
@@ -122,15 +122,13 @@ def pdl_prefetch(device) -> bool:
 
 
 #: ``LOCALMOE_PDL_ORDER`` -> the ``PDL`` constexpr of :func:`pdl_begin`
-PDL_ORDERS = {"signal_first": 1, "wait_first": 2, "at_exit": 3, "after_loop": 4}
+PDL_ORDERS = {"signal_first": 1, "wait_first": 2, "at_exit": 3}
 
 
 def pdl_order_name() -> str:
     """Where a PDL kernel lets its dependent start (``LOCALMOE_PDL_ORDER``): ``signal_first``
-    (at its top, before its own wait), ``wait_first`` (right after its wait), ``at_exit``
-    (the default: no explicit signal; the dependent is launched as the last block exits) or
-    ``after_loop`` (a trial: the kernels that call :func:`pdl_loaded` signal once their main
-    loop's loads have returned, the others at exit).
+    (at its top, before its own wait), ``wait_first`` (right after its wait) or ``at_exit``
+    (the default: no explicit signal; the dependent is launched as the last block exits).
     Another value is logged once and read as ``at_exit``."""
     name = os.environ.get("LOCALMOE_PDL_ORDER", "at_exit")
     if name not in PDL_ORDERS:
@@ -173,18 +171,8 @@ def pdl_begin(PDL: tl.constexpr):
     elif PDL == 2:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    elif PDL >= 3:
+    elif PDL == 3:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_loaded(PDL: tl.constexpr):
-    """With ``PDL`` 4 (``after_loop``), let the next kernel's blocks be launched now: call it
-    once the program's main loop is done (its loads returned), so the dependent's launch
-    overlaps this kernel's epilogue and tail; the dependent still waits in :func:`pdl_begin`
-    until this kernel has completed. Nothing otherwise."""
-    if PDL == 4:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

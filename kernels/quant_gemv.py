@@ -64,7 +64,7 @@ import triton.language as tl
 
 from localmoe.kernels.host import cdiv, next_pow2
 from localmoe.kernels.launch_config import device_table
-from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_loaded, pdl_prefetch, prefetch_rows_l2
+from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
 from localmoe.kernels.qtensor import (
     FLOAT_QTYPES, IQ4_VALUES, Q2_K, Q3_K, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values,
 )
@@ -583,8 +583,6 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
                          WIDE)
         out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
-        if ti == TP - 1:
-            pdl_loaded(PDL)
         # y_ss: the partials' slice stride (0: every split adds into one output)
         yp = y_ptr + pid_k.to(tl.int64) * y_ss + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
         ym = (tt < T)[:, None] & (rows < N)[None, :]

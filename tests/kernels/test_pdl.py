@@ -33,7 +33,7 @@ def test_on_by_default_for_a_capable_gpu(gpu_that_can, monkeypatch):
     assert not pdl.pdl_prefetch(dev)
 
 
-@pytest.mark.parametrize("order", ["signal_first", "wait_first", "at_exit", "after_loop"])
+@pytest.mark.parametrize("order", ["signal_first", "wait_first", "at_exit"])
 def test_the_order_picks_the_kernels_mode(order, gpu_that_can, monkeypatch):
     monkeypatch.delenv("LOCALMOE_PDL", raising=False)
     monkeypatch.setenv("LOCALMOE_PDL_ORDER", order)
