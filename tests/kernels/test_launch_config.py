@@ -49,7 +49,7 @@ V_CODECS = {
 PAIRS = [(1, 1), (15, 1), (2, 8), (8, 4)]
 LENS = [None, 4096, 4097]
 TILES = {"A": (128, 4, 2.0), "B": (64, 4, 2.0), "C": (32, 1, 8.0), "D": (64, 1, 8.0),
-         "E": (32, 2, 8.0), "F": (64, 4, 4.0), "G": (256, 4, 2.0)}
+         "E": (32, 2, 8.0), "F": (64, 4, 4.0), "G": (256, 4, 2.0), "H": (64, 2, 4.0)}
 OLD_CPU_TILE = (16, 4, 2.0)
 
 OLD = {
@@ -200,7 +200,9 @@ CHANGED = {
     # to 4096 tokens, int2 one warp over 32-token tiles beyond
     "int4:c int4": "CBC CBC CCC CCC | F | v v v v",
     "int4:c+out int4": "CBC CBC CCC CCC | F | v v v v",
-    "int2:c int2": "CAC CAC CCC CCC | T | v v v v",
+    # session 29 (int2_tiles_64k_h100-2026-12-05-s29.json): the default int2 cache beyond 4096
+    # tokens at few pairs: two warps over 64-token tiles, 4 waves (the decode graph's gaps)
+    "int2:c int2": "HAH HAH CCC CCC | T | v v v v",
     # session 13 (attention_h200-2026-12-03-s13-int8.json): the default int8 cache at few
     # pairs takes one warp over 32-token tiles from 64k tokens (None: unknown, long)
     "int8 int8": "CAA CAA DDD DDD | F | v v v v",
