@@ -52,11 +52,12 @@ def _signature(fn, const: dict, qtype: int) -> dict:
         elif n.endswith("_ptr"):
             sig[n] = {"xs_ptr": "*fp32", "hs_ptr": "*fp32", "p_ptr": "*fp32", "wts_ptr": "*fp32",
                       "out_ptr": "*fp16", "y_ptr": "*fp16", "dm_ptr": "*fp16",
-                      "mn_ptr": "*fp16", "tr_ptr": "*i64", "d_ptr": _D.get(qtype, "*fp16"),
+                      "mn_ptr": "*fp16", "tr_ptr": "*i64", "lg_ptr": "*fp32",
+                      "rb_ptr": "*fp32", "rw_ptr": "*fp32", "d_ptr": _D.get(qtype, "*fp16"),
                       "sc_ptr": _SC.get(qtype, "*i8"),
                       "qh_ptr": _QH.get(qtype, "*i32")}.get(n, "*i32")
         else:
-            sig[n] = "i32"
+            sig[n] = "fp32" if n == "rscale" else "i32"
     return sig
 
 

@@ -129,6 +129,15 @@ def test_long_tiles(name):
     _run(kc, ks, vc, vs, bt, lens, 8, 16, num_splits=2, block_n=256)
 
 
+@pytest.mark.skipif(not CUDA, reason="the device table's long-context tile at full size (GPU)")
+def test_long_context_tile_of_the_table_matches_twin():
+    """The default int2 cache past 4096 tokens at few pairs with the launch table's own choice
+    (Qwen3-30B-A3B's heads: 4 KV heads, 8 queries each, head size 128)."""
+    kc, ks, vc, vs, bt, lens = _build("int2:c", "int2", [4500, 9000], 4, 128, 16, seed=3,
+                                      chunks=1000)
+    _run(kc, ks, vc, vs, bt, lens, 8, 16, max_len=9000)
+
+
 def test_splits_do_not_change_the_result():
     kc, ks, vc, vs, bt, lens = _build("int4", "int4", [150], 1, 32, 16)
     q = torch.randn(1, 4, 32, device=DEV)
