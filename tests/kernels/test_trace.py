@@ -69,7 +69,7 @@ def test_traced_moe_matches_and_every_program_stamps_in_order(split):
     from localmoe.kernels.fused_moe import fused_moe, moe_programs
     from localmoe.kernels.qtensor import QuantTensor, random_gguf_blocks
 
-    e, f, d, k = 16, 256, 512, 4
+    e, f, d, k = 16, 256, 1024, 4      # K = 32 chunks: two 16-chunk tiles, so split 2 splits
     g = torch.Generator().manual_seed(0)
 
     def make(shape, seed):
@@ -80,7 +80,8 @@ def test_traced_moe_matches_and_every_program_stamps_in_order(split):
     x = torch.randn(1, d, generator=g).cuda()
     ids = torch.randperm(e, generator=g)[:k][None].to(torch.int32).cuda()
     w = torch.softmax(torch.randn(1, k, generator=g), -1).cuda()
-    cfg = {"gate_up": {"split": split}}
+    cfg = {"gate_up": {"split": split, "BN": 32, "CH": 16}}
+    assert moe_programs("gate_up", gu, 1, k, cfg["gate_up"]) == split * (f // 32) * k
     bufs = (trace_buffer(moe_programs("gate_up", gu, 1, k, cfg["gate_up"]), "cuda"),
             trace_buffer(moe_programs("down", wd, 1, k), "cuda"))
     ref = fused_moe(x, gu, wd, ids, w, config=cfg)
