@@ -77,6 +77,14 @@ graph +153 us (H100); and the one-token MoE as one launch (work items by an atom
 statically, the down items waiting on a counter for all of h): 17.5 -> 25.2-25.8 us (H200).
 At one token launch 1's 384 programs of ~128-140 registers fill the SMs (3 per SM).
 
+Where the time goes, program by program (``trace``: :mod:`localmoe.kernels.trace` stamps,
+``benchmarks/trace_moe.py``; ``benchmarks/results/moe_trace_h100-2026-12-05-s29.json``, H100,
+Qwen3-30B-A3B at one token, 18.6 us): gate/up's 384 programs route for 1.5 us, run their two
+K tiles for 7.3 us (58% of the H100's copy rate while they load), store and count their
+parts for 0.7 us and combine for 1.1 us; down starts 0.58 us after gate/up's last exit and its
+three K tiles take 5.1 us (41%). Launching down before gate/up has drained (PDL signalled
+after the K loop) placed its programs unevenly and was 2 us slower.
+
 Launch choices (BN, CH, warps, xb of each launch) come from the ``moe_gate_up`` and
 ``moe_down`` knobs of ``kernels/configs/<device>.json`` (:mod:`localmoe.kernels.launch_config`,
 tuned by ``benchmarks/bench_quant_kernels.py --sweep --write-config``): :func:`moe_config`.
