@@ -115,9 +115,14 @@ case "$STAGE" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_trace.py \
       >"$OUT/trace-tests.log" 2>&1
     say "trace tests rc=$?"; tail -3 "$OUT/trace-tests.log"
+    # session 29 (sm_90 SASS): down with the whole K of Qwen3's experts (24 chunks) in one
+    # 32-chunk tile has 128 registers, so its 512 programs still fit one wave (4 per SM) with
+    # every weight load in flight at once; 16-chunk tiles: two round trips instead of three
     timeout 300 python3 benchmarks/trace_moe.py --tokens 1 8 \
       --variant 'split1={"gate_up": {"split": 1}}' \
       --variant 'split4={"gate_up": {"split": 4}}' \
+      --variant 'down_k32={"down": {"BN": 4, "CH": 32, "num_warps": 4, "experts_tile": true}}' \
+      --variant 'down_k16={"down": {"BN": 4, "CH": 16, "num_warps": 4, "experts_tile": true}}' \
       --out "$OUT/trace_moe.json" >"$OUT/trace_moe.log" 2>&1
     say "trace rc=$?"; cat "$OUT/trace_moe.log" | head -150
     timeout 120 python3 benchmarks/trace_moe.py --tokens 1 --no-route \
