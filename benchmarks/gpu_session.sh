@@ -137,7 +137,8 @@ case "$STAGE" in
     # (LOCALMOE_LAUNCH_CONFIG files written here), against f16, in fresh processes
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }   # (written before the timed runs)
-    # the tile variants: INT2_TILES, a JSON object {tag: changes to the rule}; the runs:
+    # the tile variants: INT2_TILES, a JSON object {tag: changes to the rule, "fused_reduce":
+    # true also merging the splits in the split launch for those cases}; the runs:
     # INT2_VARIANTS (f16, base = the table, or a tag), each at every depth of INT2_DEPTHS
     python3 - "$OUT" <<'PY'
 import copy, json, os, sys
@@ -150,6 +151,10 @@ tiles = json.loads(os.environ.get("INT2_TILES") or json.dumps(
      "b128": {"block_n": 128, "num_warps": 4, "waves": 2.0}}))
 for tag, ch in tiles.items():
     v = copy.deepcopy(t)
+    ch = dict(ch)
+    if "fused_reduce" in ch:   # the splits merged in the split launch, for the same cases
+        v["fused_reduce"].insert(0, {"when": v["tile"][i]["when"],
+                                     "fused_reduce": bool(ch.pop("fused_reduce"))})
     v["tile"][i].update(ch)
     json.dump(v, open(f"{sys.argv[1]}/lc-{tag}.json", "w"), indent=1)
 PY
