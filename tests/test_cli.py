@@ -1085,6 +1085,35 @@ def test_generate_with_stdout_closed_is_refused_before_loading(tmp_path):
     assert not (tmp_path / "home" / "models").exists()  # nothing was pulled or loaded
 
 
+def test_commands_run_with_stderr_closed(tmp_path):
+    """`exec 2>&-; localmoe ...`: Python starts with sys.stderr None. The commands still run
+    (they exited 1 with no output: sys.stderr.isatty() in the store), and what they would
+    have said on stderr is dropped, never written on stdout instead (print(file=None) and
+    click.echo(file=None) mean stdout)."""
+    from localmoe.testing.synthetic import write_gguf
+
+    tiny = str(write_gguf(tmp_path / "tinymodel.gguf", "tiny-llama"))
+    env = dict(os.environ, LOCALMOE_HOME=str(tmp_path / "home"))
+
+    def lm_no_stderr(*args):
+        return subprocess.run([sys.executable, "-m", "localmoe", *args], stdout=subprocess.PIPE,
+                              text=True, env=env, timeout=300, preexec_fn=lambda: os.close(2))
+
+    r = lm_no_stderr("info", tiny)
+    assert r.returncode == 0 and "architecture   llama" in r.stdout, r.stdout
+    r = lm_no_stderr("generate", "-m", tiny, "--backend", "torch", "-n", "3", "--raw", "hi")
+    assert r.returncode == 0 and r.stdout.strip(), r.stdout
+    r = lm_no_stderr("pull", tiny)
+    assert r.returncode == 0 and r.stdout.startswith("tinymodel: "), r.stdout
+    r = lm_no_stderr("models")
+    assert r.returncode == 0 and "tinymodel" in r.stdout, r.stdout
+    # errors keep their exit status and stay off stdout
+    for args, status in ((["info", "no-such-model"], 1), (["generate", "-m", tiny, ""], 2),
+                         (["generate", "--bogus"], 2)):
+        r = lm_no_stderr(*args)
+        assert (r.returncode, r.stdout) == (status, ""), (args, r.returncode, r.stdout)
+
+
 def test_generate_json_schema_and_json_object(smollm2_path, tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "properties": {"answer": {"type": "integer"},

@@ -28,6 +28,7 @@ import click
 
 from localmoe import __version__
 from localmoe.errors import LocalMoEError
+from localmoe.io.console import note, stderr_is_terminal
 
 __all__ = ["cli", "main", "model_info"]
 
@@ -141,8 +142,9 @@ def _one_line_usage(e: click.UsageError, fallback: str = "localmoe") -> None:
 
     def show(file: Any = None) -> None:
         path = e.ctx.command_path if e.ctx is not None else fallback
-        click.echo(f"error: {e.format_message()} (see '{path} --help')",
-                   file=file if file is not None else sys.stderr)
+        # err=True, not file=sys.stderr: with stderr closed that is None, which means stdout
+        click.echo(f"error: {e.format_message()} (see '{path} --help')", file=file,
+                   err=file is None)
 
     e.show = show  # type: ignore[method-assign]
 
@@ -181,9 +183,7 @@ def _stop_now(signum, frame) -> None:
     except OSError:  # stdout closed or broken: the exit status still says it
         pass
     try:
-        tty = sys.stderr.isatty()
-        sys.stderr.write(("\r\x1b[2K\x1b[?25h" if tty else "\n") + "interrupted\n")
-        sys.stderr.flush()
+        note(("\r\x1b[2K\x1b[?25h" if stderr_is_terminal() else "\n") + "interrupted")
     finally:
         os._exit(130)
 
@@ -199,11 +199,7 @@ def _output_failed(e: OSError) -> None:
         sys.stdout = open(os.devnull, "w")
     except OSError:
         pass
-    try:
-        sys.stderr.write(f"error: cannot write the output: {e.strerror or e}\n")
-        sys.stderr.flush()
-    except (OSError, AttributeError, ValueError):
-        pass
+    note(f"error: cannot write the output: {e.strerror or e}")
     sys.exit(1)
 
 
@@ -249,10 +245,7 @@ def _exit_fast(code: Any) -> None:
         status = code
     else:  # sys.exit("message"): printed, status 1
         status = 1
-        try:
-            sys.stderr.write(f"{code}\n")
-        except (OSError, AttributeError, ValueError):
-            pass
+        note(str(code))
     import atexit
 
     atexit._run_exitfuncs()

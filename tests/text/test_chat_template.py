@@ -313,6 +313,11 @@ def test_a_bad_template_limit_warning_reads_as_the_clis_other_warnings():
         "warning: LOCALMOE_TEMPLATE_SECONDS='-1' is not a positive number; using 2",
         "warning: LOCALMOE_TEMPLATE_MAX_CHARS='abc' is not a positive number; using 8388608",
         "warning: LOCALMOE_TEMPLATE_MAX_MEMORY='0' is not a positive number; using 536870912"]
+    # stderr closed (sys.stderr None): dropped, not printed on stdout (print's file=None)
+    p = subprocess.run([sys.executable, "-c", "from localmoe.text.chat_template import "
+                        "TemplateLimits; TemplateLimits()"], stdout=subprocess.PIPE, text=True,
+                       env=env, timeout=120, preexec_fn=lambda: os.close(2))
+    assert (p.returncode, p.stdout) == (0, "")
 
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "0", "inf", "nan"])

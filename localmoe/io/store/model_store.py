@@ -8,12 +8,12 @@ import errno
 import hashlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from localmoe.errors import ModelLoadError, ModelNotFoundError, StoreError
+from localmoe.io.console import note, stderr_is_terminal
 from localmoe.io.store.catalog import CATALOG, DEFAULT_MODEL, CatalogEntry
 from localmoe.io.store.names import format_size, nonempty, source_origin, tagged
 from localmoe.io.store.pull import PARTIAL, PullMixin, ctrl_c_raises, hold_ctrl_c, sha256_file
@@ -128,7 +128,7 @@ class ModelStore(PullMixin):
         self.root = Path(root) if root is not None else default_root()
         self.models_dir = self.root / "models"
         self.index_url = index_url if index_url is not None else os.environ.get("LOCALMOE_INDEX_URL")
-        self.progress = sys.stderr.isatty() if progress is None else bool(progress)
+        self.progress = stderr_is_terminal() if progress is None else bool(progress)
         self.plain_progress = progress is None and not self.progress  # no terminal: plain lines
         self.catalog = CATALOG if catalog is None else catalog
 
@@ -236,8 +236,8 @@ class ModelStore(PullMixin):
             # another file stored under the catalog's name (an earlier version let a local
             # ./smollm2.gguf take it): it moves to a tagged name, the catalog model comes
             new = self._set_aside(source)
-            print(f"{source}: the stored entry is {m.source_path}, not the catalog model; it "
-                  f"is now {new!r}, pulling {source}", file=sys.stderr, flush=True)
+            note(f"{source}: the stored entry is {m.source_path}, not the catalog model; it "
+                 f"is now {new!r}, pulling {source}")
             m = None
         if m is not None and (source in self.catalog or source.startswith("hf:")
                               or m.name == source):
@@ -252,8 +252,7 @@ class ModelStore(PullMixin):
                 raise ModelNotFoundError(f"model {m.name!r}: {bad or 'asked to fetch it again'}; "
                                          f"{self.repair_hint(m)}")
             if bad is not None:
-                print(f"{m.name}: {bad}; pulling it again from {origin}", file=sys.stderr,
-                      flush=True)
+                note(f"{m.name}: {bad}; pulling it again from {origin}")
             source, link = origin, link or m.linked
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
@@ -598,12 +597,11 @@ class ModelStore(PullMixin):
             if self.plain_progress:  # no terminal for a bar: one line now, one when done
                 entry = self.catalog.get(s)
                 size = f" ({format_size(entry.size)})" if entry is not None and entry.size else ""
-                print(f"pulling {s}{size} into {self.models_dir} (once) ...", file=sys.stderr,
-                      flush=True)
+                note(f"pulling {s}{size} into {self.models_dir} (once) ...")
             m = self.pull(s)  # on a terminal: one progress bar, gone when done
             if self.plain_progress or self.progress:
-                print(f"pulled {s} ({format_size(m.size)}) in {time.monotonic() - t0:.0f} s: "
-                      f"{m.path}", file=sys.stderr, flush=True)
+                note(f"pulled {s} ({format_size(m.size)}) in {time.monotonic() - t0:.0f} s: "
+                     f"{m.path}")
             return m.path
         gone = self.get(s, include_missing=True)
         if gone is not None:

@@ -59,7 +59,7 @@ class _Progress:
 
     def __init__(self, enabled: bool, total: int | None, desc: str):
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr is not None:  # none: stderr closed (localmoe.io.console)
             try:
                 from tqdm import tqdm
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    from localmoe.io.console import note as say  # stderr (dropped when closed), not stdout
     try:
         if a.preset:
             if a.out:
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     except (LocalMoEError, ValueError, FileNotFoundError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         return 2
 
 
