@@ -448,7 +448,7 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
     for args, needle, status in ((["--kv-cache-k", "int9"], "int9", 2),
                                  (["--kv-cache-v", "int4:c"], "values", 2),
                                  (["--kv-cache", "int2,sinks=-1"], "sink", 2),
-                                 (["--device", "tpu"], "tpu", 1),
+                                 (["--device", "tpu"], "tpu", 2),
                                  (["--backend", "nope"], "nope", 1),
                                  (["-c", "999999"], "training context", 1),
                                  (["--kv-cache", "int4:g128"], "use ':g64' or less", 1)):
@@ -457,7 +457,7 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
             (args, r.output)
     assert not calls  # every bad value was refused before the UI (and any weights)
     r = CliRunner().invoke(cli, ["generate", "-m", m, "--backend", "torch", "--device", "tpu", "hi"])
-    assert r.exit_code == 1 and "unknown device 'tpu'" in r.output  # was a torch traceback
+    assert r.exit_code == 2 and "unknown device 'tpu'" in r.output  # was a torch traceback
 
 
 def test_no_cuda_graph_flag_reaches_the_triton_runner(monkeypatch, tmp_path):
@@ -538,6 +538,24 @@ def test_indexed_device_strings_are_accepted(monkeypatch, tmp_path):
         assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
                               "'cpu:1' does not exist")
     assert not opened
+
+
+@pytest.mark.parametrize("dev", ["tpu", "cuda:abc", "cuda:", "cpu0", ""])
+def test_a_malformed_device_is_a_usage_error(dev, tmp_path):
+    """--device tpu / cuda:abc name no device at all: a usage error (exit status 2, as
+    docs/CLI.md says of bad flag values; it exited 1) in every command with --device, before
+    anything loads. Well-formed devices that are not here (cuda:7, cpu:1) stay exit status 1
+    (the tests above)."""
+    from localmoe.engine.options import device_syntax_error
+    from localmoe.testing.synthetic import write_gguf
+
+    assert device_syntax_error(dev) and not device_syntax_error("cuda:7")
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    for cmd in (["generate", "hi"], ["chat"], ["serve"], ["bench"]):
+        r = run([*cmd, "-m", m, "--backend", "torch", "--device", dev])
+        assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                              f"Invalid value for '--device': unknown device {dev!r}",
+                              status=2)
 
 
 @pytest.mark.parametrize("args", [["--raw"], [], ["--system", "Be brief."]])

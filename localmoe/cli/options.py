@@ -59,7 +59,8 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
                      help="Key cache format (overrides --kv-cache)."),
         click.option("--kv-cache-v", default=None, metavar="FMT", callback=_check_kv,
                      help="Value cache format (overrides --kv-cache)."),
-        click.option("--device", default=None, help="Device for the backend: cpu, cuda, cuda:N."),
+        click.option("--device", default=None, callback=_check_device,
+                     help="Device for the backend: cpu, cuda, cuda:N."),
         click.option("-t", "--threads", type=click.IntRange(min=1, max=MAX_THREADS), default=None,
                      metavar="N",
                      expose_value=False, callback=_set_threads,
@@ -86,6 +87,22 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
 
 #: the KV flags of :func:`model_options` (parameter name -> flag), in KVSpec.parse's order
 KV_FLAGS = {"kv_cache": "--kv-cache", "kv_cache_k": "--kv-cache-k", "kv_cache_v": "--kv-cache-v"}
+
+
+def _check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Callback of ``--device``: a string that names no device (``tpu``, ``cuda:abc``) is a
+    usage error, exit status 2, ``Invalid value for '--device': unknown device 'tpu'; ...``.
+    A well-formed device that is not here (``cuda`` without a GPU, ``cuda:7``, ``cpu:1``)
+    stays the LocalMoEError (exit status 1) of the command's checks before the load; the value
+    goes on as given (``cpu:0`` is normalized there)."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from localmoe.engine.options import device_syntax_error
+
+    why = device_syntax_error(value)
+    if why:
+        raise click.BadParameter(why, ctx=ctx, param=param)
+    return value
 
 
 def _check_kv(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

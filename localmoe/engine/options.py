@@ -5,7 +5,7 @@ the CLI, the server and the Python API report."""
 from __future__ import annotations
 
 import os
-
+import re
 from typing import Any
 
 from localmoe.errors import InvalidRequestError, LocalMoEError
@@ -68,6 +68,17 @@ def parse_kv_request(kv: Any = "f16", k: str | None = None, v: str | None = None
     return spec
 
 
+def device_syntax_error(device: Any) -> str | None:
+    """Why ``device`` is not a device string at all (``"tpu"``, ``"cuda:abc"``, ``""``), else
+    None. Well-formed strings pass, present here or not (``"cuda:7"``, ``"cpu:1"``): those are
+    :func:`check_device`'s and the backend's to refuse. The command line makes this a usage
+    error of ``--device`` (exit status 2)."""
+    d = str(device).strip().lower()
+    if d in ("cpu", "cuda") or re.fullmatch(r"(cpu|cuda):[0-9]+", d):
+        return None
+    return f"unknown device {device!r}; use cpu, cuda or cuda:N (N = GPU index)"
+
+
 def check_device(device: Any) -> str | None:
     """Refuse a device string no backend understands, before anything loads; returns it
     normalized (``" CUDA:1"`` -> ``"cuda:1"``, ``"cpu:0"`` -> ``"cpu"``; None stays None).
@@ -77,21 +88,21 @@ def check_device(device: Any) -> str | None:
     backend's check (:func:`check_backend_device`).
 
     Raises:
-        InvalidRequestError: anything else, ``"cpu:N"`` with N > 0 included (there is one CPU
-            device) (``param="device"``).
+        InvalidRequestError: anything else (:func:`device_syntax_error`), ``"cpu:N"`` with
+            N > 0 included (there is one CPU device) (``param="device"``).
     """
     if device is None:
         return None
+    why = device_syntax_error(device)
+    if why:
+        raise InvalidRequestError(why, param="device")
     d = str(device).strip().lower()
-    if d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
-        return d
-    if d.startswith("cpu:") and d[4:].isdigit():
+    if d.startswith("cpu:"):
         if int(d[4:]) == 0:
             return "cpu"
         raise InvalidRequestError(f"device {device!r} does not exist: there is one CPU device "
                                   f"(cpu, or cpu:0)", param="device")
-    raise InvalidRequestError(f"unknown device {device!r}; use cpu, cuda or cuda:N (N = GPU index)",
-                              param="device")
+    return d
 
 
 def check_backend_device(backend: Any, device: Any) -> None:
