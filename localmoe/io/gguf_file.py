@@ -36,9 +36,33 @@ from localmoe.io.model_file import ModelFile, RawTensor, TensorInfo, check_regul
 from localmoe.io.validate import (MAX_ARRAY_ITEMS, MAX_METADATA_DEPTH, check_gguf_metadata,
                                   check_tensor_shapes)
 
-__all__ = ["GGUFModelFile", "qtype_name"]
+__all__ = ["GGUFModelFile", "check_gguf_size", "qtype_name"]
 
 GGUF_MAGIC = b"GGUF"
+#: bytes of a GGUF header's fixed part (magic, version, tensor and metadata counts)
+GGUF_MIN_SIZE = 24
+
+
+def check_gguf_size(path: str | os.PathLike, size: int) -> None:
+    """Refuse a file too short to be a GGUF file before its magic is read, in the words
+    every command uses (loading, ``info``, ``pull PATH``): empty (a download or copy that did
+    not complete), or shorter than a GGUF header.
+
+    Args:
+        path: the file (named in the message).
+        size: its size in bytes (``os.stat``).
+
+    Raises:
+        ModelLoadError: ``"<path> is empty (0 bytes): the download or copy did not complete;
+            fetch the file again"`` or ``"<path> is only N bytes, too small to be a GGUF file;
+            ..."``.
+    """
+    if size == 0:
+        raise ModelLoadError(f"{path} is empty (0 bytes): the download or copy did not complete; fetch the file again")
+    if size < GGUF_MIN_SIZE:
+        raise ModelLoadError(
+            f"{path} is only {size} bytes, too small to be a GGUF file; fetch the file again"
+        )
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 #: tensors, and metadata keys, one file may declare (real models: a few thousand tensors)
@@ -113,12 +137,7 @@ class _Header:
             raise ModelLoadError(f"cannot read model file {path}: {e}") from None
         check_regular_file(path, st)  # /dev/zero is no "empty download"; a FIFO would block
         self.size = st.st_size
-        if self.size == 0:
-            raise ModelLoadError(f"{path} is empty (0 bytes): the download or copy did not complete; fetch the file again")
-        if self.size < 24:
-            raise ModelLoadError(
-                f"{path} is only {self.size} bytes, too small to be a GGUF file; fetch the file again"
-            )
+        check_gguf_size(path, self.size)
         try:
             fh = open(path, "rb")
         except OSError as e:

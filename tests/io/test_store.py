@@ -429,9 +429,21 @@ def test_pull_local_path_and_resolve(tmp_path, home):
     assert st.resolve("my-model") == m.path
     assert st.resolve(str(src)) == src
     bad = tmp_path / "x.gguf"
-    bad.write_bytes(b"nope")
+    bad.write_bytes(b"nope" * 8)
     with pytest.raises(StoreError, match="not a GGUF"):
         st.pull(str(bad))
+    # empty or shorter than a header: the words of loading and `info` (it said "is not a GGUF
+    # file (magic b'')"), from the one check they share
+    from localmoe.io.loader import open_model
+
+    for data, says in ((b"", "is empty (0 bytes): the download or copy did not complete"),
+                       (b"GG", "is only 2 bytes, too small to be a GGUF file")):
+        bad.write_bytes(data)
+        with pytest.raises(ModelLoadError) as pulled:
+            st.pull(str(bad))
+        with pytest.raises(ModelLoadError) as opened:
+            open_model(bad)
+        assert str(pulled.value) == str(opened.value) == f"{bad} {says}; fetch the file again"
     pipe = tmp_path / "pipe.gguf"   # read, it would block the pull for ever
     os.mkfifo(pipe)
     with pytest.raises(ModelLoadError, match=r"pipe.gguf is not a regular file \(a named pipe"):

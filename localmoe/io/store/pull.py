@@ -560,9 +560,12 @@ class PullMixin:
 
             open_model(p).close()  # config and shards: refuse what could not load, as for GGUF
             return self._commit(p.name, f"file:{p}", "", linked=[p])
+        from localmoe.io.gguf_file import check_gguf_size
         from localmoe.io.model_file import check_regular_file
 
-        check_regular_file(p)  # a named pipe would block the read below
+        st = p.stat()
+        check_regular_file(p, st)  # a named pipe would block the read below
+        check_gguf_size(p, st.st_size)  # empty: as generate and info say it, not "magic b''"
         with open(p, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
