@@ -422,6 +422,27 @@ def test_hf_pull_with_the_hub_out_of_reach_says_so(home, monkeypatch):
     assert no_partials(home)
 
 
+@pytest.mark.parametrize("endpoint", ["notaurl", "huggingface.co", "http://", "ftp://hub",
+                                      "http://hub:port"])
+def test_a_malformed_hf_endpoint_is_named(home, monkeypatch, capsys, endpoint):
+    """HF_ENDPOINT=notaurl said only requests' "Request URL is missing an 'http://' or
+    'https://' protocol.": one line naming HF_ENDPOINT and its value, as an unreachable host
+    gets, before any download (and before resolve's "pulling ..." line)."""
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata",
+                        lambda *a, **k: pytest.fail("reached the download"))
+    want = (f"HF_ENDPOINT={endpoint!r} is not the address of a Hugging Face hub (http:// or "
+            f"https:// and a host, e.g. https://huggingface.co); fix it or unset it")
+    st = ModelStore(catalog=fake_catalog())
+    for call in (st.pull, st.resolve):
+        with pytest.raises(StoreError) as e:
+            call("hf:org/repo/model-Q4.gguf")
+        assert str(e.value) == want
+    assert capsys.readouterr().err == "" and no_partials(home)
+
+
 def test_hf_split_set_fetches_every_shard(server, home, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     for i in (1, 2):

@@ -604,8 +604,10 @@ class ModelStore(PullMixin):
                 raise ModelNotFoundError(f"model {s!r} is not pulled yet; run `localmoe pull {s}`")
             if s.startswith("hf:"):  # a malformed reference fails before "pulling ..."
                 from localmoe.io.store.names import parse_hf_ref
+                from localmoe.io.store.pull import hf_endpoint
 
                 parse_hf_ref(s)
+                hf_endpoint()  # so does a malformed $HF_ENDPOINT
             self._writable_models_dir()  # so is a store that cannot be made or written
             t0 = time.monotonic()
             if self.plain_progress:  # no terminal for a bar: one line now, one when done

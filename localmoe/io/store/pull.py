@@ -236,6 +236,32 @@ _UNREACHABLE_NAMES = {"ConnectionError", "NameResolutionError", "ConnectTimeout"
                       "NewConnectionError"}
 
 
+def hf_endpoint() -> str | None:
+    """``$HF_ENDPOINT`` (huggingface_hub's variable for the hub's address) for an ``hf:``
+    pull; None when unset or empty (the hub's default, https://huggingface.co).
+
+    Raises:
+        StoreError: it is not an http:// or https:// address with a host, one line naming
+            HF_ENDPOINT and its value, before anything is fetched (requests said only
+            "Request URL is missing an 'http://' or 'https://' protocol.").
+    """
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    if endpoint is None:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(endpoint)
+        ok = u.scheme.lower() in ("http", "https") and bool(u.hostname) and u.port != 0
+    except ValueError:  # a port that is no number, an unclosed [ of an IPv6 host
+        ok = False
+    if not ok:
+        raise StoreError(f"HF_ENDPOINT={endpoint!r} is not the address of a Hugging Face hub "
+                         f"(http:// or https:// and a host, e.g. https://huggingface.co); fix "
+                         f"it or unset it")
+    return endpoint
+
+
 def _download_error(repo: str, fname: str, e: BaseException, endpoint: str | None) -> StoreError:
     """The StoreError of a failed hub download: names the host when it could not be reached
     (offline, a wrong ``HF_ENDPOINT``), else the library's first line."""
@@ -493,7 +519,7 @@ class PullMixin:
             import huggingface_hub as hfh
         except ImportError as e:  # pragma: no cover - dependency
             raise StoreError("huggingface_hub is not installed; pip install huggingface_hub") from e
-        endpoint = os.environ.get("HF_ENDPOINT") or None
+        endpoint = hf_endpoint()
         names = shard_names(filename)
         work = self._tmp_dir()
         temps: list[tuple[Path, str, str]] = []
