@@ -24,6 +24,11 @@ Keys (also in the footer, under ``?`` / F1, and as Ctrl+P commands)::
     Ctrl+Up / Down   focus a message, then   c: copy it   b: copy its code blocks
     Ctrl+B           toggle the sidebar      Ctrl+P                command palette (themes too)
     Ctrl+Q           quit
+
+Dialogs: Esc closes one. The "Context full" dialog opens by itself (an answer filled the
+context), so it has no letter keys: Tab or Left/Right picks New chat / Drop oldest turns /
+Close, Enter chooses (Close has the focus first), and what is typed meanwhile goes to the
+message box.
 """
 
 from __future__ import annotations

@@ -305,7 +305,11 @@ class Generation:
         last_user = next((m for m in reversed(msgs) if m.role == "user"), None)
         await self.open_chat(None, settings=self.settings)
         if last_user is not None:
-            await self.send_prompt(last_user.content)
+            prompt = self._chat_screen().query_one(PromptInput)
+            draft = prompt.text  # what the user was typing (send_prompt clears the box)
+            if await self.send_prompt(last_user.content) and draft and not prompt.text:
+                prompt.load_text(draft)
+                prompt.move_cursor(prompt.document.end)
 
     def _estimate_tokens(self, messages: Iterable[str]) -> int:
         return sum(self.engine.count_tokens(t) + 8 for t in messages)

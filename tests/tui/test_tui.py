@@ -486,7 +486,7 @@ def test_context_full_drop_oldest_turns(db):
                              "context full dialog")
             errs = [v for v in app.screen_stack[0].query(MessageView) if v.role == "error"]
             assert errs and "Context full" in errs[-1].text
-            await pilot.press("d")
+            await pilot.press("left", "enter")  # from Close to "Drop oldest turns"
             await wait_until(pilot, lambda: not isinstance(app.screen, ContextFullScreen)
                              and not app.generating and len(eng.calls) == 4, "retry")
             await pilot.pause()
@@ -513,11 +513,71 @@ def test_context_full_new_chat(db):
             from localmoe.tui.screens.dialogs import ContextFullScreen
             await send(pilot, "second question")
             await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
-            await pilot.press("n")
+            await pilot.press("shift+tab", "shift+tab", "enter")  # from Close to "New chat"
             await wait_until(pilot, lambda: app.chat_id not in (None, old) and not app.generating
                              and len(eng.calls) == 3, "new chat answered")
             await pilot.pause()
             assert stored(app) == [("user", "second question"), ("assistant", "fresh answer")]
+
+    run(body())
+
+
+def test_context_full_dialog_ignores_letters_typed_into_it(db):
+    """The context-full dialog opens by itself, while the user may be typing the next message:
+    letters typed then go to the message box, never to the dialog's choices (a `d` used to
+    drop the oldest turns, an `n` to start a new chat), and an Enter only closes it."""
+    eng = FakeEngine(["x " * 30, "never asked for"], n_ctx=50)
+
+    async def body():
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "first")
+            chat = app.chat_id
+            from localmoe.tui.screens.dialogs import ContextFullScreen
+            await send(pilot, "second question")
+            await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
+            before = [(m.id, m.content, m.dropped) for m in app.store.messages(chat)]
+            calls = len(eng.calls)
+            await pilot.press(*"draft and another", "backspace", "?")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, ContextFullScreen)  # still asking
+            assert app.chat_id == chat and len(eng.calls) == calls and not app.generating
+            assert [(m.id, m.content, m.dropped) for m in app.store.messages(chat)] == before
+            prompt = app.screen_stack[0].query_one(PromptInput)
+            assert prompt.text == "draft and anothe?"  # typed text kept in the message box
+            assert "draft and anothe?" in str(app.screen.query_one("#typed").render())
+            assert not app.screen.query("HelpPanel")  # `?` was text, not the keys panel
+            await pilot.press("enter")  # the first focus is Close: nothing happens
+            await wait_until(pilot, lambda: not isinstance(app.screen, ContextFullScreen),
+                             "dialog closed")
+            await pilot.pause(0.2)
+            assert app.chat_id == chat and len(eng.calls) == calls
+            assert [(m.id, m.content, m.dropped) for m in app.store.messages(chat)] == before
+            assert prompt.text == "draft and anothe?" and app.focused is prompt
+
+    run(body())
+
+
+def test_context_full_new_chat_keeps_the_draft(db):
+    """Choosing New chat re-sends the last question there; a draft typed while the dialog
+    was open stays in the message box."""
+    eng = FakeEngine(["x " * 30, "fresh answer"], n_ctx=50)
+
+    async def body():
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "first")
+            from localmoe.tui.screens.dialogs import ContextFullScreen
+            await send(pilot, "second question")
+            await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
+            await pilot.press(*"my draft", "left", "left", "enter")
+            await wait_until(pilot, lambda: len(eng.calls) == 3 and not app.generating,
+                             "new chat answered")
+            await pilot.pause()
+            assert stored(app) == [("user", "second question"), ("assistant", "fresh answer")]
+            assert app.screen.query_one(PromptInput).text == "my draft"
 
     run(body())
 

@@ -2,12 +2,19 @@
 
 Each is a ``ModalScreen`` that dismisses with its result (None when cancelled with Esc);
 the app pushes them with a callback. Layout only; the app does the work.
+
+A dialog that opens by itself (not on a key the user pressed to open it: the context-full
+dialog, which opens when an answer fills the context) derives from :class:`_UnsolicitedDialog`:
+it has no single-letter keys, its buttons are chosen with Tab or Left/Right and Enter, Enter on
+its first focus closes it without doing anything, and what the user goes on typing (meant for
+the message box) goes to the message box instead of being lost.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from textual import events
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
@@ -91,13 +98,60 @@ class ConfirmScreen(_Dialog):
         self.dismiss(event.button.id == "yes")
 
 
-class ContextFullScreen(_Dialog):
+class _UnsolicitedDialog(_Dialog):
+    """Base of a dialog that opens by itself, while the user may be typing a message.
+
+    No plain key does anything here: the buttons are picked with Tab / Shift+Tab or
+    Left / Right and pressed with Enter (or a click); the first focus is the harmless
+    ``#close`` button, so an Enter meant for the message box only closes the dialog; Esc
+    closes it. Printable keys and Backspace go on to the chat's message box (the dialog says
+    so), so text typed while it opened is kept, not lost.
+    """
+
+    AUTO_FOCUS = "#close"
+    BINDINGS = [Binding("escape", "cancel", "Close"),
+                Binding("left", "app.focus_previous", "Previous choice", show=False),
+                Binding("right", "app.focus_next", "Next choice", show=False)]
+    KEYS_HINT = ("Tab or ←/→ picks a button, Enter chooses it, Esc closes. "
+                 "Letters you type go to the message box.")
+
+    def _prompt(self):
+        from ..widgets.prompt import PromptInput
+
+        for screen in reversed(self.app.screen_stack):
+            if screen is not self:
+                found = screen.query(PromptInput)
+                if found:
+                    return found.first()
+        return None
+
+    def on_key(self, event: events.Key) -> None:
+        if event.key == "backspace":
+            edit = "backspace"
+        elif event.is_printable and event.character:
+            edit = event.character
+        else:
+            return
+        event.stop()
+        event.prevent_default()
+        prompt = self._prompt()
+        if prompt is None:
+            return
+        if edit == "backspace":
+            prompt.action_delete_left()
+        else:
+            prompt.insert(edit)
+        tail = prompt.text.replace("\n", " ")
+        tail = tail if len(tail) <= 40 else "…" + tail[-39:]
+        for label in self.query("#typed").results(Label):
+            label.update(f"In the message box: {tail}" if tail else "The message box is empty.")
+            label.display = True
+
+
+class ContextFullScreen(_UnsolicitedDialog):
     """The conversation no longer fits in the context window. Dismisses with ``"new"``
     (continue the last question in a new chat), ``"drop"`` (drop the oldest turns and retry)
-    or None."""
-
-    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("n", "choose('new')", "New chat"),
-                Binding("d", "choose('drop')", "Drop oldest turns")]
+    or None. It opens by itself, so it has no letter keys (see :class:`_UnsolicitedDialog`)."""
 
     def __init__(self, message: str) -> None:
         super().__init__()
@@ -107,14 +161,12 @@ class ContextFullScreen(_Dialog):
         with Vertical(classes="dialog"):
             yield Label("Context full", classes="dialog-title")
             yield Label(self._message, classes="dialog-text", markup=False)
+            yield Label(self.KEYS_HINT, classes="dialog-hint", markup=False)
+            yield Label("", id="typed", classes="dialog-hint", markup=False)
             with Horizontal(classes="dialog-buttons"):
-                yield Button("New chat (n)", variant="primary", id="new")
-                yield Button("Drop oldest turns (d)", variant="warning", id="drop")
-                yield Button("Cancel", id="cancel")
-
-    def action_choose(self, choice: str) -> None:
-        """Dismiss with ``choice``."""
-        self.dismiss(choice)
+                yield Button("New chat", variant="primary", id="new")
+                yield Button("Drop oldest turns", variant="warning", id="drop")
+                yield Button("Close", id="close")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
