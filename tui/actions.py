@@ -14,6 +14,15 @@ from .widgets.message import MessageView, code_blocks
 from .widgets.prompt import PromptInput
 
 
+def free_path(path: Path) -> Path:
+    """``path`` if nothing is there, else the first free ``<stem>-2<suffix>``, ``-3``, ..."""
+    candidate, n = path, 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
 class ChatActions:
     """Mixin of :class:`~localmoe.tui.app.ChatApp`: what the keys and the command palette do
     (stop, new chat, regenerate, edit, rename, delete, export, settings, focus, copy, quit)."""
@@ -99,26 +108,41 @@ class ChatActions:
         self.push_screen(ConfirmScreen(f"Delete the chat “{chat.title}”?", "Delete"), done)
 
     def action_export_chat(self) -> None:
-        """Export the current chat to a Markdown file."""
+        """Export the current chat to a Markdown file. The suggested path is a free one
+        (``<cwd>/<title>.md``, else ``<title>-2.md``, ...); an existing file is never
+        overwritten: the dialog says so and keeps the path typed."""
         if self.chat_id is None:
             self._notify("Nothing to export yet.", severity="warning")
             return
         chat = self.store.get_chat(self.chat_id)
-        default = str(Path.cwd() / f"{slugify(chat.title)}.md")
+        default = str(free_path(Path.cwd() / f"{slugify(chat.title)}.md"))
+        written: list[Path] = []
+
+        def write(path: str) -> str | None:
+            """Write the file; an error message (the dialog stays open) or None."""
+            if not path.strip():
+                return "Type a file name."
+            p = Path(path).expanduser()
+            if p.is_dir():
+                return f"{p} is a folder: add a file name."
+            if p.exists() or p.is_symlink():
+                return f"{p} already exists; not overwritten. Choose another name."
+            try:
+                with open(p, "x", encoding="utf-8") as f:  # "x": never replace a file
+                    f.write(self.store.export_markdown(chat.id))
+            except FileExistsError:
+                return f"{p} already exists; not overwritten. Choose another name."
+            except OSError as e:
+                return f"Could not write {p}: {e.strerror or e}"
+            written.append(p)
+            return None
 
         def done(path: str | None) -> None:
-            if not path:
-                return
-            try:
-                p = Path(path).expanduser()
-                p.write_text(self.store.export_markdown(chat.id), encoding="utf-8")
-            except OSError as e:
-                self._show_error(f"Could not write {path}: {e}")
-                return
-            self._notify(f"Exported to {p}", timeout=4)
+            if written:
+                self._notify(f"Exported to {written[-1]}", timeout=4)
 
         self.push_screen(TextPromptScreen("Export chat to Markdown file", default,
-                                          ok_label="Export"), done)
+                                          ok_label="Export", submit=write), done)
 
     def action_settings(self) -> None:
         """Edit the current chat's settings; empty fields show the values in force (the

@@ -28,7 +28,7 @@ Keys (also in the footer, under ``?`` / F1, and as Ctrl+P commands)::
 Dialogs: Esc closes one. The "Context full" dialog opens by itself (an answer filled the
 context), so it has no letter keys: Tab or Left/Right picks New chat / Drop oldest turns /
 Close, Enter chooses (Close has the focus first), and what is typed meanwhile goes to the
-message box.
+message box. Export (F4) suggests a free file name and never overwrites an existing file.
 """
 
 from __future__ import annotations

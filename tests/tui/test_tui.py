@@ -299,6 +299,75 @@ def test_export_markdown(db, tmp_path):
     run(body())
 
 
+def test_export_never_overwrites_a_file(db, tmp_path):
+    """F4 refuses an existing file: the dialog says so and keeps the path typed."""
+    async def body():
+        from textual.widgets import Input, Label
+
+        from localmoe.tui.screens.dialogs import TextPromptScreen
+
+        app = make_app(db, FakeEngine([CODE_REPLY]))
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "show code")
+            await pilot.press("f4")
+            await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
+            keep = tmp_path / "keep.md"
+            keep.write_text("do not touch")
+            app.screen.query_one(Input).value = str(keep)
+            await pilot.press("enter")
+            await pilot.pause()
+            assert keep.read_text() == "do not touch"
+            assert isinstance(app.screen, TextPromptScreen)  # still open, the path kept
+            assert app.screen.query_one(Input).value == str(keep)
+            error = app.screen.query_one("#dialog-error", Label)
+            assert error.display and "already exists" in str(error.render())
+            out = tmp_path / "other.md"
+            app.screen.query_one(Input).value = str(out)
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen),
+                             "exported")
+            assert out.read_text().startswith("# show code\n")
+
+    run(body())
+
+
+def test_export_suggests_a_free_file_name(db, tmp_path, monkeypatch):
+    """The suggested path skips taken names: two chats of one title no longer overwrite each
+    other with the default."""
+    monkeypatch.chdir(tmp_path)
+
+    async def body():
+        from textual.widgets import Input
+
+        from localmoe.tui.screens.dialogs import TextPromptScreen
+
+        app = make_app(db, FakeEngine([CODE_REPLY]))
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "show code")
+            await pilot.press("f4")
+            await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
+            assert app.screen.query_one(Input).value == str(tmp_path / "show-code.md")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen),
+                             "exported")
+            await pilot.press("ctrl+n")
+            await send(pilot, "show code")  # a second chat of the same title
+            await pilot.press("f4")
+            await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
+            assert app.screen.query_one(Input).value == str(tmp_path / "show-code-2.md")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen),
+                             "exported")
+            first, second = (tmp_path / "show-code.md"), (tmp_path / "show-code-2.md")
+            assert first.read_text().startswith("# show code\n")
+            assert second.read_text().startswith("# show code\n")
+            assert len(app.store.list_chats()) == 2
+
+    run(body())
+
+
 def test_persistence_across_restart_and_continue(db):
     async def first_run():
         app = make_app(db, FakeEngine(["persisted answer"]))

@@ -12,7 +12,7 @@ the message box) goes to the message box instead of being lost.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from textual import events
 from textual.binding import Binding
@@ -46,29 +46,57 @@ class _Dialog(ModalScreen):
 
 
 class TextPromptScreen(_Dialog):
-    """Ask for one line of text (chat title, export path). Dismisses with the text or None."""
+    """Ask for one line of text (chat title, export path). Dismisses with the text or None.
 
-    def __init__(self, title: str, value: str = "", *, ok_label: str = "OK") -> None:
+    Args:
+        title: the question.
+        value: the text the field starts with.
+        ok_label: the label of the OK button.
+        submit: called with the text on Enter / OK; a string it returns is an error shown in
+            the dialog, which then stays open with the text as typed (None: dismiss).
+    """
+
+    def __init__(self, title: str, value: str = "", *, ok_label: str = "OK",
+                 submit: Callable[[str], str | None] | None = None) -> None:
         super().__init__()
         self._title = title
         self._value = value
         self._ok = ok_label
+        self._submit = submit
 
     def compose(self):
         with Vertical(classes="dialog"):
             yield Label(self._title, classes="dialog-title", markup=False)
             yield Input(self._value, id="dialog-input")
+            yield Label("", id="dialog-error", classes="dialog-error", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self._ok, variant="primary", id="ok")
                 yield Button("Cancel", id="cancel")
 
+    def _accept(self, value: str) -> None:
+        error = self._submit(value) if self._submit is not None else None
+        if error:
+            label = self.query_one("#dialog-error", Label)
+            label.update(error)
+            label.display = True
+            self.query_one(Input).focus()
+            return
+        self.dismiss(value)
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        self.dismiss(event.value)
+        self._accept(event.value)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        self.query_one("#dialog-error", Label).display = False
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
-        self.dismiss(self.query_one(Input).value if event.button.id == "ok" else None)
+        if event.button.id == "ok":
+            self._accept(self.query_one(Input).value)
+        else:
+            self.dismiss(None)
 
 
 class ConfirmScreen(_Dialog):
