@@ -465,6 +465,51 @@ def test_parse_hf_ref():
             parse_hf_ref(ref)
 
 
+@pytest.mark.parametrize("ref, says", [
+    ("hf:a/b/../../etc/passwd.gguf", "the file '../../etc/passwd.gguf' is not a path inside"),
+    ("hf:a/b/sub/../../x.gguf", "the file 'sub/../../x.gguf' is not a path inside"),
+    ("hf:a/b/./c.gguf", "the file './c.gguf' is not a path inside"),
+    ("hf:a/b//etc/passwd.gguf", "the file '/etc/passwd.gguf' is not a path inside"),
+    ("hf:a/b/c.txt", "'c.txt' is not a .gguf file"),
+    ("hf:a/b/model.safetensors", "'model.safetensors' is not a .gguf file"),
+    ("hf:a/b/..", "the file '..' is not a path inside"),
+    ("hf:a/b/.gguf", "'.gguf' is not a .gguf file")])
+def test_a_bad_hf_file_part_is_refused_before_any_download(home, monkeypatch, capsys, ref, says):
+    """`pull hf:a/b/../../etc/passwd.gguf` or `hf:a/b/c.txt` went to the download: a file
+    part that is not a .gguf file inside the repo is a bad reference (one line, exit status 1
+    as every bad model reference), with no network access, in pull and in resolve (-m)."""
+    import huggingface_hub
+
+    for fn in ("get_hf_file_metadata", "hf_hub_download"):
+        monkeypatch.setattr(huggingface_hub, fn, lambda *a, **k: pytest.fail("reached the hub"))
+    with pytest.raises(ModelNotFoundError) as e:
+        parse_hf_ref(ref)
+    msg = str(e.value)
+    assert msg.startswith(f"bad Hugging Face reference {ref!r}: {says}") and "\n" not in msg
+    st = ModelStore(catalog=fake_catalog())
+    for call in (st.pull, st.resolve):
+        with pytest.raises(ModelNotFoundError, match="bad Hugging Face reference"):
+            call(ref)
+    assert capsys.readouterr().err == ""    # not even "pulling ..."
+    # what docs/MODEL-STORE.md shows goes on working: a file in a folder of the repo, a
+    # revision, a split set's first part
+    assert parse_hf_ref("hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf") == \
+        ("Qwen/Qwen3-30B-A3B-GGUF", None, "Qwen3-30B-A3B-Q4_K_M.gguf")
+    assert parse_hf_ref("hf:o/r@main/Q4/m-00001-of-00002.gguf") == \
+        ("o/r", "main", "Q4/m-00001-of-00002.gguf")
+
+
+def test_a_bad_hf_file_part_is_one_error_line_of_pull(home):
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+
+    r = CliRunner().invoke(cli, ["pull", "hf:a/b/../../etc/passwd.gguf"])
+    assert r.exit_code == 1 and r.stderr.startswith(
+        "error: bad Hugging Face reference 'hf:a/b/../../etc/passwd.gguf': the file") and \
+        r.stderr.count("\n") == 1, r.stderr
+
+
 def test_pull_local_path_and_resolve(tmp_path, home):
     from localmoe.testing.synthetic import write_gguf
 

@@ -48,17 +48,19 @@ def nonempty(name: str | os.PathLike) -> str:
 
 
 def parse_hf_ref(source: str) -> tuple[str, str | None, str]:
-    """Split ``hf:OWNER/REPO[@REVISION]/PATH/IN/REPO`` into (repo, revision, filename).
+    """Split ``hf:OWNER/REPO[@REVISION]/PATH/IN/REPO.gguf`` into (repo, revision, filename),
+    checked before anything is fetched: the repo id by the hub's rules, the file as a
+    ``.gguf`` file inside the repo (a folder of it may lead: ``sub/f.gguf``; no ``.`` or
+    ``..`` segment, no leading or doubled ``/``).
 
     Raises:
-        ModelNotFoundError: malformed reference.
+        ModelNotFoundError: malformed reference (one line, as every bad model reference).
     """
+    usage = "use hf:OWNER/REPO/FILE.gguf, e.g. hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf"
     ref = source[3:] if source.startswith("hf:") else source
     parts = ref.strip("/").split("/")
-    if len(parts) < 3 or not all(parts):
-        raise ModelNotFoundError(
-            f"bad Hugging Face reference {source!r}; use hf:OWNER/REPO/FILE.gguf, e.g. "
-            f"hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf")
+    if len(parts) < 3 or not all(parts[:2]) or not parts[-1]:
+        raise ModelNotFoundError(f"bad Hugging Face reference {source!r}; {usage}")
     repo_name, _, rev = parts[1].partition("@")
     repo = f"{parts[0]}/{repo_name}"
     try:   # the hub's own rules for a repo id (characters, "--", "..", length)
@@ -71,9 +73,18 @@ def parse_hf_ref(source: str) -> tuple[str, str | None, str]:
         except ValueError as e:   # HFValidationError
             raise ModelNotFoundError(
                 f"bad Hugging Face reference {source!r}: {str(e).splitlines()[0].rstrip('.')}; "
-                f"use hf:OWNER/REPO/FILE.gguf, e.g. "
-                f"hf:Qwen/Qwen3-30B-A3B-GGUF/Qwen3-30B-A3B-Q4_K_M.gguf") from None
-    return repo, (rev or None), "/".join(parts[2:])
+                f"{usage}") from None
+    filename = "/".join(parts[2:])
+    if any(p in ("", ".", "..") for p in parts[2:]):
+        raise ModelNotFoundError(
+            f"bad Hugging Face reference {source!r}: the file {filename!r} is not a path inside "
+            f"the repository (no '.' or '..' segment, no leading or doubled '/'); {usage}")
+    if not filename.endswith(".gguf") or parts[-1] == ".gguf":
+        raise ModelNotFoundError(
+            f"bad Hugging Face reference {source!r}: {parts[-1]!r} is not a .gguf file (hf: "
+            f"pulls GGUF files; for an HF safetensors model, download its folder and give its "
+            f"path); {usage}")
+    return repo, (rev or None), filename
 
 
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
