@@ -7,7 +7,9 @@ Endpoints:
 * ``POST /v1/completions`` -- raw-prompt completions.
 * ``GET /v1/models`` and ``GET /v1/models/{id}``.
 * ``GET /health`` -- ``200 {"status": "ok"}`` when ready, ``503 {"status": "loading"}`` while
-  the model loads in the background, ``503 {"status": "error", "error": ...}`` when it failed.
+  the model loads in the background, ``503 {"status": "error", "error": ...}`` when it failed
+  (an app of :func:`create_app` given a loader keeps serving that; ``localmoe serve``, whose
+  one model it is, stops instead: :func:`run_server`).
 * ``GET /metrics`` -- Prometheus text: requests by endpoint and status, prompt/generated
   tokens, TTFT and TPOT histograms (seconds), queue depth, running requests.
 
@@ -40,7 +42,7 @@ import ipaddress
 import logging
 from pathlib import Path
 
-from localmoe.errors import LocalMoEError, ModelLoadError
+from localmoe.errors import LocalMoEError
 from localmoe.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, create_app
 from localmoe.serve.errors import HTTPError, log
 from localmoe.serve.metrics import Metrics
@@ -92,9 +94,11 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     The model file is resolved and its header checked, and the backend chosen, before the port
     opens (a wrong path, a corrupt file or an unavailable backend is an error here, not a server
     that cannot serve). Then the port opens and the weights load in the background (``/health``
-    says when ready); a failure at that stage is logged and reported by ``/health`` and 503s.
-    Damaged weights (non-finite logits in a 1-token warm-up, :func:`warm_up`) stop the server:
-    it raises their ModelLoadError after shutting down.
+    says ``loading`` until ready). The model is the server's only one: when it fails to load
+    (the backend refuses the file, e.g. an expert tensor missing) or is damaged (non-finite
+    logits in a 1-token warm-up, :func:`warm_up`), the server shuts down and raises that
+    error (the CLI prints it as its one ``error:`` line, the same as ``generate`` for the
+    file, exit status 1), as vLLM and llama-server exit, rather than answer 503 forever.
 
     Args:
         model: model path or store name (as ``localmoe.LLM``).
@@ -111,7 +115,8 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
             not int8, int16 or mixed; a context size that is not a
             positive integer or is above the model's training context.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
-            be found or read.
+            be found or read, before the port opens or while it loads (then after shutting
+            down; any other exception of the load too).
         BackendUnavailableError: the backend cannot run this model here.
     """
     import uvicorn
@@ -143,19 +148,24 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
 
         print(msg, file=sys.stderr)     # once (logging is configured only later, at the bind)
 
-    failed: list[LocalMoEError] = []
+    failed: list[BaseException] = []
     running: list = []  # the uvicorn.Server, for the loader to stop
 
     def factory():
         from localmoe.api import LLM
 
-        llm = LLM(model_file, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
-                  kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
+        llm = None
         try:
+            llm = LLM(model_file, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
+                      kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v, **llm_options)
             warm_up(llm)
-        except ModelLoadError as e:  # damaged weights: every request would fail; stop serving
+        except Exception as e:  # noqa: BLE001 -- the only model cannot serve: stop serving
             failed.append(e)
-            llm.close()
+            if llm is not None:
+                try:
+                    llm.close()
+                except Exception:  # noqa: BLE001 -- the load's error is the one to report
+                    pass
             if running:
                 running[0].should_exit = True
             raise StopServing(str(e)) from e  # raised below once stopped: not logged too
@@ -171,7 +181,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                                         timeout_graceful_shutdown=3))
     running.append(srv)
     srv.run()
-    if failed:  # the CLI prints it as one error line, exit status 1
+    if failed:  # the CLI prints a LocalMoEError as one error line, exit status 1
         raise failed[0]
     if not srv.started:  # as uvicorn.run: the reason is in uvicorn's log above
         raise LocalMoEError(f"the server could not start on {host}:{port} (see the log above)")
