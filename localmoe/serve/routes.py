@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import threading
 import time
 from typing import Any, Callable
 
@@ -92,7 +91,7 @@ async def run_job(request: Request, endpoint: str, prepare: Callable, kind: str)
         if state.status != "ready":
             openai_shaping.validate_request(kind, body)
         llm = state.ready_llm()
-        cancel = threading.Event()
+        cancel = state.new_cancel()  # the shutdown may stop it too
         # validation compiles a request's grammar (JSON schema, forced tool call): off the
         # event loop, so a slow schema (refused after COMPILE_TIMEOUT_S) stalls no one else
         job = await asyncio.to_thread(prepare, llm, body, cancel=cancel,

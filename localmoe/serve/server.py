@@ -29,6 +29,11 @@ Behaviour:
   sent).
 * With ``api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``; ``/health`` and
   ``/metrics`` stay open for probes and scrapers.
+* SIGTERM (and SIGINT) shut down gracefully: the port closes (no new connection), requests in
+  flight get :data:`SHUTDOWN_GRACE_S` to finish, then their generations are stopped and they
+  end properly (a stream with its final chunk, ``finish_reason: "length"``, and ``data:
+  [DONE]``); requests still queued then get 503 ``server_shutting_down``. After SIGTERM the
+  process exits 0 (SIGINT: 130, as every command after Ctrl-C).
 
 Modules: :mod:`~localmoe.serve.app` (:func:`create_app`), :mod:`~localmoe.serve.routes`,
 :mod:`~localmoe.serve.streaming` (worker thread, SSE, cancellation),
@@ -38,8 +43,10 @@ this module starts the server (:func:`run_server`).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import signal
 from pathlib import Path
 
 from localmoe.errors import LocalMoEError
@@ -49,7 +56,13 @@ from localmoe.serve.metrics import Metrics
 from localmoe.serve.state import StopServing
 
 __all__ = ["run_server", "create_app", "is_loopback", "HTTPError", "Metrics",
-           "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE"]
+           "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE", "SHUTDOWN_GRACE_S"]
+
+#: seconds the requests in flight get to finish after SIGTERM/SIGINT before their generations
+#: are stopped (under docker's 10 s and systemd's 90 s before SIGKILL)
+SHUTDOWN_GRACE_S = 5.0
+#: seconds the stopped requests then get to send their last chunk before uvicorn cancels them
+_SHUTDOWN_END_S = 3.0
 
 
 def is_loopback(host: str) -> bool:
@@ -99,6 +112,9 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     logits in a 1-token warm-up, :func:`warm_up`), the server shuts down and raises that
     error (the CLI prints it as its one ``error:`` line, the same as ``generate`` for the
     file, exit status 1), as vLLM and llama-server exit, rather than answer 503 forever.
+
+    SIGTERM (and SIGINT) shut down gracefully (:func:`_server`); after SIGTERM this returns
+    (exit status 0), after SIGINT the signal is raised again once shut down (status 130).
 
     Args:
         model: model path or store name (as ``localmoe.LLM``).
@@ -177,14 +193,50 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                               Path(str(model_file.path)).name})
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                        timeout_graceful_shutdown=3))
+    grace = float(SHUTDOWN_GRACE_S)
+    srv = _server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                 timeout_graceful_shutdown=grace + _SHUTDOWN_END_S),
+                  app.state.localmoe, grace)
     running.append(srv)
     srv.run()
     if failed:  # the CLI prints a LocalMoEError as one error line, exit status 1
         raise failed[0]
     if not srv.started:  # as uvicorn.run: the reason is in uvicorn's log above
         raise LocalMoEError(f"the server could not start on {host}:{port} (see the log above)")
+
+
+def _server(config, state, grace: float):
+    """A ``uvicorn.Server`` whose shutdown drains the requests in flight.
+
+    uvicorn closes the port and the idle connections and waits for the open requests, then
+    cancels them after ``timeout_graceful_shutdown`` (a stream cut without its final chunk or
+    ``[DONE]``), and re-raises the signal that stopped it (SIGTERM: the process dies of it,
+    status 143). Here the requests get ``grace`` seconds to finish, then
+    ``state.stop_generations()`` stops their generations, so each ends properly within the
+    remaining ``timeout_graceful_shutdown``; and SIGTERM, a requested stop, is not re-raised
+    (the CLI exits 0). SIGINT keeps uvicorn's handling (a second one forces the exit).
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM:
+                self.should_exit = True  # not recorded: not raised again once shut down
+                return
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            m = state.metrics
+            if m.running or m.queue_depth:
+                log.info("shutting down: %d request(s) in flight get %g s to finish",
+                         m.running + m.queue_depth, grace)
+            timer = asyncio.get_running_loop().call_later(grace, state.stop_generations)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server(config)
 
 
 def warm_up(llm) -> None:

@@ -1,5 +1,6 @@
 """The server's state (``app.state.localmoe``): the model (loaded, loading or failed), the names
-it is served by, the API key, limits, metrics and the one generation slot.
+it is served by, the API key, limits, metrics, the one generation slot and the requests in
+flight (for the shutdown to stop).
 
 The request checks that need only this state (API key, model name, readiness) live here and
 raise :class:`~localmoe.serve.errors.HTTPError`; nothing here knows the web framework.
@@ -11,6 +12,7 @@ import asyncio
 import hmac
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from localmoe.errors import LocalMoEError
@@ -43,6 +45,19 @@ class StopServing(Exception):
     from e``): whoever runs the server reports the error once it has stopped (``localmoe
     serve`` as its ``error:`` line), so :meth:`ServerState.load` records it for ``/health``
     without logging it too."""
+
+
+class RequestCancel(threading.Event):
+    """The cancel event of one request: set, its generation stops at the next token.
+    ``by_server`` is True when the server's shutdown set it (the answer is ended properly,
+    not dropped as for a client that left)."""
+
+    by_server = False
+
+
+def stopped_by_server(cancel) -> bool:
+    """Whether the server's shutdown stopped the request of ``cancel``."""
+    return bool(getattr(cancel, "by_server", False))
 
 
 class ServerState:
@@ -81,6 +96,8 @@ class ServerState:
         self.created = int(time.time())
         self.loader: threading.Thread | None = None
         self.aliases: set[str] = set()  # other names users know the model by (-m, store name)
+        self.requests: weakref.WeakSet = weakref.WeakSet()  # cancel events of requests in flight
+        self.stopping = False  # the shutdown stopped the generations: no new one starts
         if self.llm is not None:
             warm_grammar(self.llm)
 
@@ -105,6 +122,25 @@ class ServerState:
         self.status = "ready"
         log.info("model ready: %s (%s)", getattr(llm, "model_name", "?"),
                  getattr(llm, "backend_reason", "?"))
+
+    def new_cancel(self) -> RequestCancel:
+        """The cancel event of a new request, known to :meth:`stop_generations`."""
+        ev = RequestCancel()
+        self.requests.add(ev)
+        return ev
+
+    def stop_generations(self) -> None:
+        """The shutdown's grace period is over (on the event loop): stop every generation in
+        flight at its next token (the answers end properly, cut short), and have requests
+        still waiting for the model answered 503 (``stopping``)."""
+        self.stopping = True
+        live = [ev for ev in list(self.requests) if not ev.is_set()]
+        if live:
+            log.info("shutting down: the grace period is over; stopping %d request(s)",
+                     len(live))
+        for ev in live:
+            ev.by_server = True  # before set(): whoever sees it set knows why
+            ev.set()
 
     def accepted_names(self) -> set[str]:
         """Model ids a request may name: the served id, the aliases, the LLM's own name."""

@@ -7,7 +7,10 @@ cancels its generation at the next token, and its request is counted and logged 
 disconnects while its request waits for the slot leaves the queue at once: its generation,
 which never starts, is counted as cancelled. A streamed job answers ``data: {chunk}\\n\\n``
 events and ``data: [DONE]\\n\\n``; an error after the stream started is sent as one error
-event.
+event. A generation the server's shutdown stops (:meth:`ServerState.stop_generations`) runs to
+its end instead: its answer, stream or JSON, ends properly with ``finish_reason: "length"``
+(cut short), and a request still waiting for the slot then gets a 503
+``server_shutting_down``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from localmoe.serve.errors import HTTPError, error_from_exception, log
-from localmoe.serve.state import ServerState
+from localmoe.serve.state import ServerState, stopped_by_server
 
 _END = object()  # the worker is done
 
@@ -98,23 +101,35 @@ def _job_times(job, t_arrival: float) -> tuple[float | None, float | None]:
     return ttft, tpot
 
 
+def _mark_cut(obj: dict, job, cancel) -> dict:
+    """``obj`` (a chunk or a response) with ``finish_reason: "length"`` where the server's
+    shutdown stopped the generation (the engine's "cancelled", which the OpenAI layer reports
+    as "stop"): the answer was cut short, which "stop" would hide."""
+    if stopped_by_server(cancel) and getattr(job.result, "finish_reason", None) == "cancelled":
+        for choice in obj.get("choices") or ():
+            if choice.get("finish_reason") == "stop":
+                choice["finish_reason"] = "length"
+    return obj
+
+
 def _work(job, cancel: threading.Event, t_arrival: float, handoff: _Handoff,
           state: ServerState) -> None:
     """The worker thread: run ``job``, hand its SSE-encoded chunks (stream) or response dict
-    over, then an exception if it raised and ``_END``; frees the slot."""
+    over, then an exception if it raised and ``_END``; frees the slot. A stream the client
+    left is dropped at once; one the server's shutdown stopped runs on to its final chunks."""
     m = state.metrics
     try:
         if job.stream:
             it = job.chunks()
             try:
                 for chunk in it:
-                    handoff.put(sse(chunk))
-                    if cancel.is_set():
+                    handoff.put(sse(_mark_cut(chunk, job, cancel)))
+                    if cancel.is_set() and not stopped_by_server(cancel):
                         break
             finally:
                 it.close()
         else:
-            handoff.put(job.response())
+            handoff.put(_mark_cut(job.response(), job, cancel))
     except BaseException as e:  # noqa: BLE001 -- handed to the request task
         handoff.put(e)
     finally:
@@ -187,18 +202,21 @@ async def _sse_stream(backlog: list, handoff: _Handoff, cancel: threading.Event,
                 break
             batch = await handoff.take()
         yield b"data: [DONE]\n\n"
-        if not _cut_by_client(job, watcher):
+        if not _cut_by_client(job, watcher, cancel):
             done[0].completed = True
     finally:
         cancel.set()  # no-op after a finished generation; stops one still running
         watcher.cancel()
 
 
-def _cut_by_client(job, watcher) -> bool:
+def _cut_by_client(job, watcher, cancel) -> bool:
     """Whether the client went away before ``job``'s answer ended: the disconnect watcher saw
-    it go (before that, or with no watcher, a generation cut short by the cancel event)."""
+    it go (before that, or with no watcher, a generation cut short by the cancel event, unless
+    the server's shutdown set it: that answer was sent whole)."""
     if watcher.done() and not watcher.cancelled() and watcher.result():
         return True
+    if stopped_by_server(cancel):
+        return False
     return getattr(job.result, "finish_reason", None) == "cancelled"
 
 
@@ -264,6 +282,12 @@ async def generate(request: Request, job, cancel: threading.Event, t_arrival: fl
         log_client_closed(endpoint, job, queued=True)
         raise HTTPError(CLIENT_CLOSED, "the client closed the request while it waited for "
                         "the model", code="client_disconnected")
+    if state.stopping:  # the shutdown's grace period is over: no generation starts now
+        state.slot.release()
+        watcher.cancel()
+        m.count_cancelled()
+        raise HTTPError(503, "the server is shutting down; retry the request later or on "
+                        "another server", type_="server_error", code="server_shutting_down")
     m.running += 1
     handoff = _Handoff(asyncio.get_running_loop())
     threading.Thread(target=_work, args=(job, cancel, t_arrival, handoff, state),
@@ -275,9 +299,10 @@ async def generate(request: Request, job, cancel: threading.Event, t_arrival: fl
         watcher.cancel()
         raise
     first = backlog[0]
-    if cancel.is_set():
-        # only the watcher sets it before the answer (or the stream's first chunk): the client
-        # is gone, whatever the worker handed over (an error of the cut generation included)
+    if cancel.is_set() and not stopped_by_server(cancel):
+        # only the watcher (or the shutdown, whose stopped answer is sent) sets it before the
+        # answer (or the stream's first chunk): the client is gone, whatever the worker
+        # handed over (an error of the cut generation included)
         log_client_closed(endpoint, job)
         raise HTTPError(CLIENT_CLOSED, "the client closed the request before the answer "
                         "was ready", code="client_disconnected")
