@@ -279,18 +279,34 @@ def test_switch_chats_rename_delete_and_list(db):
     run(body())
 
 
+async def open_export(pilot, app):
+    """F4 and wait for the export dialog; its path field."""
+    from textual.widgets import Input
+
+    from localmoe.tui.screens.dialogs import TextPromptScreen
+
+    await pilot.press("f4")
+    await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
+    return app.screen.query_one(Input)
+
+
+async def submit_export(pilot, app):
+    """Enter in the export dialog and wait until it has closed (the file written)."""
+    from localmoe.tui.screens.dialogs import TextPromptScreen
+
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen), "exported")
+
+
 def test_export_markdown(db, tmp_path):
     async def body():
         app = make_app(db, FakeEngine([CODE_REPLY]))
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send(pilot, "show code")
-            await pilot.press("f4")
-            from textual.widgets import Input
             out = tmp_path / "export.md"
-            app.screen.query_one(Input).value = str(out)
-            await pilot.press("enter")
-            await pilot.pause()
+            (await open_export(pilot, app)).value = str(out)
+            await submit_export(pilot, app)
             md = out.read_text()
             assert md.startswith("# show code\n")
             assert "## User\n\nshow code\n" in md
@@ -302,7 +318,7 @@ def test_export_markdown(db, tmp_path):
 def test_export_never_overwrites_a_file(db, tmp_path):
     """F4 refuses an existing file: the dialog says so and keeps the path typed."""
     async def body():
-        from textual.widgets import Input, Label
+        from textual.widgets import Label
 
         from localmoe.tui.screens.dialogs import TextPromptScreen
 
@@ -310,23 +326,20 @@ def test_export_never_overwrites_a_file(db, tmp_path):
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send(pilot, "show code")
-            await pilot.press("f4")
-            await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
+            path = await open_export(pilot, app)
             keep = tmp_path / "keep.md"
             keep.write_text("do not touch")
-            app.screen.query_one(Input).value = str(keep)
+            path.value = str(keep)
             await pilot.press("enter")
             await pilot.pause()
             assert keep.read_text() == "do not touch"
             assert isinstance(app.screen, TextPromptScreen)  # still open, the path kept
-            assert app.screen.query_one(Input).value == str(keep)
+            assert path.value == str(keep)
             error = app.screen.query_one("#dialog-error", Label)
             assert error.display and "already exists" in str(error.render())
             out = tmp_path / "other.md"
-            app.screen.query_one(Input).value = str(out)
-            await pilot.press("enter")
-            await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen),
-                             "exported")
+            path.value = str(out)
+            await submit_export(pilot, app)
             assert out.read_text().startswith("# show code\n")
 
     run(body())
@@ -338,28 +351,16 @@ def test_export_suggests_a_free_file_name(db, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     async def body():
-        from textual.widgets import Input
-
-        from localmoe.tui.screens.dialogs import TextPromptScreen
-
         app = make_app(db, FakeEngine([CODE_REPLY]))
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             await send(pilot, "show code")
-            await pilot.press("f4")
-            await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
-            assert app.screen.query_one(Input).value == str(tmp_path / "show-code.md")
-            await pilot.press("enter")
-            await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen),
-                             "exported")
+            assert (await open_export(pilot, app)).value == str(tmp_path / "show-code.md")
+            await submit_export(pilot, app)
             await pilot.press("ctrl+n")
             await send(pilot, "show code")  # a second chat of the same title
-            await pilot.press("f4")
-            await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen), "dialog")
-            assert app.screen.query_one(Input).value == str(tmp_path / "show-code-2.md")
-            await pilot.press("enter")
-            await wait_until(pilot, lambda: not isinstance(app.screen, TextPromptScreen),
-                             "exported")
+            assert (await open_export(pilot, app)).value == str(tmp_path / "show-code-2.md")
+            await submit_export(pilot, app)
             first, second = (tmp_path / "show-code.md"), (tmp_path / "show-code-2.md")
             assert first.read_text().startswith("# show code\n")
             assert second.read_text().startswith("# show code\n")
