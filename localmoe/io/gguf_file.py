@@ -315,7 +315,7 @@ class _Header:
         elif head.startswith(b"{"):
             hint = " It looks like JSON text."
         raise ModelLoadError(
-            f"{self.path.name} is not a GGUF file: it starts with {head[:8]!r}, expected b'GGUF'.{hint} "
+            f"{self.path} is not a GGUF file: it starts with {head[:8]!r}, expected b'GGUF'.{hint} "
             f"Download the .gguf file again (or pass an HF model directory)."
         )
 

@@ -92,8 +92,8 @@ def test_random_64_bytes(tmp_path):
     p = tmp_path / "rand.gguf"
     p.write_bytes(np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8).tobytes())
     e, peak = _open_measured(p)
-    assert isinstance(e, ModelLoadError) and "not a GGUF file" in str(e)
-    assert peak < HEADER_BUDGET
+    assert isinstance(e, ModelLoadError) and f"{p} is not a GGUF file" in str(e), str(e)
+    assert peak < HEADER_BUDGET   # (the whole path, as the empty- and missing-file errors)
 
 
 def test_html_page_named_gguf(tmp_path):
