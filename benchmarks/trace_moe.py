@@ -38,7 +38,7 @@ def _median(v):
 def launch_summary(rec: torch.Tensor, phases: tuple[str, ...], origin: int) -> dict:
     """Summary of one traced launch: ``rec`` int64 ``[programs, 16]`` records
     (``localmoe.kernels.trace``: stamp ``i`` at ``2i`` (globaltimer ns) and ``2i+1``
-    (clock64), the SM at 12, the flag at 13), ``phases`` the stamps' names, ``origin`` the
+    (clock64), the SM at 12), ``phases`` the stamps' names, ``origin`` the
     time (ns) the offsets are taken from. A stamp a program did not write (0) is left out.
     Returns first/last entry and last exit (ns from ``origin``), the median and the slowest
     program's duration of each phase (ns, and cycles from clock64), and the SMs used."""

@@ -209,7 +209,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         cp = cnt_ptr + pid * tl.num_programs(0) + pid_n
         old = tl.atomic_add(cp, 1, sem="acq_rel")
         if TRACE:
-            stamp_end(rec, 4, old, 0)     # (stamp 5: the part that combines)
+            stamp_end(rec, 4, old)     # (stamp 5: the part that combines)
         if old == SPLIT - 1:
             gu = tl.zeros([1, 2 * BN], dtype=tl.float32)
             for k in tl.static_range(SPLIT):
@@ -221,7 +221,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     else:
         _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs, BN, ACT, WIDE)
         if TRACE:
-            stamp_end(rec, 4, tl.sum(gu).to(tl.int32, bitcast=True), 0)
+            stamp_end(rec, 4, tl.sum(gu).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -337,7 +337,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         stamp(rec, 3, tl.sum(total).to(tl.int32, bitcast=True))
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
     if TRACE:
-        stamp_end(rec, 4, tl.sum(total).to(tl.int32, bitcast=True), 0)
+        stamp_end(rec, 4, tl.sum(total).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -467,13 +467,20 @@ def moe_programs(stage: str, w: QuantTensor, tokens: int, top_k: int,
         e, f2, d = w.shape
         c = dict(moe_config("gate_up", tokens, top_k, e, d, f2 // 2, w.qtype, w.device),
                  **(config or {}))
-        n_chunks = d // chunk_values(w.qtype)
-        ch = min(c["CH"], next_pow2(n_chunks))
-        split_chunks = cdiv(cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
-        return cdiv(f2 // 2, c["BN"]) * tokens * top_k * cdiv(n_chunks, split_chunks)
+        _, _, split = _gate_up_k_parts(c, d // chunk_values(w.qtype))
+        return cdiv(f2 // 2, c["BN"]) * tokens * top_k * split
     e, d, f = w.shape
     c = dict(moe_config("down", tokens, top_k, e, d, f, w.qtype, w.device), **(config or {}))
     return cdiv(d, c["BN"]) * tokens
+
+
+def _gate_up_k_parts(c: dict, n_chunks: int) -> tuple[int, int, int]:
+    """``(CH, chunks per K part, K parts)`` of a gate/up launch choice ``c`` over ``n_chunks``
+    chunks: K parts of whole tiles; ``split`` asks for that many, fewer when K has too few
+    tiles."""
+    ch = min(c["CH"], next_pow2(n_chunks))
+    split_chunks = cdiv(cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
+    return ch, split_chunks, cdiv(n_chunks, split_chunks)
 
 
 def _trace_args(trace: torch.Tensor | None, programs: int, fallback: torch.Tensor):
@@ -512,10 +519,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
     h = QuantAct.empty(t * top_k, f, topk_ids.device, wide=x.wide)
     ptrs, strides = plane_args(w_gate_up)
     n_chunks = d // cv
-    ch = min(c["CH"], next_pow2(n_chunks))
-    # K parts of whole tiles; "split" asks for that many, fewer when K has too few tiles
-    split_chunks = cdiv(cdiv(n_chunks, max(1, c.get("split", 1))), ch) * ch
-    split = cdiv(n_chunks, split_chunks)
+    ch, split_chunks, split = _gate_up_k_parts(c, n_chunks)
     blocks = cdiv(f, c["BN"])
     if split > 1:
         p, cnt = _split_scratch(split, t * top_k, 2 * f, blocks, topk_ids.device)

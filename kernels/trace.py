@@ -4,8 +4,7 @@ A kernel compiled with its ``TRACE`` constexpr on writes, per program, one recor
 :data:`RECORD` int64 values into a trace buffer: up to :data:`STAMPS` time stamps, each a pair
 (PTX ``%globaltimer``, nanoseconds on a clock shared by every SM; ``%clock64``, the SM's cycle
 counter, for short intervals within a program), then the SM the program ran on
-(``%smid``) and one kernel-defined value (e.g. whether the program finished a split-K
-group). A stamp is taken after the value it is given (``dep``) has been computed, so a stamp
+(``%smid``). A stamp is taken after the value it is given (``dep``) has been computed, so a stamp
 placed after a loop's reduction is read once the loop's loads have returned. Records let a
 benchmark line up the programs of consecutive launches on one time axis: when each started,
 waited for its predecessor (programmatic dependent launch), routed, finished its K loop and
@@ -19,17 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["RECORD", "RECORD_C", "STAMPS", "SM", "FLAG", "stamp", "stamp_end", "trace_buffer"]
+__all__ = ["RECORD", "RECORD_C", "STAMPS", "SM", "stamp", "stamp_end", "trace_buffer"]
 
-#: int64 values per program record: STAMPS (globaltimer, clock64) pairs, the SM, a flag
+#: int64 values per program record: STAMPS (globaltimer, clock64) pairs, then the SM
 RECORD = 16
 STAMPS = 6
 SM = 2 * STAMPS          # index of %smid in a record
-FLAG = SM + 1            # index of the kernel-defined value
 #: the same, for jit code (Triton reads globals only as constexpr objects)
 RECORD_C = tl.constexpr(RECORD)
 _SM = tl.constexpr(SM)
-_FLAG = tl.constexpr(FLAG)
 
 
 @triton.jit
@@ -46,15 +43,14 @@ def stamp(rec_ptr, SLOT: tl.constexpr, dep):
 
 
 @triton.jit
-def stamp_end(rec_ptr, SLOT: tl.constexpr, dep, flag):
-    """:func:`stamp` ``SLOT``, and the record's SM (``%smid``) and ``flag`` (int32)."""
+def stamp_end(rec_ptr, SLOT: tl.constexpr, dep):
+    """:func:`stamp` ``SLOT``, and the record's SM (``%smid``)."""
     stamp(rec_ptr, SLOT, dep)
     d = tl.zeros([1], dtype=tl.int32) + dep
     sm = tl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, $1; mov.u32 $0, %smid; }",
                                    "=r,r", [d], dtype=tl.int32, is_pure=False, pack=1)
     o = tl.arange(0, 1)
     tl.store(rec_ptr + _SM + o, sm.to(tl.int64))
-    tl.store(rec_ptr + _FLAG + o, (tl.zeros([1], dtype=tl.int32) + flag).to(tl.int64))
 
 
 def trace_buffer(programs: int, device) -> torch.Tensor:

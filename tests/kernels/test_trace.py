@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from localmoe.kernels.trace import FLAG, RECORD, SM, trace_buffer
+from localmoe.kernels.trace import RECORD, SM, trace_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import trace_moe as T  # noqa: E402
@@ -17,18 +17,18 @@ import trace_moe as T  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
-def _rec(stamps_ns, sm=0, flag=0, cycles_per_ns=2):
+def _rec(stamps_ns, sm=0, cycles_per_ns=2):
     r = torch.zeros(RECORD, dtype=torch.int64)
     for i, v in enumerate(stamps_ns):
         if v is not None:
             r[2 * i], r[2 * i + 1] = v, v * cycles_per_ns
-    r[SM], r[FLAG] = sm, flag
+    r[SM] = sm
     return r
 
 
 def test_launch_summary_reads_phases_gaps_and_the_slowest_program():
     gu = torch.stack([_rec([1000, 1100, 1400, 2400, 2500, None], sm=0),
-                      _rec([1050, 1150, 1350, 2950, 3000, 3600], sm=1, flag=1),
+                      _rec([1050, 1150, 1350, 2950, 3000, 3600], sm=1),
                       _rec([1020, 1120, 1320, 2020, 2100, None], sm=1)])
     dn = torch.stack([_rec([3500, 3700, 3800, 4800, 4900]), _rec([3550, 3750, 3850, 5050, 5100], sm=3)])
     nxt = torch.stack([_rec([5300, 5400, 5500, 6000, 6100, None])])
