@@ -37,6 +37,16 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _json_value(v) -> str:
+    """A request value as the client wrote it in JSON (``true``, ``"5"``, ``null``), not as
+    Python's repr (``True``, ``'5'``, ``None``); a long one is cut."""
+    try:
+        s = json.dumps(v)
+    except (TypeError, ValueError):
+        s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
 def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
     """Map OpenAI request fields to ``SamplingParams`` keyword arguments.
 
@@ -56,14 +66,14 @@ def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
         if v is None:
             continue
         if not _is_num(v):
-            raise InvalidRequestError(f"{k} must be a number, got {type(v).__name__}", k)
+            raise InvalidRequestError(f"{k} must be a number, got {_json_value(v)}", k)
         out[k] = float(v)
     for k in _SAMPLING_INT:
         v = req.get(k)
         if v is None:
             continue
         if not _is_int(v):
-            raise InvalidRequestError(f"{k} must be an integer, got {v!r}", k)
+            raise InvalidRequestError(f"{k} must be an integer, got {_json_value(v)}", k)
         out[k] = v
     # value ranges are checked by SamplingParams.validate (temperature 0..100, top_p 0..1, ...)
     for k in ("max_completion_tokens", "max_tokens"):
@@ -71,7 +81,8 @@ def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
         if v is None:
             continue
         if not _is_int(v) or v < 1:
-            raise InvalidRequestError(f"{k} must be a positive integer, got {v!r}", k)
+            raise InvalidRequestError(f"{k} must be a positive integer, got {_json_value(v)}",
+                                      k)
         out.setdefault("max_tokens", v)  # max_completion_tokens wins when both are given
     stop = req.get("stop")
     if stop is not None:
@@ -99,8 +110,8 @@ def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
                 raise InvalidRequestError(
                     f"logit_bias token id {tid} is outside the vocabulary{top}", "logit_bias")
             if not _is_num(v) or not -100 <= v <= 100:
-                raise InvalidRequestError(f"logit_bias value for {k} must be in [-100, 100]",
-                                          "logit_bias")
+                raise InvalidRequestError(f"logit_bias value for {k} must be a number in "
+                                          f"[-100, 100], got {_json_value(v)}", "logit_bias")
             bias[tid] = float(v)
         out["logit_bias"] = bias
     return out
@@ -130,7 +141,9 @@ def _make_params(kwargs: dict[str, Any], llm=None):
 def _common_checks(req: dict) -> tuple[bool, bool]:
     """Checks shared by both endpoints; returns (stream, include_usage)."""
     n = req.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
+    if n is not None and not _is_int(n):
+        raise InvalidRequestError(f"n must be an integer, got {_json_value(n)}", "n")
+    if n is not None and n != 1:
         raise InvalidRequestError("n must be 1: this server generates one choice per request", "n")
     stream = req.get("stream", False)
     if stream is None:
@@ -172,7 +185,8 @@ def _chat_logprobs(req: dict) -> int | None:
     if top is not None:
         if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
-                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}",
+                f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got "
+                f"{_json_value(top)}",
                 "top_logprobs")
         if not lp:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -190,7 +204,7 @@ def _completion_logprobs(req: dict) -> int | None:
     if not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(
             f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per "
-            f"token), got {lp!r}", "logprobs")
+            f"token), got {_json_value(lp)}", "logprobs")
     return lp
 
 
@@ -591,10 +605,14 @@ def parse_completion_request(request: dict, vocab: int | None, llm=None):
     if request.get("suffix"):
         raise InvalidRequestError("suffix is not supported by this server", "suffix")
     bo = request.get("best_of")
+    if bo is not None and not _is_int(bo):
+        raise InvalidRequestError(f"best_of must be an integer, got {_json_value(bo)}",
+                                  "best_of")
     if bo is not None and bo != 1:
         raise InvalidRequestError("best_of must be 1", "best_of")
     lp = _completion_logprobs(request)
-    score_only = echo and lp is not None and request.get("max_tokens") == 0
+    mt0 = _is_int(request.get("max_tokens")) and request["max_tokens"] == 0  # not false
+    score_only = echo and lp is not None and mt0
     kw = sampling_kwargs(dict(request, max_tokens=None) if score_only else request, vocab)
     if lp is not None:
         kw["logprobs"] = lp
@@ -602,7 +620,7 @@ def parse_completion_request(request: dict, vocab: int | None, llm=None):
             kw["prompt_logprobs"] = True
     if score_only:
         kw["max_tokens"] = 0
-    elif request.get("max_tokens") == 0:
+    elif mt0:
         raise InvalidRequestError("max_tokens 0 is only for scoring a prompt: give echo: true "
                                   "and logprobs", "max_tokens")
     rf_kind, rf_schema, rf_strict = _response_format(request.get("response_format"))

@@ -816,6 +816,39 @@ def test_user_message_name_and_seed_of_the_wrong_type_or_range_are_400s():
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
 
 
+def test_booleans_in_integer_fields_are_400s_that_show_the_json_value():
+    """`"max_tokens": true` was answered "max_tokens must be a positive integer, got True"
+    (Python's repr); `"n": true` passed as 1 would have said "n must be 1", `"best_of": true`
+    was accepted (True == 1) and `"max_tokens": false` with echo and logprobs scored the prompt
+    as if it were 0. Each is a 400 naming the field, saying it must be an integer and showing
+    the value as the client sent it (`true`)."""
+    with _loading_server() as (chat, comp, ok, _):
+        prompt = {"model": "scripted", "prompt": "hi"}
+        cases = [(chat, ok, "max_tokens"), (chat, ok, "max_completion_tokens"), (chat, ok, "n"),
+                 (chat, ok, "seed"), (chat, ok, "top_k"), (chat, ok, "repeat_last_n"),
+                 (chat, {**ok, "logprobs": True}, "top_logprobs"),
+                 (comp, prompt, "max_tokens"), (comp, prompt, "n"), (comp, prompt, "seed"),
+                 (comp, prompt, "logprobs"), (comp, prompt, "best_of")]
+        for url, base, field in cases:
+            for value, shown in ((True, "true"), (False, "false")):
+                if (url, field, value) == (comp, "logprobs", False):
+                    continue  # completions' logprobs: false is off, as null
+                body = _err(httpx.post(url, json={**base, field: value}), 400, field)
+                msg = body["message"]
+                assert msg.startswith(field) and "integer" in msg, (field, msg)
+                assert msg.endswith(f"got {shown}") and "True" not in msg, (field, msg)
+        body = _err(httpx.post(chat, json={**ok, "temperature": True}), 400, "temperature")
+        assert body["message"] == "temperature must be a number, got true", body
+        _err(httpx.post(comp, json={**prompt, "max_tokens": False, "echo": True, "logprobs": 1}),
+             400, "max_tokens")
+        # the integers themselves still pass validation (only the model is missing)
+        for url, good in ((chat, {**ok, "max_tokens": 5, "n": 1, "seed": 0, "top_k": 3}),
+                          (comp, {**prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                  "best_of": 1})):
+            r = httpx.post(url, json=good)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+
+
 def test_load_failure_is_reported_not_raised():
     from localmoe.errors import ModelLoadError
     from localmoe.serve.server import create_app
