@@ -42,9 +42,29 @@ def _check_auth(request: Request) -> None:
     _state(request).check_auth(request.headers.get("authorization", ""))
 
 
+def _check_json_content_type(request: Request) -> None:
+    """415 for a body declared as anything but JSON (``application/json`` or a ``+json``
+    type): ``text/plain``, or the form encoding ``curl -d`` sends without ``-H``, is not read
+    as JSON, as OpenAI's and vLLM's servers do not read it. A request without a Content-Type
+    is read as JSON (as FastAPI does; ``requests.post(url, data=json_text)`` sends none)."""
+    ct = request.headers.get("content-type", "")
+    media = ct.split(";", 1)[0].strip().lower()
+    if not media:
+        return
+    main, _, sub = media.partition("/")
+    if main == "application" and (sub == "json" or sub.endswith("+json")):
+        return
+    shown = ct.strip() if len(ct.strip()) <= 80 else ct.strip()[:77] + "..."
+    raise HTTPError(415, f"unsupported Content-Type {shown!r}: the request body must be "
+                    f"JSON sent as 'Content-Type: application/json' (with curl, add "
+                    f"-H 'Content-Type: application/json')", code="unsupported_media_type")
+
+
 async def _read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not JSON, nested
+    """The request body as a JSON object; 415 when declared as another type than JSON
+    (:func:`_check_json_content_type`), 413 over ``limit`` bytes, 400 when not JSON, nested
     deeper than the JSON parser's recursion allows, or not an object."""
+    _check_json_content_type(request)
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise HTTPError(413, f"request body is {cl} bytes; the limit is {limit}",

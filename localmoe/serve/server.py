@@ -24,8 +24,10 @@ Behaviour:
   or a ``max_tokens`` that does not fit beside it (``code: "context_length_exceeded"``,
   ``param`` the prompt's field or the ``max_tokens`` one, the token counts in the message; without ``max_tokens`` the reply may fill the context); ``401`` for a
   missing/wrong API key; ``404`` for an unknown model or route; ``413`` for a body over
-  ``max_body_bytes``; ``503`` while loading (only for requests that pass validation: a bad
-  one gets its 400/404 while the model loads too). Only bugs give ``500`` (no traceback is
+  ``max_body_bytes``; ``415`` for a body sent with a Content-Type other than
+  ``application/json`` (or a ``+json`` type; none at all is read as JSON); ``503`` while
+  loading (only for requests that pass validation: a bad one gets its 400/404 while the model
+  loads too). Only bugs give ``500`` (no traceback is
   sent).
 * With ``api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``; ``/health`` and
   ``/metrics`` stay open for probes and scrapers.

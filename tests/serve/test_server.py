@@ -576,6 +576,34 @@ def test_error_status_codes_and_objects(live, client):
     assert 'status="500"' not in httpx.get(live.url + "/metrics").text  # no user error is a 500
 
 
+def test_a_body_sent_as_another_type_than_json_is_a_415(live, client):
+    """A JSON body sent as text/plain, or as the form encoding `curl -d` sends without
+    `-H 'Content-Type: application/json'`, was read as JSON and answered: it is a 415 in
+    OpenAI's error shape naming the type expected and the curl fix. JSON types (a charset, a
+    `+json` type) and a request without a Content-Type are still read as JSON."""
+    url = live.url + "/v1/chat/completions"
+    body = json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "echo 4"}],
+                       "max_tokens": 8}).encode()
+    for ct in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x",
+               "text/json", "application/jsonx"):
+        for u in (url, live.url + "/v1/completions"):
+            err = _err(httpx.post(u, content=body, headers={"Content-Type": ct}), 415)
+            assert err["code"] == "unsupported_media_type", err
+            assert err["type"] == "invalid_request_error", err
+            assert "application/json" in err["message"] and repr(ct) in err["message"], err
+            assert "-H 'Content-Type: application/json'" in err["message"], err
+    assert 'endpoint="/v1/chat/completions",status="415"' in httpx.get(live.url + "/metrics").text
+    for ct in ("application/json", "application/json; charset=utf-8", "Application/JSON",
+               "application/vnd.api+json", None):
+        r = httpx.post(url, content=body, headers={"Content-Type": ct} if ct else {})
+        assert r.status_code == 200, (ct, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == "You said 4.", (ct, r.text)
+    # the openai client sends application/json
+    r = client.chat.completions.create(model="scripted",
+                                       messages=[{"role": "user", "content": "echo 5"}])
+    assert r.choices[0].message.content == "You said 5."
+
+
 def test_tool_message_must_answer_an_earlier_tool_call(live):
     """A tool message whose tool_call_id matches no tool call of an earlier assistant message
     was accepted (and rendered as an answer to nothing); it is a 400 naming the id, the known
