@@ -29,6 +29,8 @@ Behaviour:
   loading (only for requests that pass validation: a bad one gets its 400/404 while the model
   loads too). Only bugs give ``500`` (no traceback is
   sent).
+* Logs, uvicorn's access log included (one line a request), go to stderr: stdout stays
+  empty.
 * With ``api_key`` set, ``/v1/*`` needs ``Authorization: Bearer <key>``; ``/health`` and
   ``/metrics`` stay open for probes and scrapers.
 * SIGTERM (and SIGINT) shut down gracefully: the port closes (no new connection), requests in
@@ -197,6 +199,7 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     grace = float(SHUTDOWN_GRACE_S)
     srv = _server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                 log_config=_log_config(),
                                  timeout_graceful_shutdown=grace + _SHUTDOWN_END_S),
                   app.state.localmoe, grace)
     running.append(srv)
@@ -205,6 +208,21 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         raise failed[0]
     if not srv.started:  # as uvicorn.run: the reason is in uvicorn's log above
         raise LocalMoEError(f"the server could not start on {host}:{port} (see the log above)")
+
+
+def _log_config() -> dict:
+    """uvicorn's logging configuration (its formats and levels) with the access log on
+    stderr, where the server's other logs go (uvicorn writes it to stdout), so stdout stays
+    clean for what a command prints."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    for handler in cfg.get("handlers", {}).values():
+        if handler.get("stream") == "ext://sys.stdout":
+            handler["stream"] = "ext://sys.stderr"
+    return cfg
 
 
 def _server(config, state, grace: float):

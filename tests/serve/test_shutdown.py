@@ -1,7 +1,7 @@
 """How ``localmoe serve`` ends, in real processes: a model that fails to load stops the server
 (one ``error:`` line, exit status 1) instead of leaving it answering 503 forever, and SIGTERM
 drains the requests in flight (streams end with a final chunk and ``data: [DONE]``) and exits
-0; SIGINT still exits 130.
+0; SIGINT still exits 130. Its log, the access log included, is on stderr, not stdout.
 
 The SIGTERM tests run ``localmoe serve`` through :func:`localmoe.cli.main` in a child process
 that first imports ``tests.serve.test_server`` (which registers its scripted backend: ``slow``
@@ -173,6 +173,26 @@ def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(smollm2_path):
         assert time.time() - t0 < 20
         assert refused, "a new connection was accepted after SIGTERM"
         assert "Traceback" not in err and "Cancel" not in err, err
+    finally:
+        _stop(p)
+
+
+def test_the_access_log_goes_to_stderr_and_stdout_stays_empty(smollm2_path):
+    """uvicorn writes its access log to stdout; ``serve``'s other logs go to stderr. Every
+    log line of the server, one a request included, is on stderr in uvicorn's format; stdout
+    stays empty."""
+    p, url = _serve_scripted(smollm2_path, grace=1)
+    try:
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "echo 3"}]})
+        assert r.status_code == 200, r.text
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert out == "", out
+        access = [l for l in err.splitlines() if '"POST /v1/chat/completions HTTP/1.1" 200' in l]
+        assert len(access) == 1 and access[0].startswith("INFO:"), err
+        assert "Uvicorn running" in err, err
     finally:
         _stop(p)
 
