@@ -17,6 +17,11 @@
 #                                      long-context tile varied (INT2_VARIANTS), f16 beside (~8 min)
 #   benchmarks/gpu_session.sh trace    time stamps of every program of the MoE's two launches
 #                                      (benchmarks/trace_moe.py), 1 and 8 tokens (~4 min)
+#   benchmarks/gpu_session.sh ahead    GPU tests of the look-ahead K loops, then the trace of the
+#                                      MoE launches with look-ahead tiles beside the table's
+#                                      and whole-K down tiles (~5 min)
+#   benchmarks/gpu_session.sh aheadgraph  the decode graph with the table's one-token MoE rules
+#                                      changed (AHEAD_VARIANTS), A/B/A/B in fresh processes (~6 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -31,7 +36,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -128,6 +133,55 @@ case "$STAGE" in
     timeout 120 python3 benchmarks/trace_moe.py --tokens 1 --no-route \
       --out "$OUT/trace_moe_noroute.json" >"$OUT/trace_moe_noroute.log" 2>&1
     say "trace no-route rc=$?"; head -40 "$OUT/trace_moe_noroute.log"
+    ;;
+  ahead)
+    # session 30: the K loops with the next tile's loads issued before this tile's dots
+    # (lookahead; sm_90: gate/up CH 8 128 registers, CH 16 220: two waves; down CH 8 92)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py \
+      tests/kernels/test_quant_gemv.py -k "lookahead" >"$OUT/ahead-tests.log" 2>&1
+    say "lookahead tests rc=$?"; tail -3 "$OUT/ahead-tests.log"
+    timeout 300 python3 benchmarks/trace_moe.py --tokens 1 \
+      --variant 'la_gu8={"gate_up": {"CH": 8, "lookahead": true}}' \
+      --variant 'la_dn8={"down": {"lookahead": true}}' \
+      --variant 'la_both={"gate_up": {"CH": 8, "lookahead": true}, "down": {"lookahead": true}}' \
+      --variant 'la_dn4={"down": {"CH": 4, "lookahead": true}}' \
+      --variant 'la_gu8s1={"gate_up": {"CH": 8, "split": 1, "lookahead": true}}' \
+      --variant 'down_k32={"down": {"BN": 4, "CH": 32, "num_warps": 4, "experts_tile": true}}' \
+      --variant 'down_k16={"down": {"BN": 4, "CH": 16, "num_warps": 4, "experts_tile": true}}' \
+      --out "$OUT/trace_ahead.json" >"$OUT/trace_ahead.log" 2>&1
+    say "trace rc=$?"; grep -E "^==|->loop |last_exit" "$OUT/trace_ahead.log" | head -90
+    ;;
+  aheadgraph)
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    # AHEAD_VARIANTS: {tag: {knob: changes to the knob's first rule that Qwen3-30B-A3B's
+    # one-token launch matches}}; every tag's table and the table itself, alternated twice
+    python3 - "$OUT" <<'PY'
+import copy, json, os, sys
+from localmoe.kernels import launch_config as lc
+t = json.load(open("kernels/configs/nvidia_h200.json"))
+feats = dict(tokens=1, top_k=8, n_experts=128, d_model=2048, d_ff=768, qtype="Q4_K")
+var = json.loads(os.environ.get("AHEAD_VARIANTS") or json.dumps(
+    {"la": {"moe_gate_up": {"CH": 8, "lookahead": True}, "moe_down": {"lookahead": True}}}))
+for tag, knobs in var.items():
+    v = copy.deepcopy(t)
+    for knob, ch in knobs.items():
+        r = next(r for r in v[knob] if all(lc._matches(c, feats[f])
+                                           for f, c in r.get("when", {}).items()))
+        r.update(ch)
+    json.dump(v, open(f"{sys.argv[1]}/lc-{tag}.json", "w"), indent=1)
+print(" ".join(var))
+PY
+    TAGS=$(python3 -c "import json, os; print(' '.join(json.loads(os.environ.get('AHEAD_VARIANTS') or '{\"la\": 0}')))")
+    for i in 1 2; do
+      for v in base $TAGS; do
+        lc=""; [ "$v" = base ] || lc="$OUT/lc-$v.json"
+        LOCALMOE_LAUNCH_CONFIG=$lc timeout 70 python3 benchmarks/graph_history.py "$F" fresh \
+          --host-only >"$OUT/graph-$v-$i.jsonl" 2>&1
+        say "graph $v rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-$v-$i.jsonl"
+      done
+    done
     ;;
   int2gap)
     # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the

@@ -64,12 +64,12 @@ def _signature(fn, const: dict, qtype: int) -> dict:
 def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8, extra: dict | None = None):
     """The compiled kernel of ``kind`` (``gate_up``, ``down`` or ``gemv``) for ggml type
     ``qtype`` and launch choice ``cfg`` (BN, CH, num_warps, xb, stages, and split /
-    experts_tile), at one token, every tile in bounds; ``extra``: more constexprs (e.g.
+    experts_tile, lookahead), at one token, every tile in bounds; ``extra``: more constexprs (e.g.
     ``{"TRACE": True}``)."""
     cv = chunk_values(qtype)
     common = dict(QTYPE=qtype, CV=cv, BN=cfg["BN"], CH=cfg["CH"], EVEN=True,
                   XB=bool(cfg.get("xb", False)), USE_ASM=True, PDL=0, WIDE=False,
-                  STAGES=int(cfg.get("stages", 1)))
+                  STAGES=int(cfg.get("stages", 1)), LOOKAHEAD=bool(cfg.get("lookahead", False)))
     if kind == "gate_up":
         fn = fm._moe_gate_up_kernel
         const = dict(common, TOP_K=top_k, ACT=0, SPLIT=int(cfg.get("split", 1)))

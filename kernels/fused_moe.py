@@ -107,7 +107,7 @@ from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chu
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.trace import RECORD, RECORD_C, stamp, stamp_end
 from localmoe.kernels.quant_gemv import (
-    QuantAct, _qtile, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
+    QuantAct, _qk_loop, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
     quantize_act_ref, use_asm, wide_default,
 )
 
@@ -145,7 +145,7 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
                         EP: tl.constexpr = 1, KP: tl.constexpr = 1, GATE: tl.constexpr = 0,
                         HAS_BIAS: tl.constexpr = False, NORM: tl.constexpr = False,
                         PACKED: tl.constexpr = True, SLOTS: tl.constexpr = True,
-                        TRACE: tl.constexpr = False):
+                        TRACE: tl.constexpr = False, LOOKAHEAD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)               # t * TOP_K + j
     if TRACE:   # one record per program (localmoe.kernels.trace): entry, waited, routed, ...
@@ -187,11 +187,10 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
     acc = tl.zeros([1, 2 * BN, CH, 1], dtype=tl.float32)
     c_begin = tl.program_id(2) * split_chunks
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    for c0 in tl.range(c_begin, c_end, CH, num_stages=STAGES):
-        acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
-                     q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                     q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                     WIDE)
+    acc = _qk_loop(acc, c_begin, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                   q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                   q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                   WIDE, STAGES, LOOKAHEAD)
     gu = tl.sum(tl.sum(acc, axis=3), axis=2)                 # [1, 2BN]
     if TRACE:
         stamp(rec, 3, tl.sum(gu).to(tl.int32, bitcast=True))
@@ -290,7 +289,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
                      STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                     TRACE: tl.constexpr = False):
+                     TRACE: tl.constexpr = False, LOOKAHEAD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     if TRACE:   # one record per program (localmoe.kernels.trace): entry, waited, ids, ...
@@ -320,11 +319,10 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
         tmask4 = jm[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, pidv, rows4, XB)
         acc = tl.zeros([TKP, BN, CH, 1], dtype=tl.float32)
-        for c0 in tl.range(0, n_chunks, CH, num_stages=STAGES):
-            acc = _qtile(acc, c0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
-                         xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                         WIDE)
+        acc = _qk_loop(acc, 0, n_chunks, rows4, rmask4 & tmask4, tmask4, hq_ptr, hs_ptr,
+                       xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                       q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                       WIDE, STAGES, LOOKAHEAD)
         y = tl.sum(tl.sum(acc, axis=3), axis=2)                  # [TKP, BN]
         total = tl.sum(wgt[:, None] * y, axis=0, keep_dims=True)  # [1, BN]
     else:
@@ -332,7 +330,7 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
             hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr,
             sc_ptr, mn_ptr, t, D, loc4, rmask4, n_chunks, hq_rs, hs_rs,
             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, TOP_K, QTYPE, CV, BN, CH, EVEN, XB, USE_ASM,
-            WIDE, STAGES, SLOTS)
+            WIDE, STAGES, SLOTS, LOOKAHEAD)
     if TRACE:
         stamp(rec, 3, tl.sum(total).to(tl.int32, bitcast=True))
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
@@ -347,7 +345,8 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
                            TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                            BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
                            XB: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr = False,
-                           STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True):
+                           STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
+                           LOOKAHEAD: tl.constexpr = False):
     """The weighted sum ``[1, BN]`` of the token's experts, one expert's K loop after another."""
     total = tl.zeros([1, BN], dtype=tl.float32)
     # the experts' loops are unrolled: their id -> slot -> weight loads do not wait on each other
@@ -361,11 +360,10 @@ def _down_experts_unrolled(hq_ptr, hs_ptr, ids_ptr, wts_ptr, slot_ptr, q_ptr, qh
         tmask4 = (tt >= 0)[:, None, None, None]
         xb4, xsb4 = _x_rows(hq_rs, hs_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
-        for c0 in tl.range(0, n_chunks, CH, num_stages=STAGES):
-            acc = _qtile(acc, c0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr,
-                         xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                         WIDE)
+        acc = _qk_loop(acc, 0, n_chunks, rows4, rmask4, tmask4, hq_ptr, hs_ptr,
+                       xb4, xsb4, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                       q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                       WIDE, STAGES, LOOKAHEAD)
         total += wgt * tl.sum(tl.sum(acc, axis=3), axis=2)
     return total
 
@@ -546,7 +544,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        SLOTS=slot_of is not None, **rargs, **targs, **pdl_args(h.q.device))
+        SLOTS=slot_of is not None, **_lookahead(c), **rargs, **targs, **pdl_args(h.q.device))
     return h
 
 
@@ -555,6 +553,13 @@ def _reg_cap(c: dict) -> dict:
     sets one (0 or absent: the compiler's choice); the interpreter ignores it."""
     n = int(c.get("maxnreg") or 0)
     return {"maxnreg": n} if n > 0 and use_asm() else {}   # use_asm: not the interpreter
+
+
+def _lookahead(c: dict) -> dict:
+    """``LOOKAHEAD`` of a launch choice that asks for it (``"lookahead": true``: the next K
+    tile's loads issued before this tile's dots, :func:`localmoe.kernels.quant_gemv._qk_loop`);
+    absent or false: the plain K loop (no constexpr passed, the kernels' default)."""
+    return {"LOOKAHEAD": True} if c.get("lookahead") else {}
 
 
 _SCRATCH: dict = {}
@@ -601,7 +606,7 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, **targs, **pdl_args(out.device))
+        SLOTS=slot_of is not None, **_lookahead(c), **targs, **pdl_args(out.device))
     return out
 
 

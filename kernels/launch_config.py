@@ -26,7 +26,8 @@ File layout::
      "gemv_split": [...], "moe_gate_up": [...], "moe_down": [...], "router": [...]}
 
 Each knob (:data:`KNOBS`) is a list of rules; the first rule whose ``when`` matches gives the
-knob's fields (every rule gives all of them), and the last rule has no ``when`` (the fallback).
+knob's fields (every rule gives all of them but the optional ones), and the last rule has no
+``when`` (the fallback).
 ``why`` is a free-text note (where the choice was measured). Conditions (all must hold) test
 features of one launch; each knob names the features it may test:
 
@@ -46,7 +47,9 @@ features of one launch; each knob names the features it may test:
   (the name, ``"Q8_0"``, ``"Q6_K"``, ...): knob ``gemv`` (``BN`` weight rows per program,
   ``CH`` chunks per K tile, ``num_warps``, ``xb``: x loaded once per row rather than per
   thread, ``stages``: 1 for a plain K loop, 2-4 to pipeline its loads through shared memory
-  with that many buffers, Triton's ``tl.range(num_stages=)``) and knob ``gemv_split``
+  with that many buffers, Triton's ``tl.range(num_stages=)``; optional ``lookahead``, false
+  when left out: the next tile's loads issued into registers before this tile's dots) and
+  knob ``gemv_split``
   (``min_programs``, ``max_split``: K is split in two, four, ... while the grid has fewer
   than ``min_programs`` programs, at most ``max_split`` ways).
 
@@ -91,11 +94,13 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 @dataclass(frozen=True)
 class Knob:
-    """One knob: the ``fields`` each of its rules gives and the ``features`` its conditions
-    may test."""
+    """One knob: the ``fields`` each of its rules gives, the ``features`` its conditions
+    may test, and ``optional`` fields a rule may leave out (name -> the value the launcher
+    then uses; a lookup gives an optional field only where the rule has it)."""
 
     fields: tuple[str, ...]
     features: tuple[str, ...]
+    optional: tuple[tuple[str, Any], ...] = ()
 
 
 ATTENTION_FEATURES = ("k_fmt", "v_fmt", "k_chan", "extras", "pairs", "max_len")
@@ -103,6 +108,7 @@ GEMV_FEATURES = ("tokens", "n", "k", "qtype")
 MOE_FEATURES = ("tokens", "top_k", "n_experts", "d_model", "d_ff", "qtype")
 ROUTER_FEATURES = ("tokens", "n_experts", "top_k")
 _QUANT_TILE = ("BN", "CH", "num_warps", "xb", "stages")
+_QUANT_OPTIONAL = (("lookahead", False),)
 
 KNOBS: dict[str, Knob] = {
     "tile": Knob(("block_n", "num_warps", "waves"), ATTENTION_FEATURES),
@@ -111,10 +117,10 @@ KNOBS: dict[str, Knob] = {
     "v_join": Knob(("v_join",), ATTENTION_FEATURES),
     "num_stages": Knob(("num_stages",), ATTENTION_FEATURES),
     "fused_reduce": Knob(("fused_reduce",), ATTENTION_FEATURES),
-    "gemv": Knob(_QUANT_TILE, GEMV_FEATURES),
+    "gemv": Knob(_QUANT_TILE, GEMV_FEATURES, _QUANT_OPTIONAL),
     "gemv_split": Knob(("min_programs", "max_split"), GEMV_FEATURES),
-    "moe_gate_up": Knob(_QUANT_TILE + ("split", "maxnreg"), MOE_FEATURES),
-    "moe_down": Knob(_QUANT_TILE + ("experts_tile", "maxnreg"), MOE_FEATURES),
+    "moe_gate_up": Knob(_QUANT_TILE + ("split", "maxnreg"), MOE_FEATURES, _QUANT_OPTIONAL),
+    "moe_down": Knob(_QUANT_TILE + ("experts_tile", "maxnreg"), MOE_FEATURES, _QUANT_OPTIONAL),
     "router": Knob(("num_warps",), ROUTER_FEATURES),
     "router_fused": Knob(("num_warps", "experts_per_program", "packed_topk"), ROUTER_FEATURES),
     "gemm": Knob(("BM", "BN", "num_warps", "num_stages"), GEMV_FEATURES),
@@ -243,7 +249,9 @@ class LaunchTable:
         """Fields of the first rule of ``knob`` that matches ``feats`` (uncached)."""
         for rule in self.knobs[knob]:
             if all(_matches(c, feats[f]) for f, c in rule.get("when", {}).items()):
-                return {k: rule[k] for k in KNOBS[knob].fields}
+                spec = KNOBS[knob]
+                return dict({k: rule[k] for k in spec.fields},
+                            **{k: rule[k] for k, _ in spec.optional if k in rule})
         raise LocalMoEError(f"launch config {self.name}: no rule of {knob} matches {feats}")
 
     def lookup(self, knob: str, **feats: Any) -> dict[str, Any]:
@@ -300,7 +308,7 @@ def _check_rule(name: str, knob: str, i: int, last: bool, rule: Any) -> None:
         raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is not an object "
                             f"with a 'when' object")
     when = rule.get("when", {})
-    bad = (set(rule) - set(spec.fields) - {"when", "why"}
+    bad = (set(rule) - set(spec.fields) - {k for k, _ in spec.optional} - {"when", "why"}
            or set(spec.fields) - set(rule) or set(when) - set(spec.features))
     if bad or ("when" in rule) == last:
         raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is malformed "
@@ -508,9 +516,11 @@ def tuned_rules(knob: str, axis: str, points: list[tuple[int, list[tuple[dict, f
             raise LocalMoEError(f"tuned_rules {knob}: no candidate ran at {axis}={value} {label}")
         ranked = sorted(ran, key=lambda c: c[1])
         win = next(c for c in ran if c[1] <= ranked[0][1] * (1 + tie))
-        if set(win[0]) != set(KNOBS[knob].fields):
+        spec = KNOBS[knob]
+        if not set(spec.fields) <= set(win[0]) <= set(spec.fields) | {k for k, _ in spec.optional}:
             raise LocalMoEError(f"tuned_rules {knob}: candidate {win[0]} does not give "
-                                f"exactly {KNOBS[knob].fields}")
+                                f"exactly {spec.fields} (and optionally "
+                                f"{[k for k, _ in spec.optional]})")
         note = _point_note(axis, value, win, ranked)
         if groups and groups[-1][1] == win[0]:
             groups[-1] = (value, groups[-1][1], groups[-1][2] + [note])

@@ -328,12 +328,12 @@ def _ld(ptr, mask, other, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr, WIDE: tl.constexpr = False):
-    """The quantized x of the 32-value blocks starting at value offsets kb [1, 1, CH, 1],
-    broadcast over the BN rows (xb4 / xsb4: the token rows' offsets as [TP, BN, 1, 1]):
-    words of its two 16-value slices [TP, BN, CH, 4] each, their int8 sums and the block scale
-    [TP, BN, CH, 1] each. ``WIDE``: also the words of the residual codes (``x0r``, ``x1r``;
-    else ``x0``, ``x1`` again), and the sums are float32 ``hi + lo / 254``."""
+def _x_load(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr, WIDE: tl.constexpr = False):
+    """The loads of the quantized x of the 32-value blocks starting at value offsets kb
+    [1, 1, CH, 1], broadcast over the BN rows (xb4 / xsb4: the token rows' offsets as
+    [TP, BN, 1, 1]), and no arithmetic on them: the words of its two 16-value slices
+    [TP, BN, CH, 4] each, the (slice sums, scale) pairs [TP, BN, CH, 1] as int64, and with
+    ``WIDE`` the residual codes' words and pairs (else the same tiles again)."""
     W: tl.constexpr = 2 if WIDE else 1
     i4 = tl.arange(0, 4)[None, None, None, :]
     xw = xq_ptr + xb4 + (kb // 4) * W + i4
@@ -341,14 +341,25 @@ def _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN: tl.constexpr, WIDE: tl.con
     x1 = _ld(xw + 4, mx, 0, EVEN)
     sd = xs_ptr.to(tl.pointer_type(tl.int64)) + xsb4 // 2 + (kb // 32) * W
     pair = _ld(sd, mx, 0, EVEN)
+    if WIDE:
+        return x0, x1, pair, _ld(xw + 8, mx, 0, EVEN), _ld(xw + 12, mx, 0, EVEN), \
+            _ld(sd + 1, mx, 0, EVEN)
+    else:
+        return x0, x1, pair, x0, x1, pair
+
+
+@triton.jit
+def _x_unpack(xl, WIDE: tl.constexpr = False):
+    """:func:`_x_load`'s tuple -> ``(x0, x1, x0r, x1r, s0, s1, dx)``: the two word tiles,
+    the residual ones (``WIDE``; else ``x0``, ``x1`` again), the int8 sums of the two slices
+    and the block scale [TP, BN, CH, 1] (``WIDE``: float32 sums ``hi + lo / 254``)."""
+    x0, x1, pair, x0r, x1r, pr = xl
     sp = pair.to(tl.int32)
     dx = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     s0 = (sp << 16) >> 16
     s1 = sp >> 16
     if WIDE:
-        x0r = _ld(xw + 8, mx, 0, EVEN)
-        x1r = _ld(xw + 12, mx, 0, EVEN)
-        spr = _ld(sd + 1, mx, 0, EVEN).to(tl.int32)
+        spr = pr.to(tl.int32)
         s0f = s0.to(tl.float32) + ((spr << 16) >> 16).to(tl.float32) * (1.0 / 254.0)
         s1f = s1.to(tl.float32) + (spr >> 16).to(tl.float32) * (1.0 / 254.0)
         return x0, x1, x0r, x1r, s0f, s1f, dx
@@ -383,20 +394,22 @@ def k_chunk_scales(v):
 
 
 @triton.jit
-def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
-           q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-           QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
-           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False):
-    """acc [TP, BN, CH, 1] += contributions of chunks c0 .. c0+CH-1 (< c_end) of the rows4
-    [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4.
+def _qtile_load(c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+                WIDE: tl.constexpr = False):
+    """Every load of the tile of chunks c0 .. c0+CH-1 (< c_end) that :func:`_qtile_dot`
+    multiplies, and nothing computed from them: ``(x, x2, w)`` with ``x`` / ``x2`` the
+    :func:`_x_load` tuples of the chunk's first and (Q2_K/Q3_K) second 32 values, ``w`` six
+    weight-plane tiles (which planes depends on ``QTYPE``; 0 where unused).
 
     Every operand is loaded as a 4-D tile [TP|1, BN, CH, 4|1] (x broadcast over rows by a
-    zero-stride pointer). Every load of a tile (x's, then the weights' codes, high
-    bits and scales) comes before any arithmetic: x's words reach the dots through shared
-    memory, and a load written after that exchange is issued only once x has arrived, one
-    more round trip per tile (seen in the sm_90 SASS of the fused MoE and the Q6_K head:
-    ``benchmarks/sass_quant.py``, ``late_loads``)."""
+    zero-stride pointer). x's words reach the dots through shared memory, and a load written
+    after that exchange is issued only once x has arrived, one more round trip per tile (seen
+    in the sm_90 SASS of the fused MoE and the Q6_K head: ``benchmarks/sass_quant.py``,
+    ``late_loads``): so every load of a tile comes before any arithmetic, and
+    :func:`_qk_loop`'s look-ahead can issue the next tile's loads before this tile's dots."""
     cc = c0 + tl.arange(0, CH)
     c4 = cc[None, None, :, None]
     cm4 = (cc < c_end)[None, None, :, None]
@@ -405,89 +418,100 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
     mx = tmask4 & cm4
     # ---- x: int8 words + sums of each 16-value slice, one scale per 32 values ----------------
     kb = c4 * CV
-    x0, x1, x0r, x1r, s0, s1, dx0 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN, WIDE)
+    xl = _x_load(xq_ptr, xs_ptr, xb4, xsb4, kb, mx, EVEN, WIDE)
     if CV == 64:
-        x2, x3, x2r, x3r, s2, s3, dx1 = _x_block(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN,
-                                                 WIDE)
+        xl2 = _x_load(xq_ptr, xs_ptr, xb4, xsb4, kb + 32, mx, EVEN, WIDE)
+    else:
+        xl2 = xl
     # ---- weight loads -------------------------------------------------------------------------
+    w1 = 0
+    w2 = 0
+    w3 = 0
+    w4 = 0
+    w5 = 0
     if QTYPE == _Q8_0:
         wp = q_ptr + rows4 * q_rs + c4 * 8 + i4
-        wlo = _ld(wp, mw, 0, EVEN)
-        whi = _ld(wp + 4, mw, 0, EVEN)
-        d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
+        w0 = _ld(wp, mw, 0, EVEN)
+        w1 = _ld(wp + 4, mw, 0, EVEN)
+        w2 = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN)
     elif CV == 32:
-        wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
+        w0 = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
-            h = _ld(qh_ptr + rows4 * qh_rs + c4, mw, 0, EVEN)
+            w1 = _ld(qh_ptr + rows4 * qh_rs + c4, mw, 0, EVEN)
         if QTYPE == _Q6_K:
             hp = qh_ptr + rows4 * qh_rs + c4 * 2
-            h0 = _ld(hp, mw, 0, EVEN)
-            h1 = _ld(hp + 1, mw, 0, EVEN)
-            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
+            w1 = _ld(hp, mw, 0, EVEN)
+            w2 = _ld(hp + 1, mw, 0, EVEN)
+            w3 = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN)
             sp = sc_ptr + rows4 * sc_rs + c4 * 2
-            sc0 = _ld(sp, mw, 0, EVEN).to(tl.int32)
-            sc1 = _ld(sp + 1, mw, 0, EVEN).to(tl.int32)
+            w4 = _ld(sp, mw, 0, EVEN)
+            w5 = _ld(sp + 1, mw, 0, EVEN)
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            dw = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN)
-            scw = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN)
+            w3 = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0, EVEN)
+            w4 = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN)
         elif QTYPE == _IQ4_XS:
-            d = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN).to(tl.float32)
-            sc = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN).to(tl.int32)
+            w3 = _ld(d_ptr + rows4 * d_rs + c4 // 8, mw, 0.0, EVEN)
+            w4 = _ld(sc_ptr + rows4 * sc_rs + c4, mw, 0, EVEN)
         else:
-            d = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN).to(tl.float32)
+            w3 = _ld(d_ptr + rows4 * d_rs + c4, mw, 0.0, EVEN)
             if QTYPE == _Q4_1 or QTYPE == _Q5_1:
-                m = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN).to(tl.float32)
+                w4 = _ld(dm_ptr + rows4 * dm_rs + c4, mw, 0.0, EVEN)
     else:  # CV == 64: Q2_K, Q3_K (2-bit low codes, 4 slices per chunk)
         # the chunk's 4 scale bytes as one 32-bit word (plane_args checks the plane's
         # alignment); Q3_K's high bits as a tile beside the codes, one int16 per code word, so
         # the codes, their high bits and x keep one layout (vectorized loads)
-        wv = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
-        sw = _ld((sc_ptr + rows4 * sc_rs + c4 * 4).to(tl.pointer_type(tl.int32)), mw, 0, EVEN)
-        d = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
+        w0 = _ld(q_ptr + rows4 * q_rs + c4 * 4 + i4, mw, 0, EVEN)
+        w1 = _ld((sc_ptr + rows4 * sc_rs + c4 * 4).to(tl.pointer_type(tl.int32)), mw, 0, EVEN)
+        w2 = _ld(d_ptr + rows4 * d_rs + c4 // 4, mw, 0.0, EVEN)
         if QTYPE == _Q3_K:
-            hw = _ld(qh_ptr + rows4 * qh_rs + c4 * 4 + i4, mw, 0, EVEN).to(tl.int32)
-            # int8 scales, sign-extended
-            b0 = (sw << 24) >> 24
-            b1 = (sw << 16) >> 24
-            b2 = (sw << 8) >> 24
-            b3 = sw >> 24
+            w3 = _ld(qh_ptr + rows4 * qh_rs + c4 * 4 + i4, mw, 0, EVEN)
         else:
-            dm = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN).to(tl.float32)
-            b0 = sw & 0xFF
-            b1 = (sw >> 8) & 0xFF
-            b2 = (sw >> 16) & 0xFF
-            b3 = (sw >> 24) & 0xFF
-    # ---- dots -----------------------------------------------------------------------------------
+            w3 = _ld(dm_ptr + rows4 * dm_rs + c4 // 4, mw, 0.0, EVEN)
+    return xl, xl2, (w0, w1, w2, w3, w4, w5)
+
+
+@triton.jit
+def _qtile_dot(acc, tile, QTYPE: tl.constexpr, CV: tl.constexpr, USE_ASM: tl.constexpr,
+               WIDE: tl.constexpr = False):
+    """acc [TP, BN, CH, 1] += the contributions of one tile loaded by :func:`_qtile_load`."""
+    xl, xl2, w = tile
+    w0, w1, w2, w3, w4, w5 = w
+    i4 = tl.arange(0, 4)[None, None, None, :]
+    x0, x1, x0r, x1r, s0, s1, dx0 = _x_unpack(xl, WIDE)
+    if CV == 64:
+        x2, x3, x2r, x3r, s2, s3, dx1 = _x_unpack(xl2, WIDE)
     if QTYPE == _Q8_0:
-        idot = _idot_x(wlo, x0, x0r, USE_ASM, WIDE) + _idot_x(whi, x1, x1r, USE_ASM, WIDE)
-        acc += dx0 * (d * idot.to(tl.float32))
+        idot = _idot_x(w0, x0, x0r, USE_ASM, WIDE) + _idot_x(w1, x1, x1r, USE_ASM, WIDE)
+        acc += dx0 * (w2.to(tl.float32) * idot.to(tl.float32))
     elif CV == 32:
+        wv = w0
         if QTYPE == _IQ4_NL or QTYPE == _IQ4_XS:
             lo, hi = iq4_lookup(wv, USE_ASM)
         else:
             lo = wv & 0x0F0F0F0F
             hi = (wv >> 4) & 0x0F0F0F0F
         if QTYPE == _Q5_0 or QTYPE == _Q5_1 or QTYPE == _Q5_K:
-            lo = lo | (((h >> i4) & 0x01010101) << 4)
-            hi = hi | (((h >> (i4 + 4)) & 0x01010101) << 4)
+            lo = lo | (((w1 >> i4) & 0x01010101) << 4)
+            hi = hi | (((w1 >> (i4 + 4)) & 0x01010101) << 4)
         if QTYPE == _Q6_K:
-            lo = lo | (((h0 >> (i4 * 2)) & 0x03030303) << 4)
-            hi = hi | (((h1 >> (i4 * 2)) & 0x03030303) << 4)
+            lo = lo | (((w1 >> (i4 * 2)) & 0x03030303) << 4)
+            hi = hi | (((w2 >> (i4 * 2)) & 0x03030303) << 4)
         i_lo = _idot_x(lo, x0, x0r, USE_ASM, WIDE)
         i_hi = _idot_x(hi, x1, x1r, USE_ASM, WIDE)
         if QTYPE == _Q6_K:
-            it = sc0 * (i_lo - 32 * s0) + sc1 * (i_hi - 32 * s1)
-            acc += dx0 * (d * it.to(tl.float32))
+            it = w4.to(tl.int32) * (i_lo - 32 * s0) + w5.to(tl.int32) * (i_hi - 32 * s1)
+            acc += dx0 * (w3.to(tl.float32) * it.to(tl.float32))
         elif QTYPE == _Q4_K or QTYPE == _Q5_K:
-            d, dm = k_super_scales(dw)
-            sc, mn = k_chunk_scales(scw)
+            d, dm = k_super_scales(w3)
+            sc, mn = k_chunk_scales(w4)
             i_d = (sc * (i_lo + i_hi)).to(tl.float32)
             i_m = (mn * (s0 + s1)).to(tl.float32)
             acc += dx0 * (d * i_d - dm * i_m)
         elif QTYPE == _IQ4_XS:
-            acc += dx0 * (d * (sc * (i_lo + i_hi)).to(tl.float32))
+            acc += dx0 * (w3.to(tl.float32) * (w4.to(tl.int32) * (i_lo + i_hi)).to(tl.float32))
         else:
             idot = i_lo + i_hi
+            d = w3.to(tl.float32)
             if QTYPE == _IQ4_NL:
                 acc += dx0 * (d * idot.to(tl.float32))
             elif QTYPE == _Q4_0:
@@ -495,13 +519,22 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             elif QTYPE == _Q5_0:
                 acc += dx0 * (d * (idot - 16 * (s0 + s1)).to(tl.float32))
             else:  # Q4_1, Q5_1: w = d*q + m
-                acc += dx0 * (d * idot.to(tl.float32) + m * (s0 + s1).to(tl.float32))
+                acc += dx0 * (d * idot.to(tl.float32) + w4.to(tl.float32) * (s0 + s1).to(tl.float32))
     else:
+        wv = w0
+        sw = w1
+        d = w2.to(tl.float32)
         c0w = wv & 0x03030303
         c1w = (wv >> 2) & 0x03030303
         c2w = (wv >> 4) & 0x03030303
         c3w = (wv >> 6) & 0x03030303
         if QTYPE == _Q3_K:
+            hw = w3.to(tl.int32)
+            # int8 scales, sign-extended
+            b0 = (sw << 24) >> 24
+            b1 = (sw << 16) >> 24
+            b2 = (sw << 8) >> 24
+            b3 = sw >> 24
             # slice s's 4 high bits (bits 4s..4s+3 of hw) spread to bit 2 of each byte: the
             # four shifted copies of a nibble x*(4 + 2^9 + 2^16 + 2^23) do not overlap
             c0w = c0w | ((hw & 0xF) * 0x00810204) & 0x04040404
@@ -514,6 +547,11 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
                   + b3 * (_idot_x(c3w, x3, x3r, USE_ASM, WIDE) - 4 * s3))
             acc += d * (dx0 * ia.to(tl.float32) + dx1 * ib.to(tl.float32))
         else:  # Q2_K: byte = scale | min << 4
+            dm = w3.to(tl.float32)
+            b0 = sw & 0xFF
+            b1 = (sw >> 8) & 0xFF
+            b2 = (sw >> 16) & 0xFF
+            b3 = (sw >> 24) & 0xFF
             ia = ((b0 & 15) * _idot_x(c0w, x0, x0r, USE_ASM, WIDE)
                   + (b1 & 15) * _idot_x(c1w, x1, x1r, USE_ASM, WIDE))
             ib = ((b2 & 15) * _idot_x(c2w, x2, x2r, USE_ASM, WIDE)
@@ -522,6 +560,55 @@ def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
             mb = (b2 >> 4) * s2 + (b3 >> 4) * s3
             acc += dx0 * (d * ia.to(tl.float32) - dm * ma.to(tl.float32)) \
                 + dx1 * (d * ib.to(tl.float32) - dm * mb.to(tl.float32))
+    return acc
+
+
+@triton.jit
+def _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+           q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+           q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+           QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+           USE_ASM: tl.constexpr, WIDE: tl.constexpr = False):
+    """acc [TP, BN, CH, 1] += contributions of chunks c0 .. c0+CH-1 (< c_end) of the rows4
+    [1, BN, 1, 1] (int64 plane rows) for the quantized x rows at xb4 / xsb4: every load of
+    the tile (:func:`_qtile_load`), then its dots (:func:`_qtile_dot`)."""
+    tile = _qtile_load(c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                       q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                       q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, WIDE)
+    return _qtile_dot(acc, tile, QTYPE, CV, USE_ASM, WIDE)
+
+
+@triton.jit
+def _qk_loop(acc, c_begin, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+             q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+             q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+             QTYPE: tl.constexpr, CV: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr,
+             USE_ASM: tl.constexpr, WIDE: tl.constexpr = False, STAGES: tl.constexpr = 1,
+             LOOKAHEAD: tl.constexpr = False):
+    """The K loop over chunks ``c_begin .. c_end - 1`` (``c_end > c_begin``) in tiles of
+    ``CH``: :func:`_qtile` per tile (``STAGES`` > 1: Triton's software pipeline through
+    shared memory), or with ``LOOKAHEAD`` the next tile's loads issued into registers before
+    the current tile's dots (the first tile loaded before the loop, the last multiplied after
+    it: no load past ``c_end``), so a program has two tiles' bytes in flight while it
+    computes. Returns ``acc``."""
+    if LOOKAHEAD:
+        cur = _qtile_load(c_begin, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                          q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                          q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, WIDE)
+        for c0 in tl.range(c_begin + CH, c_end, CH):
+            nxt = _qtile_load(c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                              q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                              q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN,
+                              WIDE)
+            acc = _qtile_dot(acc, cur, QTYPE, CV, USE_ASM, WIDE)
+            cur = nxt
+        acc = _qtile_dot(acc, cur, QTYPE, CV, USE_ASM, WIDE)
+    else:
+        for c0 in tl.range(c_begin, c_end, CH, num_stages=STAGES):
+            acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                         WIDE)
     return acc
 
 
@@ -558,7 +645,7 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                        CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
                        LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
-                       STAGES: tl.constexpr = 1):
+                       STAGES: tl.constexpr = 1, LOOKAHEAD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -577,11 +664,10 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
         tmask4 = (tt < T)[:, None, None, None]
         xb4, xsb4 = _x_rows(xq_rs, xs_rs, tt, rows4, XB)
         acc = tl.zeros([1, BN, CH, 1], dtype=tl.float32)
-        for c0 in tl.range(c_begin, c_end, CH, num_stages=STAGES):
-            acc = _qtile(acc, c0, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
-                         q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                         q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
-                         WIDE)
+        acc = _qk_loop(acc, c_begin, c_end, rows4, rmask4, tmask4, xq_ptr, xs_ptr, xb4, xsb4,
+                       q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                       q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs, QTYPE, CV, CH, EVEN, USE_ASM,
+                       WIDE, STAGES, LOOKAHEAD)
         out = tl.sum(tl.sum(acc, axis=3), axis=2)                    # [1, BN]
         # y_ss: the partials' slice stride (0: every split adds into one output)
         yp = y_ptr + pid_k.to(tl.int64) * y_ss + tt[:, None].to(tl.int64) * y_rs + rows[None, :]
@@ -831,7 +917,8 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
         LINE=128 // ptrs[0].element_size(), WIDE=x.wide, STAGES=int(cfg.get("stages", 1)),
-        num_warps=cfg.get("num_warps", 4), **pdl_args(y.device))
+        num_warps=cfg.get("num_warps", 4), **({"LOOKAHEAD": True} if cfg.get("lookahead") else {}),
+        **pdl_args(y.device))
     if y is not out:
         out.copy_(y)
 

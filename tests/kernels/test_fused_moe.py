@@ -194,6 +194,27 @@ def test_pipelined_k_loops_compute_what_the_plain_ones_do(qts, stages):
     assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
 
 
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{QTYPE_NAMES[a]}-{QTYPE_NAMES[b]}" for a, b in PAIRS])
+def test_lookahead_k_loops_compute_what_the_plain_ones_do(pair):
+    """``lookahead`` (the next K tile's loads issued into registers before this tile's dots)
+    changes when the weights arrive, not the arithmetic: the same bits as the plain loop for
+    gate/up (split and not) and both down launches, every GGUF type, over K ranges of one tile,
+    several tiles and a tail."""
+    e, f, d = 4, 256, 768       # K of 24 (or 12 64-value) chunks for gate/up, 8 (4) for down
+    gu, wd = experts(*pair, e, f, d, seed=11)
+    x = torch.randn(1, d, device=DEV)
+    ids, w = route(1, e, 2, seed=11)
+    for split, et, ch in ((1, False, 8), (2, True, 2), (1, True, 32)):
+        base = {"gate_up": {"BN": 128, "CH": ch, "split": split},
+                "down": {"BN": 128, "CH": ch, "experts_tile": et}}
+        ahead = {k: dict(v, lookahead=True) for k, v in base.items()}
+        a = fused_moe(x, gu, wd, ids, w, config=base)
+        b = fused_moe(x, gu, wd, ids, w, config=ahead)
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], (split, et, ch)
+    assert rel(b, fused_moe_ref(x, gu, wd, ids, w)) < (TOL["float"] if CUDA else TOL["twin"])
+
+
 def test_slot_table_is_read_on_the_device():
     gu, wd = experts(8, 8, 4, 32, 64, seed=7)
     x = torch.randn(1, 64, device=DEV)
@@ -246,9 +267,13 @@ def test_fused_moe_rejects_bad_inputs():
                                      {"gate_up": {"split": 2, "maxnreg": 128}},
                                      {"down": {"BN": 1, "CH": 32, "num_warps": 1, "experts_tile": True}},
                                      {"down": {"BN": 4, "CH": 32, "num_warps": 4, "experts_tile": True}},
-                                     {"gate_up": {"stages": 3}, "down": {"stages": 3}}],
+                                     {"gate_up": {"stages": 3}, "down": {"stages": 3}},
+                                     {"gate_up": {"lookahead": True}, "down": {"lookahead": True}},
+                                     {"gate_up": {"CH": 8, "lookahead": True},
+                                      "down": {"BN": 4, "CH": 8, "num_warps": 4, "experts_tile": True,
+                                               "lookahead": True}}],
                          ids=["split1", "split4", "split2-maxnreg128", "down-experts-tile-bn1",
-                              "down-experts-tile-bn4", "stages3"])
+                              "down-experts-tile-bn4", "stages3", "lookahead", "lookahead-ch8"])
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("shape,qts", [((128, 768, 2048, 8), (12, 12)), ((64, 1024, 2048, 8), (12, 14)),
                                        ((8, 14336, 4096, 2), (12, 14))],

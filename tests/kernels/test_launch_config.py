@@ -318,7 +318,8 @@ def test_a_config_file_named_by_the_environment_replaces_the_devices(tmp_path, m
 
     import torch
 
-    rule = {"BN": 64, "CH": 8, "num_warps": 2, "xb": False, "stages": 3, "split": 4, "maxnreg": 0}
+    rule = {"BN": 64, "CH": 8, "num_warps": 2, "xb": False, "stages": 3, "split": 4, "maxnreg": 0,
+            "lookahead": True}
     f = tmp_path / "nvidia_h200.json"          # the device's own name: no false 'extends' loop
     f.write_text(json.dumps({"extends": "nvidia_h200", "moe_gate_up": [rule]}))
     monkeypatch.setenv(lc.CONFIG_ENV, str(f))
@@ -337,3 +338,21 @@ def test_a_config_file_named_by_the_environment_replaces_the_devices(tmp_path, m
         lc.load_file(bare)
     with pytest.raises(LocalMoEError, match="cannot read launch config"):
         lc.load_file(tmp_path / "missing.json")
+
+
+def test_an_optional_field_may_be_left_out_and_nothing_else():
+    """``lookahead`` of the quantized tiles' knobs is optional (absent from the lookup, so
+    false for the launchers, when a rule leaves it out); any other field missing or unknown
+    still makes the file malformed."""
+    rule = {"BN": 32, "CH": 16, "num_warps": 4, "xb": False, "stages": 1, "split": 2, "maxnreg": 0}
+    t = lc.LaunchTable("t", dict(lc.load_table("cpu").knobs, moe_gate_up=[rule]))
+    got = t.lookup("moe_gate_up", tokens=1, top_k=8, n_experts=128, d_model=2048, d_ff=768,
+                   qtype="Q4_K")
+    assert got == rule
+    t = lc.LaunchTable("t", dict(lc.load_table("cpu").knobs,
+                                 moe_gate_up=[dict(rule, lookahead=True)]))
+    assert t.lookup("moe_gate_up", tokens=1, top_k=8, n_experts=128, d_model=2048, d_ff=768,
+                    qtype="Q4_K")["lookahead"] is True
+    for bad in (dict(rule, look_ahead=True), {k: v for k, v in rule.items() if k != "split"}):
+        with pytest.raises(LocalMoEError, match="malformed"):
+            lc._check("t", {"moe_gate_up": [bad]})

@@ -87,6 +87,22 @@ def test_gemv_pipelined_k_loop_computes_what_the_plain_one_does(qt):
     check(x, w, b)
 
 
+@pytest.mark.parametrize("qt", QUANT_QTYPES, ids=IDS)
+def test_gemv_lookahead_k_loop_computes_what_the_plain_one_does(qt):
+    """``lookahead`` (the next K tile's loads issued before this tile's dots): the same bits
+    as the plain loop for every GGUF type, K in several tiles with a tail, a partial row
+    block, 3 tokens; and with K in one tile (the loop body never runs)."""
+    torch.manual_seed(qt + 1)
+    w = make(qt, 13, small_k(qt), seed=qt + 1)
+    x = torch.randn(3, w.K, device=DEV)
+    for ch in (2, 64):
+        cfg = {"BN": 8, "CH": ch, "num_warps": 4, "split": 1}
+        a = quant_gemv(x, w, config=cfg)
+        b = quant_gemv(x, w, config=dict(cfg, lookahead=True))
+        assert torch.equal(a, b) if not CUDA else rel(b, a) < TOL["twin"], ch
+    check(x, w, b)
+
+
 @pytest.mark.parametrize("qt", [12, 10, 5 + 1], ids=["Q4_K", "Q2_K", "Q5_0"])
 def test_gemv_unmasked_tiles(qt):
     # N % BN == 0, whole K tiles, T a power of two: the kernel drops every bounds mask
