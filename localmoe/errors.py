@@ -8,6 +8,7 @@ server and TUI catch ``LocalMoEError`` and show the message; anything else is a 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -98,6 +99,33 @@ class InvalidRequestError(LocalMoEError):
     def __init__(self, message: str, param: str | None = None):
         self.param = param
         super().__init__(message)
+
+
+def json_value(v: Any, limit: int | None = 60) -> str:
+    """A request value for an error message, as the client wrote it in JSON (``true``,
+    ``"5"``, ``null``, ``["user"]``), not as Python's repr (``True``, ``'5'``, ``None``).
+
+    Printable non-ASCII text is kept as written (``"робот"``, not ``"\\u0440..."``); other
+    characters a terminal or log would act on (controls, lone surrogates, bidi overrides) show
+    as their JSON escapes, so the message stays one line of valid UTF-8. A value JSON cannot
+    spell (a Python API caller's object) shows as its repr; a long one is cut at ``limit``
+    characters (None: never).
+    """
+    try:
+        s = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        s = repr(v)
+    except RecursionError:
+        return "(a value nested too deeply to show)"
+    if not s.isprintable():
+        s = "".join(c if c.isprintable() else _json_escape(c) for c in s)
+    return s if limit is None or len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _json_escape(c: str) -> str:
+    """``c`` as JSON's ``\\uXXXX`` escape (a surrogate pair beyond the BMP)."""
+    b = c.encode("utf-16-be", "surrogatepass")
+    return "".join(f"\\u{int.from_bytes(b[i:i + 2], 'big'):04x}" for i in range(0, len(b), 2))
 
 
 def require_utf8(text: str, what: str, param: str | None) -> None:

@@ -1169,7 +1169,7 @@ def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
     r = run(["generate", "-m", missing_model, "--json-schema", '{"type": "array", '
              '"uniqueItems": true}', "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                          "--json-schema", "'uniqueItems'")
+                          "--json-schema", '"uniqueItems"')
     r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "nope.json"), "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
                           "cannot read the JSON schema", "nope.json")

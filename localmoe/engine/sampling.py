@@ -54,7 +54,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from localmoe.errors import InvalidRequestError, require_utf8
+from localmoe.errors import InvalidRequestError, json_value, require_utf8
 from localmoe.io.env import env_flag
 
 __all__ = ["SamplingParams", "Sampler", "TokenLogprob", "GREEDY_TEMPERATURE", "MAX_TOP_LOGPROBS"]
@@ -267,9 +267,10 @@ class SamplingParams:
             raise InvalidRequestError("stop must be a string or a list of strings", param="stop") from None
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}",
-                                          param="stop")
-            require_utf8(s, f"stop string {s!r}", "stop")   # no generated text could match it
+                raise InvalidRequestError(
+                    f"stop strings must be non-empty strings, got {json_value(s)}", param="stop")
+            # no generated text could match it
+            require_utf8(s, f"stop string {json_value(s)}", "stop")
         self.stop = stop
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, 0)

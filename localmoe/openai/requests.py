@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from localmoe.errors import InvalidRequestError, require_utf8, require_utf8_in
+from localmoe.errors import json_value as _json_value
 from localmoe.text.tool_calls import new_call_id
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -35,16 +36,6 @@ def _is_num(v) -> bool:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _json_value(v) -> str:
-    """A request value as the client wrote it in JSON (``true``, ``"5"``, ``null``), not as
-    Python's repr (``True``, ``'5'``, ``None``); a long one is cut."""
-    try:
-        s = json.dumps(v)
-    except (TypeError, ValueError):
-        s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
@@ -103,7 +94,7 @@ def sampling_kwargs(req: dict, vocab_size: int | None = None) -> dict[str, Any]:
             try:
                 tid = int(k)
             except (TypeError, ValueError):
-                raise InvalidRequestError(f"logit_bias key {k!r} is not a token id",
+                raise InvalidRequestError(f"logit_bias key {_json_value(k)} is not a token id",
                                           "logit_bias") from None
             if tid < 0 or (vocab_size is not None and tid >= vocab_size):
                 top = "" if vocab_size is None else f" (0..{vocab_size - 1})"
@@ -248,8 +239,8 @@ def _response_format(rf) -> tuple[str, Any, bool]:
         schema = validate_schema(schema, strict, "response_format.json_schema.schema")
         return "json_schema", schema, strict
     raise InvalidRequestError(
-        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-        "response_format.type")
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+        f"{_json_value(kind)}", "response_format.type")
 
 
 def _refuse_other_shapes(req: dict) -> None:
@@ -288,11 +279,14 @@ def _text_content(content, param: str, allow_none: bool) -> str | None:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if not isinstance(part, dict):
                 raise InvalidRequestError(
-                    f"{param}[{j}] has type {kind!r}; only text content parts are supported",
-                    f"{param}[{j}]")
+                    f"{param}[{j}] is {_json_kind(part)}; a content part is an object "
+                    f"{{\"type\": \"text\", \"text\": ...}}", f"{param}[{j}]")
+            if part.get("type") not in ("text", "input_text"):
+                raise InvalidRequestError(
+                    f"{param}[{j}] has type {_json_value(part.get('type'))}; only text content "
+                    f"parts are supported", f"{param}[{j}]")
             text = part.get("text")
             if not isinstance(text, str):
                 raise InvalidRequestError(f"{param}[{j}].text must be a string",
@@ -325,7 +319,8 @@ def _check_tools(tools) -> list[dict]:
                 f"{p}.function.name must be 1-64 characters of a-z, A-Z, 0-9, '_', '-', '.'",
                 f"{p}.function.name")
         if name in seen:
-            raise InvalidRequestError(f"duplicate tool name {name!r}", f"{p}.function.name")
+            raise InvalidRequestError(f"duplicate tool name {_json_value(name)}",
+                                      f"{p}.function.name")
         seen.add(name)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
@@ -355,8 +350,8 @@ def _check_tool_choice(tc, tools: list[dict]) -> tuple[str, str | None]:
     if isinstance(tc, str):
         if tc not in ("none", "auto", "required"):
             raise InvalidRequestError(
-                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tc!r}",
-                "tool_choice")
+                f"tool_choice must be 'none', 'auto', 'required' or a named function, got "
+                f"{_json_value(tc)}", "tool_choice")
         if tc == "required" and not tools:
             raise InvalidRequestError("tool_choice 'required' needs a non-empty tools list",
                                       "tool_choice")
@@ -366,8 +361,8 @@ def _check_tool_choice(tc, tools: list[dict]) -> tuple[str, str | None]:
         names = [t["function"]["name"] for t in tools]
         if name not in names:
             raise InvalidRequestError(
-                f"tool_choice names function {name!r} which is not in tools ({', '.join(names) or 'none given'})",
-                "tool_choice")
+                f"tool_choice names function {_json_value(name)} which is not in tools "
+                f"({', '.join(names) or 'none given'})", "tool_choice")
         return "named", name
     raise InvalidRequestError(
         "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
@@ -380,8 +375,8 @@ def _json_kind(v) -> str:
         return "null"
     if isinstance(v, bool):
         return "a boolean"
-    return {str: "a string", dict: "an object", int: "a number", float: "a number"}.get(
-        type(v), type(v).__name__)
+    return {str: "a string", dict: "an object", list: "an array", int: "a number",
+            float: "a number"}.get(type(v), type(v).__name__)
 
 
 def _check_messages(msgs) -> list[dict]:
@@ -440,19 +435,19 @@ def _check_role(p: str, m, call_ids: list[str], anonymous_calls: bool) -> str:
     if not isinstance(m, dict):
         raise InvalidRequestError(f"{p} must be an object", p)
     role = m.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:  # a list or object is unhashable
         raise InvalidRequestError(
-            f"{p}.role must be one of system, developer, user, assistant, tool; got {role!r}",
-            f"{p}.role")
+            f"{p}.role must be one of system, developer, user, assistant, tool; got "
+            f"{_json_value(role)}", f"{p}.role")
     if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # OpenAI requires it
         raise InvalidRequestError(
             f"{p}.tool_call_id (a string) is required for a tool message: the id of the "
             f"assistant's tool call it answers", f"{p}.tool_call_id")
     if role == "tool" and m["tool_call_id"] not in call_ids and not anonymous_calls:
-        known = (f"the tool call ids before it: {', '.join(map(repr, call_ids))}" if call_ids
-                 else "no assistant message before it has tool_calls")
+        known = (f"the tool call ids before it: {', '.join(map(_json_value, call_ids))}"
+                 if call_ids else "no assistant message before it has tool_calls")
         raise InvalidRequestError(
-            f"{p}.tool_call_id {m['tool_call_id']!r} matches no tool call of an earlier "
+            f"{p}.tool_call_id {_json_value(m['tool_call_id'])} matches no tool call of an earlier "
             f"assistant message ({known}); a tool message answers one of the assistant's "
             f"tool_calls by its id", f"{p}.tool_call_id")
     if role == "developer":

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 import localmoe.openai as openai_shaping
+from localmoe.errors import json_value
 from localmoe.serve.errors import HTTPError, error_from_exception
 from localmoe.serve.state import ServerState
 from localmoe.serve.streaming import CountedStream, SafeJSONResponse, generate
@@ -170,8 +171,9 @@ async def model_get(model_id: str, request: Request):
     state = _state(request)
     _check_auth(request)
     if model_id not in state.accepted_names():
-        raise HTTPError(404, f"the model {model_id!r} does not exist here; this server serves "
-                        f"{state.model_name!r}", param="model", code="model_not_found")
+        raise HTTPError(404, f"the model {json_value(model_id, 200)} does not exist here; this "
+                        f"server serves {json_value(state.model_name, 200)}", param="model",
+                        code="model_not_found")
     return _model_card(state, model_id)
 
 

@@ -15,7 +15,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from localmoe.errors import LocalMoEError
+from localmoe.errors import LocalMoEError, json_value
 from localmoe.serve.errors import HTTPError, log
 from localmoe.serve.metrics import Metrics
 
@@ -169,9 +169,9 @@ class ServerState:
         if not isinstance(m, str):
             raise HTTPError(400, "model must be a string", param="model")
         if m not in self.accepted_names():
-            raise HTTPError(404, f"the model {m!r} does not exist here; this server serves "
-                            f"{self.model_name!r} (GET /v1/models)", param="model",
-                            code="model_not_found")
+            raise HTTPError(404, f"the model {json_value(m, 200)} does not exist here; this "
+                            f"server serves {json_value(self.model_name, 200)} (GET /v1/models)",
+                            param="model", code="model_not_found")
 
     def ready_llm(self):
         """The loaded LLM; a 503 HTTPError while it loads or after it failed to."""

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from localmoe.errors import InvalidRequestError
+from localmoe.errors import InvalidRequestError, json_value
 
 __all__ = ["Grammar", "Constraint", "grammar_tokenizer", "available", "COMPILE_TIMEOUT_S",
            "tool_call_schema", "validate_schema", "check_schema"]
@@ -165,7 +165,7 @@ def _check_types(node: Any, path: str, depth: int) -> None:
         for x in ts:
             if not isinstance(x, str) or x not in _TYPES:
                 raise InvalidRequestError(
-                    f"{path}: unknown type {x!r}; JSON Schema types are "
+                    f"{path}: unknown type {json_value(x)}; JSON Schema types are "
                     f"{', '.join(sorted(_TYPES))}", param=path)
         for k, v in node.items():
             if isinstance(v, (dict, list)):
@@ -245,7 +245,7 @@ def _explain(err: str, param: str) -> InvalidRequestError:
         keys = [k.strip().strip('"') for k in m.group(1).split(",") if k.strip()]
         return InvalidRequestError(
             f"{param}: unsupported JSON Schema keyword{'s' if len(keys) > 1 else ''} "
-            f"{', '.join(map(repr, keys))} (docs/STRUCTURED_OUTPUT.md lists the supported "
+            f"{', '.join(map(json_value, keys))} (docs/STRUCTURED_OUTPUT.md lists the supported "
             f"ones; on the server a non-strict json_schema ignores unsupported keywords)", param=param)
     return InvalidRequestError(f"{param}: the schema cannot be used for constrained decoding: "
                                f"{_one_line(err)[:300]}", param=param)
@@ -266,7 +266,7 @@ def _one_line(err: str) -> str:
         detail = [l[len("error:"):].strip() for l in lines[1:] if l.startswith("error:")]
         pattern = [l for l in lines[1:] if not l.startswith("error:")]
         out = "regex parse error: " + (detail[0] if detail else "invalid pattern")
-        return out + (f" in pattern {pattern[0]!r}" if pattern else "")
+        return out + (f" in pattern {json_value(pattern[0], None)}" if pattern else "")
     out = " ".join(lines)
     # the engine counts minProperties after subtracting the required keys: its numbers mislead
     out = _MIN_PROPS.sub("minProperties is greater than the number of properties the schema "

@@ -533,7 +533,7 @@ def test_error_status_codes_and_objects(live, client):
     # an unknown schema type is refused whatever the tool choice (it passed under "auto")
     body = _err(httpx.post(url, json={**ok, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "foo"}}}]}), 400, "tools[0].function.parameters")
-    assert "unknown type 'foo'" in body["message"]
+    assert 'unknown type "foo"' in body["message"]
     _err(httpx.post(url, json={**ok, "tools": [WEATHER_TOOL],
                                "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
          400, "tool_choice")
@@ -617,7 +617,7 @@ def test_tool_message_must_answer_an_earlier_tool_call(live):
         *head, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}),
         400, "messages[2].tool_call_id")
     assert body["type"] == "invalid_request_error"
-    assert "'call_9'" in body["message"] and "'call_1'" in body["message"], body
+    assert '"call_9"' in body["message"] and '"call_1"' in body["message"], body
     body = _err(httpx.post(url, json={"model": "scripted", "messages": [
         {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1",
                                             "content": "sunny"}]}), 400, "messages[1].tool_call_id")
@@ -875,6 +875,104 @@ def test_booleans_in_integer_fields_are_400s_that_show_the_json_value():
                                   "best_of": 1})):
             r = httpx.post(url, json=good)
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
+
+
+_CALL_1 = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+_F = {"type": "function", "function": {"name": "f"}}
+_SCHEMA = {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}
+
+
+def _rf_schema(schema):
+    return {"response_format": {**_SCHEMA, "json_schema": {"name": "s", "schema": schema}}}
+
+
+def _role(role):
+    return {"messages": [{"role": role, "content": "hi"}]}
+
+
+# (endpoint, body fields over a valid one, status, param, the value as JSON, Python's spelling)
+_CLIENT_VALUES = {
+    "role-true": ("chat", _role(True), 400, "messages[0].role", "got true", "True"),
+    "role-null": ("chat", _role(None), 400, "messages[0].role", "got null", "None"),
+    "role-5": ("chat", _role(5), 400, "messages[0].role", "got 5", None),
+    "role-robot": ("chat", _role("robot"), 400, "messages[0].role", 'got "robot"', "'robot'"),
+    "role-cyrillic": ("chat", _role("робот"), 400, "messages[0].role", 'got "робот"',
+                      "\\u0440"),
+    "role-list": ("chat", _role(["user"]), 400, "messages[0].role", 'got ["user"]', "['user']"),
+    "role-surrogate": ("chat", _role("a\ud800"), 400, "messages[0].role", 'got "a\\ud800"',
+                       "'a\\ud800'"),
+    "response_format.type-true": ("chat", {"response_format": {"type": True}}, 400,
+                                  "response_format.type", "got true", "True"),
+    "response_format.type-json": ("chat", {"response_format": {"type": "json"}}, 400,
+                                  "response_format.type", 'got "json"', "'json'"),
+    "completions-response_format.type": ("comp", {"response_format": {"type": False}}, 400,
+                                         "response_format.type", "got false", "False"),
+    "tool_choice-x": ("chat", {"tool_choice": "x"}, 400, "tool_choice", 'got "x"', "'x'"),
+    "tool_choice-unknown-name": (
+        "chat", {"tools": [_F], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400, "tool_choice", 'function "g" which', "'g'"),
+    "tool_choice-null-name": (
+        "chat", {"tools": [_F], "tool_choice": {"type": "function", "function": {"name": None}}},
+        400, "tool_choice", "function null which", "None"),
+    "content-part-type": ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]",
+        'has type "image_url"', "'image_url'"),
+    "content-part-string": ("chat", {"messages": [{"role": "user", "content": ["hi"]}]}, 400,
+                            "messages[0].content[0]", "is a string", "'str'"),
+    "duplicate-tool-name": ("chat", {"tools": [_F, _F]}, 400, "tools[1].function.name",
+                            'duplicate tool name "f"', "'f'"),
+    "tool_call_id": ("chat", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [_CALL_1]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}]}, 400,
+        "messages[2].tool_call_id", 'tool_call_id "call_2" matches no tool call', "'call_"),
+    "logit_bias-key": ("chat", {"logit_bias": {"abc": 1}}, 400, "logit_bias",
+                       'logit_bias key "abc"', "'abc'"),
+    "stop-surrogate": ("chat", {"stop": ["a\ud800"]}, 400, "stop", 'stop string "a\\ud800"',
+                       "'a\\ud800'"),
+    "tool-schema-type": ("chat", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "strin"}}}]}, 400, "tools[0].function.parameters",
+        'unknown type "strin"', "'strin'"),
+    "response-schema-type": ("chat", _rf_schema({"type": ["string", True]}), 400,
+                             "response_format.json_schema.schema", "unknown type true", "True"),
+    "response-schema-pattern": ("chat", _rf_schema({"type": "string", "pattern": "(("}), 400,
+                                "response_format.json_schema.schema", 'in pattern "(("',
+                                "'(('"),
+    "user-array": ("chat", {"user": [1]}, 400, "user", "got an array", "got list"),
+    "model": ("chat", {"model": "nope"}, 404, "model", 'model "nope" does not exist', "'nope'"),
+    "completions-model": ("comp", {"model": "nope"}, 404, "model", 'model "nope" does not',
+                          "'nope'"),
+    "models-path": ("models", None, 404, "model", 'model "nope" does not exist', "'nope'"),
+}
+
+
+@pytest.fixture(scope="module")
+def loading_server():
+    with _loading_server() as urls:
+        yield urls
+
+
+@pytest.mark.parametrize("case", list(_CLIENT_VALUES))
+def test_error_messages_show_client_values_as_json(loading_server, case):
+    """A value the client sent is shown in a 400/404 message as the client wrote it in JSON
+    (``true``, ``null``, ``"robot"``, ``["user"]``; printable non-ASCII as written, a lone
+    surrogate as its escape), never as Python's repr (``True``, ``None``, ``'robot'``,
+    ``['user']``); the error codes are unchanged. A role that is a list or object was a 500
+    (an unhashable value tested against the set of roles)."""
+    chat, comp, ok, srv = loading_server
+    endpoint, fields, status, param, shown, python = _CLIENT_VALUES[case]
+    if endpoint == "models":
+        r = httpx.get(srv.url + "/v1/models/nope")
+    else:
+        base = ok if endpoint == "chat" else {"model": "scripted", "prompt": "hi"}
+        # json.dumps escapes a lone surrogate ("\ud800"), as a client's JSON encoder does
+        r = httpx.post(chat if endpoint == "chat" else comp,
+                       content=json.dumps({**base, **fields}).encode(),
+                       headers={"Content-Type": "application/json"})
+    body = _err(r, status, param)
+    assert body["code"] == ("invalid_value" if status == 400 else "model_not_found"), body
+    assert shown in body["message"], (shown, body["message"])
+    if python is not None:
+        assert python not in body["message"], (python, body["message"])
 
 
 def test_load_failure_is_reported_not_raised():

@@ -108,10 +108,10 @@ def test_tool_call_grammar_refuses_undeclared_names_and_bad_arguments(tok):
 
 
 @pytest.mark.parametrize("schema,needle", [
-    ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
-    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "'not'"),
-    ({"if": {}, "then": {}}, "'if'"),
-    ({"type": "strng"}, "'strng'"),
+    ({"type": "array", "uniqueItems": True}, '"uniqueItems"'),
+    ({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, '"not"'),
+    ({"if": {}, "then": {}}, '"if", "then"'),
+    ({"type": "strng"}, '"strng"'),
     ({"$ref": "#/$defs/missing"}, "/$defs/missing"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON Schema object"),
@@ -126,7 +126,7 @@ def test_bad_schemas_are_refused_naming_the_problem(tok, schema, needle):
 
 
 @pytest.mark.parametrize("schema,needle", [
-    ({"type": "string", "pattern": "(("}, "regex parse error: unclosed group in pattern '(('"),
+    ({"type": "string", "pattern": "(("}, 'regex parse error: unclosed group in pattern "(("'),
     ({"type": "object", "minProperties": 3, "properties": {"a": {"type": "string"}},
       "required": ["a"], "additionalProperties": False},
      "minProperties is greater than the number of properties the schema allows")])
