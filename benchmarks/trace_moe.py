@@ -13,7 +13,7 @@ median / slowest program's phases, on ``%globaltimer`` (ns) and ``%clock64`` (cy
 Usage (on the GPU machine)::
 
     python benchmarks/trace_moe.py --tokens 1 --out trace.json \\
-        [--variant NAME='{"gate_up": {"split": 1}}'] [--no-route]
+        [--variant NAME='{"gate_up": {"split": 1}}'] [--variant @alloc={}] [--no-route]
 """
 from __future__ import annotations
 
@@ -146,6 +146,17 @@ def run_variant(m, tokens, cfg, route, reps=20):
     return us_plain, us_traced, call_summaries(records), timer_step(records)
 
 
+#: steps a ``--variant`` name may ask for between variants instead of a launch choice (the
+#: JSON is ignored): ``@alloc`` keeps 16 more 600 KB device buffers alive, ``@empty_cache``
+#: frees the allocator's cached blocks (session 30: every variant after a process's first
+#: showed 0.35 us longer launch gaps; do allocations or new kernels cause it?)
+ACTIONS = {
+    "@alloc": lambda kept: kept.extend(torch.empty(600 * 1024, dtype=torch.uint8, device="cuda")
+                                       for _ in range(16)),
+    "@empty_cache": lambda kept: torch.cuda.empty_cache(),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -166,8 +177,14 @@ def main(argv=None) -> int:
            "date": datetime.date.today().isoformat(), "model": a.model,
            "command": "python benchmarks/trace_moe.py " + " ".join(argv or sys.argv[1:]),
            "rows": []}
+    kept = []
     for t in a.tokens:
         for name, cfg in variants:
+            if name in ACTIONS:      # a step between variants (the launch gaps' state)
+                ACTIONS[name](kept)
+                print(f"== {name}")
+                res["rows"].append({"action": name, "tokens": t})
+                continue
             us_p, us_t, calls, step = run_variant(m, t, cfg, not a.no_route)
             agg = aggregate(calls)
             row = {"variant": name, "config": cfg, "tokens": t, "route": not a.no_route,
