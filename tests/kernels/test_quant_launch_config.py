@@ -127,14 +127,17 @@ def test_moe_and_router_tables_give_the_old_choices(table):
 
 def test_cpu_table_takes_interpreter_tiles_and_keeps_the_router():
     """Tensors on the CPU (the interpreter): 64-row programs for the quantized GEMV and fused
-    MoE at every shape, the router as on the GPU."""
+    MoE at every shape, the router as on the GPU, and at one token the MoE's look-ahead K
+    loops (the GPU's one-token path)."""
     t = lc.load_table("cpu")
     for tokens, n, qt in itertools.product([1, 3, 8], [13, 5120, 151936], ["Q8_0", "Q6_K"]):
         assert t.lookup("gemv", tokens=tokens, n=n, k=2048, qtype=qt) == INTERPRETER_TILE
-    assert moe_config("gate_up", 1, 8, 128, 2048, 768, 12, "cpu") == dict(INTERPRETER_TILE,
-                                                                          split=1, maxnreg=0)
+    assert moe_config("gate_up", 1, 8, 128, 2048, 768, 12, "cpu") == dict(
+        INTERPRETER_TILE, split=1, maxnreg=0, lookahead=True)
+    assert moe_config("gate_up", 2, 8, 128, 2048, 768, 12, "cpu") == dict(
+        INTERPRETER_TILE, split=1, maxnreg=0)
     assert moe_config("down", 1, 8, 128, 2048, 768, 12, "cpu") == dict(
-        INTERPRETER_TILE, experts_tile=True, maxnreg=0)
+        INTERPRETER_TILE, experts_tile=True, maxnreg=0, lookahead=True)
     assert moe_config("down", 2, 8, 128, 2048, 768, 12, "cpu") == dict(
         INTERPRETER_TILE, experts_tile=False, maxnreg=0)
     assert gemv_config(5120, 2048, 1, 8, device="cpu")["BN"] == 64
