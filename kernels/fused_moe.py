@@ -124,8 +124,10 @@ def moe_config(stage: str, tokens: int, top_k: int, n_experts: int, d_model: int
     ``d_ff`` (per expert), weights of GGUF type ``qtype``, on ``device`` (a torch device or its
     name; None: the table of a CUDA device without a file of its own, the H200's): ``BN`` rows
     per program (gate_up: a multiple of 32, so launch 1 writes h as int8 blocks), ``CH``
-    chunks per tile, ``num_warps``, ``xb``, from the ``moe_gate_up`` / ``moe_down`` knob of
-    the device's launch table (:mod:`localmoe.kernels.launch_config`)."""
+    chunks per tile, ``num_warps``, ``xb``, ``stages``, ``maxnreg``, ``split`` (gate_up) or
+    ``experts_tile`` (down), and ``lookahead`` where the rule sets it (the next K tile's loads
+    issued before this tile's dots), from the ``moe_gate_up`` / ``moe_down`` knob of the
+    device's launch table (:mod:`localmoe.kernels.launch_config`)."""
     return device_table(device).lookup(
         f"moe_{stage}", tokens=tokens, top_k=top_k, n_experts=n_experts, d_model=d_model,
         d_ff=d_ff, qtype=QTYPE_NAMES[qtype])

@@ -790,7 +790,8 @@ def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
     """Launch choice for ``t`` tokens of an ``[n, k]`` weight of GGUF type ``qtype`` on
     ``device`` (a torch device or its name; None: the table of a CUDA device without a file of
     its own, the H200's): ``BN`` rows per program, ``CH`` chunks per tile (at most the K chunks
-    rounded up to a power of two), ``num_warps``, ``xb``, and ``split`` programs over K
+    rounded up to a power of two), ``num_warps``, ``xb``, ``stages``, ``lookahead`` where the
+    rule sets it (:func:`_qk_loop`), and ``split`` programs over K
     (doubled while the grid has fewer than ``min_programs`` programs, at most ``max_split``
     ways, each part keeping at least ``CH`` chunks), from the ``gemv`` and ``gemv_split``
     knobs of the device's launch table (:mod:`localmoe.kernels.launch_config`)."""
