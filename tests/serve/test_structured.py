@@ -227,7 +227,7 @@ def test_bad_schemas_and_unread_fields_get_400(live):
          "response_format.json_schema.schema", "uniqueItems")
     _err(httpx.post(url, json={**base, "response_format": _rf("x", {
         "type": "object", "properties": {"a": {"not": {"type": "null"}}}})}),
-         "response_format.json_schema.schema", "'not'")
+         "response_format.json_schema.schema", '"not"')
     _err(httpx.post(url, json={**base, "response_format": _rf("x", {"type": "strng"})}),
          "response_format.json_schema.schema", "strng")
     _err(httpx.post(url, json={**base, "response_format": _rf("x", {"$ref": "#/$defs/no"})}),
@@ -235,7 +235,7 @@ def test_bad_schemas_and_unread_fields_get_400(live):
     bad_tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string"}}, "if": {}, "then": {}}}}
     _err(httpx.post(url, json={**base, "tools": [bad_tool], "tool_choice": "required"}),
-         "tools[0].function.parameters", "'if'")
+         "tools[0].function.parameters", '"if"')
     _err(httpx.post(url, json={**base, "functions": [{"name": "f"}]}), "functions", "tools")
     _err(httpx.post(url, json={**base, "text": {"format": {"type": "json_object"}}}),
          "text.format", "response_format")
