@@ -135,6 +135,40 @@ def safe_model_params(llama_cpp: Any) -> Iterator[bool]:
     finally:
         low.llama_model_default_params = default
 
+class _UnusedChatFormatter:
+    """Stands in for ``llama_chat_format.Jinja2ChatFormatter`` while this backend loads a
+    model: llama-cpp-python compiles every chat template in the file's metadata when it
+    builds a ``Llama``, unsandboxed from our limits and with any Jinja2 error escaping
+    (a template that does not compile made the whole load fail). localmoe applies chat
+    templates itself (``localmoe.text.chat_template``) and never calls
+    ``create_chat_completion``, so the metadata templates are not compiled at all."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    def to_chat_handler(self) -> Any:
+        def handler(*args: Any, **kw: Any) -> Any:
+            raise LocalMoEError("llama-cpp-python's chat handlers are not loaded by localmoe's "
+                                "llamacpp backend (localmoe applies the chat template itself)")
+        return handler
+
+
+@contextlib.contextmanager
+def _no_metadata_templates(llama_cpp: Any) -> Iterator[None]:
+    """Around a ``llama_cpp.Llama(...)`` call: the GGUF's chat templates are not compiled by
+    llama-cpp-python (see :class:`_UnusedChatFormatter`)."""
+    fmt = getattr(llama_cpp, "llama_chat_format", None)
+    real = getattr(fmt, "Jinja2ChatFormatter", None)
+    if real is None:
+        yield
+        return
+    fmt.Jinja2ChatFormatter = _UnusedChatFormatter
+    try:
+        yield
+    finally:
+        fmt.Jinja2ChatFormatter = real
+
+
 #: limits of the llama.cpp llama-cpp-python ships (src/llama-hparams.h), asserted (abort) on load
 LLAMA_MAX_EXPERTS = 512
 LLAMA_MAX_LAYERS = 512
@@ -196,7 +230,7 @@ def raw_llama(*args: Any, **kw: Any) -> Any:
     directly, so they compute as the backend does and do not crash on AMX builds."""
     import llama_cpp
 
-    with safe_model_params(llama_cpp):
+    with safe_model_params(llama_cpp), _no_metadata_templates(llama_cpp):
         return llama_cpp.Llama(*args, **kw)
 
 
@@ -219,7 +253,7 @@ def _load_llama(llama_cpp: Any, path: str, **kw: Any) -> Any:
     sink = io.StringIO()
     try:
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
-                safe_model_params(llama_cpp) as off:
+                safe_model_params(llama_cpp) as off, _no_metadata_templates(llama_cpp):
             llm = llama_cpp.Llama(model_path=path, verbose=True, **kw)
         if off:
             log.info("llama.cpp built with AMX: weights loaded without the AMX/repacked copies "

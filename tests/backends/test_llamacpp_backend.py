@@ -379,3 +379,26 @@ def test_amx_builds_load_without_the_extra_cpu_buffers(monkeypatch, info, env, o
         inside = low.llama_model_default_params().use_extra_bufts
     assert was_off is off and inside is (not off)
     assert low.llama_model_default_params is Params       # restored
+
+
+@pytest.mark.llamacpp
+def test_uncompilable_chat_template_loads_and_runs_raw(tmp_path):
+    """A GGUF whose chat template does not compile: llama-cpp-python does not compile the
+    file's templates (it raised jinja2's TemplateSyntaxError out of ``Llama()``); the model
+    loads without its template (our own warning) and raw completions run."""
+    from localmoe.api import LLM
+    from tests.hostile.gen import build, set_kv
+
+    p = str(build(tmp_path / "badtpl.gguf", "tiny-qwen3moe",
+                  kv=set_kv("tokenizer.chat_template", "{% if %}bad", "str")))
+    llm = LLM(p, backend="llamacpp", n_ctx=64, n_threads=1)
+    try:
+        assert llm.backend_name == "llamacpp"
+        prompt = llm.tokenizer.encode("hello world", add_special=True)
+        r = llm.generate(prompt, temperature=0.0, max_tokens=4,
+                         logit_bias={i: -100.0 for i in llm.tokenizer.eog_ids})
+        assert len(r.token_ids) == 4
+    finally:
+        llm.close()
+    raw = raw_llama(p, n_ctx=64, n_threads=1, verbose=False)  # the references load it too
+    raw.close()

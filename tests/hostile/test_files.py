@@ -118,3 +118,15 @@ def test_split_set_opened_by_a_later_shard_runs_on_llamacpp(tmp_path):
     res = run_capped(["generate", "-m", str(last), "--backend", "llamacpp", "-n", "2", "--greedy",
                       "-c", "128", "hello"])
     assert res.rc == 0 and not res.problems("load"), res.err[-800:]
+
+
+@pytest.mark.parametrize("backend", ["llamacpp", "torch"])
+def test_uncompilable_template_still_runs_raw(corpus, backend):
+    """docs/CLI.md: a chat template that does not compile is dropped with a warning and
+    ``--raw`` still runs. llama-cpp-python used to compile the file's template itself while
+    loading and raise jinja2's TemplateSyntaxError (a traceback, exit 1)."""
+    pytest.importorskip("llama_cpp") if backend == "llamacpp" else None
+    res = run_capped(["generate", "-m", str(corpus["template_syntax_error"]), "--backend", backend,
+                      "--raw", "-n", "2", "--greedy", "-c", "128", "hello"])
+    assert res.rc == 0 and not res.problems("load"), res.err[-1500:]
+    assert "syntax error" in res.err and "plain completions work" in res.err, res.err[-800:]
