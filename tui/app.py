@@ -85,12 +85,15 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
         Binding("ctrl+q", "quit", "Quit", priority=True,
                 tooltip="Quit (a running answer is stopped; what was generated stays saved)"),
         Binding("escape", "stop", "Stop", tooltip="Stop generating (keeps the partial answer)"),
+        # the footer shows these in this order and cuts off what does not fit: at 80 columns
+        # (next to ^p palette) Quit .. Rename just fit, so Regenerate and Edit last are left to
+        # F1 and Ctrl+P
         Binding("ctrl+n", "new_chat", "New chat"),
-        Binding("ctrl+r", "regenerate", "Regenerate"),
-        Binding("ctrl+g", "edit_last", "Edit last"),
-        Binding("f2", "rename_chat", "Rename"),
         Binding("f3", "settings", "Settings"),
         Binding("f4", "export_chat", "Export"),
+        Binding("f2", "rename_chat", "Rename"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False),
+        Binding("ctrl+g", "edit_last", "Edit last", show=False),
         Binding("f8", "delete_chat", "Delete", show=False),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False),
         Binding("ctrl+up", "focus_message(-1)", "Previous message", show=False),
@@ -134,7 +137,7 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
     @generating.setter
     def generating(self, value: bool) -> None:
         self._generating = bool(value)
-        self.refresh_bindings()  # the footer greys out Stop / Regenerate / Edit accordingly
+        self.refresh_bindings()  # the footer greys out Stop accordingly
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Grey out actions that do nothing right now (None = shown but disabled)."""

@@ -697,6 +697,54 @@ def test_settings_defaults_from_metadata_and_reload(db):
     run(body())
 
 
+def test_settings_dialog_fits_an_80x24_terminal(db):
+    """At 80x24 every settings field and both buttons can be seen: the buttons stay on screen,
+    the form scrolls, and Tab to a field scrolls it into view; the keys are shown."""
+
+    async def body():
+        from textual.geometry import Region
+        from localmoe.tui.screens.dialogs import SettingsScreen
+
+        app = make_app(db)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot)
+            await pilot.press("f3")
+            await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), "dialog")
+            await pilot.pause()
+            scr = app.screen
+            screen_region = Region(0, 0, 80, 24)
+            dialog = scr.query_one(".settings-dialog").region
+            assert screen_region.contains_region(dialog), dialog
+
+            def visible(widget) -> bool:
+                # on the screen, inside the dialog, and what is drawn there (not scrolled away)
+                r = widget.region
+                if not (r.area and dialog.contains_region(r)):
+                    return False
+                at, _ = scr.get_widget_at(r.x + r.width // 2, r.y + r.height // 2)
+                return at is widget or widget in at.ancestors
+
+            for sel in ("#save", "#cancel"):  # always visible, labels not cut
+                button = scr.query_one(sel)
+                assert visible(button), (sel, button.region, dialog)
+                assert button.region.width >= len(str(button.label)) + 2, button.region
+            for sel in ("#kv_cache", "#backend", "#save", "#cancel"):
+                scr.query_one("#system_prompt").focus()
+                await pilot.pause()
+                for _ in range(12):
+                    if scr.focused is scr.query_one(sel):
+                        break
+                    await pilot.press("tab")
+                    await pilot.pause()
+                assert scr.focused is scr.query_one(sel), sel
+                await pilot.pause(0.1)
+                assert visible(scr.focused), (sel, scr.focused.region, dialog)
+            hints = " ".join(str(w.render()) for w in scr.query("Label"))
+            assert "ctrl+s" in hints.lower() and "esc" in hints.lower(), hints
+
+    run(body())
+
+
 def test_backend_change_during_answer_reloads_after_it(db):
     eng = FakeEngine(["one two three four"], hold_after=2)
     factory = FakeFactory(eng)
@@ -1076,6 +1124,24 @@ def test_footer_shows_the_quit_key_and_it_quits(db):
             await pilot.press("ctrl+q")
             await pilot.pause()
             assert not app.is_running
+
+    run(body())
+
+
+def test_footer_shows_settings_and_export_at_80_columns(db):
+    """At 80 columns the footer's F3 Settings and F4 Export are whole, not cut off."""
+    async def body():
+        app = make_app(db)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot)
+            await pilot.pause()
+            keys = {k.key: k for k in app.screen.query("FooterKey")}
+            palette = [k for k in app.screen.query("FooterKey") if k.key == "ctrl+p"]
+            for key in ("f3", "f4", "ctrl+q"):
+                r = keys[key].region
+                assert r.area and r.right <= 80, (key, r)
+                for p in palette:
+                    assert not r.overlaps(p.region), (key, r, p.region)
 
     run(body())
 

@@ -219,6 +219,7 @@ class SettingsScreen(_Dialog):
     """
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+    KEYS_HINT = "Ctrl+S saves, Esc cancels, Tab moves on. Empty fields use the default."
 
     def __init__(self, settings: ChatSettings, defaults: dict[str, Any]) -> None:
         super().__init__()
@@ -229,6 +230,7 @@ class SettingsScreen(_Dialog):
         s, d = self._s, self._d
         with Vertical(classes="dialog settings-dialog"):
             yield Label("Chat settings", classes="dialog-title")
+            yield Label(self.KEYS_HINT, classes="dialog-hint")
             with VerticalScroll(classes="settings-body"):
                 yield Label("System prompt")
                 yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True,
