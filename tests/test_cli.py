@@ -749,6 +749,108 @@ def test_ctrl_c_while_loading_with_json_prints_a_cancelled_object(tmp_path, monk
     assert r.exit_code == 130 and r.stdout == "", r.output
 
 
+_SIGTERM_DURING = """
+import os, signal, sys, time
+import localmoe.api as api
+import localmoe.cli.generate as g
+when = sys.argv.pop(1)
+if when == "loading":  # SIGTERM as the model is being opened (the start-up phase)
+    real_open = api.LLM._open
+    def _open(model):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        return real_open(model)
+    api.LLM._open = staticmethod(_open)
+else:  # SIGTERM once some text was generated
+    real_stream = g._stream
+    def _stream(llm, events, as_json):
+        def first_then_sigterm():
+            try:
+                for ev in events:
+                    yield ev
+                    if not ev.done:
+                        print("DELTA " + repr(ev.delta), file=sys.stderr, flush=True)
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        time.sleep(30)
+            finally:
+                events.close()
+        return real_stream(llm, first_then_sigterm(), as_json)
+    g._stream = _stream
+from localmoe.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("when", ["loading", "generating"])
+@pytest.mark.parametrize("as_json", [True, False])
+def test_sigterm_stops_generate_as_ctrl_c_does_with_status_143(tmp_path, when, as_json):
+    """`timeout 5 localmoe generate ...` (SIGTERM) exited 143 with nothing said and, with
+    --json, nothing on stdout: the text generated so far was lost. SIGTERM now does what
+    Ctrl-C does (the text so far; --json: the "cancelled" object) with 'terminated' on stderr
+    and status 143 (128 + 15), while the model loads and while it generates."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3moe"))
+    r = subprocess.run([sys.executable, "-c", _SIGTERM_DURING, when, "generate", "-m", m,
+                        "--backend", "torch", "--raw", "--greedy", "-n", "200", "hi"]
+                       + (["--json"] if as_json else []),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143, r.stderr
+    assert "terminated" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "interrupted" not in r.stderr, r.stderr
+    delta = ""
+    if when == "generating":
+        deltas = [l for l in r.stderr.splitlines() if l.startswith("DELTA ")]
+        assert len(deltas) == 1, r.stderr
+        delta = eval(deltas[0][len("DELTA "):])
+    if not as_json:
+        assert r.stdout in (delta, delta + "\n"), (r.stdout, delta)
+        return
+    objs = [json.loads(l) for l in r.stdout.splitlines()]
+    assert len(objs) == 1, r.stdout
+    d = objs[0]
+    assert d["finish_reason"] == "cancelled" and d["text"] == delta and d["model"] == "m", d
+    if when == "loading":
+        assert d["backend"] is None and d["n_ctx"] is None, d
+    else:
+        assert d["backend"] == "torch" and d["n_ctx"], d
+
+
+def test_sigterm_handler_is_restored_and_ctrl_c_keeps_130(tmp_path, monkeypatch):
+    """In-process (CliRunner, the main thread): a command that ends leaves SIGTERM's handler as
+    it was, and a Ctrl-C after a SIGTERM'd run is still 'interrupted' / 130."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-qwen3moe"))
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a fresh `localmoe` process
+    try:
+        _sigterm_in_process(m, monkeypatch)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _sigterm_in_process(m, monkeypatch):
+    import localmoe.api
+
+    def terminated(model):  # what a SIGTERM delivered now runs (never os.kill: pytest's own)
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler), handler
+        handler(signal.SIGTERM, None)
+        raise AssertionError("SIGTERM did not stop the load")
+    monkeypatch.setattr(localmoe.api.LLM, "_open", staticmethod(terminated))
+    r = run(["generate", "-m", m, "--backend", "torch", "--json", "hi"])
+    assert r.exit_code == 143 and "terminated" in r.stderr, r.output
+    assert json.loads(r.stdout)["finish_reason"] == "cancelled", r.output
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+    def interrupted(model):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(localmoe.api.LLM, "_open", staticmethod(interrupted))
+    r = run(["generate", "-m", m, "--backend", "torch", "hi"])
+    assert r.exit_code == 130 and "interrupted" in r.stderr, r.output
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 @pytest.mark.slow
 @pytest.mark.llamacpp
 def test_kv_cache_flags_on_llamacpp(smollm2_path):

@@ -4,8 +4,9 @@ The CLI is thin: it parses flags, resolves the model through the store and calls
 the TUI or the server. Heavy modules (torch, the engine, backends) are imported inside the
 commands so ``localmoe --help`` stays fast. Errors a user can cause (``LocalMoEError``) print one
 line ``error: ...`` on stderr and exit with status 1; Ctrl-C stops generation cleanly and exits
-with status 130; usage errors print one line ``error: ... (see 'localmoe CMD --help')`` and
-exit with status 2 (click's convention).
+with status 130 (SIGTERM does the same for ``generate`` and ``pull``, status 143:
+:func:`sigterm_as_ctrl_c`); usage errors print one line ``error: ... (see 'localmoe CMD
+--help')`` and exit with status 2 (click's convention).
 
 One module per command family: :mod:`.generate`, :mod:`.chat`, :mod:`.serve`,
 :mod:`.store_cmds` (pull, models, rm), :mod:`.info` (info, backends), :mod:`.bench`; the
@@ -16,13 +17,14 @@ package stays as cheap as one module.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import click
 
@@ -93,8 +95,9 @@ class _Group(click.Group):
             click.echo(f"error: {e}{_flag_of(e)}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
-            click.echo("\ninterrupted", err=True)
-            ctx.exit(130)
+            word, status = _interrupted()
+            click.echo(f"\n{word}", err=True)
+            ctx.exit(status)
         except BrokenPipeError:  # `localmoe generate ... | head`
             try:
                 sys.stdout = open(os.devnull, "w")
@@ -168,10 +171,56 @@ def on_start_up_interrupt(text: str | None) -> None:
     _INTERRUPTED_STDOUT[:] = [text] if text else []
 
 
+#: set when a SIGTERM was turned into a Ctrl-C (:func:`sigterm_as_ctrl_c`)
+_TERMINATED = [False]
+
+
+def _interrupted() -> tuple[str, int]:
+    """The line and exit status of a command stopped by Ctrl-C (``interrupted``, 130) or by
+    a SIGTERM that :func:`sigterm_as_ctrl_c` handled as one (``terminated``, 143 = 128 + 15)."""
+    terminated, _TERMINATED[0] = _TERMINATED[0], False
+    return ("terminated", 143) if terminated else ("interrupted", 130)
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM handler of :func:`sigterm_as_ctrl_c`: do what Ctrl-C would do right now (the
+    SIGINT handler installed at this moment: the start-up phase's :func:`_stop_now`, the
+    pull's, or Python's KeyboardInterrupt), remembering it was a SIGTERM for the status."""
+    _TERMINATED[0] = True
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:  # SIGINT ignored or not Python's: stop as Ctrl-C does when it is not
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Within the block (a command's work, on the main thread), SIGTERM (``timeout``, ``kill``)
+    stops the command as Ctrl-C does (``generate`` prints what was generated, ``pull`` removes
+    its temporaries) and it exits with status 143 instead of 130. A SIGTERM handler set by
+    someone else, or SIGTERM ignored, is left as it is; the previous handler is restored
+    afterwards. Off the main thread: nothing (signals are the main thread's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.getsignal(signal.SIGTERM)
+    if prev is not signal.SIG_DFL:  # ignored, or a handler of its own (serve's drain, a host's)
+        yield
+        return
+    _TERMINATED[0] = False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
+
 def _stop_now(signum, frame) -> None:
-    """SIGINT handler of the start-up phase: print ``interrupted`` and exit at once (130). On
-    a terminal the load spinner's line is cleared and the cursor it hid is shown again. What
-    :func:`on_start_up_interrupt` set is written on stdout first."""
+    """SIGINT handler of the start-up phase: print ``interrupted`` and exit at once (130; after
+    a SIGTERM handled as Ctrl-C, ``terminated`` and 143). On a terminal the load spinner's line
+    is cleared and the cursor it hid is shown again. What :func:`on_start_up_interrupt` set is
+    written on stdout first."""
     try:
         if _INTERRUPTED_STDOUT:
             text = _INTERRUPTED_STDOUT[0]
@@ -182,10 +231,11 @@ def _stop_now(signum, frame) -> None:
                 os.write(1, text.encode("utf-8"))
     except OSError:  # stdout closed or broken: the exit status still says it
         pass
+    word, status = _interrupted()
     try:
-        note(("\r\x1b[2K\x1b[?25h" if stderr_is_terminal() else "\n") + "interrupted")
+        note(("\r\x1b[2K\x1b[?25h" if stderr_is_terminal() else "\n") + word)
     finally:
-        os._exit(130)
+        os._exit(status)
 
 
 #: errors of writing the output that a user can cause (a full disk, a closed or broken file)

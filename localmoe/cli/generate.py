@@ -39,15 +39,17 @@ def generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, de
     if sys.stdout is None:  # `localmoe generate ... >&-`: refuse before the weights load
         raise LocalMoEError("standard output is closed: there is nowhere to write the answer")
     # --json: Ctrl-C at any moment prints one JSON object with finish_reason "cancelled" (while
-    # the model loads, from the start-up phase's SIGINT handler, localmoe.cli._stop_now)
-    from localmoe.cli import on_start_up_interrupt
+    # the model loads, from the start-up phase's SIGINT handler, localmoe.cli._stop_now);
+    # SIGTERM (`timeout 5 localmoe generate ...`) does what Ctrl-C does, exit status 143
+    from localmoe.cli import on_start_up_interrupt, sigterm_as_ctrl_c
 
     if as_json:
         on_start_up_interrupt(_cancelled(None, model) + "\n")
     try:
-        return _generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device,
-                         raw, system, as_json, json_schema, json_object, verbose, record_routing,
-                         **kw)
+        with sigterm_as_ctrl_c():
+            return _generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v,
+                             device, raw, system, as_json, json_schema, json_object, verbose,
+                             record_routing, **kw)
     except KeyboardInterrupt as e:
         if as_json and not getattr(e, "json_printed", False):  # _stream prints the text so far
             click.echo(_cancelled(None, model))

@@ -13,10 +13,12 @@ import click
 @click.option("--link", is_flag=True, help="For a local file: register it in place instead of copying.")
 def pull(source, force, link):
     """Fetch a model into the store: NAME (smollm2, gemma3-270m), hf:OWNER/REPO/FILE.gguf or PATH."""
+    from localmoe.cli import sigterm_as_ctrl_c
     from localmoe.io.store import ModelStore, format_size
 
     st = ModelStore()
-    m = st.pull(source, force=force, link=link)
+    with sigterm_as_ctrl_c():  # SIGTERM removes the pull's temporaries as Ctrl-C does (143)
+        m = st.pull(source, force=force, link=link)
     click.echo(f"{m.name}: {m.path} ({format_size(m.size)}, sha256 {m.sha256[:12] or '-'})")
 
 

@@ -827,8 +827,10 @@ import localmoe.io.store.catalog as catalog
 import localmoe.io.store.pull as pull
 from localmoe import cli
 
-def interrupt():  # Ctrl-C, then a moment for the handler to run
-    os.kill(os.getpid(), signal.SIGINT)
+sig = getattr(signal, sys.argv.pop(1))
+
+def interrupt():  # Ctrl-C (or SIGTERM), then a moment for the handler to run
+    os.kill(os.getpid(), sig)
     time.sleep(5)
     print("not interrupted", file=sys.stderr)
 
@@ -847,19 +849,23 @@ cli.main(["pull", sys.argv[2]])
 """
 
 
+@pytest.mark.parametrize("sig, status, word", [("SIGINT", 130, "interrupted"),
+                                                ("SIGTERM", 143, "terminated")])
 @pytest.mark.parametrize("kind", ["copy", "catalog"])
-def test_ctrl_c_during_pull_removes_its_temporaries(tmp_path, home, kind):
+def test_ctrl_c_during_pull_removes_its_temporaries(tmp_path, home, kind, sig, status, word):
     """Ctrl-C during a pull run by the CLI (whose start-up SIGINT handler exits at once):
-    status 130, `interrupted`, and no half file or scratch folder left behind."""
+    status 130, `interrupted`, and no half file or scratch folder left behind. SIGTERM
+    (`timeout`, `kill`) left `models/.NAME.partial-PID` and `tmp/pull-*` behind (exit 143):
+    it cleans up as Ctrl-C does, then exits 143 with `terminated`."""
     import subprocess
 
     from localmoe.testing.synthetic import write_gguf
 
     src = write_gguf(tmp_path / "m.gguf", "tiny-llama") if kind == "copy" else "tiny"
-    r = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, kind, str(src)],
+    r = subprocess.run([sys.executable, "-c", _INTERRUPT_SCRIPT, sig, kind, str(src)],
                        capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, LOCALMOE_HOME=str(home)))
-    assert r.returncode == 130 and "interrupted" in r.stderr, r.stderr
+    assert r.returncode == status and word in r.stderr, r.stderr
     assert "not interrupted" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     left = [p for p in home.rglob("*") if ".partial-" in p.name or p.name.startswith("pull-")]
     assert left == []
