@@ -9,6 +9,7 @@ One end-to-end test runs the real SmolLM2 model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 import sqlite3
@@ -279,6 +280,16 @@ def test_switch_chats_rename_delete_and_list(db):
     run(body())
 
 
+@contextlib.asynccontextmanager
+async def chat_with_code(db, prompt="show code"):
+    """(app, pilot) of a ready app whose chat holds ``prompt`` and the code reply."""
+    app = make_app(db, FakeEngine([CODE_REPLY]))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, prompt)
+        yield app, pilot
+
+
 async def open_export(pilot, app):
     """F4 and wait for the export dialog; its path field."""
     from textual.widgets import Input
@@ -300,10 +311,7 @@ async def submit_export(pilot, app):
 
 def test_export_markdown(db, tmp_path):
     async def body():
-        app = make_app(db, FakeEngine([CODE_REPLY]))
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "show code")
+        async with chat_with_code(db) as (app, pilot):
             out = tmp_path / "export.md"
             (await open_export(pilot, app)).value = str(out)
             await submit_export(pilot, app)
@@ -322,10 +330,7 @@ def test_export_never_overwrites_a_file(db, tmp_path):
 
         from localmoe.tui.screens.dialogs import TextPromptScreen
 
-        app = make_app(db, FakeEngine([CODE_REPLY]))
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "show code")
+        async with chat_with_code(db) as (app, pilot):
             path = await open_export(pilot, app)
             keep = tmp_path / "keep.md"
             keep.write_text("do not touch")
@@ -351,10 +356,7 @@ def test_export_suggests_a_free_file_name(db, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     async def body():
-        app = make_app(db, FakeEngine([CODE_REPLY]))
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "show code")
+        async with chat_with_code(db) as (app, pilot):
             assert (await open_export(pilot, app)).value == str(tmp_path / "show-code.md")
             await submit_export(pilot, app)
             await pilot.press("ctrl+n")
@@ -571,18 +573,27 @@ def test_context_full_drop_oldest_turns(db):
     run(body())
 
 
+@contextlib.asynccontextmanager
+async def context_full_dialog(db, eng):
+    """(app, pilot, first chat id) with the context-full dialog open: ``eng`` answers "first"
+    with more than its n_ctx allows the second question."""
+    from localmoe.tui.screens.dialogs import ContextFullScreen
+
+    app = make_app(db, eng)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "first")
+        chat = app.chat_id
+        await send(pilot, "second question")
+        await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
+        yield app, pilot, chat
+
+
 def test_context_full_new_chat(db):
     eng = FakeEngine(["x " * 30, "fresh answer"], n_ctx=50)
 
     async def body():
-        app = make_app(db, eng)
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "first")
-            old = app.chat_id
-            from localmoe.tui.screens.dialogs import ContextFullScreen
-            await send(pilot, "second question")
-            await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
+        async with context_full_dialog(db, eng) as (app, pilot, old):
             await pilot.press("shift+tab", "shift+tab", "enter")  # from Close to "New chat"
             await wait_until(pilot, lambda: app.chat_id not in (None, old) and not app.generating
                              and len(eng.calls) == 3, "new chat answered")
@@ -599,14 +610,9 @@ def test_context_full_dialog_ignores_letters_typed_into_it(db):
     eng = FakeEngine(["x " * 30, "never asked for"], n_ctx=50)
 
     async def body():
-        app = make_app(db, eng)
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "first")
-            chat = app.chat_id
-            from localmoe.tui.screens.dialogs import ContextFullScreen
-            await send(pilot, "second question")
-            await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
+        from localmoe.tui.screens.dialogs import ContextFullScreen
+
+        async with context_full_dialog(db, eng) as (app, pilot, chat):
             before = [(m.id, m.content, m.dropped) for m in app.store.messages(chat)]
             calls = len(eng.calls)
             await pilot.press(*"draft and another", "backspace", "?")
@@ -635,13 +641,7 @@ def test_context_full_new_chat_keeps_the_draft(db):
     eng = FakeEngine(["x " * 30, "fresh answer"], n_ctx=50)
 
     async def body():
-        app = make_app(db, eng)
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "first")
-            from localmoe.tui.screens.dialogs import ContextFullScreen
-            await send(pilot, "second question")
-            await wait_until(pilot, lambda: isinstance(app.screen, ContextFullScreen), "dialog")
+        async with context_full_dialog(db, eng) as (app, pilot, _):
             await pilot.press(*"my draft", "left", "left", "enter")
             await wait_until(pilot, lambda: len(eng.calls) == 3 and not app.generating,
                              "new chat answered")
@@ -822,10 +822,7 @@ def test_background_loading_with_progress(db):
 
 def test_copy_message_and_code_block(db):
     async def body():
-        app = make_app(db, FakeEngine([CODE_REPLY]))
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
-            await send(pilot, "code please")
+        async with chat_with_code(db, "code please") as (app, pilot):
             await pilot.press("ctrl+up")
             focused = app.focused
             assert isinstance(focused, MessageView) and focused.role == "assistant"
