@@ -135,6 +135,7 @@ def safe_model_params(llama_cpp: Any) -> Iterator[bool]:
     finally:
         low.llama_model_default_params = default
 
+
 class _UnusedChatFormatter:
     """Stands in for ``llama_chat_format.Jinja2ChatFormatter`` while this backend loads a
     model: llama-cpp-python compiles every chat template in the file's metadata when it

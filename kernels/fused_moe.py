@@ -107,8 +107,8 @@ from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chu
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.trace import RECORD, RECORD_C, stamp, stamp_end
 from localmoe.kernels.quant_gemv import (
-    QuantAct, _qk_loop, _x_rows, dequantize_act, pack_store_blocks, plane_args, quantize_act,
-    quantize_act_ref, use_asm, wide_default,
+    QuantAct, _qk_loop, _x_rows, dequantize_act, lookahead_arg, pack_store_blocks, plane_args,
+    quantize_act, quantize_act_ref, use_asm, wide_default,
 )
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_gate_up", "moe_down", "moe_config", "moe_programs",
@@ -546,7 +546,7 @@ def moe_gate_up(x: QuantAct, w_gate_up: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(f % c["BN"] == 0 and split_chunks % ch == 0 and n_chunks % split_chunks == 0),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), SPLIT=split, WIDE=x.wide,
         STAGES=int(c.get("stages", 1)), num_warps=c.get("num_warps", 4), **_reg_cap(c),
-        SLOTS=slot_of is not None, **_lookahead(c), **rargs, **targs, **pdl_args(h.q.device))
+        SLOTS=slot_of is not None, **lookahead_arg(c), **rargs, **targs, **pdl_args(h.q.device))
     return h
 
 
@@ -555,13 +555,6 @@ def _reg_cap(c: dict) -> dict:
     sets one (0 or absent: the compiler's choice); the interpreter ignores it."""
     n = int(c.get("maxnreg") or 0)
     return {"maxnreg": n} if n > 0 and use_asm() else {}   # use_asm: not the interpreter
-
-
-def _lookahead(c: dict) -> dict:
-    """``LOOKAHEAD`` of a launch choice that asks for it (``"lookahead": true``: the next K
-    tile's loads issued before this tile's dots, :func:`localmoe.kernels.quant_gemv._qk_loop`);
-    absent or false: the plain K loop (no constexpr passed, the kernels' default)."""
-    return {"LOOKAHEAD": True} if c.get("lookahead") else {}
 
 
 _SCRATCH: dict = {}
@@ -608,7 +601,7 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, **_lookahead(c), **targs, **pdl_args(out.device))
+        SLOTS=slot_of is not None, **lookahead_arg(c), **targs, **pdl_args(out.device))
     return out
 
 

@@ -95,12 +95,12 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 @dataclass(frozen=True)
 class Knob:
     """One knob: the ``fields`` each of its rules gives, the ``features`` its conditions
-    may test, and ``optional`` fields a rule may leave out (name -> the value the launcher
-    then uses; a lookup gives an optional field only where the rule has it)."""
+    may test, and ``optional`` fields a rule may leave out (a lookup gives one only where the
+    rule has it; the launchers read a missing one as false)."""
 
     fields: tuple[str, ...]
     features: tuple[str, ...]
-    optional: tuple[tuple[str, Any], ...] = ()
+    optional: tuple[str, ...] = ()
 
 
 ATTENTION_FEATURES = ("k_fmt", "v_fmt", "k_chan", "extras", "pairs", "max_len")
@@ -108,7 +108,7 @@ GEMV_FEATURES = ("tokens", "n", "k", "qtype")
 MOE_FEATURES = ("tokens", "top_k", "n_experts", "d_model", "d_ff", "qtype")
 ROUTER_FEATURES = ("tokens", "n_experts", "top_k")
 _QUANT_TILE = ("BN", "CH", "num_warps", "xb", "stages")
-_QUANT_OPTIONAL = (("lookahead", False),)
+_QUANT_OPTIONAL = ("lookahead",)
 
 KNOBS: dict[str, Knob] = {
     "tile": Knob(("block_n", "num_warps", "waves"), ATTENTION_FEATURES),
@@ -251,7 +251,7 @@ class LaunchTable:
             if all(_matches(c, feats[f]) for f, c in rule.get("when", {}).items()):
                 spec = KNOBS[knob]
                 return dict({k: rule[k] for k in spec.fields},
-                            **{k: rule[k] for k, _ in spec.optional if k in rule})
+                            **{k: rule[k] for k in spec.optional if k in rule})
         raise LocalMoEError(f"launch config {self.name}: no rule of {knob} matches {feats}")
 
     def lookup(self, knob: str, **feats: Any) -> dict[str, Any]:
@@ -308,7 +308,7 @@ def _check_rule(name: str, knob: str, i: int, last: bool, rule: Any) -> None:
         raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is not an object "
                             f"with a 'when' object")
     when = rule.get("when", {})
-    bad = (set(rule) - set(spec.fields) - {k for k, _ in spec.optional} - {"when", "why"}
+    bad = (set(rule) - set(spec.fields) - set(spec.optional) - {"when", "why"}
            or set(spec.fields) - set(rule) or set(when) - set(spec.features))
     if bad or ("when" in rule) == last:
         raise LocalMoEError(f"launch config {name}: rule {i} of {knob} is malformed "
@@ -517,10 +517,9 @@ def tuned_rules(knob: str, axis: str, points: list[tuple[int, list[tuple[dict, f
         ranked = sorted(ran, key=lambda c: c[1])
         win = next(c for c in ran if c[1] <= ranked[0][1] * (1 + tie))
         spec = KNOBS[knob]
-        if not set(spec.fields) <= set(win[0]) <= set(spec.fields) | {k for k, _ in spec.optional}:
+        if not set(spec.fields) <= set(win[0]) <= set(spec.fields) | set(spec.optional):
             raise LocalMoEError(f"tuned_rules {knob}: candidate {win[0]} does not give "
-                                f"exactly {spec.fields} (and optionally "
-                                f"{[k for k, _ in spec.optional]})")
+                                f"exactly {spec.fields} (and optionally {spec.optional})")
         note = _point_note(axis, value, win, ranked)
         if groups and groups[-1][1] == win[0]:
             groups[-1] = (value, groups[-1][1], groups[-1][2] + [note])

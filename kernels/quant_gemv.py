@@ -214,6 +214,13 @@ def iq4_lookup(w, USE_ASM: tl.constexpr):
         return lo, hi
 
 
+def lookahead_arg(cfg: dict) -> dict:
+    """The ``LOOKAHEAD`` constexpr of a launch choice that asks for it (``"lookahead": true``:
+    :func:`_qk_loop` issues the next K tile's loads before this tile's dots); absent or false:
+    nothing (the kernels' default, the plain loop)."""
+    return {"LOOKAHEAD": True} if cfg.get("lookahead") else {}
+
+
 def use_asm() -> bool:
     """Inline PTX (dp4a) on a real GPU; its exact emulation under ``TRITON_INTERPRET=1``."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
@@ -918,8 +925,7 @@ def _launch_gemv(x: QuantAct, w: QuantTensor, out: torch.Tensor, config: dict | 
         XB=cfg.get("xb", False), ATOMIC=split > 1 and not partials, USE_ASM=cfg.get("asm", use_asm()),
         PREFETCH=pdl_prefetch(y.device) and w.nbytes <= _PREFETCH_MAX,
         LINE=128 // ptrs[0].element_size(), WIDE=x.wide, STAGES=int(cfg.get("stages", 1)),
-        num_warps=cfg.get("num_warps", 4), **({"LOOKAHEAD": True} if cfg.get("lookahead") else {}),
-        **pdl_args(y.device))
+        num_warps=cfg.get("num_warps", 4), **lookahead_arg(cfg), **pdl_args(y.device))
     if y is not out:
         out.copy_(y)
 
