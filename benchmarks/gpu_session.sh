@@ -22,6 +22,9 @@
 #                                      and whole-K down tiles (~5 min)
 #   benchmarks/gpu_session.sh aheadgraph  the decode graph with the table's one-token MoE rules
 #                                      changed (AHEAD_VARIANTS), A/B/A/B in fresh processes (~6 min)
+#   benchmarks/gpu_session.sh codeab   the decode graph (and the MoE trace) of the working tree
+#                                      against older copies of some of its files (CODE_AB_DIR,
+#                                      default .ab/: the same relative paths), A/B/A/B (~5 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -36,7 +39,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|codeab|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -189,6 +192,35 @@ PY
         say "graph $v rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-$v-$i.jsonl"
       done
     done
+    ;;
+  codeab)
+    # a change to the kernels' code (not to a launch choice) against the code before it:
+    # CODE_AB_DIR holds the older files at their paths in the tree (e.g. .ab/kernels/fused_moe.py,
+    # written by `git show REV:kernels/fused_moe.py`); each run swaps them in or out
+    AB=${CODE_AB_DIR:-.ab}
+    FILES=$(cd "$AB" && find . -type f -name '*.py' | sed 's|^\./||')
+    [ -n "$FILES" ] || { echo "codeab: no .py files under $AB" >&2; exit 2; }
+    mkdir -p /tmp/ab-new
+    for f in $FILES; do mkdir -p "/tmp/ab-new/$(dirname "$f")"; cp "$f" "/tmp/ab-new/$f"; done
+    use() { for f in $FILES; do cp "$1/$f" "$f"; done; }
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    for i in 1 2; do
+      for v in new old; do
+        [ $v = new ] && use /tmp/ab-new || use "$AB"
+        timeout 70 python3 benchmarks/graph_history.py "$F" fresh --host-only \
+          >"$OUT/graph-$v-$i.jsonl" 2>&1
+        say "graph $v rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-$v-$i.jsonl"
+      done
+    done
+    for v in new old; do
+      [ $v = new ] && use /tmp/ab-new || use "$AB"
+      timeout 120 python3 benchmarks/trace_moe.py --tokens 1 --variant 't2={}' \
+        --out "$OUT/trace-$v.json" >"$OUT/trace-$v.log" 2>&1
+      say "trace $v rc=$?"; grep -E "^==|routed|->loop |last_exit|gap" "$OUT/trace-$v.log" | head -30
+    done
+    use /tmp/ab-new
     ;;
   int2gap)
     # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the

@@ -149,12 +149,29 @@ def run_variant(m, tokens, cfg, route, reps=20):
 #: steps a ``--variant`` name may ask for between variants instead of a launch choice (the
 #: JSON is ignored): ``@alloc`` keeps 16 more 600 KB device buffers alive, ``@empty_cache``
 #: frees the allocator's cached blocks (session 30: every variant after a process's first
-#: showed 0.35 us longer launch gaps; do allocations or new kernels cause it?)
+#: showed 0.35 us longer launch gaps; do allocations or new kernels cause it?), ``@sleep`` idles
+#: the GPU for 5 s (a compile's idle time before a process's first variant), ``@gc`` drops
+#: the collected graphs' memory
 ACTIONS = {
+    "@sleep": lambda kept: __import__("time").sleep(5.0),
+    "@gc": lambda kept: (__import__("gc").collect(), torch.cuda.synchronize(), torch.cuda.empty_cache()),
     "@alloc": lambda kept: kept.extend(torch.empty(600 * 1024, dtype=torch.uint8, device="cuda")
                                        for _ in range(16)),
     "@empty_cache": lambda kept: torch.cuda.empty_cache(),
 }
+
+
+def gpu_clocks() -> str | None:
+    """nvidia-smi's SM and memory clocks, temperature, power and throttle reasons now (None
+    where nvidia-smi is missing): the GPU's state after a variant."""
+    import subprocess
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,"
+             "clocks_throttle_reasons.active", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def main(argv=None) -> int:
@@ -180,18 +197,20 @@ def main(argv=None) -> int:
     kept = []
     for t in a.tokens:
         for name, cfg in variants:
-            if name in ACTIONS:      # a step between variants (the launch gaps' state)
-                ACTIONS[name](kept)
+            act = name.rstrip("0123456789")      # "@sleep2": a second step of that kind
+            if act in ACTIONS:       # a step between variants (the launch gaps' state)
+                ACTIONS[act](kept)
                 print(f"== {name}")
                 res["rows"].append({"action": name, "tokens": t})
                 continue
             us_p, us_t, calls, step = run_variant(m, t, cfg, not a.no_route)
             agg = aggregate(calls)
-            row = {"variant": name, "config": cfg, "tokens": t, "route": not a.no_route,
+            row = {"clocks": gpu_clocks(), "variant": name, "config": cfg, "tokens": t, "route": not a.no_route,
                    "us_per_call": round(us_p, 2), "us_per_call_traced": round(us_t, 2),
                    "globaltimer_step_ns": step, "median": agg, "calls": calls}
             res["rows"].append(row)
-            print(f"== {name} T={t}: {us_p:.2f} us per call ({us_t:.2f} traced), timer step {step} ns")
+            print(f"== {name} T={t}: {us_p:.2f} us per call ({us_t:.2f} traced), timer step {step} ns"
+                  f" [{row['clocks']}]")
             for k, v in agg.items():
                 if "slowest" not in k or "exit" in k:
                     print(f"   {k:52s} {v}")

@@ -31,7 +31,7 @@ For every token ``t`` and each of its ``top_k`` routed experts ``e = topk_ids[t,
 With ``route`` (a :class:`localmoe.kernels.router.Routing`: the router logits from
 :func:`localmoe.kernels.router.norm_router_logits`) launch 1 also routes: every program
 computes its token's top-k from the logits (softmax gating without a selection bias: one
-bitonic top-k, :func:`_route_topk`; otherwise the router's own
+bitonic top-k, :func:`_route_top`; otherwise the router's own
 :func:`localmoe.kernels.router.route_pick`) and the token's first program writes the ids and
 weights launch 2 reads. The router kernel then ends with its logits: its counter and the
 last program's read-back of the logits (two round trips to L2) leave the decode step's
@@ -168,13 +168,19 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         lead = pid_n + tl.program_id(2) + (pid - t * TOP_K)     # 0: the token's first program
         wm = (kk < TOP_K) & (kk * 0 + lead == 0)
         if GATE == 0 and not HAS_BIAS:
-            r_ids, r_wts = _route_topk(lg, ee, em, EP, KP, NORM, rscale, TOP_K)
+            top = _route_top(lg, ee, em, EP, KP)
+            r_ids = tl.where(kk < TOP_K, (EP - 1) - key_low(top), 0)
+            e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
+            if lead == 0:       # only the program that stores them computes the weights
+                r_wts = _route_weights(lg, top, KP, NORM, rscale, TOP_K)
+                tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
+                tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
         else:   # sigmoid gating or a selection bias: the router's own selection loop
             r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE,
                                       HAS_BIAS, NORM, PACKED)
-        e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
-        tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
-        tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
+            e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
+            tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
+            tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
     else:
         e = tl.load(ids_ptr + pid)
     if TRACE:
@@ -238,29 +244,29 @@ def _slot(slot_ptr, e, mask, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _route_topk(x, e, em, EP: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, scale,
-                TOP_K: tl.constexpr):
-    """Softmax routing of one token's logits ``x [EP]`` (padding -inf) by one bitonic top-k
-    of packed keys (``tl.topk``, then a sort of its ``KP`` keys; the logits' order is the
-    softmax's), the weights ``exp(x - max) / sum`` of the picked logits decoded from their
-    keys: ``(ids [KP], weights [KP])``, the same as
-    :func:`localmoe.kernels.router.route_pick` (ties to the lower expert) in fewer
-    instructions and barriers (sm_90: 441 instead of 700 before the slot load, 11 barriers
-    instead of 34; the gate/up launch at one token 13.06 -> 12.08 us for Qwen3-30B-A3B,
-    10.79 without routing)."""
+def _route_top(x, e, em, EP: tl.constexpr, KP: tl.constexpr):
+    """The ``KP`` largest packed keys (:mod:`localmoe.kernels.keys`, low word ``EP - 1 -
+    expert``: ties to the lower expert) of one token's logits ``x [EP]`` (padding masked by
+    ``em``), in descending order: one bitonic top-k (``tl.topk``, whose last merge leaves
+    its ``KP`` keys sorted; session 31 dropped the second sort of them, 53 instructions at
+    the head of every gate/up program on sm_90). The routing of
+    :func:`localmoe.kernels.router.route_pick` (softmax gating, no selection bias)."""
     key = tl.where(em, score_key(x, EP - 1 - e), PAD_KEY)
-    top = tl.sort(tl.topk(key, KP), descending=True)
+    return tl.topk(key, KP)
+
+
+@triton.jit
+def _route_weights(x, top, KP: tl.constexpr, NORM: tl.constexpr, scale, TOP_K: tl.constexpr):
+    """Softmax weights ``exp(x - max) / sum`` (over all of ``x [EP]``) of the experts picked
+    in ``top`` (:func:`_route_top`; ``[KP]``, 0 past ``TOP_K``), renormalized over the picks
+    with ``NORM`` (norm_topk_prob), times ``scale``; float32."""
     kk = tl.arange(0, KP)
-    ids = (EP - 1) - key_low(top)
     m = tl.max(x, axis=0)
-    z = tl.exp(x - m)
-    ssum = tl.sum(z, axis=0)
-    xs = key_score(top)
-    wts = tl.where(kk < TOP_K, tl.exp(xs - m) / ssum, 0.0)
-    ids = tl.where(kk < TOP_K, ids, 0)
+    ssum = tl.sum(tl.exp(x - m), axis=0)
+    wts = tl.where(kk < TOP_K, tl.exp(key_score(top) - m) / ssum, 0.0)
     if NORM:
         wts = wts / tl.maximum(tl.sum(wts, axis=0), 1.1754943508222875e-38)
-    return ids, wts * scale
+    return wts * scale
 
 
 @triton.jit
