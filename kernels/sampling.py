@@ -373,8 +373,7 @@ if triton is not None:
                        other=PAD_KEY)
         top = tl.topk(tl.reshape(keys, [GS * KC]), KC)
         kk = tl.arange(0, KC)
-        if FINAL:
-            top = tl.sort(top, descending=True)
+        if FINAL:     # (tl.topk's last merge leaves its keys sorted descending)
             val = key_score(top)
             idx = 2147483647 - key_low(top)
             pad = top == PAD_KEY
