@@ -92,7 +92,8 @@ def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8, extra: dict 
     src = ASTSource(fn, signature=sig, constexprs={k: v for k, v in const.items()
                                                    if k in fn.arg_names}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": int(cfg.get("num_warps", 4)), "num_stages": 3})
+                          options={"num_warps": int(cfg.get("num_warps", 4)), "num_stages": 3,
+                                   **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {})})
 
 
 def memory_ops(sass: str) -> collections.Counter:
