@@ -95,6 +95,12 @@ def time_calls(calls, reps=25) -> float:
         for f in calls:
             f()
         return (time.perf_counter() - t0) * 1e6 / len(calls)
+    return time_graph(capture_calls(calls), len(calls), reps)
+
+
+def warm_calls(calls) -> None:
+    """Two eager rounds of ``calls`` on a side stream (compiles, and allocates what they keep),
+    then a device sync."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -103,12 +109,23 @@ def time_calls(calls, reps=25) -> float:
                 f()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+
+
+def capture_calls(calls) -> "torch.cuda.CUDAGraph":
+    """``calls`` warmed (:func:`warm_calls`), captured as one CUDA graph and replayed once."""
+    warm_calls(calls)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for f in calls:
             f()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(g, n_calls: int, reps: int = 25) -> float:
+    """Median microseconds per call of graph ``g`` holding ``n_calls`` calls, over ``reps``
+    replays each timed by its own CUDA events."""
     out = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -116,7 +133,7 @@ def time_calls(calls, reps=25) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / len(calls))
+        out.append(a.elapsed_time(b) * 1e3 / n_calls)
     return statistics.median(out)
 
 

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
 import time
 
@@ -45,59 +44,27 @@ def _calls(model: str = "qwen3-30b-a3b"):
     return [lambda r=r: fused_moe(x, gu, wd, None, None, route=r) for r in rls]
 
 
-def _eager(calls) -> None:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            for f in calls:
-                f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-
-
-def _capture(calls) -> torch.cuda.CUDAGraph:
-    _eager(calls)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def _time(g: torch.cuda.CUDAGraph, n_calls: int, reps: int = 25) -> float:
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / n_calls)
-    return statistics.median(out)
-
-
 def run(steps: list[str], calls) -> list[dict]:
     """The rows of ``steps`` (see the module's docstring); raises ValueError on an unknown
     step or a graph used before its capture."""
+    import bench_quant_kernels as B
+
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     rows = []
     for st in steps:
         t0 = time.perf_counter()
         row: dict = {"step": st}
         if st.startswith("cap"):
-            graphs[st[3:]] = _capture(calls)
+            graphs[st[3:]] = B.capture_calls(calls)
         elif st.startswith("del"):
             graphs.pop(st[3:])
             torch.cuda.synchronize()
         elif st == "eager":
-            _eager(calls)
+            B.warm_calls(calls)
         elif st == "sleep":
             time.sleep(5.0)
         elif st.startswith("t") and st[1:] in graphs:
-            row["us_per_call"] = round(_time(graphs[st[1:]], len(calls)), 3)
+            row["us_per_call"] = round(B.time_graph(graphs[st[1:]], len(calls)), 3)
         else:
             raise ValueError(f"graph_gaps: unknown step or graph not captured: {st!r}")
         row["host_s"] = round(time.perf_counter() - t0, 3)
