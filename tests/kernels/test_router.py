@@ -16,7 +16,10 @@ if not CUDA:
 
 triton = pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from localmoe.errors import UnsupportedModelError  # noqa: E402
+from localmoe.kernels.keys import score_key  # noqa: E402
 from localmoe.kernels.router import router, router_ref  # noqa: E402
 
 from tests import tolerances as tol  # noqa: E402
@@ -205,3 +208,30 @@ def test_norm_router_matches_norm_then_route(family, t, d, e, k, eb, nw, pk, del
     assert torch.allclose(w2, w0, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="must not be x"):
         norm_router_fused(x, dl, nw_, 1e-6, wr, k, residual_out=x, **kw)
+
+
+@triton.jit
+def _top_kernel(x_ptr, o_ptr, N: tl.constexpr, K: tl.constexpr):
+    i = tl.arange(0, N)
+    key = score_key(tl.load(x_ptr + i), N - 1 - i)
+    tl.store(o_ptr + tl.arange(0, K), tl.topk(key, K))
+
+
+@pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (1024, 64), (64, 64)])
+def test_tl_topk_returns_its_keys_sorted_descending(n, k):
+    """The MoE routing head (fused_moe._route_top) and the sampler's last top-k merge take
+    ``tl.topk``'s keys as sorted, largest first, without sorting them again (session 31): if
+    a Triton release stops sorting them, this fails. Packed keys (localmoe.kernels.keys) with
+    ties in the scores, as the kernels build them, against torch.sort."""
+    g = torch.Generator().manual_seed(n + k)
+    for trial in range(4):
+        x = torch.randn(n, generator=g)
+        if trial % 2:                        # many ties: the low word (lower index) decides
+            x = torch.randint(-2, 3, (n,), generator=g).float()
+        out = torch.empty(k, dtype=torch.int64)
+        xd, od = x.to(DEV), out.to(DEV)
+        _top_kernel[(1,)](xd, od, N=n, K=k)
+        bits = x.view(torch.int32).long()
+        mono = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        keys = (mono << 32) | (n - 1 - torch.arange(n))
+        assert torch.equal(od.cpu(), torch.sort(keys, descending=True).values[:k])
