@@ -33,6 +33,8 @@ message box. Export (F4) suggests a free file name and never overwrites an exist
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import threading
 from datetime import datetime
@@ -302,8 +304,9 @@ def _isatty(stream) -> bool:
 
 def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None = None,
              kv_cache: str = "f16", continue_last: bool = False,
-             device: str | None = None) -> None:
-    """Run the chat UI in the terminal until the user quits (``localmoe chat``).
+             device: str | None = None) -> int:
+    """Run the chat UI in the terminal until the user quits (``localmoe chat``). Returns 0,
+    or 128 + the signal's number when SIGTERM / SIGHUP ended it (:func:`quit_on_signals`).
 
     Args:
         model: model path or name (None: the continued chat's model, the last one used, or
@@ -323,7 +326,9 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
     app = ChatApp(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache,
                   continue_last=continue_last, device=device)
     try:
-        app.run()
+        with quit_on_signals(app):
+            app.run()
+        return app.return_code or 0
     finally:
         engine = app.engine
         if engine is not None:
@@ -332,6 +337,45 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
             except Exception:
                 pass
         app.store.close()
+
+
+#: the signals that quit the chat UI as Ctrl+Q does (``kill``, ``timeout``, a closed terminal)
+QUIT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def quit_on_signals(app):
+    """While the block runs ``app`` (a Textual App, on the main thread), SIGTERM and SIGHUP quit
+    it the way Ctrl+Q does: the app leaves the alternate screen and turns mouse reporting,
+    bracketed paste and the hidden cursor back, so the terminal is usable afterwards (killed by
+    the signal itself, it was left in the UI's modes). The app's return code is then 128 + the
+    signal's number. A handler someone else set, or an ignored signal, is left as it is; the
+    previous handlers are restored afterwards. Off the main thread: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = {s: signal.getsignal(s) for s in QUIT_SIGNALS}
+
+    def on_signal(signum, frame):
+        # the handler runs on the main thread, inside the app's event loop: hand the exit to the
+        # loop through its thread-safe queue instead of touching the app from the handler
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:            # before or after the loop: stop as Ctrl-C would
+            raise KeyboardInterrupt from None
+        loop.call_soon_threadsafe(lambda: app.exit(return_code=128 + signum))
+
+    for s, h in prev.items():
+        if h is signal.SIG_DFL:
+            signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, h in prev.items():
+            if h is signal.SIG_DFL:
+                signal.signal(s, h)
 
 
 def list_chats_text(store: ChatStore | None = None) -> str:

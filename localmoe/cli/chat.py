@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import click
 
 from localmoe.cli.options import CHAT_MODEL_DEFAULT_HELP, interruptible, model_options
@@ -84,4 +87,10 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
     if device is not None:
         kwargs["device"] = device
     interruptible()  # the UI takes Ctrl-C as a key; never exit under it with a raw terminal
-    tui_app.run_chat(model, **kwargs)
+    code = tui_app.run_chat(model, **kwargs)
+    if code:   # SIGTERM / SIGHUP quit the UI (the terminal restored): say so as generate does
+        names = {128 + signal.SIGTERM: "terminated"}
+        if hasattr(signal, "SIGHUP"):
+            names[128 + signal.SIGHUP] = "hangup"
+        click.echo(names.get(code, f"exit status {code}"), err=True)
+        sys.exit(code)
