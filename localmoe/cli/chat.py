@@ -88,7 +88,7 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
         kwargs["device"] = device
     interruptible()  # the UI takes Ctrl-C as a key; never exit under it with a raw terminal
     code = tui_app.run_chat(model, **kwargs)
-    if code:   # SIGTERM / SIGHUP quit the UI (the terminal restored): say so as generate does
+    if isinstance(code, int) and code:   # SIGTERM / SIGHUP quit the UI (terminal restored)
         names = {128 + signal.SIGTERM: "terminated"}
         if hasattr(signal, "SIGHUP"):
             names[128 + signal.SIGHUP] = "hangup"

@@ -108,7 +108,7 @@ class HFModelFile(ModelFile):
         if not isinstance(self.config, dict):
             raise ModelLoadError(f"{cfg_path} does not hold a JSON object")
         if self.config.get("model_type") is not None:
-            check_model_type(self.config)  # the cause, before the tensor names it explains
+            check_model_type(self.config, str(cfg_path))  # the cause, before the tensor names
         self._files = self._find_files()
         self._src: dict[str, tuple[str, str, tuple[int, ...], str]] = {}  # hf name -> (file, dtype, shape)
         self._scan()

@@ -60,9 +60,10 @@ def _rope(cfg: dict) -> tuple[float, dict]:
     return float(base), rs
 
 
-def check_model_type(cfg: dict) -> None:
+def check_model_type(cfg: dict, where: str = "config.json") -> None:
     """Refuse a ``config.json`` whose ``model_type`` localmoe does not run, naming the ones it
     does (checked before the tensors: their unknown names are a consequence, not the cause).
+    ``where``: how the message names the file (its path when known).
 
     Raises:
         UnsupportedModelError: model_type not in :data:`HF_ARCHS`.
@@ -72,11 +73,11 @@ def check_model_type(cfg: dict) -> None:
         mt = "gemma3_text"
     if mt is None:
         raise UnsupportedModelError(
-            "config.json has no model_type (the architecture of an HF transformers model); "
+            f"{where} has no model_type (the architecture of an HF transformers model); "
             f"localmoe runs: {', '.join(sorted(HF_ARCHS))}")
     if mt not in HF_ARCHS:
         raise UnsupportedModelError(
-            f"config.json model_type {mt!r} is not supported; localmoe runs: {', '.join(sorted(HF_ARCHS))}"
+            f"{where}: model_type {mt!r} is not supported; localmoe runs: {', '.join(sorted(HF_ARCHS))}"
         )
 
 

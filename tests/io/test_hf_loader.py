@@ -181,7 +181,8 @@ def test_unsupported_model_type_is_named_before_unknown_tensors(tmp_path):
     with pytest.raises(UnsupportedModelError) as ei:
         open_model(d)
     msg = str(ei.value)
-    assert msg.startswith("config.json model_type 'bert' is not supported; localmoe runs: "), msg
+    assert msg.startswith(f"{d / 'config.json'}: model_type 'bert' is not supported; "
+                          "localmoe runs: "), msg
     assert "llama" in msg and "qwen3_moe" in msg and "tensors" not in msg
     save_file({"w": torch.zeros(2, 2).to(torch.float8_e4m3fn)}, str(d / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="model_type 'bert' is not supported"):
