@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
+
+from tests.ptyio import start_drain
 
 pty = pytest.importorskip("pty")
 
@@ -17,20 +18,7 @@ def _run_on_a_terminal_stderr(cmd: list[str], env: dict) -> tuple[int, str, str]
     """Run ``cmd`` with stderr on a pseudo-terminal (stdout a pipe); (status, stdout, what the
     terminal received)."""
     master, slave = pty.openpty()
-    got: list[bytes] = []
-
-    def drain():  # keep the terminal's buffer empty, or the child blocks on its spinner
-        while True:
-            try:
-                b = os.read(master, 4096)
-            except OSError:  # EIO: the child side is closed
-                return
-            if not b:
-                return
-            got.append(b)
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
+    t, got = start_drain(master)  # keep the terminal's buffer empty, or the child blocks
     try:
         p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
                            env=env, timeout=300)

@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
+
+from tests.ptyio import start_drain
 
 pty = pytest.importorskip("pty")
 pytest.importorskip("textual")
@@ -38,20 +39,7 @@ def _chat_then_signal(tiny, tmp_path, sig) -> tuple[int, str]:
                           "torch"], stdin=slave, stdout=slave, stderr=slave, env=env,
                          start_new_session=True)
     os.close(slave)
-    got: list[bytes] = []
-
-    def drain():
-        while True:
-            try:
-                b = os.read(master, 65536)
-            except OSError:      # EIO: the child's side is closed
-                return
-            if not b:
-                return
-            got.append(b)
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
+    t, got = start_drain(master)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:
