@@ -29,6 +29,14 @@ def tiny(tmp_path):
     return str(write_gguf(tmp_path / "tinymodel.gguf", "tiny-llama"))
 
 
+def _default_signals() -> None:
+    """In the child: SIGTERM and SIGHUP at their defaults (a test run under ``nohup`` ignores
+    SIGHUP, and the chat leaves an ignored signal ignored)."""
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def _chat_then_signal(tiny, tmp_path, sig) -> tuple[int, str]:
     """Start ``localmoe chat`` on a pseudo-terminal, wait until its UI is up and the model
     loaded (the footer's keys drawn), send ``sig``; (exit status, everything it wrote)."""
@@ -37,7 +45,7 @@ def _chat_then_signal(tiny, tmp_path, sig) -> tuple[int, str]:
                COLUMNS="100", LINES="30")
     p = subprocess.Popen([sys.executable, "-m", "localmoe", "chat", "-m", tiny, "--backend",
                           "torch"], stdin=slave, stdout=slave, stderr=slave, env=env,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=_default_signals)
     os.close(slave)
     t, got = start_drain(master)
     try:
