@@ -161,19 +161,6 @@ ACTIONS = {
 }
 
 
-def gpu_clocks() -> str | None:
-    """nvidia-smi's SM and memory clocks, temperature, power and throttle reasons now (None
-    where nvidia-smi is missing): the GPU's state after a variant."""
-    import subprocess
-    try:
-        return subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,"
-             "clocks_throttle_reasons.active", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -187,6 +174,7 @@ def main(argv=None) -> int:
         print("trace_moe: needs a CUDA GPU (the stamps are PTX)", file=sys.stderr)
         return 2
     import bench_quant_kernels as B
+    from graph_history import clocks     # nvidia-smi's clocks, power, throttle reasons
 
     m = B.MODELS[a.model]
     variants = [("table", None)] + [(v.split("=", 1)[0], json.loads(v.split("=", 1)[1])) for v in a.variant]
@@ -205,7 +193,7 @@ def main(argv=None) -> int:
                 continue
             us_p, us_t, calls, step = run_variant(m, t, cfg, not a.no_route)
             agg = aggregate(calls)
-            row = {"clocks": gpu_clocks(), "variant": name, "config": cfg, "tokens": t, "route": not a.no_route,
+            row = {"clocks": clocks(), "variant": name, "config": cfg, "tokens": t, "route": not a.no_route,
                    "us_per_call": round(us_p, 2), "us_per_call_traced": round(us_t, 2),
                    "globaltimer_step_ns": step, "median": agg, "calls": calls}
             res["rows"].append(row)

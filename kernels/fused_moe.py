@@ -166,21 +166,18 @@ def _moe_gate_up_kernel(xq_ptr, xs_ptr, hq_ptr, hs_ptr, ids_ptr, slot_ptr,
         lg = tl.load(lg_ptr + t.to(tl.int64) * lg_rs + ee, mask=em, other=float("-inf"))
         kk = tl.arange(0, KP)
         lead = pid_n + tl.program_id(2) + (pid - t * TOP_K)     # 0: the token's first program
-        wm = (kk < TOP_K) & (kk * 0 + lead == 0)
         if GATE == 0 and not HAS_BIAS:
             top = _route_top(lg, ee, em, EP, KP)
             r_ids = tl.where(kk < TOP_K, (EP - 1) - key_low(top), 0)
-            e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
-            if lead == 0:       # only the program that stores them computes the weights
-                r_wts = _route_weights(lg, top, KP, NORM, rscale, TOP_K)
-                tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
-                tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
         else:   # sigmoid gating or a selection bias: the router's own selection loop
             r_ids, r_wts = route_pick(lg, ee, em, rb_ptr, rscale, EP, TOP_K, KP, GATE,
                                       HAS_BIAS, NORM, PACKED)
-            e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
-            tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=wm)
-            tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=wm)
+        e = tl.sum(tl.where(kk == pid - t * TOP_K, r_ids, 0), axis=0)
+        if lead == 0:
+            if GATE == 0 and not HAS_BIAS:   # only the program that stores them: the weights
+                r_wts = _route_weights(lg, top, KP, NORM, rscale, TOP_K)
+            tl.store(ids_ptr + t * TOP_K + kk, r_ids, mask=kk < TOP_K)
+            tl.store(rw_ptr + t * TOP_K + kk, r_wts, mask=kk < TOP_K)
     else:
         e = tl.load(ids_ptr + pid)
     if TRACE:
