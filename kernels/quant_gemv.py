@@ -645,25 +645,17 @@ def _words(QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                       N, T, n_chunks, split_chunks,
-                       xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                       QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                       CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
-                       USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
-                       STAGES: tl.constexpr = 1, LOOKAHEAD: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BN + tl.arange(0, BN)
-    rmask4 = (rows < N)[None, :, None, None]
-    rows4 = rows.to(tl.int64)[None, :, None, None]
-    c_begin = pid_k * split_chunks
-    c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
-        prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
-                       c_end * _words(QTYPE), LINE, PDL)
-    pdl_begin(PDL)
+def gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                N, T, rows, rows4, rmask4, c_begin, c_end, pid_k,
+                xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
+                CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
+                USE_ASM: tl.constexpr, WIDE: tl.constexpr, STAGES: tl.constexpr,
+                LOOKAHEAD: tl.constexpr):
+    """The GEMV program's work after PDL's wait: for each of the ``TP`` token rows (< T) of
+    the QuantAct at ``xq_ptr`` / ``xs_ptr``, the dots of chunks ``c_begin .. c_end - 1`` of
+    the weight ``rows`` (:func:`_qk_loop`), stored (``ATOMIC``: added) at ``y_ptr`` slice
+    ``pid_k`` (``y_ss`` its stride, 0: one output)."""
     # one pass over the K range per token: every tile then has the weights' register layout;
     # passes after the first re-read this program's rows from L1/L2, not from HBM
     for ti in tl.static_range(TP):
@@ -683,6 +675,32 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
             tl.atomic_add(yp, out, mask=ym)
         else:
             tl.store(yp, out.to(y_ptr.dtype.element_ty), mask=ym)
+
+
+@triton.jit
+def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                       N, T, n_chunks, split_chunks,
+                       xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                       QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
+                       CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
+                       USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
+                       STAGES: tl.constexpr = 1, LOOKAHEAD: tl.constexpr = False):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask4 = (rows < N)[None, :, None, None]
+    rows4 = rows.to(tl.int64)[None, :, None, None]
+    c_begin = pid_k * split_chunks
+    c_end = tl.minimum(c_begin + split_chunks, n_chunks)
+    if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
+        prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
+                       c_end * _words(QTYPE), LINE, PDL)
+    pdl_begin(PDL)
+    gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                N, T, rows, rows4, rmask4, c_begin, c_end, pid_k,
+                xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                QTYPE, CV, TP, BN, CH, EVEN, XB, ATOMIC, USE_ASM, WIDE, STAGES, LOOKAHEAD)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ residual add + RMSNorm + int8 quant     :func:`localmoe.kernels.fused_norm.add_r
                                         partials of the O projection, into the residual)
 q/k/v projection                        quantized GEMV writing split-K partials (no zeroing, no
                                         atomics): :func:`localmoe.kernels.quant_gemv.quant_gemv`
+                                        (``LOCALMOE_NORM_QKV=1``: the two rows above in one launch,
+                                        :func:`localmoe.kernels.norm_gemv.norm_gemv_partials`)
 q/k norm + RoPE + K/V append            :func:`localmoe.kernels.qk_rope_append.qk_rope_append`
 attention                               :func:`localmoe.kernels.decode_attention.decode_attention`
 O projection                            GEMV partials (the attention's reduction writes its int8
@@ -93,6 +95,11 @@ class FusedDecode:
         # ... and the routing (top-k of the logits) done by the experts' first launch, not by
         # the router's last program (LOCALMOE_ROUTE_IN_MOE=0: the router routes)
         self.route_in_moe = os.environ.get("LOCALMOE_ROUTE_IN_MOE", "1") != "0"
+        # the attention's input norm computed by the q/k/v GEMV's programs themselves
+        # (kernels/norm_gemv.py), one launch less per layer; off until timed on a GPU
+        # (LOCALMOE_NORM_QKV=1 turns it on)
+        self.norm_qkv = (os.environ.get("LOCALMOE_NORM_QKV", "0") == "1"
+                         and runner.model.spec.d_model <= MAX_D)
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -114,6 +121,20 @@ class FusedDecode:
             return quant_gemv_partials(xa, lin.parts[0])
         outs = [quant_gemv_partials(xa, p).sum(0) for p in lin.parts]
         return torch.cat(outs, -1)[None]
+
+    def _norm_qkv(self, x, deltas, L: dict, eps: float):
+        """``(r, qkv)``: the residual ``x + sum(deltas)`` and the q/k/v projection's split-K
+        partials ``[S, T, N]`` of its normed rows: one launch with :attr:`norm_qkv` (the
+        residual then goes to a new buffer: every program reads ``x``), else the norm kernel
+        (``r`` in place) and the GEMV."""
+        parts = L["wqkv"].parts
+        if self.norm_qkv and len(parts) == 1:
+            from localmoe.kernels.norm_gemv import norm_gemv_partials
+
+            return norm_gemv_partials(x, deltas, L["attn_norm"], eps, parts[0],
+                                      residual_out=torch.empty_like(x))
+        x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, x)
+        return x, self._gemv(hq, L["wqkv"])
 
     # -- the step -------------------------------------------------------------------------
     def step(self, tokens, positions, slots, lens, rows, block_table, max_len: int
@@ -141,8 +162,7 @@ class FusedDecode:
         ropes = m.layer_rope_tables(positions)
         for i in range(s.n_layers):
             L = m.layers[i]
-            x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, x)
-            qkv = self._gemv(hq, L["wqkv"])
+            x, qkv = self._norm_qkv(x, deltas, L, eps)
             cos2, sin2 = ropes[i][0], ropes[i][1]
             q = qk_rope_append(
                 qkv, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,

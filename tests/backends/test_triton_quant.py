@@ -682,6 +682,27 @@ def test_prefill_graphs_fill_a_quantized_cache(files):
     assert int(nexts[0].argmax()) == int(nexts[1].argmax())
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
+def test_norm_in_the_qkv_gemv_computes_the_same_step(files, preset, monkeypatch):
+    """LOCALMOE_NORM_QKV=1 (kernels/norm_gemv.py: each q/k/v GEMV program normalizes and
+    quantizes the residual itself; the residual goes to a new buffer) decodes what the two
+    launches decode: the same bits in the interpreter (the same jitted norm code), within the
+    fp16 rounding of the norm's summation order on the GPU; an MoE and a dense preset."""
+    mf = open_model(str(files[preset]))
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LOCALMOE_NORM_QKV", on)
+        r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec="f16")
+        assert r.fused is not None and r.fused.norm_qkv == (on == "1")
+        runs[on] = _decode_two(r, 11, (5, 3), 1 if not CUDA else 3, (7, 30, 70),
+                               together=not CUDA)[1].float()
+    if CUDA:
+        scale = runs["0"].abs().max()
+        assert (runs["1"] - runs["0"]).abs().max() < 2e-2 * scale
+    else:
+        assert torch.equal(runs["0"], runs["1"]), (runs["0"] - runs["1"]).abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
 @pytest.mark.parametrize("preset,kv", [("tiny-qwen3moe", "f16"), ("tiny-olmoe", "int4")])
