@@ -449,7 +449,7 @@ def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path)
                                  (["--kv-cache-v", "int4:c"], "values", 2),
                                  (["--kv-cache", "int2,sinks=-1"], "sink", 2),
                                  (["--device", "tpu"], "tpu", 2),
-                                 (["--backend", "nope"], "nope", 1),
+                                 (["--backend", "nope"], "nope", 2),
                                  (["-c", "999999"], "training context", 1),
                                  (["--kv-cache", "int4:g128"], "use ':g64' or less", 1)):
         r = CliRunner().invoke(cli, ["chat", "-m", m, *args])
@@ -1147,13 +1147,22 @@ def test_an_option_missing_its_value_names_the_commands_help():
         assert f"requires an argument. (see 'localmoe {cmd} --help')" in r.stderr, r.stderr
 
 
-def test_unknown_backend_lists_auto_too(tmp_path):
+def test_unknown_backend_is_a_usage_error_listing_auto_too(tmp_path):
+    """A name no backend is registered under was exit status 1 (an error of the load); it is
+    a usage error (exit 2, as `--device tpu` and `--kv-cache int7`) of every command with
+    --backend, refused before anything loads or listens, naming the valid names."""
     from localmoe.testing.synthetic import write_gguf
 
     path = write_gguf(tmp_path / "t.gguf", "tiny-llama")
-    r = CliRunner().invoke(cli, ["generate", "-m", str(path), "--backend", "foo", "hi"])
-    assert r.exit_code == 1 and "unknown backend 'foo'" in r.output
-    assert "auto, " in r.output and "torch" in r.output
+    for args in (["generate", "-m", str(path), "--backend", "foo", "hi"],
+                 ["chat", "-m", str(path), "--backend", "foo"],
+                 ["serve", "-m", str(path), "--backend", "foo"],
+                 ["bench", "-m", str(path), "--backend", "foo"]):
+        r = run(args, prog_name="localmoe")
+        assert r.exit_code == 2, (args, r.output)
+        assert r.stderr.strip() == (
+            "error: Invalid value for '--backend': unknown backend 'foo'; choose one of: auto, "
+            f"triton, llamacpp, torch (see 'localmoe {args[0]} --help')"), r.stderr
 
 
 def test_backend_names_ignore_case_and_greedy_refuses_a_temperature(tmp_path):

@@ -49,6 +49,7 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
                      help="Model file (.gguf, any shard), HF folder, store name, or "
                           f"hf:OWNER/REPO/FILE. Default: {model_default}."),
         click.option("--backend", default="auto", show_default=True, metavar="NAME",
+                     callback=_check_backend,
                      help="Backend: auto, triton, llamacpp, torch (see `localmoe backends`)."),
         click.option("-c", "--ctx-size", "--n-ctx", "n_ctx", type=click.IntRange(min=1), default=None,
                      help="Context size in tokens (default: model's, at most 4096)."),
@@ -87,6 +88,24 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
 
 #: the KV flags of :func:`model_options` (parameter name -> flag), in KVSpec.parse's order
 KV_FLAGS = {"kv_cache": "--kv-cache", "kv_cache_k": "--kv-cache-k", "kv_cache_v": "--kv-cache-v"}
+
+
+def _check_backend(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Callback of ``--backend``: a name no backend is registered under (``foo``) is a usage
+    error, exit status 2, ``Invalid value for '--backend': unknown backend 'foo'; choose one
+    of: auto, ...``, before anything loads. A known backend that cannot run here (not
+    installed, no GPU) stays the LocalMoEError (exit status 1) of the command's checks, and so
+    does a blank name; the value goes on as given (case is ignored there)."""
+    if value is None or ctx.resilient_parsing or value.strip().lower() in ("", "auto"):
+        return value
+    from localmoe.backends.registry import get_backend
+    from localmoe.errors import BackendUnavailableError
+
+    try:
+        get_backend(value)
+    except BackendUnavailableError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+    return value
 
 
 def _check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
