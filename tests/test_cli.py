@@ -419,6 +419,22 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
                                      continue_last=True))
 
 
+def test_chat_list_and_continue_together_are_a_usage_error(monkeypatch):
+    """`chat --list --continue` listed the chats and ignored --continue: a usage error now (exit
+    2, one line), before the UI or the chat list is touched, in either order."""
+    import localmoe.tui.app as tui_app
+
+    calls = []
+    monkeypatch.setattr(tui_app, "list_chats_text", lambda: calls.append("list") or "CHATS")
+    monkeypatch.setattr(tui_app, "run_chat", lambda model, **kw: calls.append("chat"))
+    for args in (["--list", "--continue"], ["--continue", "--list"]):
+        r = run(["chat", *args], prog_name="localmoe")
+        assert r.exit_code == 2 and not calls and not r.stdout, r.output
+        assert r.stderr.strip() == (
+            "error: --list and --continue cannot be combined (--list lists the saved chats and "
+            "exits); give one of them (see 'localmoe chat --help')"), r.stderr
+
+
 def test_chat_takes_the_kv_and_device_options_of_generate(monkeypatch, tmp_path):
     """chat has generate's --kv-cache-k/--kv-cache-v (and the comma options) and --device,
     passes them on to the engine, and refuses bad values before the UI opens."""

@@ -76,6 +76,9 @@ def chat(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, contin
     Takes the model, backend, context, KV cache and device options of `generate`; a bad value
     is an error here, before the UI opens and before any weights load.
     """
+    if list_chats and continue_last:  # --list exits before any chat opens: say so
+        raise click.UsageError("--list and --continue cannot be combined (--list lists the "
+                               "saved chats and exits); give one of them")
     from localmoe.tui import app as tui_app
 
     if list_chats:
