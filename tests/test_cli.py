@@ -981,6 +981,48 @@ def test_stdin_prompt_loses_its_trailing_newline(monkeypatch):
     assert seen["prompt"] == "Hello there"
 
 
+def test_piped_stdin_beside_a_prompt_argument_gets_a_note(tmp_path):
+    """`echo hi | localmoe generate x` answered x and dropped the piped text without a word:
+    one `note:` line on stderr says so (exit status 0 still). Nothing is read from stdin to
+    find out and nothing waits on it: an empty pipe and a pipe whose writer is still open with
+    nothing written get no note."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    note = ("note: the piped stdin was ignored because a PROMPT argument was given (give '-' "
+            "as the PROMPT to read the prompt from stdin)")
+    (tmp_path / "in.txt").write_text("from a file\n")
+
+    def gen(stdin):
+        return subprocess.run([sys.executable, "-m", "localmoe", "generate", "-m", m,
+                               "--backend", "torch", "-n", "1", "--greedy", "x"],
+                              stdin=stdin, capture_output=True, text=True, timeout=120)
+
+    def pipe(data: bytes | None):   # written (and closed, unless None) before the command runs
+        r, w = os.pipe()
+        if data is not None:
+            os.write(w, data)
+            os.close(w)
+        return r, w
+
+    r_fd, _ = pipe(b"piped text\n")
+    with open(tmp_path / "in.txt") as f:
+        for stdin in (r_fd, f):
+            r = gen(stdin)
+            assert r.returncode == 0, r.stderr
+            assert [l for l in r.stderr.splitlines() if l.startswith("note:")] == [note], r.stderr
+    os.close(r_fd)
+    empty, _ = pipe(b"")
+    waiting, w = pipe(None)
+    try:
+        for stdin in (empty, waiting):
+            r = gen(stdin)
+            assert r.returncode == 0 and "stdin" not in r.stderr, (stdin, r.stderr)
+    finally:
+        for fd in (empty, waiting, w):
+            os.close(fd)
+
+
 def test_system_without_chat_template_warns_and_uses_the_transcript(monkeypatch):
     """--system on a model without a chat template: a clear warning and the same plain
     System:/User:/Assistant: transcript chat and serve use (no longer silently glued on)."""

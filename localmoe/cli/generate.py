@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -62,7 +63,11 @@ def _generate(prompt, model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, d
               system, as_json, json_schema, json_object, verbose, record_routing, **kw):
     """The work of :func:`generate` (its arguments)."""
     piped = prompt in (None, "-") and sys.stdin is not None and not sys.stdin.isatty()
-    if piped or (prompt not in (None, "-") and prompt.strip()):  # a prompt, not typed in
+    given = prompt not in (None, "-") and prompt.strip()
+    if given and _stdin_waiting():  # `echo hi | localmoe generate x`: the pipe goes unread
+        click.echo("note: the piped stdin was ignored because a PROMPT argument was given "
+                   "(give '-' as the PROMPT to read the prompt from stdin)", err=True)
+    if piped or given:  # a prompt, not typed in
         options.start_loading(model)  # on a terminal: a spinner from now (imports take seconds)
     sampling = sampling_kwargs(kw)
     sampling.update(_structured(json_schema, json_object))
@@ -188,6 +193,30 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
 
 #: characters read from stdin at most (no context of 1 M tokens holds more)
 _STDIN_MAX = 256 << 20
+
+
+def _stdin_waiting() -> bool:
+    """Whether a piped or redirected stdin holds data: unread bytes of a file, or bytes
+    already in a pipe. Found without reading any (a ``while read`` loop around the command
+    keeps its input) or waiting: a terminal, ``/dev/null``, an empty or closed pipe and a pipe
+    whose writer has written nothing yet count as none."""
+    try:
+        import fcntl
+        import stat
+        import struct
+        import termios
+
+        if sys.stdin is None or sys.stdin.isatty():
+            return False
+        fd = sys.stdin.fileno()
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size > os.lseek(fd, 0, os.SEEK_CUR)
+        if not (stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode)):
+            return False
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0] > 0
+    except (ImportError, AttributeError, ValueError, OSError):  # no fd (an in-memory stdin)
+        return False
 
 
 def _read_prompt(prompt: str | None) -> str:
