@@ -25,6 +25,10 @@
 #   benchmarks/gpu_session.sh codeab   the decode graph (and the MoE trace) of the working tree
 #                                      against older copies of some of its files (CODE_AB_DIR,
 #                                      default .ab/: the same relative paths), A/B/A/B (~5 min)
+#   benchmarks/gpu_session.sh envab    GPU tests of the fused q/k/v norm (kernels/norm_gemv.py), then
+#                                      the decode graph with environment switches (ENV_VARIANTS,
+#                                      default LOCALMOE_NORM_QKV=1) against none, A/B/A/B in
+#                                      fresh processes (~5 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -39,7 +43,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|codeab|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|codeab|envab|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -221,6 +225,27 @@ PY
       say "trace $v rc=$?"; grep -E "^==|routed|->loop |last_exit|gap" "$OUT/trace-$v.log" | head -30
     done
     use /tmp/ab-new
+    ;;
+  envab)
+    # a switch of the fused step read from the environment (ENV_VARIANTS: {tag: {VAR: value}})
+    # against the defaults; first the GPU tests of what the default switch turns on
+    timeout 200 python3 -m pytest -q -x tests/kernels/test_norm_gemv.py \
+      tests/backends/test_triton_quant.py -k "norm_gemv or norm_in_the_qkv" \
+      >"$OUT/tests.log" 2>&1
+    say "tests rc=$?"; tail -3 "$OUT/tests.log"
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    F=$(tail -1 "$OUT/file.log")
+    VARS=${ENV_VARIANTS:-'{"normqkv": {"LOCALMOE_NORM_QKV": "1"}}'}
+    TAGS=$(python3 -c "import json, sys; print(' '.join(json.loads(sys.argv[1])))" "$VARS")
+    for i in 1 2; do
+      for v in base $TAGS; do
+        ENVS=$(python3 -c "import json, sys; d = json.loads(sys.argv[1]).get(sys.argv[2], {}); print(' '.join(f'{k}={x}' for k, x in d.items()))" "$VARS" "$v")
+        env $ENVS timeout 70 python3 benchmarks/graph_history.py "$F" fresh --host-only \
+          >"$OUT/graph-$v-$i.jsonl" 2>&1
+        say "graph $v ($ENVS) rc=$?"; grep -o '"graph_ms": \[[^]]*\]' "$OUT/graph-$v-$i.jsonl"
+      done
+    done
     ;;
   int2gap)
     # session 28: at 64k the int2 graph is ~250 us per token longer than its kernels' sum on the

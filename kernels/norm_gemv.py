@@ -130,8 +130,9 @@ def norm_gemv_partials(x: torch.Tensor, deltas: Sequence[torch.Tensor],
         w: a quantized 2-D ``[N, D]`` :class:`QuantTensor` on ``x``'s device.
         residual_out: ``[T, D]`` in ``x``'s dtype, rows contiguous, not sharing ``x``'s memory
             (every program reads ``x``): receives ``r = x + sum(deltas)``; None: not stored.
-        config: the GEMV launch choice (as :func:`~localmoe.kernels.quant_gemv.quant_gemv`;
-            its ``split`` fixes ``S``).
+        config: override of the launch choice (the ``norm_gemv`` knob of the device's launch
+            table; fields as for :func:`~localmoe.kernels.quant_gemv.quant_gemv`; its
+            ``split`` fixes ``S``).
         wide: the int16 activation precision (None: the one in effect,
             :func:`~localmoe.kernels.quant_gemv.act_precision`).
         out: optional float32 ``[S, T, N]`` (rows contiguous).
@@ -157,7 +158,8 @@ def norm_gemv_partials(x: torch.Tensor, deltas: Sequence[torch.Tensor],
         _fail("residual_out must not be x (every program reads x)")
     wide = wide_default(wide)
     n = w.shape[0]
-    cfg, n_chunks, split, split_chunks = _plan(w, max(1, min(t, MAX_TOKENS)), config)
+    cfg, n_chunks, split, split_chunks = _plan(w, max(1, min(t, MAX_TOKENS)), config,
+                                               knob="norm_gemv")
     if out is None:
         out = torch.empty((split, t, n), dtype=torch.float32, device=x.device)
     elif (tuple(out.shape) != (split, t, n) or out.dtype != torch.float32

@@ -811,7 +811,7 @@ def plane_args(w: QuantTensor) -> tuple[list[torch.Tensor], list[int]]:
     return ptrs, strides
 
 
-def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
+def gemv_config(n: int, k: int, t: int, qtype: int, device=None, knob: str = "gemv") -> dict:
     """Launch choice for ``t`` tokens of an ``[n, k]`` weight of GGUF type ``qtype`` on
     ``device`` (a torch device or its name; None: the table of a CUDA device without a file of
     its own, the H200's): ``BN`` rows per program, ``CH`` chunks per tile (at most the K chunks
@@ -819,10 +819,11 @@ def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
     rule sets it (:func:`_qk_loop`), and ``split`` programs over K
     (doubled while the grid has fewer than ``min_programs`` programs, at most ``max_split``
     ways, each part keeping at least ``CH`` chunks), from the ``gemv`` and ``gemv_split``
-    knobs of the device's launch table (:mod:`localmoe.kernels.launch_config`)."""
+    knobs of the device's launch table (:mod:`localmoe.kernels.launch_config`); ``knob``
+    ``"norm_gemv"``: the tile of :mod:`localmoe.kernels.norm_gemv`'s launch."""
     table = device_table(device)
     feats = {"tokens": t, "n": n, "k": k, "qtype": QTYPE_NAMES[qtype]}
-    cfg = table.lookup("gemv", **feats)
+    cfg = table.lookup(knob, **feats)
     sp = table.lookup("gemv_split", **feats)
     n_chunks = k // chunk_values(qtype)
     cfg["CH"] = min(cfg["CH"], next_pow2(n_chunks))
@@ -898,10 +899,11 @@ def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | N
     return out
 
 
-def _plan(w: QuantTensor, t: int, config: dict | None) -> tuple[dict, int, int, int]:
+def _plan(w: QuantTensor, t: int, config: dict | None, knob: str = "gemv"
+          ) -> tuple[dict, int, int, int]:
     """(config, K chunks, programs over K, chunks per K program) of ``t`` tokens."""
     n, k = w.shape
-    cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device), **(config or {}))
+    cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device, knob=knob), **(config or {}))
     n_chunks = k // chunk_values(w.qtype)
     split = cfg.get("split", 1)
     split_chunks = cdiv(cdiv(n_chunks, split), cfg["CH"]) * cfg["CH"]

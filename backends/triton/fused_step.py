@@ -96,8 +96,9 @@ class FusedDecode:
         # the router's last program (LOCALMOE_ROUTE_IN_MOE=0: the router routes)
         self.route_in_moe = os.environ.get("LOCALMOE_ROUTE_IN_MOE", "1") != "0"
         # the attention's input norm computed by the q/k/v GEMV's programs themselves
-        # (kernels/norm_gemv.py), one launch less per layer; off until timed on a GPU
-        # (LOCALMOE_NORM_QKV=1 turns it on)
+        # (kernels/norm_gemv.py), one launch less per layer, at 1-2 tokens (every program
+        # repeats the norm of every token row); off until timed on a GPU (LOCALMOE_NORM_QKV=1
+        # turns it on)
         self.norm_qkv = (os.environ.get("LOCALMOE_NORM_QKV", "0") == "1"
                          and runner.model.spec.d_model <= MAX_D)
 
@@ -124,11 +125,11 @@ class FusedDecode:
 
     def _norm_qkv(self, x, deltas, L: dict, eps: float):
         """``(r, qkv)``: the residual ``x + sum(deltas)`` and the q/k/v projection's split-K
-        partials ``[S, T, N]`` of its normed rows: one launch with :attr:`norm_qkv` (the
+        partials ``[S, T, N]`` of its normed rows: one launch with :attr:`norm_qkv` at 1-2 tokens (the
         residual then goes to a new buffer: every program reads ``x``), else the norm kernel
         (``r`` in place) and the GEMV."""
         parts = L["wqkv"].parts
-        if self.norm_qkv and len(parts) == 1:
+        if self.norm_qkv and len(parts) == 1 and x.shape[0] <= 2:
             from localmoe.kernels.norm_gemv import norm_gemv_partials
 
             return norm_gemv_partials(x, deltas, L["attn_norm"], eps, parts[0],
