@@ -25,10 +25,11 @@
 #   benchmarks/gpu_session.sh codeab   the decode graph (and the MoE trace) of the working tree
 #                                      against older copies of some of its files (CODE_AB_DIR,
 #                                      default .ab/: the same relative paths), A/B/A/B (~5 min)
-#   benchmarks/gpu_session.sh envab    GPU tests of the fused q/k/v norm (kernels/norm_gemv.py), then
-#                                      the decode graph with environment switches (ENV_VARIANTS,
-#                                      default LOCALMOE_NORM_QKV=1) against none, A/B/A/B in
-#                                      fresh processes (~5 min)
+#   benchmarks/gpu_session.sh envab    GPU tests of the attention norm fused into the q/k/v GEMV
+#                                      (kernels/norm_gemv.py) or the MoE down launch, then the
+#                                      decode graph with environment switches (ENV_VARIANTS,
+#                                      default LOCALMOE_NORM_QKV=1, LOCALMOE_NORM_IN_DOWN=1)
+#                                      against none, A/B/C/A/B/C in fresh processes (~7 min)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -230,13 +231,13 @@ PY
     # a switch of the fused step read from the environment (ENV_VARIANTS: {tag: {VAR: value}})
     # against the defaults; first the GPU tests of what the default switch turns on
     timeout 200 python3 -m pytest -q -x tests/kernels/test_norm_gemv.py \
-      tests/backends/test_triton_quant.py -k "norm_gemv or norm_in_the_qkv" \
-      >"$OUT/tests.log" 2>&1
+      tests/kernels/test_fused_moe.py tests/backends/test_triton_quant.py \
+      -k "norm_gemv or next_norm or norms_fused" >"$OUT/tests.log" 2>&1
     say "tests rc=$?"; tail -3 "$OUT/tests.log"
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
     F=$(tail -1 "$OUT/file.log")
-    VARS=${ENV_VARIANTS:-'{"normqkv": {"LOCALMOE_NORM_QKV": "1"}}'}
+    VARS=${ENV_VARIANTS:-'{"normqkv": {"LOCALMOE_NORM_QKV": "1"}, "normdown": {"LOCALMOE_NORM_IN_DOWN": "1"}}'}
     TAGS=$(python3 -c "import json, sys; print(' '.join(json.loads(sys.argv[1])))" "$VARS")
     for i in 1 2; do
       for v in base $TAGS; do

@@ -55,7 +55,8 @@ def _signature(fn, const: dict, qtype: int) -> dict:
                       "out_ptr": "*fp16", "y_ptr": "*fp16", "dm_ptr": "*fp16",
                       "mn_ptr": "*fp16", "tr_ptr": "*i64", "lg_ptr": "*fp32",
                       "rb_ptr": "*fp32", "rw_ptr": "*fp32", "x_ptr": "*bf16",
-                      "r_ptr": "*bf16", "nw_ptr": "*bf16", "d0_ptr": "*fp32",
+                      "r_ptr": "*bf16", "nw_ptr": "*bf16", "d0_ptr": "*fp32", "nx_ptr": "*bf16",
+                      "nr_ptr": "*bf16",
                       "d1_ptr": "*fp32", "d2_ptr": "*fp32", "d_ptr": _D.get(qtype, "*fp16"),
                       "sc_ptr": _SC.get(qtype, "*i8"),
                       "qh_ptr": _QH.get(qtype, "*i32")}.get(n, "*i32")

@@ -62,10 +62,14 @@ MAX_D = 8192
 
 
 @triton.jit
-def _add_delta(acc, d_ptr, d_ss, d_rs, S, r64, c, m):
-    """acc += the delta at d_ptr ([T, D], or S slices d_ss apart, summed in order first)."""
+def _add_delta(acc, d_ptr, d_ss, d_rs, S, r64, c, m, CG: tl.constexpr = False):
+    """acc += the delta at d_ptr ([T, D], or S slices d_ss apart, summed in order first);
+    ``CG``: loaded from L2 (``.cg``), for a delta other programs of this launch stored."""
     p = d_ptr + r64[:, None] * d_rs + c[None, :]
-    d = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    if CG:
+        d = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        d = tl.load(p, mask=m, other=0.0).to(tl.float32)
     for s in range(1, S):
         d += tl.load(p + s * d_ss, mask=m, other=0.0).to(tl.float32)
     return acc + d
@@ -75,11 +79,12 @@ def _add_delta(acc, d_ptr, d_ss, d_rs, S, r64, c, m):
 def add_norm_rows(x_ptr, d0_ptr, d1_ptr, d2_ptr, w_ptr, row0, T, D, x_rs,
                   d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2, eps,
                   ND: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, CG: tl.constexpr = False):
     """Rows ``row0 .. row0+ROWS-1`` (< T) of the residual add and RMSNorm:
     ``(res, h, m, r64, c)`` with ``res`` [ROWS, BLOCK] ``x + sum(deltas)`` rounded to x's
     dtype, ``h`` float32 the normed rows rounded to x's dtype, ``m`` the mask, ``r64`` the int64
-    row indices and ``c`` the columns (the module doc's numerics; nothing is stored)."""
+    row indices and ``c`` the columns (the module doc's numerics; nothing is stored). ``CG``:
+    the first delta is read from L2 (stored by other programs of the same launch)."""
     row = row0 + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     rm = row < T
@@ -88,7 +93,7 @@ def add_norm_rows(x_ptr, d0_ptr, d1_ptr, d2_ptr, w_ptr, row0, T, D, x_rs,
     r64 = row.to(tl.int64)
     acc = tl.load(x_ptr + r64[:, None] * x_rs + c[None, :], mask=m, other=0.0).to(tl.float32)
     if ND >= 1:
-        acc = _add_delta(acc, d0_ptr, d0_ss, d0_rs, S0, r64, c, m)
+        acc = _add_delta(acc, d0_ptr, d0_ss, d0_rs, S0, r64, c, m, CG)
     if ND >= 2:
         acc = _add_delta(acc, d1_ptr, d1_ss, d1_rs, S1, r64, c, m)
     if ND >= 3:
@@ -119,6 +124,28 @@ def quant_store_rows(h, row0, T, D, q_ptr, s_ptr, q_rs, s_rs, ROWS: tl.constexpr
     rr4 = rr.to(tl.int64)[:, None, None, None]
     pack_store_blocks(h4, blk[:, None, None, None], bm, q_ptr + rr4 * q_rs,
                       s_ptr + rr4 * s_rs, WIDE)
+
+
+@triton.jit
+def norm_row_when_last(cnt_ptr, t, n_programs, x_ptr, d_ptr, nw_ptr, r_ptr, q_ptr, s_ptr,
+                       D, x_rs, d_rs, r_rs, q_rs, s_rs, eps, HAS_W: tl.constexpr,
+                       STORE_R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
+                       WIDE: tl.constexpr):
+    """For a launch whose ``n_programs`` programs each store a part of row ``t`` of a delta
+    ``d [T, D]`` (call after the store): the last of them to get here (an acq_rel counter at
+    ``cnt_ptr + t`` orders the others' stores before it) adds the row to ``x``'s, normalizes
+    it and stores the residual (``STORE_R``, at ``r_ptr``: may be ``x``, no other program reads
+    it) and the row's int8 blocks (a :class:`~localmoe.kernels.quant_gemv.QuantAct` row at
+    ``q_ptr`` / ``s_ptr``), then leaves the counter at zero for the next launch."""
+    cnt = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+    if cnt == n_programs - 1:
+        res, h, m, r64, c = add_norm_rows(x_ptr, d_ptr, x_ptr, x_ptr, nw_ptr, t, t + 1, D, x_rs,
+                                          0, d_rs, 1, 0, 0, 1, 0, 0, 1, eps, 1, HAS_W, 1,
+                                          BLOCK, True)
+        if STORE_R:
+            tl.store(r_ptr + r64[:, None] * r_rs + c[None, :], res, mask=m)
+        quant_store_rows(h, t, t + 1, D, q_ptr, s_ptr, q_rs, s_rs, 1, NB, WIDE)
+        tl.atomic_xchg(cnt_ptr + t, 0)
 
 
 @triton.jit

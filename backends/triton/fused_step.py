@@ -101,6 +101,11 @@ class FusedDecode:
         # turns it on)
         self.norm_qkv = (os.environ.get("LOCALMOE_NORM_QKV", "0") == "1"
                          and runner.model.spec.d_model <= MAX_D)
+        # ... or by the MoE down launch's last program of each token, where the MoE output is
+        # the layer's only delta (kernels/fused_moe.py NextNorm): off until timed on a GPU
+        # (LOCALMOE_NORM_IN_DOWN=1 turns it on)
+        self.norm_in_down = (os.environ.get("LOCALMOE_NORM_IN_DOWN", "0") == "1"
+                             and runner.model.spec.d_model <= MAX_D)
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -160,10 +165,14 @@ class FusedDecode:
         eps = s.norm_eps
         x = m.embed(tokens)
         deltas: list = []
+        pre = None                  # the layer's input norm, when the down launch computed it
         ropes = m.layer_rope_tables(positions)
         for i in range(s.n_layers):
             L = m.layers[i]
-            x, qkv = self._norm_qkv(x, deltas, L, eps)
+            if pre is not None:     # x already holds the residual
+                qkv = self._gemv(pre, L["wqkv"])
+            else:
+                x, qkv = self._norm_qkv(x, deltas, L, eps)
             cos2, sin2 = ropes[i][0], ropes[i][1]
             q = qk_rope_append(
                 qkv, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
@@ -192,9 +201,15 @@ class FusedDecode:
                     want_float=torch.float32 if moe else m.dtype,
                     quant_out=(QuantAct.empty(B, s.d_model, x.device, wide_default(None, True))
                                if moe else None))
-            deltas = self._ffn(i, L, hq, hf, routed=routed)
-        _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
-        return self._head(hq)
+            nxt = None
+            if self.norm_in_down:   # (the residual is not needed after the last layer)
+                last = i + 1 == s.n_layers
+                nxt = (x, m.output_norm if last else m.layers[i + 1]["attn_norm"],
+                       None if last else x)
+            deltas, pre = self._ffn(i, L, hq, hf, routed=routed, next_norm=nxt)
+        if pre is None:
+            _, pre, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
+        return self._head(pre)
 
     # -- prefill of a new sequence (the body of the prefill graphs) ---------------------------
     def prefill(self, tokens, positions, slots, last) -> tuple[torch.Tensor, list]:
@@ -254,7 +269,7 @@ class FusedDecode:
             o = L["wo"](o[0].transpose(0, 1).reshape(n, -1))
             x, _, h = self._norm_quant(x, [o], L["ffn_norm"], eps, x, quant=False,
                                        want_float=m.dtype)
-            deltas = self._ffn(i, L, None, h)
+            deltas, _ = self._ffn(i, L, None, h)
         _, _, h = self._norm_quant(x, deltas, m.output_norm, eps, None, quant=False,
                                    want_float=m.dtype)
         return m.logits(h.index_select(0, last)), pending
@@ -277,22 +292,34 @@ class FusedDecode:
         r, hq, hf, w, ids = norm_router_fused(*args, **kw)
         return r, hq, hf, (w, ids)
 
-    def _ffn(self, i: int, L: dict, hq, hf, routed=None) -> list:
-        """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed
-        input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its QuantAct: the fused
-        decode MoE); ``hq`` None: many tokens (the grouped prefill MoE). ``routed``: the
-        routing ``(weights, ids)`` when it was computed with the norm, or its
-        :class:`~localmoe.kernels.router.Routing` (the experts' first launch routes)."""
-        from localmoe.kernels.fused_moe import fused_moe
+    def _ffn(self, i: int, L: dict, hq, hf, routed=None, next_norm=None) -> tuple:
+        """``(deltas, pre)``: the FFN/MoE outputs of layer ``i`` (to be added to the residual)
+        from its normed input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its
+        QuantAct: the fused decode MoE); ``hq`` None: many tokens (the grouped prefill MoE).
+        ``routed``: the routing ``(weights, ids)`` when it was computed with the norm, or its
+        :class:`~localmoe.kernels.router.Routing` (the experts' first launch routes).
+        ``next_norm``: ``(x, norm weight, residual_out)`` of the next norm, which the down
+        launch computes where the routed experts' output is the only delta (no shared
+        expert): then ``deltas`` is empty and ``pre`` the next layer's QuantAct (the residual
+        written to ``residual_out``); else ``pre`` is None."""
+        from localmoe.kernels.fused_moe import NextNorm, fused_moe
         from localmoe.kernels.quant_gemm import moe_prefill
+        from localmoe.kernels.quant_gemv import QuantAct
         from localmoe.kernels.router import Routing
         from localmoe.model.routing import shared_expert_gate
 
         m = self.runner.model
         if "router" not in L:
-            return [m._glu(i, hf, "gate_up", "down")]
+            return [m._glu(i, hf, "gate_up", "down")], None
         moe = m.moe
         ex = m.experts
+        if isinstance(routed, Routing) and next_norm is not None and "sh_gate_up" not in L:
+            x, w, r = next_norm
+            pre = QuantAct.empty(x.shape[0], x.shape[1], x.device)
+            fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slots(i),
+                      activation=moe.activation, route=routed,
+                      norm=NextNorm(x, w, m.spec.norm_eps, r, pre))
+            return [], pre
         if isinstance(routed, Routing):
             out = [fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slots(i),
                              activation=moe.activation, route=routed)]
@@ -308,7 +335,7 @@ class FusedDecode:
             if "sh_gate" in L:
                 sh = sh * shared_expert_gate(h, L["sh_gate"])
             out.append(sh)
-        return out
+        return out, None
 
     def _head(self, hq) -> torch.Tensor:
         """Logits ``[B, vocab]`` float32 from the final normed rows (a QuantAct)."""

@@ -683,19 +683,42 @@ def test_prefill_graphs_fill_a_quantized_cache(files):
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-llama"])
-def test_norm_in_the_qkv_gemv_computes_the_same_step(files, preset, monkeypatch):
-    """LOCALMOE_NORM_QKV=1 (kernels/norm_gemv.py: each q/k/v GEMV program normalizes and
-    quantizes the residual itself; the residual goes to a new buffer) decodes what the two
-    launches decode: the same bits in the interpreter (the same jitted norm code), within the
-    fp16 rounding of the norm's summation order on the GPU; an MoE and a dense preset."""
+def test_norms_fused_into_neighbours_compute_the_same_step(files, preset, monkeypatch):
+    """The attention's input norm computed inside another launch decodes what the norm kernel
+    decodes: LOCALMOE_NORM_QKV=1 (kernels/norm_gemv.py: each q/k/v GEMV program normalizes
+    the residual itself; layer 0 of the MoE preset, every layer of the dense one) and
+    LOCALMOE_NORM_IN_DOWN=1 (the MoE down launch's last program per token normalizes for the
+    next layer and the output head: the MoE preset's layer 1 and its final norm). The same
+    bits in the interpreter (the same jitted norm code), within the fp16 rounding of the
+    norm's summation order on the GPU."""
+    from localmoe.kernels import fused_moe, norm_gemv
+
+    seen = {"norm_gemv": 0, "down_norm": 0}
+    ng, down = norm_gemv.norm_gemv_partials, fused_moe.moe_down
+
+    def spy_ng(*a, **kw):
+        seen["norm_gemv"] += 1
+        return ng(*a, **kw)
+
+    def spy_down(*a, **kw):
+        seen["down_norm"] += kw.get("norm") is not None
+        return down(*a, **kw)
+
+    monkeypatch.setattr(norm_gemv, "norm_gemv_partials", spy_ng)
+    monkeypatch.setattr(fused_moe, "moe_down", spy_down)
     mf = open_model(str(files[preset]))
     runs = {}
     for on in ("0", "1"):
         monkeypatch.setenv("LOCALMOE_NORM_QKV", on)
+        monkeypatch.setenv("LOCALMOE_NORM_IN_DOWN", on)
         r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec="f16")
-        assert r.fused is not None and r.fused.norm_qkv == (on == "1")
+        assert r.fused is not None and r.fused.norm_qkv == r.fused.norm_in_down == (on == "1")
         runs[on] = _decode_two(r, 11, (5, 3), 1 if not CUDA else 3, (7, 30, 70),
                                together=not CUDA)[1].float()
+        if on == "0":
+            assert seen == {"norm_gemv": 0, "down_norm": 0}, seen
+    # both fused launches ran (the MoE preset's layer 0 has no down launch before it)
+    assert seen["norm_gemv"] > 0 and (seen["down_norm"] > 0) == (preset == "tiny-qwen3moe"), seen
     if CUDA:
         scale = runs["0"].abs().max()
         assert (runs["1"] - runs["0"]).abs().max() < 2e-2 * scale
