@@ -1401,8 +1401,7 @@ def test_ollama_names_and_an_empty_backend(home, tmp_path):
              "--greedy", "hi"])
     assert r.exit_code == 0 and json.loads(r.stdout)["n_ctx"] == 96, r.output
     r = run(["generate", "-m", m, "--backend", " ", "-n", "1", "hi"])
-    assert r.exit_code == 1 and r.stderr.strip().startswith("error: backend must not be empty"), \
-        r.stderr
+    assert r.exit_code == 2 and "backend must not be empty" in r.stderr, r.stderr
 
 
 def test_a_model_whose_chat_template_does_not_compile_runs_raw_and_refuses_chat(

@@ -94,10 +94,13 @@ def _check_backend(ctx: click.Context, param: click.Parameter, value: str | None
     """Callback of ``--backend``: a name no backend is registered under (``foo``) is a usage
     error, exit status 2, ``Invalid value for '--backend': unknown backend 'foo'; choose one
     of: auto, ...``, before anything loads. A known backend that cannot run here (not
-    installed, no GPU) stays the LocalMoEError (exit status 1) of the command's checks, and so
-    does a blank name; the value goes on as given (case is ignored there)."""
-    if value is None or ctx.resilient_parsing or value.strip().lower() in ("", "auto"):
+    installed, no GPU) stays the LocalMoEError (exit status 1) of the command's checks. A
+    blank name is a usage error too; the value goes on as given (case is ignored there)."""
+    if value is None or ctx.resilient_parsing or value.strip().lower() == "auto":
         return value
+    if not value.strip():
+        raise click.BadParameter("backend must not be empty; choose one of: auto, triton, "
+                                 "llamacpp, torch", ctx=ctx, param=param)
     from localmoe.backends.registry import get_backend
     from localmoe.errors import BackendUnavailableError
 
