@@ -41,10 +41,10 @@ from localmoe.kernels.fused_norm import (
     quant_store_rows, x_shape_checked,
 )
 from localmoe.kernels.host import cdiv, next_pow2
-from localmoe.kernels.pdl import pdl_args, pdl_begin, pdl_prefetch, prefetch_rows_l2
+from localmoe.kernels.pdl import pdl_args, pdl_prefetch
 from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES, QuantTensor, chunk_values
 from localmoe.kernels.quant_gemv import (
-    QuantAct, _PREFETCH_MAX, _plan, _words, gemv_tokens, lookahead_arg, plane_args,
+    QuantAct, _PREFETCH_MAX, _plan, gemv_program, gemv_tokens, lookahead_arg, plane_args,
     quant_gemv_partials, quant_gemv_ref, use_asm, wide_default,
 )
 from localmoe.kernels.scratch import grown
@@ -71,22 +71,13 @@ def _norm_gemv_kernel(
         USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
         LINE: tl.constexpr = 32, WIDE: tl.constexpr = False, STAGES: tl.constexpr = 1,
         LOOKAHEAD: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BN + tl.arange(0, BN)
-    rmask4 = (rows < N)[None, :, None, None]
-    rows4 = rows.to(tl.int64)[None, :, None, None]
-    c_begin = pid_k * split_chunks
-    c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
-        prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
-                         c_end * _words(QTYPE), LINE, PDL)
-    pdl_begin(PDL)
+    pid_k, rows, rmask4, rows4, c_begin, c_end = gemv_program(
+        q_ptr, q_rs, N, n_chunks, split_chunks, QTYPE, BN, PREFETCH, LINE, PDL)
     # this program's activation slot: TP rows of int32 words, then TP rows of pairs
-    slot = (pid_k * tl.num_programs(0) + pid_n).to(tl.int64) * a_ps
+    slot = (pid_k * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * a_ps
     aq = aq_ptr + slot
     as_ = as_ptr + slot
-    r_lim = T * ((pid_n + pid_k) == 0).to(tl.int32)     # the rows program (0, 0) stores
+    r_lim = T * ((tl.program_id(0) + pid_k) == 0).to(tl.int32)   # rows program (0, 0) stores
     for ti in tl.static_range(TP):
         res, h, m, r64, c = add_norm_rows(x_ptr, d0_ptr, d1_ptr, d2_ptr, nw_ptr, ti, T, D, x_rs,
                                           d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2,

@@ -645,6 +645,28 @@ def _words(QTYPE: tl.constexpr):
 
 
 @triton.jit
+def gemv_program(q_ptr, q_rs, N, n_chunks, split_chunks, QTYPE: tl.constexpr,
+                 BN: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+                 PDL: tl.constexpr):
+    """The start of a GEMV program (row block ``program_id(0)``, K part ``program_id(1)``):
+    the optional L2 prefetch of its weight rows, then PDL's wait. Returns ``(pid_k, rows,
+    rmask4, rows4, c_begin, c_end)``: the K part, the ``BN`` weight rows (and their mask and
+    int64 rows as ``[1, BN, 1, 1]``) and the part's chunk range."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask4 = (rows < N)[None, :, None, None]
+    rows4 = rows.to(tl.int64)[None, :, None, None]
+    c_begin = pid_k * split_chunks
+    c_end = tl.minimum(c_begin + split_chunks, n_chunks)
+    if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
+        prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
+                         c_end * _words(QTYPE), LINE, PDL)
+    pdl_begin(PDL)
+    return pid_k, rows, rmask4, rows4, c_begin, c_end
+
+
+@triton.jit
 def gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                 N, T, rows, rows4, rmask4, c_begin, c_end, pid_k,
                 xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
@@ -686,17 +708,8 @@ def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_p
                        USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
                        LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
                        STAGES: tl.constexpr = 1, LOOKAHEAD: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BN + tl.arange(0, BN)
-    rmask4 = (rows < N)[None, :, None, None]
-    rows4 = rows.to(tl.int64)[None, :, None, None]
-    c_begin = pid_k * split_chunks
-    c_end = tl.minimum(c_begin + split_chunks, n_chunks)
-    if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
-        prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
-                       c_end * _words(QTYPE), LINE, PDL)
-    pdl_begin(PDL)
+    pid_k, rows, rmask4, rows4, c_begin, c_end = gemv_program(
+        q_ptr, q_rs, N, n_chunks, split_chunks, QTYPE, BN, PREFETCH, LINE, PDL)
     gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
                 N, T, rows, rows4, rmask4, c_begin, c_end, pid_k,
                 xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
