@@ -130,9 +130,9 @@ class FusedDecode:
 
     def _norm_qkv(self, x, deltas, L: dict, eps: float):
         """``(r, qkv)``: the residual ``x + sum(deltas)`` and the q/k/v projection's split-K
-        partials ``[S, T, N]`` of its normed rows: one launch with :attr:`norm_qkv` at 1-2 tokens (the
-        residual then goes to a new buffer: every program reads ``x``), else the norm kernel
-        (``r`` in place) and the GEMV."""
+        partials ``[S, T, N]`` of its normed rows: one launch with :attr:`norm_qkv` at 1-2
+        tokens (the residual then goes to a new buffer: every program reads ``x``), else the
+        norm kernel (``r`` in place) and the GEMV."""
         parts = L["wqkv"].parts
         if self.norm_qkv and len(parts) == 1 and x.shape[0] <= 2:
             from localmoe.kernels.norm_gemv import norm_gemv_partials
