@@ -1443,3 +1443,22 @@ def test_a_model_whose_chat_template_does_not_compile_runs_raw_and_refuses_chat(
     monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: pytest.fail("opened the chat UI"))
     r = run(["chat", "-m", bad])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr), syntax)
+
+
+def test_threads_over_the_cpu_count_warns(home, tmp_path, monkeypatch):
+    """`--threads 64` on a 2-CPU machine was taken silently and decoded ~20x slower: one
+    `warning:` line on stderr names the count and the CPUs; the command goes on. A count
+    within the CPUs says nothing."""
+    import localmoe.cpu.threads as threads
+
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 2)
+    monkeypatch.setenv("LOCALMOE_THREADS", "")  # -t sets it in this process: restored after
+    missing = str(tmp_path / "missing.gguf")
+    for cmd in ("generate", "bench"):
+        r = run([cmd, "-m", missing, "--threads", "64"] + (["hi"] if cmd == "generate" else []))
+        warn = [l for l in r.stderr.splitlines() if l.startswith("warning:")]
+        assert warn == ["warning: --threads 64 exceeds the 2 CPUs of this machine; decode may "
+                        "be much slower"], r.stderr
+        assert r.exit_code == 1 and "does not exist" in r.stderr  # it went on to the load
+    r = run(["generate", "-m", missing, "-t", "2", "hi"])
+    assert r.exit_code == 1 and "warning" not in r.stderr, r.stderr

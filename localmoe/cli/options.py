@@ -178,8 +178,18 @@ def _no_cuda_graph(ctx: click.Context, param: click.Parameter, value: bool) -> N
 
 
 def _set_threads(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
-    if value is not None:  # the backends read it when they load (the chat UI's too)
-        os.environ["LOCALMOE_THREADS"] = str(value)
+    """Callback of ``-t/--threads``: sets ``$LOCALMOE_THREADS``. More threads than the CPUs
+    this process may run on is allowed but says so on stderr (one ``warning:`` line): the
+    OpenMP / ggml threads then share cores and decode gets many times slower."""
+    if value is None or ctx.resilient_parsing:
+        return
+    from localmoe.cpu.threads import usable_cpus
+
+    cpus = usable_cpus()
+    if value > cpus:
+        click.echo(f"warning: --threads {value} exceeds the {cpus} CPU{'s' if cpus != 1 else ''} "
+                   f"of this machine; decode may be much slower", err=True)
+    os.environ["LOCALMOE_THREADS"] = str(value)  # the backends read it when they load
 
 
 def sampling_options(f):

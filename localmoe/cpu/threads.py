@@ -53,7 +53,7 @@ def env_threads() -> int | None:
         f"{MAX_THREADS} (or unset it for the default)", param=THREADS_ENV)
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """Logical CPUs this process may run on: its affinity mask (psutil), or all CPUs where the
     platform has none."""
     import psutil  # imported here: `localmoe --help` reads MAX_THREADS only
@@ -72,7 +72,7 @@ def physical_cores() -> int:
     cannot count physical cores, the usable logical CPUs."""
     import psutil
 
-    usable = _usable_cpus()
+    usable = usable_cpus()
     phys = psutil.cpu_count(logical=False)
     logical = psutil.cpu_count(logical=True)
     if not phys or not logical:
@@ -165,7 +165,7 @@ def default_threads(busy_elsewhere: float | None = None) -> tuple[int, str]:
         return torch.get_num_threads(), "OMP_NUM_THREADS"
     phys = physical_cores()
     now = torch.get_num_threads()
-    if now not in (phys, _usable_cpus(), _LAST_SET[0]):
+    if now not in (phys, usable_cpus(), _LAST_SET[0]):
         return now, "torch.set_num_threads"  # the caller chose; keep it
     if busy_elsewhere is None:
         return phys, f"{phys} physical cores"
