@@ -239,3 +239,23 @@ def select_backend(requested: str = "auto", model_format: str = "gguf",
             return b, f"{n} (auto{note})"
         skipped.append(f"{n}: {why}")
     raise BackendUnavailableError("no backend can run this model here: " + "; ".join(skipped))
+
+
+def auto_kv_fallback(requested: str | None, model_format: str, kv_spec: Any,
+                     chosen: str) -> str | None:
+    """Why ``auto`` passed over a backend for the KV format alone, as one line for the user
+    (``the llamacpp backend cannot run the int3 KV cache; using the torch backend (slower on
+    a CPU)``); None when a backend was named, or when no backend ahead of ``chosen`` in the
+    auto order runs here and runs the model but for ``kv_spec``."""
+    if kv_spec is None or str(requested or "auto").strip().lower() != "auto":
+        return None
+    for n in backend_names():
+        if n == chosen:
+            return None
+        b = get_backend(n)
+        if b.supports(model_format, None) is None and b.available() is None \
+                and b.supports(model_format, kv_spec) is not None:
+            slower = " (slower on a CPU)" if (n, chosen) == ("llamacpp", "torch") else ""
+            return (f"the {n} backend cannot run the {kv_spec} KV cache; using the {chosen} "
+                    f"backend{slower}")
+    return None

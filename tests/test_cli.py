@@ -1462,3 +1462,43 @@ def test_threads_over_the_cpu_count_warns(home, tmp_path, monkeypatch):
         assert r.exit_code == 1 and "does not exist" in r.stderr  # it went on to the load
     r = run(["generate", "-m", missing, "-t", "2", "hi"])
     assert r.exit_code == 1 and "warning" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kv", [["--kv-cache", "int3"], ["--kv-cache", "fp4"],
+                                ["--kv-cache-k", "int4", "--kv-cache-v", "int2"]])
+def test_auto_says_when_the_kv_format_passes_llamacpp_over(home, tmp_path, monkeypatch, kv):
+    """With llama.cpp installed, `auto` picks llamacpp on a CPU, but a KV format llama.cpp
+    lacks (int3, fp4, int2) fell back to the slower torch backend without a word: one `note:`
+    line on stderr says which backend runs and why, once, for generate, bench, chat and
+    serve, never in the JSON on stdout. A named backend gets no note."""
+    import localmoe.serve.server as server
+    import localmoe.tui.app as tui_app
+    from localmoe.backends.llamacpp_backend import LlamaCppBackend
+    from localmoe.errors import LocalMoEError
+    from localmoe.testing.synthetic import write_gguf
+
+    monkeypatch.setattr(LlamaCppBackend, "available", lambda self: None)  # as if installed
+    monkeypatch.setattr(tui_app, "run_chat", lambda *a, **kw: None)
+
+    def no_app(*a, **kw):
+        raise LocalMoEError("stopped before the bind")
+
+    monkeypatch.setattr(server, "create_app", no_app)
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    fmt = "k=int4,v=int2" if kv[0] == "--kv-cache-k" else kv[1]
+    want = (f"note: the llamacpp backend cannot run the {fmt} KV cache; using the torch "
+            f"backend (slower on a CPU)")
+    for args in (["generate", "--json", "-n", "2", "--greedy", "hi"],
+                 ["bench", "-p", "4", "-n", "2", "-r", "1", "--json", "-"],
+                 ["chat"], ["serve", "--port", "18517"]):
+        r = run([*args, "-m", m, "-t", "1", *kv])
+        notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
+        assert notes == [want], (args, r.stderr)
+        if "--json" in args:
+            assert r.exit_code == 0, r.output
+            assert json.loads(r.stdout)["backend"] == "torch"
+    r = run(["chat", *kv])   # no -m: the store's kind of model (GGUF), found by the UI
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("note:")] == [want], r.stderr
+    r = run(["generate", "--json", "-n", "2", "--greedy", "hi", "-m", m, "-t", "1",
+             "--backend", "torch", *kv])
+    assert r.exit_code == 0 and "note:" not in r.stderr, r.stderr

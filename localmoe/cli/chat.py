@@ -39,8 +39,11 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     if model is None:  # the default / last / continued model is found (or pulled) by the UI
         if backend and backend != "auto":
             check_backend_device(select_backend(backend, "gguf", kv_spec)[0], device)
-        elif device is not None:  # the backend auto picks for a GGUF model (the store's kind)
-            check_backend_device(select_backend("auto", "gguf", kv_spec)[0], device)
+            return
+        be = select_backend("auto", "gguf", kv_spec)[0]  # auto's pick for a GGUF model (the
+        if device is not None:                           # store's kind)
+            check_backend_device(be, device)
+        _auto_note(backend, "gguf", kv_spec, be)
         return
     from localmoe.errors import InvalidRequestError
     from localmoe.io.loader import open_model
@@ -49,7 +52,8 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
     mf = open_model(resolve_model(model))
     try:
         kv_spec.check_head_dims(mf.spec.head_dim, mf.spec.v_head_dim)
-        check_backend_device(select_backend("auto" if backend is None else backend, mf.format, kv_spec)[0], device)
+        be = select_backend("auto" if backend is None else backend, mf.format, kv_spec)[0]
+        check_backend_device(be, device)
         n_train = int(mf.spec.n_ctx_train or 0)
         if n_ctx and n_train and n_ctx > n_train:
             raise InvalidRequestError(
@@ -61,8 +65,19 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
         err = ChatTemplate.compile_error(mf)   # (none: a base model chats in a plain transcript)
         if err is not None:
             raise TemplateError(err)
+        _auto_note(backend, mf.format, kv_spec, be)
     finally:
         mf.close()
+
+
+def _auto_note(backend, model_format: str, kv_spec, be) -> None:
+    """One ``note:`` line on stderr, before the UI opens, when auto passed over a backend
+    for the KV format alone (as ``generate`` says it: :func:`localmoe.cli.options.load_llm`)."""
+    from localmoe.backends.registry import auto_kv_fallback
+
+    why = auto_kv_fallback(backend, model_format, kv_spec, be.name)
+    if why:
+        click.echo(f"note: {why}", err=True)
 
 
 @click.command()

@@ -366,12 +366,24 @@ def load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, ve
         if spinner is not None:
             spinner.update(msg)
 
+    def checked(llm) -> None:  # the command's checks, then why auto passed a backend over
+        if before_load is not None:
+            before_load(llm)
+        from localmoe.backends.registry import auto_kv_fallback
+        from localmoe.engine.options import parse_kv_request
+
+        why = auto_kv_fallback(backend, llm.model_file.format,
+                               parse_kv_request(kv_cache, kv_cache_k, kv_cache_v),
+                               llm.backend_name)
+        if why:
+            (_ACTIVE[0].print if _ACTIVE else lambda s: click.echo(s, err=True))(f"note: {why}")
+
     try:
         from localmoe.api import LLM
 
         llm = LLM(model, backend=backend, n_ctx=n_ctx, kv_cache=kv_cache, kv_cache_k=kv_cache_k,
                   kv_cache_v=kv_cache_v, device=device, progress=progress,
-                  before_load=before_load)
+                  before_load=checked)
     finally:
         stop_loading()
     interruptible()

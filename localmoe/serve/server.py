@@ -161,6 +161,13 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
     be, _ = select_backend("auto" if backend is None else backend, model_file.format, kv_spec)
     check_backend_device(be, device)
     _check_port_free(host, port)
+    from localmoe.backends.registry import auto_kv_fallback
+
+    why = auto_kv_fallback(backend, model_file.format, kv_spec, be.name)
+    if why:   # once, on stderr as generate says it (logging is configured only at the bind)
+        import sys
+
+        print(f"note: {why}", file=sys.stderr, flush=True)
     if not is_loopback(host) and not api_key:
         msg = (f"WARNING: serving on {host}:{port} without an API key; anyone who can reach "
                f"this address can use the model. Pass --api-key KEY or bind 127.0.0.1.")
