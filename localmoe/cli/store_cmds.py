@@ -6,6 +6,7 @@ import json
 
 import click
 
+from localmoe.cli.options import OneLineUsageError
 
 @click.command()
 @click.argument("source")
@@ -16,6 +17,9 @@ def pull(source, force, link):
     from localmoe.cli import sigterm_as_ctrl_c
     from localmoe.io.store import ModelStore, format_size
 
+    if not source.strip():   # a malformed argument: a usage error, as `generate ""` is
+        raise OneLineUsageError("empty model name; give a store name (see `localmoe models`), "
+                                "a file path or an hf:OWNER/REPO/FILE reference")
     st = ModelStore()
     with sigterm_as_ctrl_c():  # SIGTERM removes the pull's temporaries as Ctrl-C does (143)
         m = st.pull(source, force=force, link=link)
@@ -66,6 +70,9 @@ def rm(name):
     """Delete a model from the store."""
     from localmoe.io.store import ModelStore, format_size
 
+    if not name.strip():   # a malformed argument: a usage error, as `generate ""` is
+        raise OneLineUsageError("empty model name; give the name of a stored model (see "
+                                "`localmoe models`)")
     m = ModelStore().remove(name)
     if m.shared_with:
         note = f" (files kept: also used by {', '.join(m.shared_with)})"

@@ -771,15 +771,20 @@ def test_empty_model_name_is_an_error_not_the_default(home, monkeypatch):
     with pytest.raises(ModelNotFoundError, match="not pulled"):
         st.resolve(None, pull=False)
     for args in (["info", ""], ["generate", "-m", "", "hi"], ["chat", "-m", " "],
-                 ["serve", "-m", ""], ["pull", ""], ["rm", ""]):
+                 ["serve", "-m", ""], ["pull", ""], ["rm", ""], ["pull", " "], ["rm", " "]):
         if args[0] != "pull":
             monkeypatch.setattr(ModelStore, "pull", no_pull)
         r = CliRunner().invoke(cli, args, catch_exceptions=False)
         monkeypatch.undo()
         monkeypatch.setenv("LOCALMOE_HOME", str(home))
         lines = [l for l in r.stderr.splitlines() if l.strip()]
-        assert r.exit_code == 1 and len(lines) == 1, (args, r.output)
+        # pull's and rm's only argument empty is a usage error (exit 2), as `generate ""` is
+        status = 2 if args[0] in ("pull", "rm") else 1
+        assert r.exit_code == status and len(lines) == 1, (args, r.exit_code, r.output)
         assert lines[0].startswith("error: empty model name"), (args, lines)
+        if args[0] == "rm":  # rm takes store names only: its message says so
+            assert lines[0].startswith("error: empty model name; give the name of a stored "
+                                       "model (see `localmoe models`)"), lines
 
 
 def _dead_pid() -> int:
