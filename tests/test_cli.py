@@ -1336,21 +1336,31 @@ def test_generate_json_cut_by_max_tokens_warns(smollm2_path):
 
 
 def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
+    """A schema that is not JSON or not a usable JSON Schema, inline or in FILE, is a malformed
+    flag: a usage error (exit 2, `Invalid value for '--json-schema'`; it was exit 1), checked
+    before the model (the grammar engine compiles it without the tokenizer). A FILE that
+    cannot be read stays exit 1, as a missing model file is."""
     missing_model = str(tmp_path / "missing.gguf")  # the schema is checked before the model
+    flag = "Invalid value for '--json-schema'"
     r = run(["generate", "-m", missing_model, "--json-schema", '{"type": "array", '
              '"uniqueItems": true}', "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                          "--json-schema", '"uniqueItems"')
+                          flag, '"uniqueItems"', status=2)
     r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "nope.json"), "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
                           "cannot read the JSON schema", "nope.json")
     r = run(["generate", "-m", missing_model, "--json-schema", " ", "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                          "--json-schema is empty")
+                          flag, "is empty", status=2)
     (tmp_path / "bad.json").write_text("{not json")
     r = run(["generate", "-m", missing_model, "--json-schema", str(tmp_path / "bad.json"), "hi"])
     assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
-                          "not valid JSON")
+                          flag, "not valid JSON", "bad.json", status=2)
+    for schema, needle in (("{bad", "the schema is not valid JSON"),
+                           ('{"type":"wat"}', 'unknown type "wat"')):
+        r = run(["generate", "-m", missing_model, "--json-schema", schema, "hi"])
+        assert_one_line_error(types.SimpleNamespace(returncode=r.exit_code, stderr=r.stderr),
+                              flag, needle, status=2)
     r = run(["generate", "-m", missing_model, "--json-object", "--json-schema", "{}", "hi"])
     assert r.exit_code == 2 and "not both" in r.stderr
 
@@ -1362,7 +1372,8 @@ def test_generate_bad_json_schema_is_one_error_line_before_loading(tmp_path):
 def test_generate_json_schema_errors_are_one_line(tmp_path, schema, needle):
     r = run(["generate", "-m", str(tmp_path / "missing.gguf"), "--json-schema", schema, "hi"])
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Invalid value for '--json-schema'" in lines[0], lines
     assert needle in lines[0] and "No such file" not in lines[0], lines
 
 

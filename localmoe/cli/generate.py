@@ -157,7 +157,10 @@ def _write_routing(llm, rec, path: str, result) -> None:
 
 def _structured(json_schema: str | None, json_object: bool) -> dict:
     """The sampling options of --json-schema FILE / --json-object, checked before any model
-    loads (a missing file, bad JSON or an unsupported keyword is one error line)."""
+    loads (the grammar engine compiles a schema without the tokenizer). A schema that is not
+    JSON, not a JSON Schema or one the engine does not support, inline or in FILE, is a usage
+    error (exit status 2, ``Invalid value for '--json-schema': ...``) as a malformed flag is;
+    a FILE that cannot be read (or is not UTF-8) stays a LocalMoEError (exit status 1)."""
     if json_schema is not None and json_object:
         raise OneLineUsageError("give --json-schema or --json-object, not both")
     if json_object:
@@ -166,7 +169,8 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
         return {}
     text = json_schema
     if not json_schema.strip():
-        raise LocalMoEError("--json-schema is empty: give a JSON schema inline or a file name")
+        raise click.BadParameter("is empty: give a JSON schema inline or a file name",
+                                 param_hint="'--json-schema'")
     try:  # inline JSON, else a file name
         inline = json.loads(json_schema)
     except ValueError:
@@ -174,8 +178,8 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
     else:
         is_json = True
         if not isinstance(inline, (dict, bool)):  # `[1,2]` is JSON, not a file name
-            raise LocalMoEError(f"--json-schema: the schema must be a JSON object, not "
-                                f"{json_schema.strip()[:40]}")
+            raise click.BadParameter(f"the schema must be a JSON object, not "
+                                     f"{json_schema.strip()[:40]}", param_hint="'--json-schema'")
     if not is_json and not json_schema.lstrip().startswith("{"):
         try:
             with open(json_schema, encoding="utf-8") as f:
@@ -185,10 +189,19 @@ def _structured(json_schema: str | None, json_object: bool) -> dict:
                                 f"{e.strerror or e}") from None
         except UnicodeDecodeError:
             raise LocalMoEError(f"the JSON schema {json_schema} is not UTF-8 text") from None
+    from localmoe.errors import InvalidRequestError
     from localmoe.text.grammar import validate_schema
 
-    return {"json_schema": validate_schema(text, True, f"--json-schema {json_schema}"
-                                           if text is not json_schema else "--json-schema")}
+    what = f"the schema in {json_schema}" if text is not json_schema else "the schema"
+    try:
+        return {"json_schema": validate_schema(text, True, what)}
+    except InvalidRequestError as e:
+        if e.param != what:   # not the schema's fault (llguidance missing): exit status 1
+            raise
+        msg = str(e)
+        if msg.startswith(f"{what}: "):   # "the schema: unknown type ..." -> "unknown type ..."
+            msg = msg[len(what) + 2:] + ("" if text is json_schema else f" (in {json_schema})")
+        raise click.BadParameter(msg, param_hint="'--json-schema'") from None
 
 
 #: characters read from stdin at most (no context of 1 M tokens holds more)

@@ -248,8 +248,9 @@ def check_sampling(sampling: dict) -> None:
     """Refuse an out-of-range sampling flag before any model loads, as a usage error (exit
     status 2, as a malformed ``-n`` is) naming the flag: ``Invalid value for '--top-p':
     top_p must be <= 1.0, got 2``; an empty ``--stop ''`` too (the server refuses ``"stop":
-    ""`` with a 400; vLLM would ignore it). Other errors (a JSON schema's, a ``--stop`` text that is
-    not UTF-8, as the prompt's and ``--system``'s) stay ``LocalMoEError``s (exit status 1)."""
+    ""`` with a 400; vLLM would ignore it). Other errors (a ``--stop`` text that is not UTF-8,
+    as the prompt's and ``--system``'s) stay ``LocalMoEError``s (exit status 1); a bad
+    ``--json-schema`` is a usage error of its own (``localmoe.cli.generate._structured``)."""
     from localmoe.engine.options import make_sampling_params
     from localmoe.errors import InvalidRequestError
 
