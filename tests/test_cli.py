@@ -1513,3 +1513,33 @@ def test_auto_says_when_the_kv_format_passes_llamacpp_over(home, tmp_path, monke
     r = run(["generate", "--json", "-n", "2", "--greedy", "hi", "-m", m, "-t", "1",
              "--backend", "torch", *kv])
     assert r.exit_code == 0 and "note:" not in r.stderr, r.stderr
+
+
+_SIGTERM_SERVE_STARTING = """
+import os, signal, sys, time
+import localmoe.io.loader as loader
+real_open = loader.open_model
+def open_model(path):  # SIGTERM while the model file is opened, before the port opens
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    return real_open(path)
+loader.open_model = open_model
+from localmoe.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_while_serve_starts_says_terminated(tmp_path):
+    """`serve` sent SIGTERM before its port opened (the model checked, pulled or imported)
+    died of the signal, status 143 with nothing on stderr, where `generate` says
+    `terminated`: it says so too (once serving, SIGTERM drains and exits 0 as before)."""
+    from localmoe.testing.synthetic import write_gguf
+
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    r = subprocess.run([sys.executable, "-c", _SIGTERM_SERVE_STARTING, "serve", "-m", m,
+                        "--backend", "torch", "--port", "18519"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, LOCALMOE_HOME=str(tmp_path / "home")))
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.split() == ["terminated"], r.stderr
+    assert r.stdout == "", r.stdout

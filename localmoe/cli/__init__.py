@@ -4,7 +4,8 @@ The CLI is thin: it parses flags, resolves the model through the store and calls
 the TUI or the server. Heavy modules (torch, the engine, backends) are imported inside the
 commands so ``localmoe --help`` stays fast. Errors a user can cause (``LocalMoEError``) print one
 line ``error: ...`` on stderr and exit with status 1; Ctrl-C stops generation cleanly and exits
-with status 130 (SIGTERM does the same for ``generate`` and ``pull``, status 143:
+with status 130 (SIGTERM does the same for ``generate``, ``pull`` and ``serve`` before its
+port opens, status 143:
 :func:`sigterm_as_ctrl_c`); usage errors print one line ``error: ... (see 'localmoe CMD
 --help')`` and exit with status 2 (click's convention).
 

@@ -24,13 +24,18 @@ def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host,
         api_key = api_key.strip()   # clients' tokens are compared without surrounding spaces
 
     import localmoe.serve.server as server
+    from localmoe.cli import sigterm_as_ctrl_c
 
     kwargs = dict(host=host, port=port, api_key=api_key, backend=backend, n_ctx=n_ctx,
                   kv_cache=kv_cache, kv_cache_k=kv_cache_k, kv_cache_v=kv_cache_v)
     if device is not None:
         kwargs["device"] = device
     try:
-        server.run_server(model, **kwargs)
+        # a SIGTERM before the port opens (the file checked or pulled, the imports) stops the
+        # command as generate's does: `terminated` on stderr, status 143 (a pull removes its
+        # temporaries); once serving, the server's own handlers drain and exit 0
+        with sigterm_as_ctrl_c():
+            server.run_server(model, **kwargs)
     except OSError as e:
         raise LocalMoEError(f"cannot serve on {host}:{port}: {e.strerror or e}; "
                             f"pick another --port or stop the other server") from e
