@@ -8,6 +8,7 @@ import click
 
 from localmoe.cli.options import OneLineUsageError
 
+
 @click.command()
 @click.argument("source")
 @click.option("--force", is_flag=True, help="Download again even if already stored.")
