@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from localmoe.cli.options import KV_INFO_FORMATS
+from localmoe.cli.options import KV_INFO_FORMATS, check_model_name
 from localmoe.errors import LocalMoEError
 
 
@@ -87,8 +87,9 @@ def _fmt_count(n: float) -> str:
 
 
 @click.command()
-@click.argument("model", required=False)
+@click.argument("model", required=False, callback=check_model_name)
 @click.option("-m", "--model", "model_opt", default=None, metavar="MODEL",
+              callback=check_model_name,
               help="The model, as for generate (the same as the MODEL argument).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def info(model, model_opt, as_json):

@@ -45,7 +45,7 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
     if f is None:  # @model_options(model_default=...)
         return lambda g: model_options(g, model_default=model_default)
     opts = [
-        click.option("-m", "--model", default=None, metavar="MODEL",
+        click.option("-m", "--model", default=None, metavar="MODEL", callback=check_model_name,
                      help="Model file (.gguf, any shard), HF folder, store name, or "
                           f"hf:OWNER/REPO/FILE. Default: {model_default}."),
         click.option("--backend", default="auto", show_default=True, metavar="NAME",
@@ -88,6 +88,17 @@ def model_options(f=None, *, model_default: str = MODEL_DEFAULT_HELP):
 
 #: the KV flags of :func:`model_options` (parameter name -> flag), in KVSpec.parse's order
 KV_FLAGS = {"kv_cache": "--kv-cache", "kv_cache_k": "--kv-cache-k", "kv_cache_v": "--kv-cache-v"}
+
+
+def check_model_name(ctx: click.Context, param: click.Parameter,
+                     value: str | None) -> str | None:
+    """Callback of a MODEL argument or ``-m/--model``: a blank name is a usage error (exit
+    status 2; it never means the default model)."""
+    if value is not None and not ctx.resilient_parsing and not value.strip():
+        raise click.BadParameter("empty model name; give a store name (see `localmoe models`), "
+                                 "a file path or an hf:OWNER/REPO/FILE reference",
+                                 ctx=ctx, param=param)
+    return value
 
 
 def _check_backend(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
