@@ -707,14 +707,17 @@ def test_norms_fused_into_neighbours_compute_the_same_step(files, preset, monkey
     monkeypatch.setattr(norm_gemv, "norm_gemv_partials", spy_ng)
     monkeypatch.setattr(fused_moe, "moe_down", spy_down)
     mf = open_model(str(files[preset]))
+    monkeypatch.setenv("LOCALMOE_NORM_QKV", "1")
+    monkeypatch.setenv("LOCALMOE_NORM_IN_DOWN", "1")
+    r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec="f16")
+    assert r.fused is not None and r.fused.norm_qkv and r.fused.norm_in_down
     runs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("LOCALMOE_NORM_QKV", on)
-        monkeypatch.setenv("LOCALMOE_NORM_IN_DOWN", on)
-        r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec="f16")
-        assert r.fused is not None and r.fused.norm_qkv == r.fused.norm_in_down == (on == "1")
-        runs[on] = _decode_two(r, 11, (5, 3), 1 if not CUDA else 3, (7, 30, 70),
-                               together=not CUDA)[1].float()
+    for on in ("0", "1"):        # one runner (the interpreter's time): the switches flipped
+        r.fused.norm_qkv = r.fused.norm_in_down = on == "1"
+        seq = r.new_sequence()
+        r.forward([(seq, [5, 9, 2, 7])])
+        runs[on] = torch.stack([r.forward([(seq, [11 + step])])[0]
+                                for step in range(1 if not CUDA else 3)]).float()
         if on == "0":
             assert seen == {"norm_gemv": 0, "down_norm": 0}, seen
     # both fused launches ran (the MoE preset's layer 0 has no down launch before it)
