@@ -158,8 +158,7 @@ def norm_gemv_partials(x: torch.Tensor, deltas: Sequence[torch.Tensor],
         _fail(f"out must be float32 [{split}, {t}, {n}] on {x.device} with contiguous rows, "
               f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if t > MAX_TOKENS:          # the GEMV is built for 1-8 tokens: the unfused launches
-        rows = [d for d, *_ in dargs]
-        r, hq, _ = add_rms_norm_quant(x, rows, norm_w, eps, residual_out=residual_out,
+        r, hq, _ = add_rms_norm_quant(x, deltas, norm_w, eps, residual_out=residual_out,
                                       quant_out=QuantAct.empty(t, k, x.device, wide))
         quant_gemv_partials(hq, w, config=dict(cfg, split=split), out=out)
         return r, out

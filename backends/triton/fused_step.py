@@ -313,16 +313,16 @@ class FusedDecode:
             return [m._glu(i, hf, "gate_up", "down")], None
         moe = m.moe
         ex = m.experts
-        if isinstance(routed, Routing) and next_norm is not None and "sh_gate_up" not in L:
-            x, w, r = next_norm
-            pre = QuantAct.empty(x.shape[0], x.shape[1], x.device)
-            fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slots(i),
-                      activation=moe.activation, route=routed,
-                      norm=NextNorm(x, w, m.spec.norm_eps, r, pre))
-            return [], pre
         if isinstance(routed, Routing):
+            norm = pre = None
+            if next_norm is not None and "sh_gate_up" not in L:
+                x, w, r = next_norm
+                pre = QuantAct.empty(x.shape[0], x.shape[1], x.device)
+                norm = NextNorm(x, w, m.spec.norm_eps, r, pre)
             out = [fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slots(i),
-                             activation=moe.activation, route=routed)]
+                             activation=moe.activation, route=routed, norm=norm)]
+            if pre is not None:     # the output is already in the residual
+                return [], pre
         else:
             w, ids = routed if routed is not None else moe.route(i, hf)
             run, slot = ((fused_moe, ex.slots(i)) if hq is not None

@@ -7,7 +7,9 @@ import sys
 
 import click
 
-from localmoe.cli.options import CHAT_MODEL_DEFAULT_HELP, interruptible, model_options
+from localmoe.cli.options import (
+    CHAT_MODEL_DEFAULT_HELP, auto_note, interruptible, model_options,
+)
 
 
 def _combined_kv(kv_cache: str, kv_cache_k: str | None, kv_cache_v: str | None) -> str:
@@ -43,7 +45,7 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
         be = select_backend("auto", "gguf", kv_spec)[0]  # auto's pick for a GGUF model (the
         if device is not None:                           # store's kind)
             check_backend_device(be, device)
-        _auto_note(backend, "gguf", kv_spec, be)
+        auto_note(backend, "gguf", kv_spec, be.name)   # before the UI opens
         return
     from localmoe.errors import InvalidRequestError
     from localmoe.io.loader import open_model
@@ -65,19 +67,9 @@ def _precheck(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device):
         err = ChatTemplate.compile_error(mf)   # (none: a base model chats in a plain transcript)
         if err is not None:
             raise TemplateError(err)
-        _auto_note(backend, mf.format, kv_spec, be)
+        auto_note(backend, mf.format, kv_spec, be.name)
     finally:
         mf.close()
-
-
-def _auto_note(backend, model_format: str, kv_spec, be) -> None:
-    """One ``note:`` line on stderr, before the UI opens, when auto passed over a backend
-    for the KV format alone (as ``generate`` says it: :func:`localmoe.cli.options.load_llm`)."""
-    from localmoe.backends.registry import auto_kv_fallback
-
-    why = auto_kv_fallback(backend, model_format, kv_spec, be.name)
-    if why:
-        click.echo(f"note: {why}", err=True)
 
 
 @click.command()

@@ -347,6 +347,17 @@ def stop_loading() -> None:
         _ACTIVE.pop().stop()
 
 
+def auto_note(backend, model_format: str, kv_spec, chosen: str) -> None:
+    """One ``note:`` line on stderr (above the load spinner when one runs) when auto passed
+    over a backend for the KV format alone
+    (:func:`localmoe.backends.registry.auto_kv_fallback`)."""
+    from localmoe.backends.registry import auto_kv_fallback
+
+    why = auto_kv_fallback(backend, model_format, kv_spec, chosen)
+    if why:
+        (_ACTIVE[0].print if _ACTIVE else lambda s: click.echo(s, err=True))(f"note: {why}")
+
+
 def load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, verbose=False,
              before_load=None):
     """The engine for the common options (``localmoe.LLM``; loading steps on stderr with
@@ -381,14 +392,10 @@ def load_llm(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, ve
     def checked(llm) -> None:  # the command's checks, then why auto passed a backend over
         if before_load is not None:
             before_load(llm)
-        from localmoe.backends.registry import auto_kv_fallback
         from localmoe.engine.options import parse_kv_request
 
-        why = auto_kv_fallback(backend, llm.model_file.format,
-                               parse_kv_request(kv_cache, kv_cache_k, kv_cache_v),
-                               llm.backend_name)
-        if why:
-            (_ACTIVE[0].print if _ACTIVE else lambda s: click.echo(s, err=True))(f"note: {why}")
+        auto_note(backend, llm.model_file.format,
+                  parse_kv_request(kv_cache, kv_cache_k, kv_cache_v), llm.backend_name)
 
     try:
         from localmoe.api import LLM

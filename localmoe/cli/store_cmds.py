@@ -6,11 +6,11 @@ import json
 
 import click
 
-from localmoe.cli.options import OneLineUsageError
+from localmoe.cli.options import OneLineUsageError, check_model_name
 
 
 @click.command()
-@click.argument("source")
+@click.argument("source", callback=check_model_name)
 @click.option("--force", is_flag=True, help="Download again even if already stored.")
 @click.option("--link", is_flag=True, help="For a local file: register it in place instead of copying.")
 def pull(source, force, link):
@@ -18,9 +18,6 @@ def pull(source, force, link):
     from localmoe.cli import sigterm_as_ctrl_c
     from localmoe.io.store import ModelStore, format_size
 
-    if not source.strip():   # a malformed argument: a usage error, as `generate ""` is
-        raise OneLineUsageError("empty model name; give a store name (see `localmoe models`), "
-                                "a file path or an hf:OWNER/REPO/FILE reference")
     st = ModelStore()
     with sigterm_as_ctrl_c():  # SIGTERM removes the pull's temporaries as Ctrl-C does (143)
         m = st.pull(source, force=force, link=link)

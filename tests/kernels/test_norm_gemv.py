@@ -25,14 +25,13 @@ from localmoe.kernels.fused_norm import add_rms_norm_quant  # noqa: E402
 from localmoe.kernels.norm_gemv import (  # noqa: E402
     MAX_TOKENS, norm_gemv_partials, norm_gemv_partials_ref,
 )
-from localmoe.kernels.qtensor import (  # noqa: E402
-    BLOCK_SIZES, QTYPE_NAMES, QUANT_QTYPES, QuantTensor, random_gguf_blocks,
-)
+from localmoe.kernels.qtensor import QTYPE_NAMES, QUANT_QTYPES  # noqa: E402
 from localmoe.kernels.quant_gemv import (  # noqa: E402
     QuantAct, gemv_partials_split, quant_gemv_partials, sum_partials,
 )
 
 from tests import tolerances as tol  # noqa: E402
+from tests.kernels.test_quant_gemv import make, small_k  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 EPS = 1e-6
@@ -42,16 +41,6 @@ TWIN = tol.FP32 if not CUDA else tol.FP32_DEVICE
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
-def make(qt, n, k, seed=0):
-    return QuantTensor.from_gguf(random_gguf_blocks(qt, (n, k), seed=seed), qt, (n, k),
-                                 device=DEV)
-
-
-def small_k(qt: int) -> int:
-    # K-quants: 3 super-blocks; legacy types: 7 blocks of 32 (D = 224, not a power of two)
-    return 768 if BLOCK_SIZES[qt][0] == 256 else 224
 
 
 def deltas_of(kind: str, t: int, d: int, dtype):
