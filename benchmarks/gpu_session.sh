@@ -25,6 +25,8 @@
 #   benchmarks/gpu_session.sh codeab   the decode graph (and the MoE trace) of the working tree
 #                                      against older copies of some of its files (CODE_AB_DIR,
 #                                      default .ab/: the same relative paths), A/B/A/B (~5 min)
+#   benchmarks/gpu_session.sh codeablong  the same swap timed by vs_llamacpp at long context
+#                                      (CODE_AB_KV, CODE_AB_DEPTHS: f16/int2 at 64k, 16k) (~7 min)
 #   benchmarks/gpu_session.sh envab    GPU tests of the attention norm fused into the q/k/v GEMV
 #                                      (kernels/norm_gemv.py) or the MoE down launch, then the
 #                                      decode graph with environment switches (ENV_VARIANTS,
@@ -44,7 +46,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|codeab|envab|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|codeab|codeablong|envab|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -226,6 +228,41 @@ PY
       say "trace $v rc=$?"; grep -E "^==|routed|->loop |last_exit|gap" "$OUT/trace-$v.log" | head -30
     done
     use /tmp/ab-new
+    ;;
+  codeablong)
+    # the same swap as codeab, timed by vs_llamacpp's rows at long context (CODE_AB_KV formats
+    # at CODE_AB_DEPTHS, default f16 and int2 at 16k and 64k), new/old alternated, two rounds
+    AB=${CODE_AB_DIR:-.ab}
+    FILES=$(cd "$AB" && find . -type f -name '*.py' | sed 's|^\./||')
+    [ -n "$FILES" ] || { echo "codeablong: no .py files under $AB" >&2; exit 2; }
+    mkdir -p /tmp/ab-new /tmp/ablong
+    for f in $FILES; do mkdir -p "/tmp/ab-new/$(dirname "$f")"; cp "$f" "/tmp/ab-new/$f"; done
+    use() { for f in $FILES; do cp "$1/$f" "$f"; done; }
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    for i in 1 2; do
+      for d in ${CODE_AB_DEPTHS:-65536 16384}; do
+        for kv in ${CODE_AB_KV:-f16 int2}; do
+          for v in new old; do
+            [ $v = new ] && use /tmp/ab-new || use "$AB"
+            timeout 100 python3 benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b --model-dir "$MODELS" \
+              --kv $kv --depths $d --no-eager --out "/tmp/ablong/$v-$kv-$d-$i.json" >"$OUT/ablong.log" 2>&1
+            say "$v $kv $d rc=$?"; grep -o '"graph_ms": [0-9.]*\|"tpot_generate_ms": [0-9.]*\|"kernel_us_per_token": [0-9.]*' "$OUT/ablong.log" | head -3 | tr '\n' ' '; echo
+          done
+        done
+      done
+    done
+    use /tmp/ab-new
+    # every run's row in one file (the file count that comes back is limited)
+    python3 - "$OUT/ablong.json" /tmp/ablong/*.json <<'PY'
+import json, os, sys
+rows = {}
+for f in sys.argv[2:]:
+    d = json.load(open(f))
+    rows[os.path.basename(f)[:-5]] = {"gpu": d.get("gpu"), "command": d.get("command"),
+                                      "rows": [r for r in d["rows"] if r.get("engine") == "localmoe"]}
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
+PY
     ;;
   envab)
     # a switch of the fused step read from the environment (ENV_VARIANTS: {tag: {VAR: value}})

@@ -766,14 +766,20 @@ def _single_out(Out, Qq, Qs, b, hk, vc, acc, inv, i: tl.constexpr, stride_ob, st
 @triton.jit
 def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
                           Qq, Qs, q_rs, s_rs,
-                          HQ: tl.constexpr, DV: tl.constexpr, SPLITS_P: tl.constexpr,
-                          QUANT: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr = False):
+                          HQ: tl.constexpr, DV: tl.constexpr, DVB: tl.constexpr,
+                          SPLITS_P: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+                          WIDE: tl.constexpr = False):
+    """Merge the splits' partial outputs of one (sequence, query head) and ``DVB`` of its
+    ``DV`` channels (program (b * HQ + h, channel block)): the log-sum-exp weights of every
+    split, then one load of the whole ``[splits, DVB]`` tile, so all of a program's bytes are in
+    flight at once and ``DV / DVB`` programs share a head."""
     pdl_begin(PDL)
     pid = tl.program_id(0)
+    cb = tl.program_id(1)
     b = pid // HQ
     h = pid % HQ
     s = tl.arange(0, SPLITS_P)
-    dv = tl.arange(0, DV)
+    dv = cb * DVB + tl.arange(0, DVB)
     sm = s < n_splits
     lse = tl.load(MidL + pid * n_splits + s, mask=sm, other=float("-inf"))
     mx = tl.max(lse, axis=0)
@@ -784,11 +790,17 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
     out = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + dv, out)
     if QUANT:   # also the int8 blocks of the row [H * DV] the O projection's GEMV reads
-        NB: tl.constexpr = DV // 32
-        b4 = (h * NB + tl.arange(0, NB))[:, None, None, None]
+        NB: tl.constexpr = DVB // 32
+        b4 = ((h * DV + cb * DVB) // 32 + tl.arange(0, NB))[:, None, None, None]
         bl = b.to(tl.int64)
         pack_store_blocks(tl.reshape(out, [NB, 2, 4, 4]), b4, b4 >= 0, Qq + bl * q_rs,
                           Qs + bl * s_rs, WIDE)
+
+
+def reduce_block(dv: int) -> int:
+    """Channels per program of the split merge: 32 (one int8 block of the O projection's
+    input), or the whole ``dv`` where it is smaller or not a multiple of 32."""
+    return 32 if dv % 32 == 0 else dv
 
 
 def _v_planes(vspec) -> int:
@@ -906,10 +918,12 @@ def _constexprs(q, k_codec, kspec, v_codec, vspec, ch: dict, page_size: int, has
     HQ, D, HKV, DV = q.shape[1], q.shape[2], k_codec.n_kv_heads, v_codec.head_dim
     QPK = HQ // HKV
     swap = bool(ch["swap_ab"])
-    # joined value planes only when each plane is >= 16 channels (head_dim >= 64): at
-    # head_dim 32 the join gave wrong results on the H200 (triton 3.6) though not in the
-    # interpreter
-    vjoin = bool(vf == 1 and vb in (2, 3) and DV >= 64 and ch["v_join"])
+    # joined value planes only when each plane is >= 16 channels (head_dim >= 64) and the tile
+    # >= 32 tokens: at head_dim 32 (H200) and at 16-token tiles of head_dim 64 and 128 (H100,
+    # session 33: relative error ~1.0 for every head group, with and without the PTX unpack)
+    # the join gave wrong results on the GPU (triton 3.6), though not in the interpreter
+    vjoin = bool(vf == 1 and vb in (2, 3) and DV >= 64 and ch["block_n"] >= 32
+                 and ch["v_join"])
     splits_p = max(2, next_pow2(num_splits))
     if asm is None:
         asm = q.device.type == "cuda" and not _interpreting() and \
@@ -1079,9 +1093,10 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
     if single:
         return out
     if not meta["FUSE"]:
-        _decode_reduce_kernel[(B * HQ,)](
+        dvb = reduce_block(DV)
+        _decode_reduce_kernel[(B * HQ, DV // dvb)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
-            HQ=HQ, DV=DV, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
+            HQ=HQ, DV=DV, DVB=dvb, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
             WIDE=qa is not None and qa.wide, **pdl_args(out.device))
     elif qa is not None:
         from localmoe.kernels.quant_gemv import quantize_act

@@ -321,6 +321,25 @@ def test_swapped_products_match_twin(kname, vname, d, extra, qpk, swap):
          **{k: v for k, v in extra.items() if k == "v_join"})
 
 
+@pytest.mark.parametrize("vname,d", [("int2", 64), ("int3", 128)])
+@pytest.mark.parametrize("bn", [16, 32])
+@pytest.mark.parametrize("swap", [True, False])
+def test_joined_value_planes_only_from_32_token_tiles(vname, d, bn, swap):
+    """2/3-bit values are joined into one full-width tile only over tiles of >= 32 tokens
+    (16-token joined tiles computed wrong results on an H100 with triton 3.6); both tiles
+    match the twin."""
+    from localmoe.kernels.decode_attention import _codec_args, _constexprs
+
+    kc, ks, vc, vs, bt, lens = _build("int2", vname, [3, 40, 129], 2, d, 16, seed=5)
+    q = torch.randn(lens.numel(), 8, d, device=DEV)
+    ch = dict(block_n=bn, v_join=True, swap_ab=swap, fused_reduce=False, sz_pre="",
+              num_warps=2, num_stages=1)
+    meta = _constexprs(q, kc, _codec_args(kc, ks)[:7], vc, _codec_args(vc, vs)[:7], ch, 16,
+                       True, 2, False)
+    assert meta["V_JOIN"] == (bn >= 32)
+    _run(kc, ks, vc, vs, bt, lens, 4, 16, num_splits=2, block_n=bn, swap_ab=swap, v_join=True)
+
+
 def test_triton_runner_forward_runs_on_its_own_gpu(monkeypatch):
     """A runner on ``cuda:1`` makes GPU 1 the current device for the whole forward call
     (Triton launches on the current device); ``cuda`` and ``cpu`` runners leave it alone.
@@ -355,19 +374,21 @@ def _same_act(a, b) -> bool:
     return a.wide == b.wide and torch.equal(a.q, b.q) and torch.equal(a.pairs(), b.pairs())
 
 
-@pytest.mark.parametrize("fused_reduce,wide", [(False, False), (True, False), (False, True),
-                                               (True, True)])
-def test_quantized_output_for_the_o_projection(fused_reduce, wide):
+@pytest.mark.parametrize("fused_reduce,wide,d", [(False, False, 32), (True, False, 32),
+                                                 (False, True, 32), (True, True, 32),
+                                                 (False, False, 128), (False, True, 128)])
+def test_quantized_output_for_the_o_projection(fused_reduce, wide, d):
     """``quant_out`` receives the output in the int8 blocks of quantize_act (written by the
-    reduction; by a quantize launch after a fused reduce), bit for bit, with the residual
-    codes of ``wide`` ("int16") activations too, and the float output is unchanged."""
+    reduction, one 32-channel block per program; by a quantize launch after a fused reduce),
+    bit for bit, with the residual codes of ``wide`` ("int16") activations too, and the float
+    output is unchanged."""
     from localmoe.kernels.quant_gemv import QuantAct, quantize_act
 
-    kc, ks, vc, vs, bt, lens = _build("f16", "int4", [5, 40], 2, 32, 16)
-    q = torch.randn(2, 4, 32, device=DEV)
+    kc, ks, vc, vs, bt, lens = _build("f16", "int4", [5, 40], 2, d, 16)
+    q = torch.randn(2, 4, d, device=DEV)
     kw = dict(page_size=16, num_splits=3, block_n=16, fused_reduce=fused_reduce)
     plain = decode_attention(q, kc, ks, vc, vs, bt, lens, **kw)
-    qa = QuantAct.empty(2, 4 * 32, DEV, wide=wide)
+    qa = QuantAct.empty(2, 4 * d, DEV, wide=wide)
     out = decode_attention(q, kc, ks, vc, vs, bt, lens, quant_out=qa, **kw)
     assert torch.equal(out, plain)
     assert _same_act(qa, quantize_act(out.reshape(2, -1), wide=wide))
