@@ -1,7 +1,6 @@
 """Static SASS statistics of the quantized decode kernels for the H200 (sm_90), no GPU needed.
 
-Compiles the fused-MoE gate/up or down launch, or the quantized GEMV (alone or with the norm in
-front, ``norm_gemv``: kernels/norm_gemv.py), for one GGUF type and
+Compiles the fused-MoE gate/up or down launch, or the quantized GEMV, for one GGUF type and
 one launch choice (the fields of the ``moe_gate_up`` / ``moe_down`` / ``gemv`` knobs of
 ``kernels/configs``) with the installed Triton and its ptxas, and prints registers, spill
 stack, shared memory, and the memory instructions of the K loop (the largest backward-branch
@@ -54,14 +53,11 @@ def _signature(fn, const: dict, qtype: int) -> dict:
             sig[n] = {"xs_ptr": "*fp32", "hs_ptr": "*fp32", "p_ptr": "*fp32", "wts_ptr": "*fp32",
                       "out_ptr": "*fp16", "y_ptr": "*fp16", "dm_ptr": "*fp16",
                       "mn_ptr": "*fp16", "tr_ptr": "*i64", "lg_ptr": "*fp32",
-                      "rb_ptr": "*fp32", "rw_ptr": "*fp32", "x_ptr": "*bf16",
-                      "r_ptr": "*bf16", "nw_ptr": "*bf16", "d0_ptr": "*fp32", "nx_ptr": "*bf16",
-                      "nr_ptr": "*bf16",
-                      "d1_ptr": "*fp32", "d2_ptr": "*fp32", "d_ptr": _D.get(qtype, "*fp16"),
+                      "rb_ptr": "*fp32", "rw_ptr": "*fp32", "d_ptr": _D.get(qtype, "*fp16"),
                       "sc_ptr": _SC.get(qtype, "*i8"),
                       "qh_ptr": _QH.get(qtype, "*i32")}.get(n, "*i32")
         else:
-            sig[n] = "fp32" if n in ("rscale", "eps") else "i32"
+            sig[n] = "fp32" if n == "rscale" else "i32"
     return sig
 
 
@@ -84,14 +80,8 @@ def compile_quant(kind: str, qtype: int, cfg: dict, top_k: int = 8, extra: dict 
     elif kind == "gemv":
         fn = qg._quant_gemv_kernel
         const = dict(common, TP=1, ATOMIC=False, PREFETCH=False, LINE=32)
-    elif kind == "norm_gemv":   # the q/k/v GEMV with the norm in front (d_model 2048, one delta)
-        from localmoe.kernels import norm_gemv as ng
-
-        fn = ng._norm_gemv_kernel
-        const = dict(common, TP=1, PREFETCH=False, LINE=32, ND=1, HAS_W=True, STORE_R=True,
-                     BLOCK=2048, NB=64)
     else:
-        raise ValueError(f"kind must be gate_up, down, gemv or norm_gemv, not {kind!r}")
+        raise ValueError(f"kind must be gate_up, down or gemv, not {kind!r}")
     const.update(extra or {})
     for prm in fn.params:   # constexprs left at their defaults (e.g. gate/up's routing: off)
         if prm.is_constexpr and prm.name not in const and prm.has_default:
@@ -122,7 +112,7 @@ def late_loads(sass: str) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kind", choices=["gate_up", "down", "gemv", "norm_gemv"])
+    ap.add_argument("kind", choices=["gate_up", "down", "gemv"])
     ap.add_argument("--qtype", default="Q4_K")
     ap.add_argument("--config", action="append", required=True,
                     help="a launch choice as JSON (repeat to compare)")

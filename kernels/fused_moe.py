@@ -94,8 +94,6 @@ experts).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -108,7 +106,6 @@ from localmoe.kernels.router import GATING, Routing, route_pick
 from localmoe.kernels.qtensor import QUANT_QTYPES, QTYPE_NAMES, QuantTensor, chunk_values
 from localmoe.kernels.scratch import grown
 from localmoe.kernels.trace import RECORD, RECORD_C, stamp, stamp_end
-from localmoe.kernels.fused_norm import norm_args, norm_row_when_last, x_shape_checked
 from localmoe.kernels.quant_gemv import (
     QuantAct, _qk_loop, _x_rows, dequantize_act, lookahead_arg, pack_store_blocks, plane_args,
     quantize_act, quantize_act_ref, use_asm, wide_default,
@@ -290,19 +287,14 @@ def _gate_up_epilogue(gu, pid, pid_n, F, hq_ptr, hs_ptr, hq_rs, hs_rs,
 @triton.jit
 def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
                      q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr, tr_ptr,
-                     nx_ptr, nw_ptr, nr_ptr, nq_ptr, ns_ptr, cnt_ptr,
                      D, n_chunks, hq_rs, hs_rs, out_rs,
                      q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                     nx_rs, nr_rs, nq_rs, ns_rs, eps,
                      TOP_K: tl.constexpr, QTYPE: tl.constexpr, CV: tl.constexpr,
                      BN: tl.constexpr, CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr,
                      USE_ASM: tl.constexpr, PDL: tl.constexpr, ET: tl.constexpr = False,
                      TKP: tl.constexpr = 1, WIDE: tl.constexpr = False,
                      STAGES: tl.constexpr = 1, SLOTS: tl.constexpr = True,
-                     TRACE: tl.constexpr = False, LOOKAHEAD: tl.constexpr = False,
-                     NORM: tl.constexpr = False, N_HAS_W: tl.constexpr = False,
-                     N_STORE_R: tl.constexpr = False, N_BLOCK: tl.constexpr = 32,
-                     N_NB: tl.constexpr = 1, N_WIDE: tl.constexpr = False):
+                     TRACE: tl.constexpr = False, LOOKAHEAD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     if TRACE:   # one record per program (localmoe.kernels.trace): entry, waited, ids, ...
@@ -347,10 +339,6 @@ def _moe_down_kernel(hq_ptr, hs_ptr, out_ptr, ids_ptr, wts_ptr, slot_ptr,
     if TRACE:
         stamp(rec, 3, tl.sum(total).to(tl.int32, bitcast=True))
     tl.store(op, total.to(out_ptr.dtype.element_ty), mask=(loc < D)[None, :])
-    if NORM:   # the next layer's input norm, by the token's last program (fused_norm.py)
-        norm_row_when_last(cnt_ptr, t, tl.num_programs(0), nx_ptr, out_ptr, nw_ptr, nr_ptr,
-                           nq_ptr, ns_ptr, D, nx_rs, out_rs, nr_rs, nq_rs, ns_rs, eps,
-                           N_HAS_W, N_STORE_R, N_BLOCK, N_NB, N_WIDE)
     if TRACE:
         stamp_end(rec, 4, tl.sum(total).to(tl.int32, bitcast=True))
 
@@ -417,8 +405,7 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
               slot_of: torch.Tensor | None = None, activation: str = "silu",
               out: torch.Tensor | None = None, config: dict | None = None,
               route: Routing | None = None,
-              trace: tuple[torch.Tensor, torch.Tensor] | None = None,
-              norm: NextNorm | None = None) -> torch.Tensor:
+              trace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed-expert MLP for decode, in two launches, with no host sync.
 
     Args:
@@ -442,9 +429,6 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
         trace: a measuring tool (GPU only): int64 buffers ``(gate_up, down)`` of
             :func:`localmoe.kernels.trace.trace_buffer` shape, one record per program of each
             launch (:func:`moe_programs`); the kernels then write their time stamps there.
-        norm: the next layer's input norm computed by launch 2's last program of each token
-            (:class:`NextNorm`; ``x`` a QuantAct, so the output is float32): its residual and
-            int8 blocks land in ``norm.residual_out`` / ``norm.quant_out``, one launch less.
     Returns:
         ``[T, D]`` in ``x.dtype`` (float32 for a QuantAct) or ``out``.
     Raises:
@@ -474,7 +458,7 @@ def fused_moe(x: torch.Tensor | QuantAct, w_gate_up: QuantTensor, w_down: QuantT
                     trace=tg)
     dt = torch.float32 if isinstance(x, QuantAct) else x.dtype
     return moe_down(h, w_down, ids, topk_weights.contiguous(), slot_of, out=out, dtype=dt,
-                    config=cfg["down"], trace=td, norm=norm)
+                    config=cfg["down"], trace=td)
 
 
 def moe_programs(stage: str, w: QuantTensor, tokens: int, top_k: int,
@@ -593,69 +577,13 @@ def _split_scratch(split: int, rows: int, width: int, blocks: int, device
     return p, cnt
 
 
-class NextNorm(NamedTuple):
-    """What the down launch's last program per token computes after the MoE output
-    (:func:`moe_down` ``norm=``): the next layer's input norm, one launch less.
-
-    Attributes:
-        x: the residual stream ``[T, D]`` (float16/bfloat16/float32, rows contiguous) the MoE
-            output is added to.
-        weight: the norm weight ``[D]`` or None; eps: its epsilon.
-        residual_out: ``[T, D]`` in ``x``'s dtype receiving ``r = x + out`` (may be ``x``);
-            None: not stored (the final norm before the output head).
-        quant_out: the QuantAct ``[T, D]`` receiving the int8 blocks of ``rms_norm(r) * w``.
-    """
-
-    x: torch.Tensor
-    weight: torch.Tensor | None
-    eps: float
-    residual_out: torch.Tensor | None
-    quant_out: QuantAct
-
-
-_NORM_COUNTERS: dict = {}
-
-
-def _norm_args(norm: NextNorm | None, t: int, d: int, out: torch.Tensor) -> dict:
-    """The kernel arguments of :func:`moe_down`'s ``norm`` (stand-ins without one)."""
-    if norm is None:
-        z = out
-        return dict(ptrs=(z, z, z, z, z, z), strides=(0, 0, 0, 0, 0.0), const={})
-    x = norm.x
-    tx, n = x_shape_checked(x, True)
-    _, w = norm_args(x, [], norm.weight, norm.residual_out)
-    if (tx, n) != (t, d):
-        raise ValueError(f"moe_down: the next norm's x is {tuple(x.shape)}, the MoE output "
-                         f"[{t}, {d}]")
-    hq = norm.quant_out
-    if not isinstance(hq, QuantAct) or not hq.is_packed(t, d, x.device):
-        raise ValueError(f"moe_down: the next norm's quant_out must be a QuantAct [{t}, {d}] "
-                         f"on {x.device}")
-    if out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError("moe_down: a next norm reads the MoE output as float32 rows")
-    key = str(x.device)
-    cnt = _NORM_COUNTERS[key] = grown(_NORM_COUNTERS.get(key), (max(t, 64),), torch.int32,
-                                      x.device, zero=True)
-    r = norm.residual_out if norm.residual_out is not None else x
-    block = next_pow2(d)
-    return dict(ptrs=(x, w if w is not None else x, r, hq.q, hq.s, cnt),
-                strides=(x.stride(0), r.stride(0), hq.q.stride(0), hq.s.stride(0),
-                         float(norm.eps)),
-                const=dict(NORM=True, N_HAS_W=w is not None,
-                           N_STORE_R=norm.residual_out is not None, N_BLOCK=block,
-                           N_NB=block // 32, N_WIDE=hq.wide))
-
-
 def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor, slot_of: torch.Tensor | None,
              out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-             config: dict | None = None, trace: torch.Tensor | None = None,
-             norm: NextNorm | None = None) -> torch.Tensor:
+             config: dict | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """Launch 2 of :func:`fused_moe`: ``out [T, D] = sum_j topk_weights[t, j] * (h[t*top_k+j]
     @ W_down[e_j].T)`` (``dtype`` when ``out`` is None); ``h`` from :func:`moe_gate_up`;
-    ``slot_of`` None: expert ``e`` is in slot ``e``; ``trace``: see :func:`fused_moe`;
-    ``norm``: also the next layer's input norm of ``norm.x + out`` (:class:`NextNorm`; ``out``
-    float32), by each token's last program."""
+    ``slot_of`` None: expert ``e`` is in slot ``e``; ``trace``: see :func:`fused_moe`."""
     e, d, f = w_down.shape
     t, top_k = topk_ids.shape
     c = dict(moe_config("down", t, top_k, e, d, f, w_down.qtype, topk_ids.device),
@@ -668,17 +596,15 @@ def moe_down(h: QuantAct, w_down: QuantTensor, topk_ids: torch.Tensor,
     et = bool(c.get("experts_tile", False))
     tkp = next_pow2(top_k) if et else 1
     tr, targs = _trace_args(trace, cdiv(d, c["BN"]) * t, h.s)
-    na = _norm_args(norm, t, d, out)
     _moe_down_kernel[(cdiv(d, c["BN"]), t)](
         h.q, h.s, out, topk_ids, topk_weights, topk_ids if slot_of is None else slot_of, *ptrs,
-        tr, *na["ptrs"], d, f // cv,
-        h.q.stride(0), h.s.stride(0), out.stride(0), *strides, *na["strides"],
+        tr, d, f // cv,
+        h.q.stride(0), h.s.stride(0), out.stride(0), *strides,
         TOP_K=top_k, QTYPE=w_down.qtype, CV=cv, BN=c["BN"], CH=ch,
         EVEN=(d % c["BN"] == 0 and (f // cv) % ch == 0 and tkp in (1, top_k)),
         XB=c.get("xb", False), USE_ASM=c.get("asm", use_asm()), num_warps=c.get("num_warps", 4),
         ET=et, TKP=tkp, WIDE=h.wide, STAGES=int(c.get("stages", 1)), **_reg_cap(c),
-        SLOTS=slot_of is not None, **lookahead_arg(c), **targs, **na["const"],
-        **pdl_args(out.device))
+        SLOTS=slot_of is not None, **lookahead_arg(c), **targs, **pdl_args(out.device))
     return out
 
 

@@ -62,90 +62,13 @@ MAX_D = 8192
 
 
 @triton.jit
-def _add_delta(acc, d_ptr, d_ss, d_rs, S, r64, c, m, CG: tl.constexpr = False):
-    """acc += the delta at d_ptr ([T, D], or S slices d_ss apart, summed in order first);
-    ``CG``: loaded from L2 (``.cg``), for a delta other programs of this launch stored."""
+def _add_delta(acc, d_ptr, d_ss, d_rs, S, r64, c, m):
+    """acc += the delta at d_ptr ([T, D], or S slices d_ss apart, summed in order first)."""
     p = d_ptr + r64[:, None] * d_rs + c[None, :]
-    if CG:
-        d = tl.load(p, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        d = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(p, mask=m, other=0.0).to(tl.float32)
     for s in range(1, S):
         d += tl.load(p + s * d_ss, mask=m, other=0.0).to(tl.float32)
     return acc + d
-
-
-@triton.jit
-def add_norm_rows(x_ptr, d0_ptr, d1_ptr, d2_ptr, w_ptr, row0, T, D, x_rs,
-                  d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2, eps,
-                  ND: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr, CG: tl.constexpr = False):
-    """Rows ``row0 .. row0+ROWS-1`` (< T) of the residual add and RMSNorm:
-    ``(res, h, m, r64, c)`` with ``res`` [ROWS, BLOCK] ``x + sum(deltas)`` rounded to x's
-    dtype, ``h`` float32 the normed rows rounded to x's dtype, ``m`` the mask, ``r64`` the int64
-    row indices and ``c`` the columns (the module doc's numerics; nothing is stored). ``CG``:
-    the first delta is read from L2 (stored by other programs of the same launch)."""
-    row = row0 + tl.arange(0, ROWS)
-    c = tl.arange(0, BLOCK)
-    rm = row < T
-    cm = c < D
-    m = rm[:, None] & cm[None, :]
-    r64 = row.to(tl.int64)
-    acc = tl.load(x_ptr + r64[:, None] * x_rs + c[None, :], mask=m, other=0.0).to(tl.float32)
-    if ND >= 1:
-        acc = _add_delta(acc, d0_ptr, d0_ss, d0_rs, S0, r64, c, m, CG)
-    if ND >= 2:
-        acc = _add_delta(acc, d1_ptr, d1_ss, d1_rs, S1, r64, c, m)
-    if ND >= 3:
-        acc = _add_delta(acc, d2_ptr, d2_ss, d2_rs, S2, r64, c, m)
-    res = acc.to(x_ptr.dtype.element_ty)
-    # ---- RMSNorm: the expression of kernels/rms_norm.py on the rounded residual ------------
-    v = res.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
-    y = v * inv[:, None]
-    if HAS_W:
-        wv = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        y = y * wv[None, :]
-    h = y.to(x_ptr.dtype.element_ty).to(tl.float32)       # the activation dtype's rounding
-    return res, h, m, r64, c
-
-
-@triton.jit
-def quant_store_rows(h, row0, T, D, q_ptr, s_ptr, q_rs, s_rs, ROWS: tl.constexpr,
-                     NB: tl.constexpr, WIDE: tl.constexpr):
-    """The int8 blocks of ``h`` [ROWS, NB*32] (rows ``row0 ..``, < T; ``D`` values each) stored
-    the :class:`~localmoe.kernels.quant_gemv.QuantAct` way at ``q_ptr`` / ``s_ptr`` (row strides
-    ``q_rs`` / ``s_rs``; :func:`~localmoe.kernels.quant_gemv.pack_store_blocks`)."""
-    h4 = tl.reshape(h, (ROWS * NB, 2, 4, 4))             # [row*block, slice, word, byte]
-    rb = tl.arange(0, ROWS * NB)
-    rr = row0 + rb // NB
-    blk = rb % NB
-    bm = ((rr < T) & (blk < D // 32))[:, None, None, None]
-    rr4 = rr.to(tl.int64)[:, None, None, None]
-    pack_store_blocks(h4, blk[:, None, None, None], bm, q_ptr + rr4 * q_rs,
-                      s_ptr + rr4 * s_rs, WIDE)
-
-
-@triton.jit
-def norm_row_when_last(cnt_ptr, t, n_programs, x_ptr, d_ptr, nw_ptr, r_ptr, q_ptr, s_ptr,
-                       D, x_rs, d_rs, r_rs, q_rs, s_rs, eps, HAS_W: tl.constexpr,
-                       STORE_R: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                       WIDE: tl.constexpr):
-    """For a launch whose ``n_programs`` programs each store a part of row ``t`` of a delta
-    ``d [T, D]`` (call after the store): the last of them to get here (an acq_rel counter at
-    ``cnt_ptr + t`` orders the others' stores before it) adds the row to ``x``'s, normalizes
-    it and stores the residual (``STORE_R``, at ``r_ptr``: may be ``x``, no other program reads
-    it) and the row's int8 blocks (a :class:`~localmoe.kernels.quant_gemv.QuantAct` row at
-    ``q_ptr`` / ``s_ptr``), then leaves the counter at zero for the next launch."""
-    cnt = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
-    if cnt == n_programs - 1:
-        res, h, m, r64, c = add_norm_rows(x_ptr, d_ptr, x_ptr, x_ptr, nw_ptr, t, t + 1, D, x_rs,
-                                          0, d_rs, 1, 0, 0, 1, 0, 0, 1, eps, 1, HAS_W, 1,
-                                          BLOCK, True)
-        if STORE_R:
-            tl.store(r_ptr + r64[:, None] * r_rs + c[None, :], res, mask=m)
-        quant_store_rows(h, t, t + 1, D, q_ptr, s_ptr, q_rs, s_rs, 1, NB, WIDE)
-        tl.atomic_xchg(cnt_ptr + t, 0)
 
 
 @triton.jit
@@ -157,17 +80,42 @@ def _add_rms_norm_quant_kernel(
         QUANT: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
         PDL: tl.constexpr, WIDE: tl.constexpr = False):
     pdl_begin(PDL)
-    row0 = tl.program_id(0) * ROWS
-    res, h, m, r64, c = add_norm_rows(x_ptr, d0_ptr, d1_ptr, d2_ptr, w_ptr, row0, T, D, x_rs,
-                                      d0_ss, d0_rs, S0, d1_ss, d1_rs, S1, d2_ss, d2_rs, S2, eps,
-                                      ND, HAS_W, ROWS, BLOCK)
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK)
+    rm = row < T
+    cm = c < D
+    m = rm[:, None] & cm[None, :]
+    r64 = row.to(tl.int64)
+    acc = tl.load(x_ptr + r64[:, None] * x_rs + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if ND >= 1:
+        acc = _add_delta(acc, d0_ptr, d0_ss, d0_rs, S0, r64, c, m)
+    if ND >= 2:
+        acc = _add_delta(acc, d1_ptr, d1_ss, d1_rs, S1, r64, c, m)
+    if ND >= 3:
+        acc = _add_delta(acc, d2_ptr, d2_ss, d2_rs, S2, r64, c, m)
+    res = acc.to(x_ptr.dtype.element_ty)
     if STORE_R:
         tl.store(r_ptr + r64[:, None] * r_rs + c[None, :], res, mask=m)
+    # ---- RMSNorm: the expression of kernels/rms_norm.py on the rounded residual ------------
+    v = res.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    y = v * inv[:, None]
+    if HAS_W:
+        wv = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        y = y * wv[None, :]
+    h = y.to(x_ptr.dtype.element_ty).to(tl.float32)       # the activation dtype's rounding
     if STORE_H:
         tl.store(h_ptr + r64[:, None] * h_rs + c[None, :], h.to(h_ptr.dtype.element_ty), mask=m)
     # ---- int8 per 32 values, the layout of quantize_act ------------------------------------
     if QUANT:
-        quant_store_rows(h, row0, T, D, q_ptr, s_ptr, q_rs, s_rs, ROWS, NB, WIDE)
+        h4 = tl.reshape(h, (ROWS * NB, 2, 4, 4))             # [row*block, slice, word, byte]
+        rb = tl.arange(0, ROWS * NB)
+        rr = (tl.program_id(0) * ROWS + rb // NB)
+        blk = rb % NB
+        bm = ((rr < T) & (blk < D // 32))[:, None, None, None]
+        rr4 = rr.to(tl.int64)[:, None, None, None]
+        pack_store_blocks(h4, blk[:, None, None, None], bm, q_ptr + rr4 * q_rs,
+                          s_ptr + rr4 * s_rs, WIDE)
 
 
 def _fail(msg: str):
@@ -205,50 +153,6 @@ def _program_shape(n: int) -> tuple[int, int, int]:
     return rows, block, 4 if block >= 1024 else 1
 
 
-def x_shape_checked(x: torch.Tensor, quant: bool) -> tuple[int, int]:
-    """``(T, D)`` of a residual stream ``x`` the kernel takes, else ValueError / TypeError."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        _fail(f"x must be a [T, D] tensor, got {getattr(x, 'shape', type(x).__name__)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"add_rms_norm_quant: x must be float32/float16/bfloat16, got {x.dtype}")
-    t, n = x.shape
-    if x.stride(1) != 1:
-        _fail("x rows must be contiguous")
-    if quant and n % 32:
-        _fail(f"D = {n} is not a multiple of 32 (the int8 block size)")
-    if n > MAX_D or n < 1:
-        _fail(f"D = {n} is outside 1..{MAX_D}")
-    return t, n
-
-
-def norm_args(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch.Tensor | None,
-              residual_out: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
-    """The checked kernel arguments of the deltas (``(tensor, slice stride, row stride,
-    slices)`` each) and the norm weight (flat), after
-    checking ``residual_out``; ValueError / TypeError for what does not fit."""
-    t, n = x.shape
-    deltas = list(deltas or ())
-    if len(deltas) > MAX_DELTAS:
-        _fail(f"{len(deltas)} deltas, at most {MAX_DELTAS} per launch")
-    dargs = [_delta_args(x, d, i) for i, d in enumerate(deltas)]
-    if w is not None and (not isinstance(w, torch.Tensor) or w.numel() != n
-                          or w.device != x.device):
-        _fail(f"weight of {getattr(w, 'numel', lambda: '?')()} values on "
-              f"{getattr(w, 'device', '?')} for rows of {n} on {x.device}")
-    if w is not None and w.dim() != 1:
-        w = w.reshape(n)
-    if residual_out is not None:
-        if tuple(residual_out.shape) != (t, n) or residual_out.device != x.device:
-            _fail(f"residual_out must be [{t}, {n}] on {x.device}, got "
-                  f"{tuple(residual_out.shape)} on {residual_out.device}")
-        if residual_out.dtype != x.dtype:
-            raise TypeError(f"add_rms_norm_quant: residual_out must be {x.dtype}, "
-                            f"got {residual_out.dtype}")
-        if residual_out.stride(1) != 1:
-            _fail("residual_out rows must be contiguous")
-    return dargs, w
-
-
 def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch.Tensor | None,
                        eps: float, *, residual_out: torch.Tensor | None,
                        want_float: torch.dtype | None = None, quant: bool = True,
@@ -281,8 +185,36 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
         TypeError: a dtype that does not fit (partials must be float32; ``residual_out`` must
             have ``x``'s dtype).
     """
-    t, n = x_shape_checked(x, quant)
-    dargs, w = norm_args(x, deltas, w, residual_out)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        _fail(f"x must be a [T, D] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"add_rms_norm_quant: x must be float32/float16/bfloat16, got {x.dtype}")
+    t, n = x.shape
+    if x.stride(1) != 1:
+        _fail("x rows must be contiguous")
+    if quant and n % 32:
+        _fail(f"D = {n} is not a multiple of 32 (the int8 block size)")
+    if n > MAX_D or n < 1:
+        _fail(f"D = {n} is outside 1..{MAX_D}")
+    deltas = list(deltas or ())
+    if len(deltas) > MAX_DELTAS:
+        _fail(f"{len(deltas)} deltas, at most {MAX_DELTAS} per launch")
+    dargs = [_delta_args(x, d, i) for i, d in enumerate(deltas)]
+    if w is not None and (not isinstance(w, torch.Tensor) or w.numel() != n
+                          or w.device != x.device):
+        _fail(f"weight of {getattr(w, 'numel', lambda: '?')()} values on "
+              f"{getattr(w, 'device', '?')} for rows of {n} on {x.device}")
+    if w is not None and w.dim() != 1:
+        w = w.reshape(n)
+    if residual_out is not None:
+        if tuple(residual_out.shape) != (t, n) or residual_out.device != x.device:
+            _fail(f"residual_out must be [{t}, {n}] on {x.device}, got "
+                  f"{tuple(residual_out.shape)} on {residual_out.device}")
+        if residual_out.dtype != x.dtype:
+            raise TypeError(f"add_rms_norm_quant: residual_out must be {x.dtype}, "
+                            f"got {residual_out.dtype}")
+        if residual_out.stride(1) != 1:
+            _fail("residual_out rows must be contiguous")
     hf = float_out
     if hf is None and want_float is not None:
         hf = torch.empty((t, n), dtype=want_float, device=x.device)
@@ -298,7 +230,6 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
             _fail(f"quant_out must be a QuantAct for [{t}, {n}] on {x.device}")
     if t:
         rows, block, warps = _program_shape(n)
-        nd = len(dargs)
         while len(dargs) < MAX_DELTAS:
             dargs.append((x, 0, 0, 1))
         (d0, d0s, d0r, s0), (d1, d1s, d1r, s1), (d2, d2s, d2r, s2) = dargs
@@ -311,7 +242,7 @@ def add_rms_norm_quant(x: torch.Tensor, deltas: Sequence[torch.Tensor], w: torch
             r.stride(0), h.stride(0),
             qq.stride(0) if hq is not None else 0, qs.stride(0) if hq is not None else 0,
             float(eps),
-            ND=nd, HAS_W=w is not None, STORE_R=residual_out is not None,
+            ND=len(deltas), HAS_W=w is not None, STORE_R=residual_out is not None,
             STORE_H=hf is not None, QUANT=quant, ROWS=rows, BLOCK=block,
             NB=block // 32, WIDE=hq is not None and hq.wide, num_warps=warps,
             **pdl_args(x.device))

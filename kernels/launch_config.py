@@ -51,10 +51,7 @@ features of one launch; each knob names the features it may test:
   when left out: the next tile's loads issued into registers before this tile's dots) and
   knob ``gemv_split``
   (``min_programs``, ``max_split``: K is split in two, four, ... while the grid has fewer
-  than ``min_programs`` programs, at most ``max_split`` ways). Knob ``norm_gemv``: the same
-  fields for the GEMV whose programs also normalize their input
-  (:mod:`localmoe.kernels.norm_gemv`; each program repeats the norm, so fewer, fatter
-  programs than ``gemv``'s).
+  than ``min_programs`` programs, at most ``max_split`` ways).
 
 * fused MoE, knobs ``moe_gate_up`` (launch 1) and ``moe_down`` (launch 2), fields ``BN``,
   ``CH``, ``num_warps``, ``xb``, ``stages`` as for the GEMV, and ``maxnreg`` (a cap on
@@ -122,7 +119,6 @@ KNOBS: dict[str, Knob] = {
     "fused_reduce": Knob(("fused_reduce",), ATTENTION_FEATURES),
     "gemv": Knob(_QUANT_TILE, GEMV_FEATURES, _QUANT_OPTIONAL),
     "gemv_split": Knob(("min_programs", "max_split"), GEMV_FEATURES),
-    "norm_gemv": Knob(_QUANT_TILE, GEMV_FEATURES, _QUANT_OPTIONAL),
     "moe_gate_up": Knob(_QUANT_TILE + ("split", "maxnreg"), MOE_FEATURES, _QUANT_OPTIONAL),
     "moe_down": Knob(_QUANT_TILE + ("experts_tile", "maxnreg"), MOE_FEATURES, _QUANT_OPTIONAL),
     "router": Knob(("num_warps",), ROUTER_FEATURES),

@@ -645,13 +645,14 @@ def _words(QTYPE: tl.constexpr):
 
 
 @triton.jit
-def gemv_program(q_ptr, q_rs, N, n_chunks, split_chunks, QTYPE: tl.constexpr,
-                 BN: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-                 PDL: tl.constexpr):
-    """The start of a GEMV program (row block ``program_id(0)``, K part ``program_id(1)``):
-    the optional L2 prefetch of its weight rows, then PDL's wait. Returns ``(pid_k, rows,
-    rmask4, rows4, c_begin, c_end)``: the K part, the ``BN`` weight rows (and their mask and
-    int64 rows as ``[1, BN, 1, 1]``) and the part's chunk range."""
+def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
+                       N, T, n_chunks, split_chunks,
+                       xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
+                       QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
+                       CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
+                       USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
+                       STAGES: tl.constexpr = 1, LOOKAHEAD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -661,23 +662,8 @@ def gemv_program(q_ptr, q_rs, N, n_chunks, split_chunks, QTYPE: tl.constexpr,
     c_end = tl.minimum(c_begin + split_chunks, n_chunks)
     if PREFETCH:   # the weights are constant: fetch them while the previous kernel finishes
         prefetch_rows_l2(q_ptr, rows, rows < N, q_rs, c_begin * _words(QTYPE),
-                         c_end * _words(QTYPE), LINE, PDL)
+                       c_end * _words(QTYPE), LINE, PDL)
     pdl_begin(PDL)
-    return pid_k, rows, rmask4, rows4, c_begin, c_end
-
-
-@triton.jit
-def gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                N, T, rows, rows4, rmask4, c_begin, c_end, pid_k,
-                xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
-                USE_ASM: tl.constexpr, WIDE: tl.constexpr, STAGES: tl.constexpr,
-                LOOKAHEAD: tl.constexpr):
-    """The GEMV program's work after PDL's wait: for each of the ``TP`` token rows (< T) of
-    the QuantAct at ``xq_ptr`` / ``xs_ptr``, the dots of chunks ``c_begin .. c_end - 1`` of
-    the weight ``rows`` (:func:`_qk_loop`), stored (``ATOMIC``: added) at ``y_ptr`` slice
-    ``pid_k`` (``y_ss`` its stride, 0: one output)."""
     # one pass over the K range per token: every tile then has the weights' register layout;
     # passes after the first re-read this program's rows from L1/L2, not from HBM
     for ti in tl.static_range(TP):
@@ -697,23 +683,6 @@ def gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_
             tl.atomic_add(yp, out, mask=ym)
         else:
             tl.store(yp, out.to(y_ptr.dtype.element_ty), mask=ym)
-
-
-@triton.jit
-def _quant_gemv_kernel(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                       N, T, n_chunks, split_chunks,
-                       xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                       QTYPE: tl.constexpr, CV: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                       CH: tl.constexpr, EVEN: tl.constexpr, XB: tl.constexpr, ATOMIC: tl.constexpr,
-                       USE_ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
-                       LINE: tl.constexpr = 32, WIDE: tl.constexpr = False,
-                       STAGES: tl.constexpr = 1, LOOKAHEAD: tl.constexpr = False):
-    pid_k, rows, rmask4, rows4, c_begin, c_end = gemv_program(
-        q_ptr, q_rs, N, n_chunks, split_chunks, QTYPE, BN, PREFETCH, LINE, PDL)
-    gemv_tokens(xq_ptr, xs_ptr, y_ptr, q_ptr, qh_ptr, d_ptr, dm_ptr, sc_ptr, mn_ptr,
-                N, T, rows, rows4, rmask4, c_begin, c_end, pid_k,
-                xq_rs, xs_rs, y_rs, y_ss, q_rs, qh_rs, d_rs, dm_rs, sc_rs, mn_rs,
-                QTYPE, CV, TP, BN, CH, EVEN, XB, ATOMIC, USE_ASM, WIDE, STAGES, LOOKAHEAD)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -824,7 +793,7 @@ def plane_args(w: QuantTensor) -> tuple[list[torch.Tensor], list[int]]:
     return ptrs, strides
 
 
-def gemv_config(n: int, k: int, t: int, qtype: int, device=None, knob: str = "gemv") -> dict:
+def gemv_config(n: int, k: int, t: int, qtype: int, device=None) -> dict:
     """Launch choice for ``t`` tokens of an ``[n, k]`` weight of GGUF type ``qtype`` on
     ``device`` (a torch device or its name; None: the table of a CUDA device without a file of
     its own, the H200's): ``BN`` rows per program, ``CH`` chunks per tile (at most the K chunks
@@ -832,11 +801,10 @@ def gemv_config(n: int, k: int, t: int, qtype: int, device=None, knob: str = "ge
     rule sets it (:func:`_qk_loop`), and ``split`` programs over K
     (doubled while the grid has fewer than ``min_programs`` programs, at most ``max_split``
     ways, each part keeping at least ``CH`` chunks), from the ``gemv`` and ``gemv_split``
-    knobs of the device's launch table (:mod:`localmoe.kernels.launch_config`); ``knob``
-    ``"norm_gemv"``: the tile of :mod:`localmoe.kernels.norm_gemv`'s launch."""
+    knobs of the device's launch table (:mod:`localmoe.kernels.launch_config`)."""
     table = device_table(device)
     feats = {"tokens": t, "n": n, "k": k, "qtype": QTYPE_NAMES[qtype]}
-    cfg = table.lookup(knob, **feats)
+    cfg = table.lookup("gemv", **feats)
     sp = table.lookup("gemv_split", **feats)
     n_chunks = k // chunk_values(qtype)
     cfg["CH"] = min(cfg["CH"], next_pow2(n_chunks))
@@ -912,11 +880,10 @@ def quant_gemv(x: torch.Tensor | QuantAct, w: QuantTensor, out: torch.Tensor | N
     return out
 
 
-def _plan(w: QuantTensor, t: int, config: dict | None, knob: str = "gemv"
-          ) -> tuple[dict, int, int, int]:
+def _plan(w: QuantTensor, t: int, config: dict | None) -> tuple[dict, int, int, int]:
     """(config, K chunks, programs over K, chunks per K program) of ``t`` tokens."""
     n, k = w.shape
-    cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device, knob=knob), **(config or {}))
+    cfg = dict(gemv_config(n, k, t, w.qtype, device=w.device), **(config or {}))
     n_chunks = k // chunk_values(w.qtype)
     split = cfg.get("split", 1)
     split_chunks = cdiv(cdiv(n_chunks, split), cfg["CH"]) * cfg["CH"]

@@ -16,8 +16,6 @@ residual add + RMSNorm + int8 quant     :func:`localmoe.kernels.fused_norm.add_r
                                         partials of the O projection, into the residual)
 q/k/v projection                        quantized GEMV writing split-K partials (no zeroing, no
                                         atomics): :func:`localmoe.kernels.quant_gemv.quant_gemv`
-                                        (``LOCALMOE_NORM_QKV=1``: the two rows above in one launch,
-                                        :func:`localmoe.kernels.norm_gemv.norm_gemv_partials`)
 q/k norm + RoPE + K/V append            :func:`localmoe.kernels.qk_rope_append.qk_rope_append`
 attention                               :func:`localmoe.kernels.decode_attention.decode_attention`
 O projection                            GEMV partials (the attention's reduction writes its int8
@@ -95,17 +93,6 @@ class FusedDecode:
         # ... and the routing (top-k of the logits) done by the experts' first launch, not by
         # the router's last program (LOCALMOE_ROUTE_IN_MOE=0: the router routes)
         self.route_in_moe = os.environ.get("LOCALMOE_ROUTE_IN_MOE", "1") != "0"
-        # the attention's input norm computed by the q/k/v GEMV's programs themselves
-        # (kernels/norm_gemv.py), one launch less per layer, at 1-2 tokens (every program
-        # repeats the norm of every token row); off until timed on a GPU (LOCALMOE_NORM_QKV=1
-        # turns it on)
-        self.norm_qkv = (os.environ.get("LOCALMOE_NORM_QKV", "0") == "1"
-                         and runner.model.spec.d_model <= MAX_D)
-        # ... or by the MoE down launch's last program of each token, where the MoE output is
-        # the layer's only delta (kernels/fused_moe.py NextNorm): off until timed on a GPU
-        # (LOCALMOE_NORM_IN_DOWN=1 turns it on)
-        self.norm_in_down = (os.environ.get("LOCALMOE_NORM_IN_DOWN", "0") == "1"
-                             and runner.model.spec.d_model <= MAX_D)
 
     # -- pieces (the fused kernels, with their unfused equivalents where a kernel is absent) --
     @staticmethod
@@ -127,20 +114,6 @@ class FusedDecode:
             return quant_gemv_partials(xa, lin.parts[0])
         outs = [quant_gemv_partials(xa, p).sum(0) for p in lin.parts]
         return torch.cat(outs, -1)[None]
-
-    def _norm_qkv(self, x, deltas, L: dict, eps: float):
-        """``(r, qkv)``: the residual ``x + sum(deltas)`` and the q/k/v projection's split-K
-        partials ``[S, T, N]`` of its normed rows: one launch with :attr:`norm_qkv` at 1-2
-        tokens (the residual then goes to a new buffer: every program reads ``x``), else the
-        norm kernel (``r`` in place) and the GEMV."""
-        parts = L["wqkv"].parts
-        if self.norm_qkv and len(parts) == 1 and x.shape[0] <= 2:
-            from localmoe.kernels.norm_gemv import norm_gemv_partials
-
-            return norm_gemv_partials(x, deltas, L["attn_norm"], eps, parts[0],
-                                      residual_out=torch.empty_like(x))
-        x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, x)
-        return x, self._gemv(hq, L["wqkv"])
 
     # -- the step -------------------------------------------------------------------------
     def step(self, tokens, positions, slots, lens, rows, block_table, max_len: int
@@ -165,14 +138,11 @@ class FusedDecode:
         eps = s.norm_eps
         x = m.embed(tokens)
         deltas: list = []
-        pre = None                  # the layer's input norm, when the down launch computed it
         ropes = m.layer_rope_tables(positions)
         for i in range(s.n_layers):
             L = m.layers[i]
-            if pre is not None:     # x already holds the residual
-                qkv = self._gemv(pre, L["wqkv"])
-            else:
-                x, qkv = self._norm_qkv(x, deltas, L, eps)
+            x, hq, _ = self._norm_quant(x, deltas, L["attn_norm"], eps, x)
+            qkv = self._gemv(hq, L["wqkv"])
             cos2, sin2 = ropes[i][0], ropes[i][1]
             q = qk_rope_append(
                 qkv, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
@@ -201,15 +171,9 @@ class FusedDecode:
                     want_float=torch.float32 if moe else m.dtype,
                     quant_out=(QuantAct.empty(B, s.d_model, x.device, wide_default(None, True))
                                if moe else None))
-            nxt = None
-            if self.norm_in_down:   # (the residual is not needed after the last layer)
-                last = i + 1 == s.n_layers
-                nxt = (x, m.output_norm if last else m.layers[i + 1]["attn_norm"],
-                       None if last else x)
-            deltas, pre = self._ffn(i, L, hq, hf, routed=routed, next_norm=nxt)
-        if pre is None:
-            _, pre, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
-        return self._head(pre)
+            deltas = self._ffn(i, L, hq, hf, routed=routed)
+        _, hq, _ = self._norm_quant(x, deltas, m.output_norm, eps, None)
+        return self._head(hq)
 
     # -- prefill of a new sequence (the body of the prefill graphs) ---------------------------
     def prefill(self, tokens, positions, slots, last) -> tuple[torch.Tensor, list]:
@@ -269,7 +233,7 @@ class FusedDecode:
             o = L["wo"](o[0].transpose(0, 1).reshape(n, -1))
             x, _, h = self._norm_quant(x, [o], L["ffn_norm"], eps, x, quant=False,
                                        want_float=m.dtype)
-            deltas, _ = self._ffn(i, L, None, h)
+            deltas = self._ffn(i, L, None, h)
         _, _, h = self._norm_quant(x, deltas, m.output_norm, eps, None, quant=False,
                                    want_float=m.dtype)
         return m.logits(h.index_select(0, last)), pending
@@ -292,37 +256,25 @@ class FusedDecode:
         r, hq, hf, w, ids = norm_router_fused(*args, **kw)
         return r, hq, hf, (w, ids)
 
-    def _ffn(self, i: int, L: dict, hq, hf, routed=None, next_norm=None) -> tuple:
-        """``(deltas, pre)``: the FFN/MoE outputs of layer ``i`` (to be added to the residual)
-        from its normed input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its
-        QuantAct: the fused decode MoE); ``hq`` None: many tokens (the grouped prefill MoE).
-        ``routed``: the routing ``(weights, ids)`` when it was computed with the norm, or its
-        :class:`~localmoe.kernels.router.Routing` (the experts' first launch routes).
-        ``next_norm``: ``(x, norm weight, residual_out)`` of the next norm, which the down
-        launch computes where the routed experts' output is the only delta (no shared
-        expert): then ``deltas`` is empty and ``pre`` the next layer's QuantAct (the residual
-        written to ``residual_out``); else ``pre`` is None."""
-        from localmoe.kernels.fused_moe import NextNorm, fused_moe
+    def _ffn(self, i: int, L: dict, hq, hf, routed=None) -> list:
+        """The FFN/MoE outputs of layer ``i`` (to be added to the residual) from its normed
+        input ``hf`` (floats ``[T, D]``) and, for 1-8 tokens, ``hq`` (its QuantAct: the fused
+        decode MoE); ``hq`` None: many tokens (the grouped prefill MoE). ``routed``: the
+        routing ``(weights, ids)`` when it was computed with the norm, or its
+        :class:`~localmoe.kernels.router.Routing` (the experts' first launch routes)."""
+        from localmoe.kernels.fused_moe import fused_moe
         from localmoe.kernels.quant_gemm import moe_prefill
-        from localmoe.kernels.quant_gemv import QuantAct
         from localmoe.kernels.router import Routing
         from localmoe.model.routing import shared_expert_gate
 
         m = self.runner.model
         if "router" not in L:
-            return [m._glu(i, hf, "gate_up", "down")], None
+            return [m._glu(i, hf, "gate_up", "down")]
         moe = m.moe
         ex = m.experts
         if isinstance(routed, Routing):
-            norm = pre = None
-            if next_norm is not None and "sh_gate_up" not in L:
-                x, w, r = next_norm
-                pre = QuantAct.empty(x.shape[0], x.shape[1], x.device)
-                norm = NextNorm(x, w, m.spec.norm_eps, r, pre)
             out = [fused_moe(hq, ex.gate_up[i], ex.down[i], None, None, slot_of=ex.slots(i),
-                             activation=moe.activation, route=routed, norm=norm)]
-            if pre is not None:     # the output is already in the residual
-                return [], pre
+                             activation=moe.activation, route=routed)]
         else:
             w, ids = routed if routed is not None else moe.route(i, hf)
             run, slot = ((fused_moe, ex.slots(i)) if hq is not None
@@ -335,7 +287,7 @@ class FusedDecode:
             if "sh_gate" in L:
                 sh = sh * shared_expert_gate(h, L["sh_gate"])
             out.append(sh)
-        return out, None
+        return out
 
     def _head(self, hq) -> torch.Tensor:
         """Logits ``[B, vocab]`` float32 from the final normed rows (a QuantAct)."""

@@ -682,53 +682,6 @@ def test_prefill_graphs_fill_a_quantized_cache(files):
     assert int(nexts[0].argmax()) == int(nexts[1].argmax())
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3moe"] + (["tiny-llama"] if CUDA else []))
-def test_norms_fused_into_neighbours_compute_the_same_step(files, preset, monkeypatch):
-    """The attention's input norm computed inside another launch decodes what the norm kernel
-    decodes: LOCALMOE_NORM_QKV=1 (kernels/norm_gemv.py: each q/k/v GEMV program normalizes
-    the residual itself; layer 0 of the MoE preset, every layer of the dense one, on the GPU
-    only: the interpreter takes ~80 s a preset) and LOCALMOE_NORM_IN_DOWN=1 (the MoE down
-    launch's last program per token normalizes for the next layer and the output head: the
-    MoE preset's layer 1 and its final norm). The same bits in the interpreter (the same
-    jitted norm code), within the fp16 rounding of the norm's summation order on the GPU."""
-    from localmoe.kernels import fused_moe, norm_gemv
-
-    seen = {"norm_gemv": 0, "down_norm": 0}
-    ng, down = norm_gemv.norm_gemv_partials, fused_moe.moe_down
-
-    def spy_ng(*a, **kw):
-        seen["norm_gemv"] += 1
-        return ng(*a, **kw)
-
-    def spy_down(*a, **kw):
-        seen["down_norm"] += kw.get("norm") is not None
-        return down(*a, **kw)
-
-    monkeypatch.setattr(norm_gemv, "norm_gemv_partials", spy_ng)
-    monkeypatch.setattr(fused_moe, "moe_down", spy_down)
-    mf = open_model(str(files[preset]))
-    monkeypatch.setenv("LOCALMOE_NORM_QKV", "1")
-    monkeypatch.setenv("LOCALMOE_NORM_IN_DOWN", "1")
-    r = TritonRunner(mf, n_ctx=64, device=DEV, dtype=DT, max_seqs=2, kv_spec="f16")
-    assert r.fused is not None and r.fused.norm_qkv and r.fused.norm_in_down
-    runs = {}
-    for on in ("0", "1"):        # one runner (the interpreter's time): the switches flipped
-        r.fused.norm_qkv = r.fused.norm_in_down = on == "1"
-        seq = r.new_sequence()
-        r.forward([(seq, [5, 9, 2, 7])])
-        runs[on] = torch.stack([r.forward([(seq, [11 + step])])[0]
-                                for step in range(1 if not CUDA else 3)]).float()
-        if on == "0":
-            assert seen == {"norm_gemv": 0, "down_norm": 0}, seen
-    # both fused launches ran (the MoE preset's layer 0 has no down launch before it)
-    assert seen["norm_gemv"] > 0 and (seen["down_norm"] > 0) == (preset == "tiny-qwen3moe"), seen
-    if CUDA:
-        scale = runs["0"].abs().max()
-        assert (runs["1"] - runs["0"]).abs().max() < 2e-2 * scale
-    else:
-        assert torch.equal(runs["0"], runs["1"]), (runs["0"] - runs["1"]).abs().max()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch needs a GPU")
 @pytest.mark.parametrize("preset,kv", [("tiny-qwen3moe", "f16"), ("tiny-olmoe", "int4")])

@@ -19,7 +19,7 @@ if not CUDA:
 triton = pytest.importorskip("triton")
 
 from localmoe.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
-from localmoe.kernels.quant_gemv import dequantize_act, quantize_act, use_act_precision  # noqa: E402
+from localmoe.kernels.quant_gemv import quantize_act, use_act_precision  # noqa: E402
 from localmoe.kernels.qtensor import BLOCK_SIZES, QTYPE_NAMES, QuantTensor, random_gguf_blocks  # noqa: E402
 
 from tests import tolerances as tol  # noqa: E402
@@ -333,51 +333,3 @@ def test_routing_in_the_gate_up_launch(gating, norm, bias, split, e, top_k):
         fused_moe(x, gu, wd, None, None, route=rt._replace(logits=logits[:, :-1].to(DEV)))
     with pytest.raises(ValueError, match="ids / weights buffers"):
         fused_moe(x, gu, wd, None, None, route=rt._replace(ids=ids_buf.long()))
-
-
-@pytest.mark.parametrize("tiled,tokens,dtype", [(False, 1, torch.float16), (True, 3, torch.bfloat16),
-                                                (False, 2, torch.float32)],
-                         ids=["unrolled-t1-f16", "tile-t3-bf16", "unrolled-t2-f32"])
-def test_next_norm_in_the_down_launch(tiled, tokens, dtype):
-    """``norm=NextNorm(...)``: each token's last down program (an acq_rel counter) adds the
-    MoE output to the residual, normalizes it and writes the next layer's int8 input: the
-    same residual and QuantAct as add_rms_norm_quant over the launch's output (bit for bit in
-    the interpreter; on the GPU the norm's float32 sum may be ordered differently), in place
-    or to another buffer, without the residual (a final norm) too, and the counters left at
-    zero for the next launch."""
-    from localmoe.kernels.fused_moe import NextNorm, _NORM_COUNTERS
-    from localmoe.kernels.fused_norm import add_rms_norm_quant
-    from localmoe.kernels.quant_gemv import QuantAct
-
-    e, f, d = 5, 96, 96          # Q8_0 experts: outputs that fit float16 (random K-quant
-    gu, wd = experts(8, 8, e, f, d, seed=31)          # blocks give ~1e6); d not a power of two
-    torch.manual_seed(tokens)
-    xa = quantize_act(torch.randn(tokens, d, device=DEV))
-    ids, w = route(tokens, e, 2, seed=tokens)
-    cfg = {"gate_up": {"BN": 32, "CH": 1}, "down": {"BN": 32, "CH": 2, "experts_tile": tiled}}
-    nw = (torch.rand(d, device=DEV) + 0.5).to(dtype)
-    for store, in_place in ((True, True), (True, False), (False, False)):
-        x = (torch.randn(tokens, d, device=DEV) * 2).to(dtype)
-        x0 = x.clone()
-        r = x if in_place else torch.full_like(x, float("nan"))
-        hq = QuantAct.empty(tokens, d, DEV)
-        y = fused_moe(xa, gu, wd, ids, w, config=cfg,
-                      norm=NextNorm(x, nw, 1e-6, r if store else None, hq))
-        assert torch.equal(y, fused_moe(xa, gu, wd, ids, w, config=cfg))   # the output as before
-        r2, hq2, _ = add_rms_norm_quant(x0, [y], nw, 1e-6, residual_out=x0.clone())
-        assert torch.isfinite(r2).all() and hq2.d.abs().min() > 0
-        if store:
-            assert torch.equal(r, r2)
-        else:
-            assert torch.equal(x, x0)                    # nothing stored
-        if CUDA:
-            assert rel(dequantize_act(hq), dequantize_act(hq2)) < tol.FP16
-        else:
-            assert torch.equal(hq.q, hq2.q) and torch.equal(hq.pairs(), hq2.pairs())
-        assert not _NORM_COUNTERS[str(x.device)].any(), "a counter left non-zero"
-    with pytest.raises(ValueError, match="QuantAct"):
-        fused_moe(xa, gu, wd, ids, w, config=cfg, norm=NextNorm(x, nw, 1e-6, None, None))
-    with pytest.raises(ValueError, match="next norm's x"):
-        fused_moe(xa, gu, wd, ids, w, config=cfg,
-                  norm=NextNorm(x[:, :64].contiguous(), None, 1e-6, None,
-                                QuantAct.empty(tokens, 64, DEV)))
