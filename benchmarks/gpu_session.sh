@@ -27,11 +27,9 @@
 #                                      default .ab/: the same relative paths), A/B/A/B (~5 min)
 #   benchmarks/gpu_session.sh codeablong  the same swap timed by vs_llamacpp at long context
 #                                      (CODE_AB_KV, CODE_AB_DEPTHS: f16/int2 at 64k, 16k) (~7 min)
-#   benchmarks/gpu_session.sh envab    GPU tests of the attention norm fused into the q/k/v GEMV
-#                                      (kernels/norm_gemv.py) or the MoE down launch, then the
-#                                      decode graph with environment switches (ENV_VARIANTS,
-#                                      default LOCALMOE_NORM_QKV=1, LOCALMOE_NORM_IN_DOWN=1)
-#                                      against none, A/B/C/A/B/C in fresh processes (~7 min)
+#   benchmarks/gpu_session.sh envab    the decode graph with environment switches (ENV_VARIANTS,
+#                                      {tag: {VAR: value}}) against none, A/B/A/B in fresh
+#                                      processes (~1 min per variant)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
 #                                      and 16 waves (~6 min)
@@ -265,16 +263,13 @@ json.dump(rows, open(sys.argv[1], "w"), indent=1)
 PY
     ;;
   envab)
-    # a switch of the fused step read from the environment (ENV_VARIANTS: {tag: {VAR: value}})
-    # against the defaults; first the GPU tests of what the default switch turns on
-    timeout 200 python3 -m pytest -q -x tests/kernels/test_norm_gemv.py \
-      tests/kernels/test_fused_moe.py tests/backends/test_triton_quant.py \
-      -k "norm_gemv or next_norm or norms_fused" >"$OUT/tests.log" 2>&1
-    say "tests rc=$?"; tail -3 "$OUT/tests.log"
+    # a switch of the fused step read from the environment (ENV_VARIANTS: {tag: {VAR: value}},
+    # e.g. '{"nopdl": {"LOCALMOE_PDL": "0"}}') against the defaults
+    : "${ENV_VARIANTS:?set ENV_VARIANTS to a JSON object {tag: {VAR: value}}}"
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
     F=$(tail -1 "$OUT/file.log")
-    VARS=${ENV_VARIANTS:-'{"normqkv": {"LOCALMOE_NORM_QKV": "1"}, "normdown": {"LOCALMOE_NORM_IN_DOWN": "1"}}'}
+    VARS=$ENV_VARIANTS
     TAGS=$(python3 -c "import json, sys; print(' '.join(json.loads(sys.argv[1])))" "$VARS")
     for i in 1 2; do
       for v in base $TAGS; do
@@ -293,8 +288,9 @@ PY
     # (LOCALMOE_LAUNCH_CONFIG files written here), against f16, in fresh processes
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
       >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }   # (written before the timed runs)
-    # the tile variants: INT2_TILES, a JSON object {tag: changes to the rule, "fused_reduce":
-    # true also merging the splits in the split launch for those cases}; the runs:
+    # the tile variants: INT2_TILES, a JSON object {tag: changes to the rule; the attention
+    # knobs fused_reduce, num_stages, sz_pre, swap_ab, v_join get a rule of their own for
+    # those cases}; the runs:
     # INT2_VARIANTS (f16, base = the table, or a tag), each at every depth of INT2_DEPTHS
     python3 - "$OUT" <<'PY'
 import copy, json, os, sys
@@ -308,9 +304,10 @@ tiles = json.loads(os.environ.get("INT2_TILES") or json.dumps(
 for tag, ch in tiles.items():
     v = copy.deepcopy(t)
     ch = dict(ch)
-    if "fused_reduce" in ch:   # the splits merged in the split launch, for the same cases
-        v["fused_reduce"].insert(0, {"when": v["tile"][i]["when"],
-                                     "fused_reduce": bool(ch.pop("fused_reduce"))})
+    for knob in ("fused_reduce", "num_stages", "sz_pre", "swap_ab", "v_join"):
+        if knob in ch:   # another attention knob (e.g. fused_reduce: the splits merged in the
+            # split launch), for the same cases
+            v[knob].insert(0, {"when": v["tile"][i]["when"], knob: ch.pop(knob)})
     v["tile"][i].update(ch)
     json.dump(v, open(f"{sys.argv[1]}/lc-{tag}.json", "w"), indent=1)
 PY
