@@ -34,6 +34,7 @@ message box. Export (F4) suggests a free file name and never overwrites an exist
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -339,6 +340,9 @@ def run_chat(model: str | None = None, backend: str = "auto", n_ctx: int | None 
         app.store.close()
 
 
+#: seconds a quit signal gives the UI to exit before the process ends at once (128 + signal)
+QUIT_GRACE_S = 5.0
+
 #: the signals that quit the chat UI as Ctrl+Q does (``kill``, ``timeout``, a closed terminal)
 QUIT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
@@ -366,13 +370,25 @@ def quit_on_signals(app):
         except RuntimeError:            # before or after the loop: stop as Ctrl-C would
             raise KeyboardInterrupt from None
         loop.call_soon_threadsafe(lambda: app.exit(return_code=128 + signum))
+        # the loop can be stuck where it never gets to the exit: a terminal that stopped
+        # reading filled the pty, the display blocks on Textual's full write queue, and when the
+        # terminal then closes Textual's writer thread dies, so the queue never drains (the
+        # process stayed up for good, its input thread spinning at 100% CPU). Quit regardless.
+        if not watchdog:
+            t = threading.Timer(QUIT_GRACE_S, os._exit, args=(128 + signum,))
+            t.daemon = True
+            watchdog.append(t)
+            t.start()
 
+    watchdog: list[threading.Timer] = []
     for s, h in prev.items():
         if h is signal.SIG_DFL:
             signal.signal(s, on_signal)
     try:
         yield
     finally:
+        for t in watchdog:
+            t.cancel()
         for s, h in prev.items():
             if h is signal.SIG_DFL:
                 signal.signal(s, h)

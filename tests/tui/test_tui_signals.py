@@ -81,3 +81,33 @@ def test_a_signal_quits_the_chat_ui_and_restores_the_terminal(tiny, tmp_path, na
         assert seq in tail, (repr(seq), tail[-1000:])
     assert line in tail.split("\x1b[?1049l")[-1], tail[-500:]
     assert "Traceback" not in out
+
+
+_STUCK = """
+import asyncio, os, signal, threading, time
+from tui.app import quit_on_signals
+
+class App:                      # a UI whose event loop never gets to its exit
+    def exit(self, return_code=0):
+        raise AssertionError("the stuck loop ran the exit")
+
+async def main():
+    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGHUP)).start()
+    while True:
+        time.sleep(0.05)        # blocked, as on a full write queue to a dead terminal
+
+with quit_on_signals(App()):
+    asyncio.run(main())
+"""
+
+
+def test_a_quit_signal_ends_the_process_even_when_the_ui_loop_is_stuck():
+    """A terminal that stopped reading and then closed left ``localmoe chat`` blocked on
+    Textual's write queue for good (its input thread spinning): SIGHUP / SIGTERM now end the
+    process after a grace period even when the UI never gets to quit."""
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _STUCK], preexec_fn=_default_signals,
+                       capture_output=True, text=True, timeout=30,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert p.returncode == 128 + signal.SIGHUP, p.stderr
+    assert time.monotonic() - start < 30
