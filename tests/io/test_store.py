@@ -1265,3 +1265,16 @@ def test_a_linked_file_changed_behind_the_stores_back_is_marked_and_linked_again
     assert m.linked and not m.changed and m.path == f
     assert m.sha256 == hashlib.sha256(other).hexdigest() and m.recorded_size == len(other)
     assert [x.name for x in st.list()] == ["mine"]
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\t"])
+def test_a_blank_localmoe_home_counts_as_unset(blank, monkeypatch, tmp_path):
+    """``LOCALMOE_HOME`` of only blanks is the default store, not a folder named by the blanks
+    in the current directory."""
+    from localmoe.io.store.model_store import default_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOCALMOE_HOME", blank)
+    root = default_root()
+    monkeypatch.delenv("LOCALMOE_HOME")
+    assert root == default_root() and root.is_absolute()

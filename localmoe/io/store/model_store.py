@@ -22,9 +22,10 @@ __all__ = ["ModelStore", "StoredModel", "default_root", "resolve_model"]
 
 
 def default_root() -> Path:
-    """Store root: ``$LOCALMOE_HOME`` if set, else platformdirs' user data dir."""
+    """Store root: ``$LOCALMOE_HOME`` if set (blank counts as unset), else platformdirs' user
+    data dir."""
     env = os.environ.get("LOCALMOE_HOME")
-    if env:
+    if env and env.strip():
         return Path(env).expanduser()
     import platformdirs
 
@@ -161,7 +162,7 @@ class ModelStore(PullMixin):
         if blocker is not None and self.root in blocker.parents:  # root/models is a file
             return StoreError(f"the model store folder {self.models_dir} is not a directory"
                               f"{detail}; move that file away")
-        what = (f"LOCALMOE_HOME {self.root}" if os.environ.get("LOCALMOE_HOME")
+        what = (f"LOCALMOE_HOME {self.root}" if (os.environ.get("LOCALMOE_HOME") or "").strip()
                 else f"the model store folder {self.root}")
         return StoreError(f"{what} is not a directory{detail}; set LOCALMOE_HOME to a folder "
                           f"(it is created when missing)")
