@@ -17,11 +17,10 @@ from localmoe.cpu.threads import MAX_THREADS
 from localmoe.io.console import stderr_is_terminal
 
 KV_CHOICES_HELP = "f16|bf16|f32|int8|int4|int3|int2|fp4 (optionally ':gN' group size)"
-KV_FORMATS = ("f16", "bf16", "int8", "int4", "int3", "int2", "fp4")
 # what `info` lists: every format under its plain name (its default key grouping: per token for
 # int8, per channel for int4/int3/int2) and the int formats with the other key grouping too
-KV_INFO_FORMATS = ("f16", "bf16", "int8", "int8:c", "int4", "int4:t", "int3", "int3:t", "int2",
-                   "int2:t", "fp4")
+KV_INFO_FORMATS = ("f16", "bf16", "f32", "int8", "int8:c", "int4", "int4:t", "int3", "int3:t",
+                   "int2", "int2:t", "fp4")
 
 
 
