@@ -797,7 +797,7 @@ def _decode_reduce_kernel(MidO, MidL, Out, n_splits, stride_ob, stride_oh,
                           Qs + bl * s_rs, WIDE)
 
 
-def reduce_block(dv: int) -> int:
+def _reduce_block(dv: int) -> int:
     """Channels per program of the split merge: 32 (one int8 block of the O projection's
     input), or the whole ``dv`` where it is smaller or not a multiple of 32."""
     return 32 if dv % 32 == 0 else dv
@@ -1093,7 +1093,7 @@ def _launch(q, qr, k_codec, k_store, v_codec, v_store, block_table, seq_lens, se
     if single:
         return out
     if not meta["FUSE"]:
-        dvb = reduce_block(DV)
+        dvb = _reduce_block(DV)
         _decode_reduce_kernel[(B * HQ, DV // dvb)](
             mid_o, mid_l, out, num_splits, out.stride(0), out.stride(1), *qt,
             HQ=HQ, DV=DV, DVB=dvb, SPLITS_P=meta["SPLITS_P"], QUANT=qa is not None,
