@@ -156,6 +156,9 @@ def main(argv=None):
                          "H200 table, whose separate reduction kernel keeps the split "
                          "kernel's registers down: int2:c/int2 at 32-token one-warp tiles 176 "
                          "registers without, 255 and a spill stack with)")
+    ap.add_argument("--no-join", action="store_true",
+                    help="2/3-bit value planes multiplied one dot each (v_join=False; the H200 "
+                         "table's choice for the default int2 cache past 4,096 tokens)")
     ap.add_argument("--kout", type=int, default=0,
                     help="outliers per token of per-channel keys (K_NOUT)")
     a = ap.parse_args(argv)
@@ -164,9 +167,11 @@ def main(argv=None):
         vf = vf or kf.rstrip("c")
         for bn in a.block_n:
             for w in a.warps:
-                extra = None
+                extra = {}
                 if a.kout:
-                    extra = dict(K_NOUT=a.kout, K_NOP=triton.next_power_of_2(a.kout))
+                    extra.update(K_NOUT=a.kout, K_NOP=triton.next_power_of_2(a.kout))
+                if a.no_join:
+                    extra["V_JOIN"] = False
                 c = compile_variant(parse_fmt(kf), parse_fmt(vf), bn, w, a.stages, extra=extra,
                                     swap=a.swap, fuse=a.fuse)
                 sass, res = sass_of(c)
