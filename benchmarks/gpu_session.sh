@@ -52,6 +52,22 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 export PYTHONUNBUFFERED=1
+# the synthetic Qwen3-30B-A3B file under $MODELS (written on first use): its path in F
+qwen3_file() {
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
+    >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+  F=$(tail -1 "$OUT/file.log")
+}
+# codeab / codeablong: the older files under CODE_AB_DIR (default .ab/, at their paths in the
+# tree) in FILES, the tree's own copied to /tmp/ab-new; `use DIR` puts one set in place
+code_ab_files() {
+  AB=${CODE_AB_DIR:-.ab}
+  FILES=$(cd "$AB" && find . -type f -name '*.py' | sed 's|^\./||')
+  [ -n "$FILES" ] || { echo "$STAGE: no .py files under $AB" >&2; exit 2; }
+  mkdir -p /tmp/ab-new
+  for f in $FILES; do mkdir -p "/tmp/ab-new/$(dirname "$f")"; cp "$f" "/tmp/ab-new/$f"; done
+}
+use() { for f in $FILES; do cp "$1/$f" "$f"; done; }
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
@@ -83,9 +99,7 @@ case "$STAGE" in
     say "expert qtypes rc=$?"; tail -15 "$OUT/expert_qtypes.log"
     ;;
   history)
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
+    qwen3_file
     # session 25: the slow state needs both prompts and then any allocation; a recapture
     # restores it. Which kernels slow down, do the logits stay the same, does any cudaMalloc
     # (reserved MiB) or only one after both prompts flip it, and is a second prompt enough
@@ -113,9 +127,7 @@ case "$STAGE" in
         say "$tag rc=$?"; grep -E "moe|quant\+moe" "$OUT/$tag.log" | head -4
       done
     done
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
+    qwen3_file
     for i in 1 2; do
       for t in 0 1; do
         LOCALMOE_MOE_SLOT_TABLE=$t timeout 55 python3 benchmarks/graph_history.py "$F" fresh \
@@ -166,9 +178,7 @@ print(" ".join(shlex.quote(f"--variant={k}={json.dumps(c)}") for k, c in v.items
     say "trace rc=$?"; grep -E "^==|->loop |last_exit|last_entry" "$OUT/trace_ahead.log" | head -90
     ;;
   aheadgraph)
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
+    qwen3_file
     # AHEAD_VARIANTS: {tag: {knob: changes to the knob's first rule that Qwen3-30B-A3B's
     # one-token launch matches}}; every tag's table and the table itself, alternated twice
     # (default: the plain K loops of before session 30 against the table's look-ahead)
@@ -202,15 +212,8 @@ PY
     # a change to the kernels' code (not to a launch choice) against the code before it:
     # CODE_AB_DIR holds the older files at their paths in the tree (e.g. .ab/kernels/fused_moe.py,
     # written by `git show REV:kernels/fused_moe.py`); each run swaps them in or out
-    AB=${CODE_AB_DIR:-.ab}
-    FILES=$(cd "$AB" && find . -type f -name '*.py' | sed 's|^\./||')
-    [ -n "$FILES" ] || { echo "codeab: no .py files under $AB" >&2; exit 2; }
-    mkdir -p /tmp/ab-new
-    for f in $FILES; do mkdir -p "/tmp/ab-new/$(dirname "$f")"; cp "$f" "/tmp/ab-new/$f"; done
-    use() { for f in $FILES; do cp "$1/$f" "$f"; done; }
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
+    code_ab_files
+    qwen3_file
     for i in 1 2; do
       for v in new old; do
         [ $v = new ] && use /tmp/ab-new || use "$AB"
@@ -230,14 +233,8 @@ PY
   codeablong)
     # the same swap as codeab, timed by vs_llamacpp's rows at long context (CODE_AB_KV formats
     # at CODE_AB_DEPTHS, default f16 and int2 at 16k and 64k), new/old alternated, two rounds
-    AB=${CODE_AB_DIR:-.ab}
-    FILES=$(cd "$AB" && find . -type f -name '*.py' | sed 's|^\./||')
-    [ -n "$FILES" ] || { echo "codeablong: no .py files under $AB" >&2; exit 2; }
-    mkdir -p /tmp/ab-new /tmp/ablong
-    for f in $FILES; do mkdir -p "/tmp/ab-new/$(dirname "$f")"; cp "$f" "/tmp/ab-new/$f"; done
-    use() { for f in $FILES; do cp "$1/$f" "$f"; done; }
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
+    code_ab_files; mkdir -p /tmp/ablong
+    qwen3_file
     for i in 1 2; do
       for d in ${CODE_AB_DEPTHS:-65536 16384}; do
         for kv in ${CODE_AB_KV:-f16 int2}; do
@@ -266,9 +263,7 @@ PY
     # a switch of the fused step read from the environment (ENV_VARIANTS: {tag: {VAR: value}},
     # e.g. '{"nopdl": {"LOCALMOE_PDL": "0"}}') against the defaults
     : "${ENV_VARIANTS:?set ENV_VARIANTS to a JSON object {tag: {VAR: value}}}"
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }
-    F=$(tail -1 "$OUT/file.log")
+    qwen3_file
     VARS=$ENV_VARIANTS
     TAGS=$(python3 -c "import json, sys; print(' '.join(json.loads(sys.argv[1])))" "$VARS")
     for i in 1 2; do
@@ -286,14 +281,14 @@ PY
     # made it worse. Does the split kernel's shape cause the gaps (8 waves of one-warp 16 KB
     # programs)? The default int2 cache at 64k with the H200 table's long-context tile changed
     # (LOCALMOE_LAUNCH_CONFIG files written here), against f16, in fresh processes
-    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import vs_llamacpp as V; from pathlib import Path; print(V.ensure_file('qwen3-30b-a3b', Path('$MODELS'), None))" \
-      >"$OUT/file.log" 2>&1 || { cat "$OUT/file.log"; exit 1; }   # (written before the timed runs)
+    qwen3_file   # (written before the timed runs)
     # the tile variants: INT2_TILES, a JSON object {tag: changes to the rule; the attention
     # knobs fused_reduce, num_stages, sz_pre, swap_ab, v_join get a rule of their own for
     # those cases}; the runs:
     # INT2_VARIANTS (f16, base = the table, or a tag), each at every depth of INT2_DEPTHS
     python3 - "$OUT" <<'PY'
 import copy, json, os, sys
+from localmoe.kernels import launch_config as lc
 t = json.load(open("kernels/configs/nvidia_h200.json"))
 i = next(i for i, r in enumerate(t["tile"]) if r.get("when", {}).get("k_chan") is True
          and r["when"].get("k_fmt") == "int2" and "min" in r["when"].get("max_len", {}))
@@ -304,7 +299,7 @@ tiles = json.loads(os.environ.get("INT2_TILES") or json.dumps(
 for tag, ch in tiles.items():
     v = copy.deepcopy(t)
     ch = dict(ch)
-    for knob in ("fused_reduce", "num_stages", "sz_pre", "swap_ab", "v_join"):
+    for knob in (k for k in lc.ATTENTION_KNOBS if k != "tile"):
         if knob in ch:   # another attention knob (e.g. fused_reduce: the splits merged in the
             # split launch), for the same cases
             v[knob].insert(0, {"when": v["tile"][i]["when"], knob: ch.pop(knob)})

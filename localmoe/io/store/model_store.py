@@ -21,11 +21,17 @@ from localmoe.io.store.pull import PARTIAL, PullMixin, ctrl_c_raises, hold_ctrl_
 __all__ = ["ModelStore", "StoredModel", "default_root", "resolve_model"]
 
 
+def _home_env() -> str | None:
+    """``$LOCALMOE_HOME``, None when unset or blank."""
+    env = os.environ.get("LOCALMOE_HOME")
+    return env if env and env.strip() else None
+
+
 def default_root() -> Path:
     """Store root: ``$LOCALMOE_HOME`` if set (blank counts as unset), else platformdirs' user
     data dir."""
-    env = os.environ.get("LOCALMOE_HOME")
-    if env and env.strip():
+    env = _home_env()
+    if env:
         return Path(env).expanduser()
     import platformdirs
 
@@ -162,7 +168,7 @@ class ModelStore(PullMixin):
         if blocker is not None and self.root in blocker.parents:  # root/models is a file
             return StoreError(f"the model store folder {self.models_dir} is not a directory"
                               f"{detail}; move that file away")
-        what = (f"LOCALMOE_HOME {self.root}" if (os.environ.get("LOCALMOE_HOME") or "").strip()
+        what = (f"LOCALMOE_HOME {self.root}" if _home_env()
                 else f"the model store folder {self.root}")
         return StoreError(f"{what} is not a directory{detail}; set LOCALMOE_HOME to a folder "
                           f"(it is created when missing)")
