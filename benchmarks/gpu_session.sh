@@ -32,14 +32,17 @@
 #                                      processes (~1 min per variant)
 #   benchmarks/gpu_session.sh attn     decode attention at 1 x 16k / 64k: f16, int2:c/int2,
 #                                      int4:c/int4, the table's tile against 16-token tiles
-#                                      and 16 waves (~6 min)
+#                                      and 16 waves (~6 min; ATTN_CONTEXTS, ATTN_BATCHES,
+#                                      ATTN_FORMATS, ATTN_VARIANTS: other cases)
 #   benchmarks/gpu_session.sh tune     sweep of the MoE gate/up split and the fused router
 #                                      (rules printed and saved, not written to kernels/configs)
 #   benchmarks/gpu_session.sh qwen3    localmoe rows of vs_llamacpp on the Qwen3-30B-A3B-shaped
 #                                      file: f16/int4/int2 KV at 0, 16k, 64k (~6 min)
 #   benchmarks/gpu_session.sh presets  localmoe rows on the OLMoE and Mixtral-shaped files
 #   benchmarks/gpu_session.sh llama    llama.cpp rows on all three files (needs LLAMA_SRC: the
-#                                      llama-cpp-python sdist's vendor tree as a .tar.xz)
+#                                      llama-cpp-python sdist's vendor tree as a .tar.xz;
+#                                      LLAMA_PRESETS, LLAMA_KV, LLAMA_DEPTHS, LLAMA_TTFT); a later
+#                                      qwen3 stage on the same warm machine merges its rows
 #
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
@@ -322,8 +325,11 @@ PY
     # kernel at the table's 64k tile (32 tokens, one warp) has 176 registers; 16-token
     # one-warp tiles 128 and 32-token two-warp tiles 128 (no spill). At 8 waves the grid, not
     # the registers, caps the warps per SM: the variants with 16 waves give them twice as many
-    timeout 540 python3 benchmarks/bench_attention.py --contexts 16384 65536 --batches 1 \
-      --formats f16 int2:c/int2 int4:c/int4 --variants '[{}, {"block_n": 16, "num_warps": 1, "waves": 8}, {"block_n": 16, "num_warps": 1, "waves": 16}, {"block_n": 32, "num_warps": 1, "waves": 16}, {"block_n": 32, "num_warps": 2, "waves": 16}]' \
+    # (ATTN_CONTEXTS, ATTN_BATCHES, ATTN_FORMATS, ATTN_VARIANTS replace those)
+    V='[{}, {"block_n": 16, "num_warps": 1, "waves": 8}, {"block_n": 16, "num_warps": 1, "waves": 16}, {"block_n": 32, "num_warps": 1, "waves": 16}, {"block_n": 32, "num_warps": 2, "waves": 16}]'
+    timeout 540 python3 benchmarks/bench_attention.py --contexts ${ATTN_CONTEXTS:-16384 65536} \
+      --batches ${ATTN_BATCHES:-1} --formats ${ATTN_FORMATS:-f16 int2:c/int2 int4:c/int4} \
+      --variants "${ATTN_VARIANTS:-$V}" \
       --out "$OUT/attention.json" >"$OUT/attn.log" 2>&1
     say "attention rc=$?"; tail -25 "$OUT/attn.log"
     ;;
@@ -335,6 +341,7 @@ PY
   qwen3)
     timeout 560 python3 benchmarks/vs_llamacpp.py --preset qwen3-30b-a3b --model-dir "$MODELS" \
       --kv f16,int4,int2 --depths 0,16384,65536 --ttft-prompt 4096 --no-eager \
+      $( [ -f /tmp/llama-qwen3-30b-a3b.json ] && echo --llama-rows /tmp/llama-qwen3-30b-a3b.json ) \
       --out "$OUT/vs_llamacpp-qwen3.json" >"$OUT/qwen3.log" 2>&1
     say "qwen3 rc=$?"; grep '"engine"' "$OUT/qwen3.log" | cut -c1-400
     ;;
@@ -347,12 +354,14 @@ PY
     ;;
   llama)
     : "${LLAMA_SRC:?set LLAMA_SRC to the llama.cpp source tarball}"
-    for p in qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b; do
+    for p in ${LLAMA_PRESETS:-qwen3-30b-a3b olmoe-1b-7b mixtral-8x7b}; do
       timeout 560 python3 benchmarks/vs_llamacpp.py --preset $p --model-dir "$MODELS" \
         --skip-localmoe --llama-src "$LLAMA_SRC" --build-dir /tmp/llama-build \
-        --llama-kv f16,q4_0 --depths 0,16384 --reps 1 --out "$OUT/llama-$p.json" \
-        >"$OUT/llama-$p.log" 2>&1
-      say "llama $p rc=$?"
+        --llama-kv "${LLAMA_KV:-f16,q4_0}" --depths "${LLAMA_DEPTHS:-0,16384}" --reps 1 \
+        --ttft-prompt "${LLAMA_TTFT:-0}" --out "$OUT/llama-$p.json" >"$OUT/llama-$p.log" 2>&1
+      say "llama $p rc=$?"; grep -E '"(kv|ctx|tpot_ms|prefill_tok_s)"' "$OUT/llama-$p.json" | tr -d ' \n'; echo
+      # later qwen3/presets stages on this warm machine merge these rows (--llama-rows)
+      cp "$OUT/llama-$p.json" "/tmp/llama-$p.json" 2>/dev/null
     done
     ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;

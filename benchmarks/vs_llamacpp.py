@@ -510,6 +510,9 @@ def main(argv=None) -> int:
                     help="tokens per MoE prefill pass (kernels.quant_gemm.MOE_PREFILL_CHUNK)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager (no graph) timing")
     ap.add_argument("--skip-localmoe", action="store_true")
+    ap.add_argument("--llama-rows", type=Path, default=None,
+                    help="llama.cpp rows from an earlier --skip-localmoe run's JSON on this "
+                         "machine and file (a run too long for one device call), merged in")
     ap.add_argument("--decode-first", action="store_true",
                     help="time localmoe's decode rows before its prefill and TTFT timings")
     ap.add_argument("--out", type=Path, default=None)
@@ -538,6 +541,13 @@ def main(argv=None) -> int:
         exe = build_llama_bench(a.llama_src, a.build_dir, a.jobs)
         out["rows"] += run_llama_bench(exe, path, depths, a.n_gen, a.n_prompt,
                                        a.llama_kv.split(","), a.ttft_prompt, a.reps)
+    if a.llama_rows is not None:
+        old = json.loads(a.llama_rows.read_text())
+        if (old.get("machine"), old.get("file_bytes")) != (out["machine"], out["file_bytes"]):
+            print(f"warning: {a.llama_rows} was measured on {old.get('machine')} with a "
+                  f"{old.get('file_bytes')}-byte file", file=sys.stderr)
+        out["llama_rows_from"] = {"file": str(a.llama_rows), "command": old.get("command")}
+        out["rows"] += [r for r in old["rows"] if r["engine"] == "llama.cpp"]
     base = {r["ctx"]: r for r in out["rows"] if r["engine"] == "llama.cpp" and r["kv"] == "f16"}
     for o in out["rows"]:
         r = base.get(o["ctx"])
