@@ -3,6 +3,7 @@
 # (docs/DEVELOPMENT.md, "GPU measurements"): each stage fits in one 10-minute call and writes
 # what it measured under $OUT (default ./gpu-out).
 #
+#   benchmarks/gpu_session.sh install  the wheels and localmoe only (then export PYTHONPATH=/tmp/site)
 #   benchmarks/gpu_session.sh check    GPU tests of the kernels and the triton backend (~4 min)
 #   benchmarks/gpu_session.sh quant    GPU tests of every weight type's kernels (IQ4_NL/IQ4_XS, Q2_K,
 #                                      Q3_K included), the launch tape and the sampler, then the
@@ -47,7 +48,7 @@
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
 # into /tmp/site; localmoe itself is installed editable without dependencies.
 set -u
-STAGE=${1:?usage: gpu_session.sh check|quant|history|slots|trace|ahead|aheadgraph|codeab|codeablong|envab|int2gap|attn|tune|qwen3|presets|llama}
+STAGE=${1:?usage: gpu_session.sh install|check|quant|history|slots|trace|ahead|aheadgraph|codeab|codeablong|envab|int2gap|attn|tune|qwen3|presets|llama}
 OUT=${OUT:-$PWD/gpu-out}
 WHEELS=${WHEELS:-.whl}
 MODELS=${MODELS:-/tmp/models}
@@ -364,5 +365,6 @@ PY
       cp "$OUT/llama-$p.json" "/tmp/llama-$p.json" 2>/dev/null
     done
     ;;
+  install) ;;   # the wheels and localmoe only (then: export PYTHONPATH=/tmp/site)
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

@@ -38,7 +38,7 @@ def compile_variant(kfmt, vfmt, block_n=128, warps=8, stages=2, d=128, qpk=8, ex
                  PAGE=16, BLOCK_N=block_n, SWAP=swap,
                  N_SINK=0, N_RING=0, ROT=False, IDX64=False, HAS_ROWS=False, FUSE=fuse,
                  SPLITS_P=64, MERGE_C=8, PDL=False, SINGLE=False, QUANT=False,
-                 V_JOIN=(vfmt[0] == 1 and vfmt[1] in (2, 3)), ASM=True,
+                 V_JOIN=False, ASM=True,
                  K_NARROW=(kfmt[0] == 1 and kfmt[1] in (2, 3) and d < 64))
     for side, f in (("K", kfmt), ("V", vfmt)):
         fmt, bits, g, ch = f
@@ -156,9 +156,10 @@ def main(argv=None):
                          "H200 table, whose separate reduction kernel keeps the split "
                          "kernel's registers down: int2:c/int2 at 32-token one-warp tiles 176 "
                          "registers without, 255 and a spill stack with)")
-    ap.add_argument("--no-join", action="store_true",
-                    help="2/3-bit value planes multiplied one dot each (v_join=False; the H200 "
-                         "table's choice for the default int2 cache past 4,096 tokens)")
+    ap.add_argument("--join", action="store_true",
+                    help="2/3-bit value planes joined into one full-width dot (v_join=True; the "
+                         "tables' choice before session 34; without it one dot per plane, as they now "
+                         "choose)")
     ap.add_argument("--kout", type=int, default=0,
                     help="outliers per token of per-channel keys (K_NOUT)")
     a = ap.parse_args(argv)
@@ -170,8 +171,9 @@ def main(argv=None):
                 extra = {}
                 if a.kout:
                     extra.update(K_NOUT=a.kout, K_NOP=triton.next_power_of_2(a.kout))
-                if a.no_join:
-                    extra["V_JOIN"] = False
+                if a.join:
+                    pv = parse_fmt(vf)
+                    extra["V_JOIN"] = pv[0] == 1 and pv[1] in (2, 3)
                 c = compile_variant(parse_fmt(kf), parse_fmt(vf), bn, w, a.stages, extra=extra,
                                     swap=a.swap, fuse=a.fuse)
                 sass, res = sass_of(c)

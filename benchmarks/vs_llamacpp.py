@@ -534,7 +534,7 @@ def main(argv=None) -> int:
     if not a.skip_localmoe:
         for i, kv in enumerate(a.kv.split(",")):
             out["rows"] += run_localmoe(path, depths, a.n_gen, a.n_prompt, kv, not a.no_profile,
-                                        ttft_prompt=a.ttft_prompt if i == 0 else 0,
+                                        ttft_prompt=a.ttft_prompt,
                                         eager=not a.no_eager and i == 0,
                                         decode_first=a.decode_first)
     if a.llama_src is not None:

@@ -39,6 +39,10 @@ from localmoe.backends.reference import (CacheSequences, PagedAttention, SeqSlic
                                          load_paged_model, load_runner, prepare_batch, run_batch,
                                          runner_stats)
 
+PROMPT_KV_ROWS = 32768
+"""Tokens x layers of a prompt's per-channel keys quantized in one group by
+:meth:`TritonRunner.write_prompt_kv` (float32 pages of Qwen3's 4 x 128 keys: 64 MiB)."""
+
 
 class TritonRunner(CacheSequences):
     """A loaded model on CUDA whose KV write and decode attention are Triton kernels (the
@@ -288,13 +292,21 @@ class TritonRunner(CacheSequences):
         slots = c.slots(seq_id, 0, n)
         pos = torch.arange(n, device=c.device)
         row = c.seq_row(seq_id)
-        for layer, kv in enumerate(pending):
-            if kv is None:
+        for side, (codec, stores) in enumerate(((c.k_codec, c.k_stores),
+                                                (c.v_codec, c.v_stores))):
+            todo = [(layer, kv[side]) for layer, kv in enumerate(pending)
+                    if kv is not None and kv[side] is not None]
+            if getattr(codec, "channel", False):
+                # per-channel keys: the layers' pages quantized together, in groups of at most
+                # PROMPT_KV_ROWS tokens x layers (bounds the float32 temporaries)
+                g = max(1, PROMPT_KV_ROWS // max(n, 1))
+                for i in range(0, len(todo), g):
+                    part = todo[i:i + g]
+                    codec.write_channel_layers([stores[layer] for layer, _ in part], slots,
+                                               torch.stack([x[:n] for _, x in part]), row, 0)
                 continue
-            for codec, store, x in zip((c.k_codec, c.v_codec),
-                                       (c.k_stores[layer], c.v_stores[layer]), kv):
-                if x is not None:
-                    _write_codec(codec, store, slots, x[:n], pos, row, 0)
+            for layer, x in todo:
+                _write_codec(codec, stores[layer], slots, x[:n], pos, row, 0)
 
     # ---- attention -------------------------------------------------------------------------
     def attention_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

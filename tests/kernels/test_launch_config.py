@@ -211,18 +211,17 @@ CHANGED = {
 ``why`` notes)."""
 
 
-UNJOINED = {
-    # session 33 (int2_vjoin_64k_h100-2026-12-06-s33.json): the default int2 cache beyond 4096
-    # tokens at few pairs multiplies each value plane by its own dot ("-"; "J": joined)
-    "int2:c int2": "-J- -J- JJJ JJJ",
-}
-"""Where :data:`OLD`'s joined value planes (everywhere before) changed, on the same grid."""
+JOINED = {}
+"""Where the tables still join the 2/3-bit value planes into one dot ("J", on :data:`LENS`'s
+grid per pair group; "-": one dot per plane). :data:`OLD` joined them everywhere; session 33
+(int2_vjoin_64k_h100-2026-12-06-s33.json) stopped it for the default int2 cache past 4096
+tokens at few pairs and session 34 (attention_vjoin_h100-2026-12-06-s34.json) everywhere."""
 
 
 def _expected(key):
     tiles, swap, sz = (p.strip() for p in CHANGED.get(key, OLD[key]).split("|"))
     groups = tiles.split()
-    joins = UNJOINED.get(key, "JJJ JJJ JJJ JJJ").split()
+    joins = JOINED.get(key, "--- --- --- ---").split()
     for (i, (batch, hkv)), (j, max_len) in itertools.product(enumerate(PAIRS), enumerate(LENS)):
         yield ((batch, hkv, max_len), TILES[groups[i][j]], swap == "T",
                sz.split()[i].strip("-"), joins[i][j] == "J")

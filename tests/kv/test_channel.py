@@ -377,6 +377,75 @@ def test_triton_routing_twin_matches_cache_write():
     assert torch.equal(a.read(0, sa, 45)[0], b.read(0, sb, 45)[0])
 
 
+def _layers_cache(name, n_layers=3, **kw):
+    kw.setdefault("key_outlier_frac", 0.0)
+    spec = ModelSpec(arch="llama", n_layers=n_layers, d_model=128, n_heads=4, n_kv_heads=2,
+                     head_dim=64, vocab_size=10)
+    return PagedKVCache(spec, KVSpec.parse(name, **kw), n_ctx=128, max_seqs=2, block_size=16)
+
+
+@pytest.mark.parametrize("name,kw", [("int4:c", {}), ("int3:c", {"sink_tokens": 2}),
+                                     ("int2:c", {"key_outlier_frac": 0.0625}),
+                                     ("int4:c", {"key_outlier_frac": 0.0625, "window": 40})])
+@pytest.mark.parametrize("before,n", [(0, 7), (0, 16), (0, 45), (16, 33), (5, 30)])
+def test_several_layers_pages_quantized_together_store_the_same_bytes(name, kw, before, n):
+    """``write_channel_layers`` (a prompt's keys of every layer, pages quantized together,
+    layers side by side as heads) stores what one ``write_channel`` per layer stores: codes,
+    scales, outliers, ring and sinks; after ``before`` tokens written earlier (a first page
+    begun earlier goes per layer)."""
+    a, b = _layers_cache(name, **kw), _layers_cache(name, **kw)
+    xs = torch.stack([_data(before + n, seed=20 + i) * (i + 1) for i in range(3)])
+    sa, sb = a.new_seq(), b.new_seq()
+    for c, s in ((a, sa), (b, sb)):
+        c.reserve(s, before + n)
+        for layer in range(3):
+            if before:
+                c.k_codec.write(c.k_stores[layer], c.slots(s, 0, before), xs[layer, :before],
+                                None, seq_row=c.seq_row(s), start=0)
+    slots = a.slots(sa, before, before + n)
+    for layer in range(3):
+        a.k_codec.write(a.k_stores[layer], slots, xs[layer, before:], None,
+                        seq_row=a.seq_row(sa), start=before)
+    b.k_codec.write_channel_layers(b.k_stores, b.slots(sb, before, before + n),
+                                   xs[:, before:], b.seq_row(sb), before)
+    for layer in range(3):
+        for key in a.k_stores[layer]:
+            assert torch.equal(a.k_stores[layer][key], b.k_stores[layer][key]), (layer, key)
+
+
+def test_a_prompts_keys_are_written_in_groups_of_layers(monkeypatch):
+    """The triton runner's write of a prefill graph's K/V: per-channel keys of several layers
+    per ``write_channel_layers`` call (groups bounded by PROMPT_KV_ROWS tokens x layers),
+    values through the append kernel, the same stores as the cache's own write per layer."""
+    import localmoe.backends.triton.runner as tr
+    import localmoe.kernels.kv_quant_append as kqa
+    from localmoe.kernels.kv_quant_append import kv_quant_append_ref
+
+    monkeypatch.setattr(kqa, "kv_quant_append", lambda c, st, sl, x, pos, row, start=None:
+                        kv_quant_append_ref(c, st, sl, x, pos, row))
+    monkeypatch.setattr(tr, "PROMPT_KV_ROWS", 2 * 45)
+    calls = []
+    real = QuantCodec.write_channel_layers
+    monkeypatch.setattr(QuantCodec, "write_channel_layers",
+                        lambda self, stores, *a: calls.append(len(stores)) or real(self, stores, *a))
+    n, padded = 45, 64
+    a, b = _layers_cache("int4:c", sink_tokens=2), _layers_cache("int4:c", sink_tokens=2)
+    ks = [_data(padded, seed=30 + i) for i in range(3)]
+    vs = [_data(padded, seed=40 + i) * 0.5 for i in range(3)]
+    sa = a.new_seq()
+    a.reserve(sa, n)
+    for layer in range(3):
+        a.write(layer, sa, 0, ks[layer][:n], vs[layer][:n])
+    sb = b.new_seq()
+    b.reserve(sb, padded)
+    tr.TritonRunner.write_prompt_kv(type("R", (), {"cache": b})(), sb, n,
+                                    [(k, v) for k, v in zip(ks, vs)])
+    assert calls == [2, 1]
+    for sa_, sb_ in zip(a.k_stores + a.v_stores, b.k_stores + b.v_stores):
+        for key in sa_:
+            assert torch.equal(sa_[key], sb_[key]), key
+
+
 def test_triton_backend_routes_channel_keys_to_codec_write(monkeypatch):
     """The triton runner's K/V writes (decode steps, eager prefill, a prefill graph's writes
     after the replay): per-channel keys go to the codec's own write (pages, ring), per-token
