@@ -23,8 +23,9 @@ a row (bits ``i*P .. i*P+P-1`` of every byte) holds channels ``i*RB .. i*RB+RB-1
 each plane is unpacked with one shift and mask (no register shuffles), converted to fp16 with
 bit tricks (``0x6400 | code`` is the fp16 number ``1024 + code``), scaled, and fed to its own
 dot against the same channel slice of the query: ``q . k = sum_i q_i . k_i``. Value planes get
-one accumulator each (int8/int4/fp4) or, for the 4 planes of int2/int3, are joined into one
-full-width tile whose accumulator columns are permuted and un-permuted at the store.
+one accumulator each; the 4 planes of int2/int3 can instead be joined into one full-width tile
+whose accumulator columns are permuted and un-permuted at the store (``v_join``; the launch
+tables keep the planes apart since session 34, which measured that never slower).
 
 Storage read (see :mod:`localmoe.kv.quant_codec` for the exact layout; one kernel, constexpr format):
 
@@ -48,8 +49,8 @@ Storage read (see :mod:`localmoe.kv.quant_codec` for the exact layout; one kerne
 Measured on the H200 (docs/KV-CACHE-FORMATS.md, benchmarks/results/attention_h200*.json): the
 launch choices (tile, warps, programs per SM, transposed products, per-tile scale rows; data in
 ``kernels/configs/<device>.json`` read by :mod:`localmoe.kernels.launch_config`) and the choices
-left off (L2 bulk prefetch, per-plane value dots for int2, folding per-channel key scales into
-the query) come from benchmarks/bench_attention.py sweeps.
+left off (L2 bulk prefetch, folding per-channel key scales into the query) come from
+benchmarks/bench_attention.py sweeps.
 
 On the GPU, int8/int4/int2 code bytes are unpacked by inline PTX (:func:`_ptx_codes`): four
 codes per 32-bit register with ``prmt`` and ``sub.f16x2`` instead of one integer lane per code.
