@@ -42,7 +42,8 @@
 #   benchmarks/gpu_session.sh presets  localmoe rows on the OLMoE and Mixtral-shaped files
 #   benchmarks/gpu_session.sh llama    llama.cpp rows on all three files (needs LLAMA_SRC: the
 #                                      llama-cpp-python sdist's vendor tree as a .tar.xz;
-#                                      LLAMA_PRESETS, LLAMA_KV, LLAMA_DEPTHS, LLAMA_TTFT); a later
+#                                      LLAMA_PRESETS, LLAMA_KV, LLAMA_DEPTHS, LLAMA_TTFT,
+#                                      LLAMA_TIMEOUT: seconds per llama-bench run); a later
 #                                      qwen3 stage on the same warm machine merges its rows
 #
 # Packages the machine lacks travel as wheels in WHEELS (default .whl/): they are installed
@@ -359,7 +360,8 @@ PY
       timeout 560 python3 benchmarks/vs_llamacpp.py --preset $p --model-dir "$MODELS" \
         --skip-localmoe --llama-src "$LLAMA_SRC" --build-dir /tmp/llama-build \
         --llama-kv "${LLAMA_KV:-f16,q4_0}" --depths "${LLAMA_DEPTHS:-0,16384}" --reps 1 \
-        --ttft-prompt "${LLAMA_TTFT:-0}" --out "$OUT/llama-$p.json" >"$OUT/llama-$p.log" 2>&1
+        --ttft-prompt "${LLAMA_TTFT:-0}" --llama-timeout "${LLAMA_TIMEOUT:-150}" \
+        --out "$OUT/llama-$p.json" >"$OUT/llama-$p.log" 2>&1
       say "llama $p rc=$?"; grep -E '"(kv|ctx|tpot_ms|prefill_tok_s)"' "$OUT/llama-$p.json" | tr -d ' \n'; echo
       # later qwen3/presets stages on this warm machine merge these rows (--llama-rows)
       cp "$OUT/llama-$p.json" "/tmp/llama-$p.json" 2>/dev/null

@@ -162,49 +162,69 @@ def build_llama_bench(src: Path, build_dir: Path, jobs: int) -> Path:
     return exe
 
 
+def _llama_json(cmd: list[str], timeout: float) -> tuple[list[dict], str | None]:
+    """``(records, error)`` of one ``llama-bench -o json`` run: its records, or none and why
+    (a non-zero exit with the end of its stderr, or the time limit)."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout:.0f} s"
+    if res.returncode:
+        return [], f"exit {res.returncode}: {res.stderr[-500:].strip()}"
+    try:
+        return json.loads(res.stdout), None
+    except json.JSONDecodeError as e:
+        return [], f"unreadable output ({e})"
+
+
 def run_llama_bench(exe: Path, path: Path, depths: list[int], n_gen: int, n_prompt: int,
                     kv_types: list[str] = ("f16",), ttft_prompt: int = 0,
-                    reps: int = 3) -> list[dict]:
+                    reps: int = 3, timeout: float = 3000.0) -> list[dict]:
     """llama-bench rows: ``pp<n_prompt>`` (and ``pp<ttft_prompt>``) at depth 0, ``tg<n_gen>``
-    at each depth, for each KV cache type (``-ctk``/``-ctv``: f16, q8_0, q4_0)."""
+    at each depth, for each KV cache type (``-ctk``/``-ctv``: f16, q8_0, q4_0).
+
+    Each KV type's prompts and each (KV type, depth)'s generation is its own llama-bench run
+    of at most ``timeout`` seconds, so one that fails or is too slow (quantized KV at 64k
+    prefills its depth slowly) costs its own row's figures (``None``, with ``llama_error``
+    saying why), not the others'.
+    """
     prompts = [n_prompt] + ([ttft_prompt] if ttft_prompt else [])
-    base = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-r", str(reps), "-o", "json",
-            "-ctk", ",".join(kv_types), "-ctv", ",".join(kv_types)]
-    # two runs: prompts at depth 0 only, then generation at every depth (one run would also
-    # time every prompt length at every depth)
-    cmds = [base + ["-p", ",".join(map(str, prompts)), "-n", "0"],
-            base + ["-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, depths))]]
     t = time.time()
     subprocess.run([str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", "1", "-n", "1",
                     "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600, check=True)
     load_s = round(time.time() - t, 2)
-    data = []
-    with VramPoll() as vp:
-        t = time.time()
-        for cmd in cmds:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=3000)
-            if res.returncode:
-                raise RuntimeError(f"llama-bench failed: {res.stderr[-2000:]}")
-            data += json.loads(res.stdout)
-        wall = time.time() - t
     rows = []
-    for kv in kv_types:
-        mine = [r for r in data if r.get("type_k", "f16") == kv and r.get("type_v", "f16") == kv]
-        for depth in depths:
-            pp = {r["n_prompt"]: r for r in mine if r.get("n_gen") == 0
-                  and r.get("n_depth", 0) == depth}
-            tg = [r for r in mine if r.get("n_gen") == n_gen and r.get("n_prompt") == 0
-                  and r.get("n_depth", 0) == depth]
-            row = {"engine": "llama.cpp", "kv": kv, "ctx": depth, "load_s": load_s,
-                   "peak_vram_gib": vp.gib,
-                   "prefill_tok_s": (round(pp[n_prompt]["avg_ts"], 1)
-                                     if n_prompt in pp and depth == 0 else None),
-                   "tpot_ms": round(1e3 / tg[0]["avg_ts"], 3) if tg else None,
-                   "kernels_per_token": None, "host_syncs_per_token": None, "gpu_busy": None,
-                   "bench_wall_s": round(wall, 1), "build": data[0].get("build_commit")}
-            if ttft_prompt and ttft_prompt in pp and depth == 0:
-                row[f"ttft_{ttft_prompt}_ms"] = round(1e3 * ttft_prompt / pp[ttft_prompt]["avg_ts"], 1)
-            rows.append(row)
+    build = None
+    with VramPoll() as vp:
+        for kv in kv_types:
+            base = [str(exe), "-m", str(path), "-ngl", "99", "-fa", "1", "-r", str(reps),
+                    "-o", "json", "-ctk", kv, "-ctv", kv]
+            t = time.time()
+            pp_data, pp_err = _llama_json(base + ["-p", ",".join(map(str, prompts)), "-n", "0"],
+                                          timeout)
+            pp = {r["n_prompt"]: r for r in pp_data if r.get("n_gen") == 0}
+            for depth in depths:
+                tg_data, tg_err = _llama_json(
+                    base + ["-p", "0", "-n", str(n_gen), "-d", str(depth)], timeout)
+                tg = [r for r in tg_data if r.get("n_gen") == n_gen and r.get("n_prompt") == 0]
+                build = build or next((r.get("build_commit") for r in pp_data + tg_data), None)
+                row = {"engine": "llama.cpp", "kv": kv, "ctx": depth, "load_s": load_s,
+                       "peak_vram_gib": None,
+                       "prefill_tok_s": (round(pp[n_prompt]["avg_ts"], 1)
+                                         if n_prompt in pp and depth == 0 else None),
+                       "tpot_ms": round(1e3 / tg[0]["avg_ts"], 3) if tg else None,
+                       "kernels_per_token": None, "host_syncs_per_token": None,
+                       "gpu_busy": None, "bench_wall_s": round(time.time() - t, 1),
+                       "build": build}
+                if ttft_prompt and ttft_prompt in pp and depth == 0:
+                    row[f"ttft_{ttft_prompt}_ms"] = round(
+                        1e3 * ttft_prompt / pp[ttft_prompt]["avg_ts"], 1)
+                errors = [e for e in (pp_err if depth == 0 else None, tg_err) if e]
+                if errors:
+                    row["llama_error"] = "; ".join(errors)
+                rows.append(row)
+    for r in rows:
+        r["peak_vram_gib"] = vp.gib
     return rows
 
 
@@ -505,6 +525,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-kv", default="f16", help="llama.cpp -ctk/-ctv types, comma-separated")
     ap.add_argument("--ttft-prompt", type=int, default=0, help="also time a prompt this long")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
+    ap.add_argument("--llama-timeout", type=float, default=3000.0,
+                    help="seconds for each llama-bench run (one KV type's prompts, or one KV "
+                         "type at one depth); a slower one leaves its row's figures empty")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--moe-prefill-chunk", type=int, default=None,
                     help="tokens per MoE prefill pass (kernels.quant_gemm.MOE_PREFILL_CHUNK)")
@@ -540,7 +563,8 @@ def main(argv=None) -> int:
     if a.llama_src is not None:
         exe = build_llama_bench(a.llama_src, a.build_dir, a.jobs)
         out["rows"] += run_llama_bench(exe, path, depths, a.n_gen, a.n_prompt,
-                                       a.llama_kv.split(","), a.ttft_prompt, a.reps)
+                                       a.llama_kv.split(","), a.ttft_prompt, a.reps,
+                                       a.llama_timeout)
     if a.llama_rows is not None:
         old = json.loads(a.llama_rows.read_text())
         if (old.get("machine"), old.get("file_bytes")) != (out["machine"], out["file_bytes"]):
