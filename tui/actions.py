@@ -86,7 +86,8 @@ class ChatActions:
 
         async def done(title: str | None) -> None:
             if title is not None and self.chat_id == chat.id:
-                self.store.rename_chat(chat.id, title)
+                if not self._saved(self.store.rename_chat, chat.id, title):
+                    return
                 await self._refresh_sidebar()
                 self._update_titles()
 
@@ -100,7 +101,8 @@ class ChatActions:
 
         async def done(yes: bool | None) -> None:
             if yes:
-                self.store.delete_chat(chat.id)
+                if not self._saved(self.store.delete_chat, chat.id):
+                    return
                 nxt = self.store.last_chat()
                 await self.open_chat(nxt.id if nxt else None)
                 self._notify(f"Deleted “{chat.title}”.", timeout=3)
@@ -164,9 +166,9 @@ class ChatActions:
             if settings is None:
                 return
             self.settings = settings
-            if self.chat_id is not None:
-                self.store.set_settings(self.chat_id, settings)
-            self._notify("Settings saved.", timeout=2)
+            if self.chat_id is None or self._saved(self.store.set_settings, self.chat_id,
+                                                   settings):
+                self._notify("Settings saved.", timeout=2)
             self._ensure_engine()
 
         self.push_screen(SettingsScreen(self.settings, defaults), done)

@@ -47,7 +47,7 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar
 
-from localmoe.errors import LocalMoEError
+from localmoe.errors import LocalMoEError, StoreError
 from localmoe.io.store import DEFAULT_MODEL
 
 from .actions import ChatActions
@@ -163,7 +163,7 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
         self.theme_changed_signal.subscribe(self, self._remember_theme)
 
     def _remember_theme(self, theme) -> None:
-        self.store.set_meta("theme", theme.name)
+        self._saved(self.store.set_meta, "theme", theme.name)
 
     async def screen_ready(self) -> None:
         """Called by ChatScreen once its widgets exist: open the first chat, start loading."""
@@ -282,6 +282,16 @@ class ChatApp(EngineLoading, Generation, ChatActions, App):
             log.mount(MessageView("error", message))
             log.scroll_end(animate=False)
         self._notify(message, severity="error", timeout=8)
+
+    def _saved(self, write, *args) -> bool:
+        """Run a chat database write (``write(*args)``); when the database refuses it (a full
+        disk, another process keeping it locked) show why and return False: the app goes on."""
+        try:
+            write(*args)
+            return True
+        except StoreError as e:
+            self._show_error(str(e))
+            return False
 
     def _notify(self, message: str, **kw) -> None:
         """``notify`` with markup off: messages carry user and engine text (titles, paths,

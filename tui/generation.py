@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from textual import work
 
-from localmoe.errors import ContextOverflowError, LocalMoEError
+from localmoe.errors import ContextOverflowError, LocalMoEError, StoreError
 from localmoe.io.store import DEFAULT_MODEL
 
 from .engine_api import EngineProtocol, build_sampling_params, expert_stats
@@ -101,13 +101,18 @@ class Generation:
             else:
                 self._show_error(self.load_error or NO_MODEL_HELP)
             return False
-        if self._editing_id is not None and self.chat_id is not None:
-            await self._delete_from(self._editing_id)
-            self._editing_id = None
-        chat_id = self._ensure_saved_chat(text)
-        msg = self.store.add_message(chat_id, "user", text)
+        try:
+            if self._editing_id is not None and self.chat_id is not None:
+                await self._delete_from(self._editing_id)
+                self._editing_id = None
+            chat_id = self._ensure_saved_chat(text)
+            msg = self.store.add_message(chat_id, "user", text)
+        except StoreError as e:  # a full disk, a database another process keeps locked
+            self._show_error(f"Not sent (your text is kept): {e}")
+            return False
         # (no model given: the default one is what loaded, as _ensure_saved_chat records)
-        self.store.set_model(chat_id, str(self.model) if self.model else DEFAULT_MODEL)
+        self._saved(self.store.set_model, chat_id,
+                    str(self.model) if self.model else DEFAULT_MODEL)
         prompt = self._chat_screen().query_one(PromptInput)
         prompt.remember(text)
         prompt.clear()
@@ -137,7 +142,11 @@ class Generation:
             self._show_error(f"Invalid chat settings: {e} (F3 opens the settings).")
             return
         messages = self._conversation()
-        answer = self.store.add_message(self.chat_id, "assistant", "")
+        try:
+            answer = self.store.add_message(self.chat_id, "assistant", "")
+        except StoreError as e:
+            self._show_error(f"Generation not started: {e}")
+            return
         view = MessageView("assistant", "", message_id=answer.id, note="…")
         view.add_class("-streaming")
         await self._log().mount(view)
@@ -179,6 +188,11 @@ class Generation:
             self._finish_failed(message_id, text)
             self._ui(self._on_context_full, view, e)
             return
+        except StoreError as e:  # the answer cannot be saved (per token): it stops, shown
+            cancel.set()
+            self._finish_failed(message_id, text)
+            self._ui(self._on_generation_error, view, str(e), text)
+            return
         except LocalMoEError as e:
             self._finish_failed(message_id, text)
             self._ui(self._on_generation_error, view, str(e), text)
@@ -201,15 +215,23 @@ class Generation:
             }
             if getattr(result, "text", None) and len(result.text) > len(text):
                 text = result.text  # anything held back by stop-string checks
-        self.store.update_message(message_id, text, finish_reason=finish, stats=stats)
+        try:
+            self.store.update_message(message_id, text, finish_reason=finish, stats=stats)
+        except StoreError as e:
+            self._ui(self._on_generation_error, view, str(e), text)
+            return
         self._ui(self._on_generation_done, view, text, finish, stats)
 
     def _finish_failed(self, message_id: int, text: str) -> None:
-        """Keep a partial answer (marked failed) or remove the empty answer row."""
-        if text:
-            self.store.update_message(message_id, text, finish_reason="error")
-        else:
-            self.store.delete_message(message_id)
+        """Keep a partial answer (marked failed) or remove the empty answer row (as far as
+        the database takes writes: when it refuses them, its error is the one shown)."""
+        try:
+            if text:
+                self.store.update_message(message_id, text, finish_reason="error")
+            else:
+                self.store.delete_message(message_id)
+        except StoreError:
+            pass
 
     def _ui(self, fn, *args) -> bool:
         """Run ``fn(*args)`` on the UI thread; False when the app has gone away."""
@@ -259,7 +281,7 @@ class Generation:
                     ctx_used=used, expert_hit_rate=hit, h2d_gbps=gbps)
         if "kv_bytes" in rs:
             self._stats(kv_bytes=rs["kv_bytes"])
-        self.store.touch(self.chat_id)
+        self._saved(self.store.touch, self.chat_id)
         n_ctx = getattr(self.engine, "n_ctx", None)
         if (finish == "length" and used is not None and n_ctx and used >= n_ctx
                 and not self.settings.max_tokens):

@@ -105,8 +105,8 @@ class EngineLoading:
             self.model_defaults = sampling_defaults(getattr(engine.model_file, "metadata", None))
         except Exception:
             self.model_defaults = {}
-        self.store.set_meta("last_model", str(self.model) if self.model is not None
-                            else DEFAULT_MODEL)
+        self._saved(self.store.set_meta, "last_model",
+                    str(self.model) if self.model is not None else DEFAULT_MODEL)
         rs = self._runner_stats()
         hit, gbps = expert_stats(rs)
         self._stats(status="", backend=getattr(engine, "backend_name", None),

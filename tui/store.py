@@ -16,6 +16,7 @@ is shared behind a lock (``check_same_thread=False``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -156,7 +157,8 @@ class ChatStore:
         path: database file; ``None`` uses :func:`default_db_path`. Parent folders are created.
 
     Raises:
-        localmoe.errors.StoreError: the database cannot be opened or is not a chat database.
+        localmoe.errors.StoreError: the database cannot be opened or is not a chat database
+            (and, from the methods that write, a write failed).
     """
 
     def __init__(self, path: str | os.PathLike | None = None):
@@ -181,6 +183,19 @@ class ChatStore:
                 f"check the file's permissions or set LOCALMOE_HOME to another folder"
             ) from e
 
+    @contextlib.contextmanager
+    def _writing(self):
+        """The lock, around a write: a write that fails (a full disk, a database another
+        process keeps locked past the busy timeout) raises StoreError, one line the chat UI
+        shows, instead of sqlite3's error."""
+        from localmoe.errors import StoreError
+
+        with self._lock:
+            try:
+                yield
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot save to the chat database {self.path}: {e}") from e
+
     # -- chats -------------------------------------------------------------------------
 
     def create_chat(self, title: str = "New chat", model: str | None = None,
@@ -188,7 +203,7 @@ class ChatStore:
         """Insert a new empty chat and return it."""
         now = time.time()
         settings = settings or ChatSettings()
-        with self._lock:
+        with self._writing():
             cur = self._db.execute(
                 "INSERT INTO chats(title, model, settings, created, updated) VALUES (?,?,?,?,?)",
                 (title, model, settings.to_json(), now, now),
@@ -222,28 +237,28 @@ class ChatStore:
     def rename_chat(self, chat_id: int, title: str) -> None:
         """Set a chat's title (stripped; empty titles become "Untitled")."""
         title = title.strip() or "Untitled"
-        with self._lock:
+        with self._writing():
             self._db.execute("UPDATE chats SET title=? WHERE id=?", (title, chat_id))
 
     def set_settings(self, chat_id: int, settings: ChatSettings) -> None:
         """Store a chat's settings."""
-        with self._lock:
+        with self._writing():
             self._db.execute("UPDATE chats SET settings=? WHERE id=?", (settings.to_json(), chat_id))
 
     def set_model(self, chat_id: int, model: str | None) -> None:
         """Record which model a chat uses."""
-        with self._lock:
+        with self._writing():
             self._db.execute("UPDATE chats SET model=? WHERE id=?", (model, chat_id))
 
     def delete_chat(self, chat_id: int) -> None:
         """Delete a chat and all of its messages."""
-        with self._lock:
+        with self._writing():
             self._db.execute("DELETE FROM messages WHERE chat_id=?", (chat_id,))
             self._db.execute("DELETE FROM chats WHERE id=?", (chat_id,))
 
     def touch(self, chat_id: int) -> None:
         """Mark a chat as just updated (moves it to the top of the list)."""
-        with self._lock:
+        with self._writing():
             self._db.execute("UPDATE chats SET updated=? WHERE id=?", (time.time(), chat_id))
 
     # -- messages ----------------------------------------------------------------------
@@ -252,7 +267,7 @@ class ChatStore:
                     finish_reason: str | None = None) -> Message:
         """Append a message to a chat (committed at once) and return it."""
         now = time.time()
-        with self._lock:
+        with self._writing():
             cur = self._db.execute(
                 "INSERT INTO messages(chat_id, role, content, created, finish_reason) "
                 "VALUES (?,?,?,?,?)",
@@ -265,7 +280,7 @@ class ChatStore:
                        stats: dict[str, Any] | None = None) -> None:
         """Replace a message's text (called after every streamed token) and optionally set
         its finish reason and stats. Each call is one committed transaction."""
-        with self._lock:
+        with self._writing():
             if finish_reason is None and stats is None:
                 self._db.execute("UPDATE messages SET content=? WHERE id=?", (content, message_id))
             else:
@@ -278,17 +293,17 @@ class ChatStore:
 
     def delete_messages_from(self, chat_id: int, message_id: int) -> None:
         """Delete a message and every later message of the same chat (regenerate / edit)."""
-        with self._lock:
+        with self._writing():
             self._db.execute("DELETE FROM messages WHERE chat_id=? AND id>=?", (chat_id, message_id))
 
     def delete_message(self, message_id: int) -> None:
         """Delete one message."""
-        with self._lock:
+        with self._writing():
             self._db.execute("DELETE FROM messages WHERE id=?", (message_id,))
 
     def set_dropped(self, message_ids: list[int], dropped: bool = True) -> None:
         """Mark messages as dropped from the model's context (kept, shown dimmed, not sent)."""
-        with self._lock:
+        with self._writing():
             self._db.executemany(
                 "UPDATE messages SET dropped=? WHERE id=?", [(int(dropped), i) for i in message_ids]
             )
@@ -327,7 +342,7 @@ class ChatStore:
 
     def set_meta(self, key: str, value: str) -> None:
         """Store a value in the key/value table."""
-        with self._lock:
+        with self._writing():
             self._db.execute(
                 "INSERT INTO meta(key, value) VALUES (?,?) "
                 "ON CONFLICT(key) DO UPDATE SET value=excluded.value",

@@ -541,6 +541,67 @@ def test_template_error_is_shown(db):
     run(body())
 
 
+def _lock_db(db: Path) -> sqlite3.Connection:
+    """Another process's write lock on the chat database (as a full disk, it fails writes)."""
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    return other
+
+
+def test_a_message_the_database_cannot_save_is_an_error_not_a_crash(db):
+    eng = FakeEngine(["the answer"])
+
+    async def body():
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            app.store._db.execute("PRAGMA busy_timeout=50")
+            other = _lock_db(db)
+            try:
+                await send(pilot, "hi")
+                errs = [v for v in views(app) if v.role == "error"]
+                assert errs and "database is locked" in errs[-1].text
+                assert "\n" not in errs[-1].text and "Traceback" not in errs[-1].text
+                assert app.screen.query_one(PromptInput).text == "hi"  # kept, not lost
+                assert app.is_running and not app.generating
+            finally:
+                other.execute("ROLLBACK")
+                other.close()
+            await send(pilot, "hi")  # the lock gone, it is sent and saved
+            assert stored(app) == [("user", "hi"), ("assistant", "the answer")]
+
+    run(body())
+
+
+def test_an_answer_the_database_cannot_save_is_an_error_not_a_crash(db):
+    eng = FakeEngine(["one two three four", "next"], hold_after=2)
+
+    async def body():
+        app = make_app(db, eng)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            app.store._db.execute("PRAGMA busy_timeout=50")
+            await send(pilot, "count", wait=False)
+            await wait_until(pilot, lambda: eng.tokens_streamed >= 2, "two tokens")
+            other = _lock_db(db)
+            try:
+                eng.release.set()
+                await wait_until(pilot, lambda: not app.generating, "answer ended")
+                await pilot.pause()
+                errs = [v for v in views(app) if v.role == "error"]
+                assert errs and "database is locked" in errs[-1].text
+                assert views(app)[-2].text.startswith("one two")  # the partial answer shown
+                assert app.is_running
+            finally:
+                other.execute("ROLLBACK")
+                other.close()
+            eng.hold_after = None
+            await send(pilot, "again")
+            assert stored(app)[-2:] == [("user", "again"), ("assistant", "next")]
+
+    run(body())
+
+
 def test_context_full_drop_oldest_turns(db):
     # n_ctx 60: each message costs words + 8 in the fake; three long turns overflow.
     long = " ".join(["word"] * 12)
