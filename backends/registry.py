@@ -10,6 +10,7 @@ llama-cpp-python installed) -> ``torch`` (reference, runs anywhere).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable
 
@@ -256,6 +257,11 @@ def auto_kv_fallback(requested: str | None, model_format: str, kv_spec: Any,
         if b.supports(model_format, None) is None and b.available() is None \
                 and b.supports(model_format, kv_spec) is not None:
             slower = " (slower on a CPU)" if (n, chosen) == ("llamacpp", "torch") else ""
-            return (f"the {n} backend cannot run the {kv_spec} KV cache; using the {chosen} "
-                    f"backend{slower}")
+            what = f"the {kv_spec} KV cache"
+            named = getattr(kv_spec, "named_key_grouping", None)
+            if named and b.supports(model_format, dataclasses.replace(kv_spec)) is None:
+                # only the key grouping asked for is what it lacks: str() hides a default
+                # grouping ("int4:c" is "int4"), and "cannot run int4" would say it has none
+                what += f" with keys grouped per {named}"
+            return f"the {n} backend cannot run {what}; using the {chosen} backend{slower}"
     return None

@@ -1515,6 +1515,23 @@ def test_auto_says_when_the_kv_format_passes_llamacpp_over(home, tmp_path, monke
     assert r.exit_code == 0 and "note:" not in r.stderr, r.stderr
 
 
+def test_the_auto_note_names_a_key_grouping_llamacpp_lacks(home, tmp_path, monkeypatch):
+    """`--kv-cache int4:c` passes llamacpp over for its per-channel keys alone; the note said
+    "cannot run the int4 KV cache" (str() drops the default ':c'), as if llama.cpp had no int4
+    KV cache, which plain `--kv-cache int4` runs (per-token q4_0)."""
+    from localmoe.backends.llamacpp_backend import LlamaCppBackend
+    from localmoe.testing.synthetic import write_gguf
+
+    monkeypatch.setattr(LlamaCppBackend, "available", lambda self: None)  # as if installed
+    m = str(write_gguf(tmp_path / "m.gguf", "tiny-llama"))
+    r = run(["generate", "--json", "-n", "2", "--greedy", "hi", "-m", m, "-t", "1",
+             "--kv-cache", "int4:c"])
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
+    assert notes == ["note: the llamacpp backend cannot run the int4 KV cache with keys "
+                     "grouped per channel; using the torch backend (slower on a CPU)"], r.stderr
+    assert r.exit_code == 0 and json.loads(r.stdout)["backend"] == "torch", r.output
+
+
 _SIGTERM_SERVE_STARTING = """
 import os, signal, sys, time
 import localmoe.io.loader as loader
