@@ -248,6 +248,12 @@ def _load_llama(llama_cpp: Any, path: str, **kw: Any) -> Any:
     import io
 
     global _LOAD_LOG
+    try:  # llama-cpp-python encodes the path as UTF-8 (a ValueError naming a surrogate)
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ModelLoadError(
+            f"llama.cpp could not load {path!r}: its path is not valid UTF-8, which llama.cpp "
+            f"needs; rename the file (or its folder), or use --backend torch") from None
     # a failed GGML_ASSERT must print its one line and stop, not attach a debugger first
     os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     _LOAD_LOG = []

@@ -402,3 +402,25 @@ def test_uncompilable_chat_template_loads_and_runs_raw(tmp_path):
         llm.close()
     raw = raw_llama(p, n_ctx=64, n_threads=1, verbose=False)  # the references load it too
     raw.close()
+
+
+def test_a_path_that_is_not_utf8_is_one_clear_error(tmp_path):
+    """llama-cpp-python encodes the path as UTF-8: a file name with a byte that is not UTF-8
+    (a surrogate-escaped str on Linux) failed with "'utf-8' codec can't encode character
+    '\\udcff' ... surrogates not allowed"; the error now says what is wrong and what works."""
+    pytest.importorskip("llama_cpp")
+    import os
+
+    from localmoe.errors import ModelLoadError
+    from localmoe.io.loader import open_model
+    from localmoe.testing.synthetic import write_gguf
+
+    good = write_gguf(tmp_path / "t.gguf", "tiny-llama")
+    bad = tmp_path / os.fsdecode(b"bad\xffname.gguf")
+    os.rename(good, bad)
+    mf = open_model(bad)
+    with pytest.raises(ModelLoadError) as ei:
+        backend().load(mf, n_ctx=32)
+    msg = str(ei.value)
+    assert "not valid UTF-8" in msg and "--backend torch" in msg, msg
+    assert "surrogates not allowed" not in msg and "\n" not in msg
