@@ -133,7 +133,8 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         InvalidRequestError: unknown device, or one that does not exist here; a
             ``$LOCALMOE_THREADS`` that is no thread count, a ``$LOCALMOE_ACT_PRECISION`` that is
             not int8, int16 or mixed; a context size that is not a
-            positive integer or is above the model's training context.
+            positive integer, is 1 (no room for an answer) or is above the model's training
+            context.
         ModelNotFoundError, ModelLoadError, UnsupportedModelError, StoreError: the model cannot
             be found or read, before the port opens or while it loads (then after shutting
             down; any other exception of the load too).
@@ -155,6 +156,12 @@ def run_server(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | 
         env_threads()
     check_act_env()
     check_n_ctx(n_ctx)
+    if n_ctx is not None and n_ctx < 2:  # (its warm-up said "the prompt fills the context")
+        from localmoe.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"a context of {n_ctx} token holds a 1-token prompt but "
+                                  f"leaves no room for an answer; serve with --ctx-size 2 or "
+                                  f"more", param="n_ctx")
     model_file = open_model(resolve_model(model))
     context_size(n_ctx, model_file.spec.n_ctx_train)   # refuses one above the training context
     kv_spec.check_head_dims(model_file.spec.head_dim, model_file.spec.v_head_dim)

@@ -1221,6 +1221,10 @@ def test_run_server_checks_before_binding_and_warns_on_open_bind(monkeypatch, ca
         server.run_server(str(smollm2_path), n_ctx=99999999)
     with pytest.raises(LocalMoEError, match="positive integer"):
         server.run_server(str(smollm2_path), n_ctx=0)
+    # a 1-token context holds a prompt but no answer: the server bound, then its warm-up
+    # failed with "prompt is 1 token and fills the whole context ... shorten the prompt"
+    with pytest.raises(LocalMoEError, match="no room for an answer.*--ctx-size 2"):
+        server.run_server(str(smollm2_path), n_ctx=1)
     # a KV group larger than SmolLM2's 64-channel heads (it ran as :g64, reported as :g128)
     with pytest.raises(LocalMoEError, match="use ':g64' or less"):
         server.run_server(str(smollm2_path), kv_cache="int4:g128")
