@@ -65,6 +65,9 @@ def test_bad_request_fails_before_any_work(tmp_path, monkeypatch):
     ("tiny-qwen3", ["--experts", "4", "--top-k", "2"], "moefy handles dense llama, gemma3"),
     ("tiny-llama", ["--experts", "6", "--top-k", "2"], "does not divide the FFN width"),
     ("tiny-llama", ["--experts", "4", "--top-k", "5"], "top_k=5 must be between 1 and"),
+    # 0 was taken for a missing option: "give --preset, or --source, --out, --experts ..."
+    ("tiny-llama", ["--experts", "4", "--top-k", "0"], "top_k=0 must be between 1 and"),
+    ("tiny-llama", ["--experts", "0", "--top-k", "2"], "n_experts must be at least 2, got 0"),
     ("tiny-llama", ["--experts", "4", "--top-k", "2", "--shared-frac", "1"], "must be in [0, 1)"),
     ("tiny-llama", ["--experts", "4", "--top-k", "2", "--shared-frac", "0.995"],
      "fewer neurons than experts"),
@@ -81,6 +84,22 @@ def test_cli_bad_request_is_one_line_before_work(tmp_path, monkeypatch, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
     assert not (tmp_path / "o.gguf").exists()
+
+
+def test_cli_out_that_is_a_folder_is_one_line_before_work(tmp_path, monkeypatch, capsys):
+    """--out naming a folder built the whole model, then failed renaming its temporary onto
+    the folder with a traceback (IsADirectoryError), leaving ``OUT.tmp`` behind."""
+    from localmoe.testing import synthetic
+    from localmoe.testing.moefy import __main__ as cli, plan
+
+    src = synthetic.write_gguf(tmp_path / "d.gguf", "tiny-llama", seed=0)
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(plan, "build_plan", lambda *a, **k: pytest.fail("work started"))
+    rc = cli.main(["--source", str(src), "--out", str(tmp_path / "out"), "--experts", "4",
+                   "--top-k", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "is a folder" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "out"]
 
 
 def test_splits_are_equal_and_deterministic():

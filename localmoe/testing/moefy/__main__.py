@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     from localmoe.io.console import note as say  # stderr (dropped when closed), not stdout
     try:
+        if a.out is not None and Path(a.out).is_dir():  # found before the work, not after it
+            say(f"error: --out {a.out} is a folder; give the .gguf file to write")
+            return 2
         if a.preset:
             if a.out:
                 source, cfg = PRESETS[a.preset]
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(build_preset(a.preset, force=a.force, progress=say))
             return 0
-        if not (a.source and a.out and a.experts and a.top_k):
+        if not (a.source and a.out) or a.experts is None or a.top_k is None:  # (0: checked)
             _parser().error("give --preset, or --source, --out, --experts and --top-k")
         cfg = MoefyConfig(a.experts, a.top_k, split=a.split, router=a.router,
                           refit_down=not a.no_refit, calib_tokens=a.calib_tokens, seed=a.seed,
