@@ -100,6 +100,11 @@ def test_cli_out_that_is_a_folder_is_one_line_before_work(tmp_path, monkeypatch,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "is a folder" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "out"]
+    # a file where a folder of the path must be: FileExistsError from mkdir, after the work
+    rc = cli.main(["--source", str(src), "--out", str(tmp_path / "d.gguf" / "o.gguf"),
+                   "--experts", "4", "--top-k", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "d.gguf is a file, not a folder" in err[0], err
 
 
 def test_splits_are_equal_and_deterministic():

@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     from localmoe.io.console import note as say  # stderr (dropped when closed), not stdout
     try:
-        if a.out is not None and Path(a.out).is_dir():  # found before the work, not after it
-            say(f"error: --out {a.out} is a folder; give the .gguf file to write")
-            return 2
+        if a.out is not None:  # a path that cannot be written is found before the work
+            why = _out_problem(Path(a.out))
+            if why:
+                say(f"error: --out {a.out}: {why}")
+                return 2
         if a.preset:
             if a.out:
                 source, cfg = PRESETS[a.preset]
@@ -80,9 +82,20 @@ def main(argv: list[str] | None = None) -> int:
             report["llamacpp"] = check_with_llamacpp(res["path"], mf, res["plan"], ids)
         print(json.dumps(report))
         return 0
-    except (LocalMoEError, ValueError, FileNotFoundError, KeyError) as e:
+    except (LocalMoEError, ValueError, OSError, KeyError) as e:
         say(f"error: {e}")
         return 2
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why ``out`` cannot be the output file (a folder; a file where a folder of its path
+    must be), or None."""
+    if out.is_dir():
+        return "is a folder; give the .gguf file to write"
+    for parent in out.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{parent} is a file, not a folder"
+    return None
 
 
 if __name__ == "__main__":
