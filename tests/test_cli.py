@@ -401,6 +401,12 @@ def test_chat_and_serve_are_wired(monkeypatch, tmp_path):
         assert r.exit_code == 2 and "empty or blank" in r.output and "serve" not in calls, args
     r = run(["serve", "-m", "smollm2", "--api-key", " k2 "])   # spaces a client cannot send
     assert r.exit_code == 0 and calls["serve"][1]["api_key"] == "k2", r.output
+    # a key an HTTP header cannot carry (non-ASCII, control characters) locked every client
+    # out: curl's UTF-8 bytes never matched, the openai client raised UnicodeEncodeError
+    for key in ("ключ", "k\tey", "k\x7f"):
+        calls.pop("serve", None)
+        r = CliRunner().invoke(cli, ["serve", "-m", "smollm2", "--api-key", key])
+        assert r.exit_code == 2 and "printable ASCII" in r.output and "serve" not in calls, key
 
     import localmoe.tui.app as tui_app
 

@@ -22,6 +22,10 @@ def serve(model, backend, n_ctx, kv_cache, kv_cache_k, kv_cache_v, device, host,
                 "is empty or blank; give a key, or leave --api-key and LOCALMOE_API_KEY unset "
                 "for a server without authentication", param_hint="--api-key/LOCALMOE_API_KEY")
         api_key = api_key.strip()   # clients' tokens are compared without surrounding spaces
+        if not (api_key.isascii() and api_key.isprintable()):  # what a header carries
+            raise click.BadParameter(
+                "must be printable ASCII: an HTTP Authorization header cannot carry other "
+                "characters, so no client could send it", param_hint="--api-key/LOCALMOE_API_KEY")
 
     import localmoe.serve.server as server
     from localmoe.cli import sigterm_as_ctrl_c
