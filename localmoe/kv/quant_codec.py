@@ -532,7 +532,7 @@ class QuantCodec(KVCodec):
             stores: the layers' storage (:meth:`alloc`), one per row of ``xs``.
             slots: LongTensor[T] page-aligned slots of positions ``start .. start+T-1``.
             xs: float Tensor[L, T, H, D] new keys of ``L`` layers.
-            seq_row: row of the sequence in the side buffers (default 0).
+            seq_row: row of the sequence in the side buffers (None: row 0).
             start: Python int, the first position (not read back from the device).
         """
         n_layers, t = xs.shape[0], xs.shape[1]
@@ -540,7 +540,8 @@ class QuantCodec(KVCodec):
         if t == 0 or n_layers == 0:
             return
         if start % page or n_layers == 1:
-            # a first page begun by earlier calls: its earlier tokens come per layer
+            # a first page begun by earlier calls (its earlier tokens come per layer from the
+            # ring, the sinks or the page's codes), or a single layer: the per-layer write
             for store, x in zip(stores, xs):
                 self.write_channel(store, slots, x, None, seq_row, start=start)
             return
