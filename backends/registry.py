@@ -259,7 +259,10 @@ def auto_kv_fallback(requested: str | None, model_format: str, kv_spec: Any,
             slower = " (slower on a CPU)" if (n, chosen) == ("llamacpp", "torch") else ""
             what = f"the {kv_spec} KV cache"
             named = getattr(kv_spec, "named_key_grouping", None)
-            if named and b.supports(model_format, dataclasses.replace(kv_spec)) is None:
+            # dataclasses.replace copies the fields only: the same spec without the note of
+            # the grouping the user named (engine.options.parse_kv_request), i.e. its default
+            unnamed = dataclasses.replace(kv_spec)
+            if named and b.supports(model_format, unnamed) is None:
                 # only the key grouping asked for is what it lacks: str() hides a default
                 # grouping ("int4:c" is "int4"), and "cannot run int4" would say it has none
                 what += f" with keys grouped per {named}"
